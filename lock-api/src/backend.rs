@@ -1,0 +1,120 @@
+//! The [`LockBackend`] trait every store implements, and its contract.
+
+use std::fmt::Debug;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::LockError;
+use crate::key::LockKey;
+use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+
+/// A store that grants leases with fencing tokens.
+///
+/// Object-safe: use it as `Arc<dyn LockBackend>`. Most code does not call it directly
+/// but through [`crate::Locker`], which adds waiting, renewal and guards.
+///
+/// # Contract
+///
+/// Every implementation must meet all of these; the `conformance` crate checks them.
+///
+/// - **Input.** A TTL the store cannot honour exactly (zero, below the minimum, above the
+///   maximum, finer than the granularity in [`Capabilities`]) is [`LockError::InvalidTtl`]
+///   and changes nothing. A lease from another backend instance is
+///   [`LockError::ForeignLease`] and changes nothing.
+/// - **Mutual exclusion.** While a lease is held (granted, not released, TTL not run
+///   out in the store), `acquire` of the same key returns `Ok(None)`.
+/// - **Bounded ownership.** When the TTL runs out in the store without a renewal, the key
+///   is free again.
+/// - **Fencing.** Every grant of a key carries a token strictly greater than every token
+///   granted for that key before, across releases, expiries and, where the store keeps
+///   data durably or uses its clock, restarts.
+/// - **Owner-checked release.** `release` frees the key only when the lease's owner and
+///   token still hold it; otherwise it returns [`Release::NotHeld`] and leaves the current
+///   holder's key and TTL untouched. A second release is `NotHeld`, not an error.
+/// - **Renewal.** `renew` extends a held lease by its TTL and keeps its token; it returns
+///   [`Renewal::Lost`] for a lease that expired or belongs to another owner, and never
+///   brings an expired lease back.
+/// - **Fence.** `fence` returns [`Fence::Current`] only while the lease is held.
+/// - **Validity.** `valid_until` in a lease or renewal is computed with
+///   [`crate::valid_until`] from the instant the request was sent.
+/// - **Unknown outcomes.** When a request was sent and its reply lost, the call returns
+///   [`LockError::OutcomeUnknown`] (or cleans up with an owner-checked release); it never
+///   reports a lease it cannot prove was granted.
+/// - **Batches.** The `*_many` forms return one result per input, in order, each equal to
+///   what the single form would have returned.
+#[async_trait]
+pub trait LockBackend: Send + Sync + Debug + 'static {
+    /// A short name for logs and metrics (`"memory"`, `"redis"`, ...).
+    fn name(&self) -> &'static str;
+
+    /// What the store can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Takes `key` for `ttl` if it is free; `Ok(None)` if someone else holds it.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled acquire may have taken the key, which then frees
+    /// itself when the TTL runs out.
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError>;
+
+    /// Extends a held lease by its TTL, keeping its token.
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError>;
+
+    /// Frees the key if `lease` still holds it.
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError>;
+
+    /// Tells whether `lease` still holds its key with its token.
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError>;
+
+    /// What the store says about `key`: holder, newest token, remaining TTL.
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let _ = key;
+        Err(LockError::Unsupported {
+            operation: "inspect",
+            backend: self.name(),
+        })
+    }
+
+    /// [`LockBackend::acquire`] for many keys; one result per key, in order.
+    ///
+    /// If the call fails part way, the keys it already took are released (best effort)
+    /// before the error is returned.
+    async fn acquire_many(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.acquire(key, ttl).await {
+                Ok(lease) => out.push(lease),
+                Err(e) => {
+                    // Give back what this call took so a failed batch holds nothing.
+                    let taken: Vec<Lease> = out.into_iter().flatten().collect();
+                    let _ = self.release_many(&taken).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`LockBackend::renew`] for many leases; one result per lease, in order.
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            out.push(self.renew(lease).await?);
+        }
+        Ok(out)
+    }
+
+    /// [`LockBackend::release`] for many leases; one result per lease, in order.
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            out.push(self.release(lease).await?);
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,164 @@
+//! [`LockGuard`]: a held lease, renewed by its `Locker`'s watchdog until released.
+
+use std::fmt;
+use std::sync::Arc;
+
+use tokio::time::Instant;
+use tracing::debug;
+
+use crate::error::LockError;
+use crate::key::{FencingToken, LockKey};
+use crate::lease::{Lease, Release};
+use crate::watchdog::{LeaseState, Watchdog};
+
+/// A held lock. Its lease is renewed in the background until [`LockGuard::release`].
+///
+/// Check [`LockGuard::is_held`] before each side effect, attach [`LockGuard::token`] to
+/// every write, and select on [`LockGuard::lost`] to stop work when the lease is lost.
+///
+/// Dropping a guard without `release().await` stops renewal and releases the lease in a
+/// background task: best effort and late. Release explicitly when you can.
+#[must_use = "a lock is released as soon as its guard is dropped"]
+pub struct LockGuard {
+    lease: Lease,
+    status: LeaseStatus,
+    id: u64,
+    watchdog: Arc<Watchdog>,
+    released: bool,
+}
+
+impl LockGuard {
+    pub(crate) fn new(
+        lease: Lease,
+        state: Arc<LeaseState>,
+        id: u64,
+        watchdog: Arc<Watchdog>,
+    ) -> Self {
+        let status = LeaseStatus {
+            token: lease.token(),
+            state,
+        };
+        Self {
+            lease,
+            status,
+            id,
+            watchdog,
+            released: false,
+        }
+    }
+
+    /// The fencing token of this acquisition: attach it to every write.
+    pub fn token(&self) -> FencingToken {
+        self.lease.token()
+    }
+
+    /// The lock's name.
+    pub fn key(&self) -> &LockKey {
+        self.lease.key()
+    }
+
+    /// The lease as granted by the backend.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// True until the lease is lost or its local validity deadline passes. It never reports
+    /// held after `valid_until`, whatever the network does.
+    pub fn is_held(&self) -> bool {
+        self.status.is_held()
+    }
+
+    /// The current local validity deadline (moved forward by each renewal).
+    pub fn valid_until(&self) -> Instant {
+        self.status.valid_until()
+    }
+
+    /// Resolves when the lease is lost: renewal reported `Lost`, or `valid_until` passed
+    /// without a successful renewal.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future has no effect on the lease.
+    pub async fn lost(&self) {
+        self.status.lost().await;
+    }
+
+    /// A cheap, cloneable view of this lease's status, to hand to the job's tasks.
+    pub fn status(&self) -> LeaseStatus {
+        self.status.clone()
+    }
+
+    /// Stops renewal and releases the lease. `Release::NotHeld` means it had already been
+    /// lost: the work done under it may have overlapped with another holder's.
+    ///
+    /// # Cancel safety
+    /// Renewal stops at once; if the future is dropped before the store answers, the
+    /// lease frees itself when its TTL runs out.
+    pub async fn release(mut self) -> Result<Release, LockError> {
+        self.released = true;
+        self.watchdog.unregister(self.id);
+        self.status.state.mark_released();
+        self.watchdog.backend().release(&self.lease).await
+    }
+}
+
+impl Drop for LockGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        self.watchdog.unregister(self.id);
+        self.status.state.mark_released();
+        let backend = self.watchdog.backend().clone();
+        let lease = self.lease.clone();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = backend.release(&lease).await {
+                    debug!(key = %lease.key(), %error, "release on drop failed; the lease runs out on its own");
+                }
+            });
+        }
+    }
+}
+
+impl fmt::Debug for LockGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockGuard")
+            .field("key", self.key())
+            .field("token", &self.token())
+            .field("held", &self.is_held())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A cloneable view of one lease's status: its token, whether it is held, and a
+/// future that resolves when it ends. Holding one does not keep the lease alive.
+#[derive(Clone, Debug)]
+pub struct LeaseStatus {
+    token: FencingToken,
+    state: Arc<LeaseState>,
+}
+
+impl LeaseStatus {
+    /// The lease's fencing token.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// True until the lease is lost, released, or past its local validity deadline.
+    pub fn is_held(&self) -> bool {
+        self.state.is_held()
+    }
+
+    /// The current local validity deadline.
+    pub fn valid_until(&self) -> Instant {
+        self.state.valid_until()
+    }
+
+    /// Resolves when the lease is no longer held (lost, released, or expired locally).
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn lost(&self) {
+        self.state.wait_ended().await;
+    }
+}

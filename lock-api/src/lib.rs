@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+
+mod backend;
+mod error;
+mod fencing;
+mod guard;
+mod instrumented;
+mod key;
+mod lease;
+mod locker;
+pub mod memory;
+pub mod telemetry;
+mod watchdog;
+
+pub use backend::LockBackend;
+pub use error::{BoxError, LockError};
+pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};
+pub use guard::{LeaseStatus, LockGuard};
+pub use instrumented::Instrumented;
+pub use key::{FencingToken, LockKey, MAX_KEY_BYTES, OwnerId};
+pub use lease::{
+    BackendId, Capabilities, DRIFT_FACTOR, Fence, Lease, LockInfo, Release, Renewal,
+    VALIDITY_MARGIN, valid_until,
+};
+pub use locker::{Locker, LockerBuilder, RetryPolicy};
+
+/// Re-exported so backends implement [`LockBackend`] with the same macro version.
+pub use async_trait::async_trait;

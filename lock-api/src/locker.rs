@@ -1,0 +1,269 @@
+//! [`Locker`]: waiting, retrying and renewing on top of any [`LockBackend`].
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::time::{Instant, sleep};
+use tracing::debug;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+use crate::guard::LockGuard;
+use crate::instrumented::Instrumented;
+use crate::key::LockKey;
+use crate::watchdog::{LeaseState, Watchdog};
+
+/// How [`Locker::lock`] waits between attempts: exponential backoff with jitter.
+///
+/// The n-th wait is drawn uniformly from `[d/2, d]` where `d = min(max, initial * 2^n)`,
+/// so waiters spread out instead of retrying in step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// The first backoff.
+    pub initial: Duration,
+    /// The longest backoff.
+    pub max: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            initial: Duration::from_millis(10),
+            max: Duration::from_secs(1),
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// The jittered wait before attempt `attempt + 1`.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self
+            .initial
+            .saturating_mul(1u32.checked_shl(attempt.min(31)).unwrap_or(u32::MAX));
+        let ceiling = exp.min(self.max).max(Duration::from_micros(1));
+        let floor = ceiling / 2;
+        rand::rng().random_range(floor..=ceiling)
+    }
+}
+
+/// Builds a [`Locker`]; see [`Locker::builder`].
+#[derive(Debug)]
+#[must_use]
+pub struct LockerBuilder {
+    backend: Arc<dyn LockBackend>,
+    ttl: Duration,
+    retry: RetryPolicy,
+    wait_timeout: Option<Duration>,
+    renew_interval: Option<Duration>,
+}
+
+impl LockerBuilder {
+    /// The lease TTL (default 30 s). Pick about twice the p99 job time.
+    pub fn ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The backoff between attempts in [`Locker::lock`].
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// How long [`Locker::lock`] waits before it fails with `Timeout` (default 30 s);
+    /// `None` waits forever.
+    pub fn wait_timeout(mut self, wait: Option<Duration>) -> Self {
+        self.wait_timeout = wait;
+        self
+    }
+
+    /// How long after a grant or renewal the watchdog renews (default TTL / 3).
+    pub fn renew_interval(mut self, every: Duration) -> Self {
+        self.renew_interval = Some(every);
+        self
+    }
+
+    /// Checks the settings against the backend's capabilities.
+    pub fn build(self) -> Result<Locker, LockError> {
+        self.backend.capabilities().check_ttl(self.ttl)?;
+        if self.retry.initial.is_zero() || self.retry.max < self.retry.initial {
+            return Err(LockError::Config(
+                "the retry policy needs 0 < initial <= max".into(),
+            ));
+        }
+        if let Some(every) = self.renew_interval
+            && (every.is_zero() || every >= self.ttl)
+        {
+            return Err(LockError::Config(format!(
+                "the renew interval {every:?} must be above zero and below the TTL {:?}",
+                self.ttl
+            )));
+        }
+        let backend: Arc<dyn LockBackend> = Arc::new(Instrumented::new(self.backend));
+        Ok(Locker {
+            inner: Arc::new(Inner {
+                watchdog: Arc::new(Watchdog::new(backend, self.renew_interval)),
+                ttl: self.ttl,
+                retry: self.retry,
+                wait_timeout: self.wait_timeout,
+            }),
+        })
+    }
+}
+
+/// Takes locks on a backend, waits for them, and keeps them alive with one renewal
+/// task for all its guards. Cheap to clone; clones share the renewal task.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), lock_api::LockError> {
+/// use std::{sync::Arc, time::Duration};
+/// use lock_api::{LockKey, Locker, memory::MemoryBackend};
+///
+/// let locker = Locker::builder(Arc::new(MemoryBackend::new()))
+///     .ttl(Duration::from_secs(10))
+///     .build()?;
+/// let key = LockKey::new("payout:42")?;
+/// let token = locker
+///     .with_lock(&key, |guard| {
+///         let token = guard.token();
+///         async move { token } // write downstream with `token` here
+///     })
+///     .await?;
+/// assert_eq!(token.get(), 1);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Locker {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    watchdog: Arc<Watchdog>,
+    ttl: Duration,
+    retry: RetryPolicy,
+    wait_timeout: Option<Duration>,
+}
+
+impl Locker {
+    /// A locker with the default settings (TTL 30 s, wait 30 s, renew at TTL / 3).
+    ///
+    /// Fails if the backend cannot honour the default TTL; use [`Locker::builder`] then.
+    pub fn new(backend: Arc<dyn LockBackend>) -> Result<Self, LockError> {
+        Self::builder(backend).build()
+    }
+
+    /// A builder for a locker on `backend`.
+    pub fn builder(backend: Arc<dyn LockBackend>) -> LockerBuilder {
+        LockerBuilder {
+            backend,
+            ttl: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+            wait_timeout: Some(Duration::from_secs(30)),
+            renew_interval: None,
+        }
+    }
+
+    /// The lease TTL.
+    pub fn ttl(&self) -> Duration {
+        self.inner.ttl
+    }
+
+    /// The backend, wrapped with tracing and metrics.
+    pub fn backend(&self) -> &Arc<dyn LockBackend> {
+        self.inner.watchdog.backend()
+    }
+
+    /// How many leases this locker's watchdog is renewing.
+    pub fn held(&self) -> usize {
+        self.inner.watchdog.held()
+    }
+
+    /// Takes the lock if it is free, without waiting.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: if cancelled after the store granted the lease, the lease is
+    /// not renewed and frees itself when its TTL runs out.
+    pub async fn try_lock(&self, key: &LockKey) -> Result<Option<LockGuard>, LockError> {
+        let sent = Instant::now();
+        let watchdog = &self.inner.watchdog;
+        let Some(lease) = watchdog.backend().acquire(key, self.inner.ttl).await? else {
+            return Ok(None);
+        };
+        let state = Arc::new(LeaseState::new(
+            lease.valid_until(),
+            watchdog.backend().name(),
+        ));
+        let id = watchdog.register(lease.clone(), state.clone(), sent);
+        Ok(Some(LockGuard::new(lease, state, id, watchdog.clone())))
+    }
+
+    /// Waits for the lock with jittered exponential backoff, up to the wait timeout.
+    /// Transient store errors are retried within the same deadline.
+    ///
+    /// # Cancel safety
+    /// As [`Locker::try_lock`].
+    pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
+        let started = Instant::now();
+        let deadline = self.inner.wait_timeout.map(|w| started + w);
+        let mut attempt = 0u32;
+        loop {
+            match self.try_lock(key).await {
+                Ok(Some(guard)) => return Ok(guard),
+                Ok(None) => {}
+                Err(e) if e.is_retryable() => {
+                    debug!(%key, error = %e, "acquire failed, retrying");
+                }
+                Err(e) => return Err(e),
+            }
+            let now = Instant::now();
+            let mut wait = self.inner.retry.backoff(attempt);
+            if let Some(deadline) = deadline {
+                if now >= deadline {
+                    return Err(LockError::Timeout {
+                        key: key.clone(),
+                        waited: now - started,
+                    });
+                }
+                wait = wait.min(deadline - now);
+            }
+            sleep(wait).await;
+            attempt = attempt.saturating_add(1);
+        }
+    }
+
+    /// Waits for the lock, runs the job, and releases the lock.
+    ///
+    /// `job` receives the guard to read its token and status (clone
+    /// [`LockGuard::status`] into the future to check `is_held` inside it). If the lease is
+    /// lost while the job runs, the job's future is dropped at its next await point and
+    /// `Err(LockError::Lost)` is returned.
+    ///
+    /// # Cancel safety
+    /// Cancelling drops the job and the guard (release on drop, best effort).
+    pub async fn with_lock<F, Fut, T>(&self, key: &LockKey, job: F) -> Result<T, LockError>
+    where
+        F: FnOnce(&LockGuard) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = self.lock(key).await?;
+        let work = job(&guard);
+        let outcome = tokio::select! {
+            biased;
+            () = guard.lost() => None,
+            value = work => Some(value),
+        };
+        let released = guard.release().await;
+        match outcome {
+            Some(value) => {
+                if let Err(error) = released {
+                    debug!(%key, %error, "release after the job failed; the lease runs out on its own");
+                }
+                Ok(value)
+            }
+            None => Err(LockError::Lost),
+        }
+    }
+}

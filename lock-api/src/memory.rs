@@ -1,0 +1,436 @@
+//! The in-memory reference backend, with fault knobs for testing the layers above it.
+//!
+//! [`MemoryBackend`] keeps its state in one process, on tokio's clock (so tests can
+//! pause time). It is the reference every other backend is compared against: it meets
+//! the whole [`LockBackend`] contract. Its [`Faults`] handle makes calls fail, slow
+//! down, hang, lose their replies, or fail until "healed", to test how `Locker`, the
+//! watchdog and user code react.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+use crate::key::{FencingToken, LockKey, OwnerId};
+use crate::lease::{
+    BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal, valid_until,
+};
+
+const NAME: &str = "memory";
+
+/// The in-memory reference backend.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// use std::time::Duration;
+/// use lock_api::{LockBackend, LockKey, memory::MemoryBackend};
+///
+/// let backend = MemoryBackend::new();
+/// let key = LockKey::new("job:1").unwrap();
+/// let lease = backend.acquire(&key, Duration::from_secs(5)).await.unwrap().unwrap();
+/// assert!(backend.acquire(&key, Duration::from_secs(5)).await.unwrap().is_none());
+/// backend.release(&lease).await.unwrap();
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct MemoryBackend {
+    id: BackendId,
+    keys: Mutex<HashMap<LockKey, KeyState>>,
+    faults: Faults,
+    capabilities: Capabilities,
+}
+
+#[derive(Debug, Default)]
+struct KeyState {
+    holder: Option<Holder>,
+    last_token: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    owner: OwnerId,
+    token: FencingToken,
+    expires_at: Instant,
+}
+
+impl KeyState {
+    /// The holder whose TTL has not run out at `now`.
+    fn live_holder(&self, now: Instant) -> Option<&Holder> {
+        self.holder.as_ref().filter(|h| h.expires_at > now)
+    }
+
+    fn is_held_by(&self, lease: &Lease, now: Instant) -> bool {
+        self.live_holder(now)
+            .is_some_and(|h| h.owner == lease.owner() && h.token == lease.token())
+    }
+}
+
+impl Default for MemoryBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryBackend {
+    /// A backend with TTLs from 1 ms to 1 day, in whole milliseconds.
+    pub fn new() -> Self {
+        Self::with_capabilities(
+            Capabilities::new(
+                Duration::from_millis(1),
+                Duration::from_millis(1),
+                Duration::from_secs(24 * 3600),
+            )
+            .inspect(true),
+        )
+    }
+
+    /// A backend that declares other capabilities, e.g. to test TTL bounds handling.
+    pub fn with_capabilities(capabilities: Capabilities) -> Self {
+        Self {
+            id: BackendId::next(),
+            keys: Mutex::new(HashMap::new()),
+            faults: Faults::default(),
+            capabilities,
+        }
+    }
+
+    /// The fault knobs of this backend.
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    fn check_lease(&self, lease: &Lease) -> Result<(), LockError> {
+        lease.check_backend(self.id, NAME)
+    }
+}
+
+#[async_trait]
+impl LockBackend for MemoryBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.capabilities.clone()
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.capabilities.check_ttl(ttl)?;
+        let sent = Instant::now();
+        self.faults.before_call().await?;
+        let lease = {
+            let now = Instant::now();
+            let mut keys = self.keys.lock();
+            let state = keys.entry(key.clone()).or_default();
+            if state.live_holder(now).is_some() {
+                None
+            } else {
+                state.last_token += 1;
+                let holder = Holder {
+                    owner: OwnerId::random(),
+                    token: FencingToken(state.last_token),
+                    expires_at: now + ttl,
+                };
+                state.holder = Some(holder);
+                Some(Lease::new(
+                    self.id,
+                    key.clone(),
+                    holder.owner,
+                    holder.token,
+                    ttl,
+                    valid_until(sent, ttl),
+                ))
+            }
+        };
+        self.faults.after_call("acquire")?;
+        Ok(lease)
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.check_lease(lease)?;
+        let sent = Instant::now();
+        self.faults.before_call().await?;
+        let renewal = {
+            let now = Instant::now();
+            let mut keys = self.keys.lock();
+            match keys.get_mut(lease.key()) {
+                Some(state) if state.is_held_by(lease, now) => {
+                    if let Some(h) = state.holder.as_mut() {
+                        h.expires_at = now + lease.ttl();
+                    }
+                    Renewal::Renewed {
+                        valid_until: valid_until(sent, lease.ttl()),
+                    }
+                }
+                _ => Renewal::Lost,
+            }
+        };
+        self.faults.after_call("renew")?;
+        Ok(renewal)
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.check_lease(lease)?;
+        self.faults.before_call().await?;
+        let release = {
+            let now = Instant::now();
+            let mut keys = self.keys.lock();
+            match keys.get_mut(lease.key()) {
+                Some(state) if state.is_held_by(lease, now) => {
+                    state.holder = None;
+                    Release::Released
+                }
+                _ => Release::NotHeld,
+            }
+        };
+        self.faults.after_call("release")?;
+        Ok(release)
+    }
+
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.check_lease(lease)?;
+        self.faults.before_call().await?;
+        let fence = {
+            let now = Instant::now();
+            let keys = self.keys.lock();
+            match keys.get(lease.key()) {
+                Some(state) if state.is_held_by(lease, now) => Fence::Current,
+                Some(state) => Fence::Stale {
+                    current: FencingToken(state.last_token),
+                },
+                None => Fence::Stale {
+                    current: lease.token(),
+                },
+            }
+        };
+        self.faults.after_call("fence")?;
+        Ok(fence)
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.faults.before_call().await?;
+        let now = Instant::now();
+        let keys = self.keys.lock();
+        let state = keys.get(key);
+        let holder = state.and_then(|s| s.live_holder(now));
+        Ok(LockInfo {
+            owner: holder.map(|h| h.owner),
+            token: state
+                .filter(|s| s.last_token > 0)
+                .map(|s| FencingToken(s.last_token)),
+            remaining: holder.map(|h| h.expires_at - now),
+        })
+    }
+}
+
+/// Fault knobs of a [`MemoryBackend`]; every knob applies to every call until changed.
+///
+/// A failed call (`fail_next`, `partition`) does nothing in the store and returns
+/// [`LockError::Unavailable`]. A call with a lost reply (`lose_replies`) takes effect in
+/// the store and returns [`LockError::OutcomeUnknown`].
+#[derive(Debug, Default)]
+pub struct Faults {
+    fail_next: AtomicU64,
+    lose_replies: AtomicU64,
+    delay_micros: AtomicU64,
+    partitioned: AtomicBool,
+    hung: AtomicBool,
+    calls: AtomicU64,
+    heal: tokio::sync::Notify,
+}
+
+impl Faults {
+    /// The next `n` calls fail with `Unavailable` and change nothing.
+    pub fn fail_next(&self, n: u64) {
+        self.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` calls take effect but lose their reply (`OutcomeUnknown`).
+    pub fn lose_replies(&self, n: u64) {
+        self.lose_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// Every call waits `delay` before it reaches the store.
+    pub fn delay(&self, delay: Duration) {
+        let micros = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.delay_micros.store(micros, Ordering::SeqCst);
+    }
+
+    /// Every call fails with `Unavailable` until [`Faults::heal`].
+    pub fn partition(&self) {
+        self.partitioned.store(true, Ordering::SeqCst);
+    }
+
+    /// Every call hangs, never reaching the store, until [`Faults::heal`].
+    pub fn hang(&self) {
+        self.hung.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends a partition, a hang and a delay; pending failure counts are kept.
+    pub fn heal(&self) {
+        self.partitioned.store(false, Ordering::SeqCst);
+        self.hung.store(false, Ordering::SeqCst);
+        self.delay_micros.store(0, Ordering::SeqCst);
+        self.heal.notify_waiters();
+    }
+
+    /// How many calls reached the backend (including failed ones).
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    async fn before_call(&self) -> Result<(), LockError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        loop {
+            let healed = self.heal.notified();
+            if !self.hung.load(Ordering::SeqCst) {
+                break;
+            }
+            healed.await;
+        }
+        let delay = self.delay_micros.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
+        if self.partitioned.load(Ordering::SeqCst) {
+            return Err(LockError::unavailable(NAME, "partitioned (injected fault)"));
+        }
+        if take_one(&self.fail_next) {
+            return Err(LockError::unavailable(NAME, "injected failure"));
+        }
+        Ok(())
+    }
+
+    fn after_call(&self, operation: &'static str) -> Result<(), LockError> {
+        if take_one(&self.lose_replies) {
+            return Err(LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message: "reply lost (injected fault)".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Decrements `counter` if it is above zero; true if it did.
+fn take_one(counter: &AtomicU64) -> bool {
+    counter
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn key(s: &str) -> LockKey {
+        LockKey::new(s).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_calls_change_nothing() {
+        let b = MemoryBackend::new();
+        b.faults().fail_next(1);
+        let err = b
+            .acquire(&key("k"), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(err.is_retryable());
+        let lease = b
+            .acquire(&key("k"), Duration::from_secs(1))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            lease.token(),
+            FencingToken(1),
+            "the failed call issued no token"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lost_reply_still_takes_effect() {
+        let b = MemoryBackend::new();
+        b.faults().lose_replies(1);
+        let err = b
+            .acquire(&key("k"), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::OutcomeUnknown { .. }));
+        assert!(
+            b.acquire(&key("k"), Duration::from_secs(1))
+                .await
+                .unwrap()
+                .is_none()
+        );
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(
+            b.acquire(&key("k"), Duration::from_secs(1))
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_call_resumes_on_heal() {
+        let b = Arc::new(MemoryBackend::new());
+        b.faults().hang();
+        let call = tokio::spawn({
+            let b = b.clone();
+            async move { b.acquire(&key("k"), Duration::from_secs(1)).await }
+        });
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!call.is_finished());
+        b.faults().heal();
+        assert!(call.await.unwrap().unwrap().is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_partition_fails_every_call_until_healed() {
+        let b = MemoryBackend::new();
+        b.faults().partition();
+        for _ in 0..3 {
+            assert!(b.acquire(&key("k"), Duration::from_secs(1)).await.is_err());
+        }
+        b.faults().heal();
+        assert!(
+            b.acquire(&key("k"), Duration::from_secs(1))
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert_eq!(b.faults().calls(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn inspect_reports_holder_token_and_remaining_ttl() {
+        let b = MemoryBackend::new();
+        let k = key("k");
+        assert_eq!(
+            b.inspect(&k).await.unwrap(),
+            LockInfo {
+                owner: None,
+                token: None,
+                remaining: None
+            }
+        );
+        let lease = b
+            .acquire(&k, Duration::from_secs(10))
+            .await
+            .unwrap()
+            .unwrap();
+        tokio::time::advance(Duration::from_secs(4)).await;
+        let info = b.inspect(&k).await.unwrap();
+        assert_eq!(info.owner, Some(lease.owner()));
+        assert_eq!(info.token, Some(lease.token()));
+        assert_eq!(info.remaining, Some(Duration::from_secs(6)));
+    }
+}

@@ -1,0 +1,36 @@
+//! Metric names and the few places that record them.
+//!
+//! Metrics go through the `metrics` facade, so any exporter (Prometheus, StatsD, ...)
+//! installed by the application receives them; with none installed they cost nothing.
+
+use tracing::warn;
+
+use crate::fencing::EnforcementMode;
+use crate::key::FencingToken;
+
+/// Counter of acquire calls, labelled `backend` and `outcome` (`acquired`, `contended`, `error`).
+pub const ACQUIRE_TOTAL: &str = "distlock_acquire_total";
+/// Histogram of acquire latency in seconds, labelled `backend`.
+pub const ACQUIRE_SECONDS: &str = "distlock_acquire_seconds";
+/// Counter of lease renewals, labelled `backend` and `outcome` (`renewed`, `lost`, `error`).
+pub const RENEW_TOTAL: &str = "distlock_renew_total";
+/// Counter of guards that lost their lease, labelled `backend`.
+pub const LOST_TOTAL: &str = "distlock_lost_total";
+/// Counter of stale writes seen by a fenced resource, labelled `mode` (`shadow`, `enforce`).
+pub const FENCE_REJECTED_TOTAL: &str = "distlock_fence_rejected_total";
+/// Gauge of leases currently held by guards, labelled `backend`.
+pub const HELD: &str = "distlock_held";
+
+/// Records a stale write seen by a fenced resource: a warning and a counter.
+pub(crate) fn stale_write(
+    mode: EnforcementMode,
+    resource: &str,
+    token: FencingToken,
+    latest: FencingToken,
+) {
+    warn!(
+        %resource, %token, %latest, mode = mode.as_str(),
+        "stale fencing token: a newer lock holder has written"
+    );
+    metrics::counter!(FENCE_REJECTED_TOTAL, "mode" => mode.as_str()).increment(1);
+}
