@@ -1,0 +1,124 @@
+//! Measures what a held `LockGuard` costs with the watchdog running: holds 100,000
+//! guards in one process, reports resident memory per guard, and checks that one
+//! renewal task renews all of them with batched `renew_many` calls.
+//!
+//! Run: `cargo run --release -p lock-api --example guard_memory [COUNT]`
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lock_api::memory::MemoryBackend;
+use lock_api::{
+    Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
+    async_trait,
+};
+
+/// Counts renewal calls around the memory backend.
+#[derive(Debug, Default)]
+struct Counting {
+    inner: MemoryBackend,
+    renew_many_calls: AtomicUsize,
+    renewed: AtomicUsize,
+}
+
+#[async_trait]
+impl LockBackend for Counting {
+    fn name(&self) -> &'static str {
+        "counting-memory"
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.renew_many_calls.fetch_add(1, Ordering::SeqCst);
+        self.renewed.fetch_add(leases.len(), Ordering::SeqCst);
+        self.inner.renew_many(leases).await
+    }
+}
+
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+fn keys(prefix: &str, count: usize) -> Vec<LockKey> {
+    (0..count)
+        .map(|i| LockKey::new(format!("{prefix}:{i:08}")).expect("valid key"))
+        .collect()
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), LockError> {
+    let count: usize = std::env::args()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(100_000);
+    let ttl = Duration::from_secs(3);
+    let backend = Arc::new(Counting::default());
+
+    // The store's own cost of `count` leases, without guards, to subtract below.
+    let before_store = rss_bytes();
+    let plain: Vec<Lease> = backend
+        .inner
+        .acquire_many(&keys("plain", count), ttl)
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
+    let store_and_lease = rss_bytes().saturating_sub(before_store);
+    assert_eq!(plain.len(), count);
+
+    let locker = Locker::builder(backend.clone()).ttl(ttl).build()?;
+    let guarded_keys = keys("guard", count);
+    let before = rss_bytes();
+    let mut guards = Vec::with_capacity(count);
+    for key in &guarded_keys {
+        guards.push(locker.try_lock(key).await?.expect("free key"));
+    }
+    let with_guards = rss_bytes().saturating_sub(before);
+
+    // Two renewal rounds (renewal at ttl / 3).
+    tokio::time::sleep(ttl * 2 / 3 + Duration::from_millis(200)).await;
+    let calls = backend.renew_many_calls.load(Ordering::SeqCst);
+    let renewed = backend.renewed.load(Ordering::SeqCst);
+    let held = guards.iter().filter(|g| g.is_held()).count();
+
+    let per_guard = with_guards as f64 / count as f64;
+    let per_store_entry = store_and_lease as f64 / count as f64;
+    println!("guards held:                 {count}");
+    println!(
+        "RSS growth with guards:      {with_guards} bytes ({per_guard:.0} B per guard, store entry included)"
+    );
+    println!(
+        "RSS growth of store + lease: {store_and_lease} bytes ({per_store_entry:.0} B per lease without a guard)"
+    );
+    println!(
+        "guard cost beyond the store: {:.0} B per guard",
+        per_guard - per_store_entry
+    );
+    println!("renew_many calls:            {calls} (one renewal task), leases renewed: {renewed}");
+    println!("still held after 2 rounds:   {held}/{count}");
+    if held != count || renewed < count {
+        eprintln!("FAILED: not every guard was renewed");
+        std::process::exit(1);
+    }
+    Ok(())
+}

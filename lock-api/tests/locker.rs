@@ -1,0 +1,285 @@
+//! Locker, guard and watchdog behaviour on the memory backend, on tokio's paused clock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use lock_api::memory::MemoryBackend;
+use lock_api::{
+    Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
+    RetryPolicy, async_trait,
+};
+use tokio::time::{Instant, sleep};
+
+const TTL: Duration = Duration::from_secs(3);
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).unwrap()
+}
+
+/// Counts calls and can turn every renewal into `Lost`, around a memory backend.
+#[derive(Debug, Default)]
+struct Spy {
+    inner: MemoryBackend,
+    renew_many_calls: AtomicUsize,
+    renewed_leases: AtomicUsize,
+    lose_renewals: AtomicBool,
+}
+
+#[async_trait]
+impl LockBackend for Spy {
+    fn name(&self) -> &'static str {
+        "spy"
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        Ok(self.renew_many(std::slice::from_ref(lease)).await?[0])
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.renew_many_calls.fetch_add(1, Ordering::SeqCst);
+        self.renewed_leases
+            .fetch_add(leases.len(), Ordering::SeqCst);
+        if self.lose_renewals.load(Ordering::SeqCst) {
+            return Ok(vec![Renewal::Lost; leases.len()]);
+        }
+        self.inner.renew_many(leases).await
+    }
+}
+
+fn locker(backend: Arc<dyn LockBackend>) -> Locker {
+    Locker::builder(backend)
+        .ttl(TTL)
+        .wait_timeout(Some(Duration::from_secs(10)))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_watchdog_keeps_a_job_three_times_its_ttl_alive() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    let token = guard.token();
+    let end = Instant::now() + TTL * 3;
+    while Instant::now() < end {
+        sleep(Duration::from_millis(250)).await;
+        assert!(guard.is_held(), "lost the lease while renewing");
+        assert!(backend.acquire(&key("job"), TTL).await.unwrap().is_none());
+    }
+    assert_eq!(guard.token(), token);
+    assert_eq!(guard.release().await.unwrap(), Release::Released);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_renew_many_call_renews_every_due_lease() {
+    let spy = Arc::new(Spy::default());
+    let locker = locker(spy.clone());
+    let mut guards = Vec::new();
+    for i in 0..500 {
+        guards.push(
+            locker
+                .try_lock(&key(&format!("job-{i}")))
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    assert_eq!(locker.held(), 500);
+    // Just past one renewal interval (TTL / 3): one round for all 500.
+    sleep(TTL / 3 + Duration::from_millis(10)).await;
+    assert_eq!(spy.renew_many_calls.load(Ordering::SeqCst), 1);
+    assert_eq!(spy.renewed_leases.load(Ordering::SeqCst), 500);
+    sleep(TTL * 2).await;
+    assert!(guards.iter().all(|g| g.is_held()));
+    let calls = spy.renew_many_calls.load(Ordering::SeqCst);
+    assert!(
+        calls <= 7,
+        "{calls} calls for 2 TTLs: renewals are not batched"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_partition_is_reported_no_later_than_valid_until() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    backend.faults().partition();
+    let deadline = guard.valid_until();
+    guard.lost().await;
+    assert!(Instant::now() <= deadline, "reported after valid_until");
+    assert!(!guard.is_held());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hanging_store_is_reported_no_later_than_valid_until() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    backend.faults().hang();
+    let deadline = guard.valid_until();
+    tokio::time::timeout_at(deadline + Duration::from_millis(1), guard.lost())
+        .await
+        .expect("lost() did not resolve by valid_until");
+    assert!(!guard.is_held());
+    backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
+async fn transient_renewal_errors_are_retried() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    backend.faults().fail_next(2);
+    sleep(TTL * 2).await;
+    assert!(
+        guard.is_held(),
+        "two failed renewals should have been retried"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_renewal_marks_the_guard_lost_at_once() {
+    let spy = Arc::new(Spy::default());
+    let locker = locker(spy.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    spy.lose_renewals.store(true, Ordering::SeqCst);
+    let renewal_due = Instant::now() + TTL / 3;
+    guard.lost().await;
+    assert!(Instant::now() < renewal_due + Duration::from_millis(50));
+    assert!(!guard.is_held());
+    assert_eq!(locker.held(), 0, "a lost lease is no longer renewed");
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let finished = Arc::new(AtomicBool::new(false));
+    let job = {
+        let finished = finished.clone();
+        let backend = backend.clone();
+        move |_: &lock_api::LockGuard| async move {
+            backend.faults().partition();
+            sleep(TTL * 10).await;
+            finished.store(true, Ordering::SeqCst);
+        }
+    };
+    let result = locker.with_lock(&key("job"), job).await;
+    assert!(matches!(result, Err(LockError::Lost)), "{result:?}");
+    assert!(!finished.load(Ordering::SeqCst), "the job ran to its end");
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_lock_returns_the_job_value_and_releases() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let token = locker
+        .with_lock(&key("job"), |g| {
+            let t = g.token();
+            async move { t }
+        })
+        .await
+        .unwrap();
+    let next = backend.acquire(&key("job"), TTL).await.unwrap().unwrap();
+    assert!(next.token() > token);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_a_guard_releases_it_in_the_background() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    drop(guard);
+    sleep(Duration::from_millis(1)).await;
+    assert!(backend.acquire(&key("job"), TTL).await.unwrap().is_some());
+    assert_eq!(locker.held(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lock_waits_for_the_holder_and_times_out() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = Locker::builder(backend.clone())
+        .ttl(TTL)
+        .wait_timeout(Some(Duration::from_secs(1)))
+        .build()
+        .unwrap();
+    let held = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    let started = Instant::now();
+    let err = locker.lock(&key("job")).await.unwrap_err();
+    assert!(matches!(err, LockError::Timeout { .. }), "{err}");
+    assert!(Instant::now() - started >= Duration::from_secs(1));
+    assert!(Instant::now() - started < Duration::from_millis(1100));
+
+    let waiter = tokio::spawn({
+        let locker = locker.clone();
+        async move { locker.lock(&key("job")).await.map(|g| g.token()) }
+    });
+    sleep(Duration::from_millis(300)).await;
+    let first = held.token();
+    held.release().await.unwrap();
+    assert!(waiter.await.unwrap().unwrap() > first);
+}
+
+#[tokio::test(start_paused = true)]
+async fn lock_retries_transient_errors_within_its_deadline() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    backend.faults().fail_next(3);
+    assert!(locker.lock(&key("job")).await.is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_ttl_the_store_cannot_honour_is_refused_when_building() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = Locker::builder(backend)
+        .ttl(Duration::from_micros(1500))
+        .build();
+    assert!(matches!(locker, Err(LockError::InvalidTtl { .. })));
+}
+
+#[test]
+fn the_builder_validates_its_settings() {
+    let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let build = |b: lock_api::LockerBuilder| b.build().map(|_| ()).unwrap_err();
+    assert!(matches!(
+        build(Locker::builder(backend.clone()).ttl(Duration::ZERO)),
+        LockError::InvalidTtl { .. }
+    ));
+    assert!(matches!(
+        build(Locker::builder(backend.clone()).renew_interval(Duration::from_secs(60))),
+        LockError::Config(_)
+    ));
+    assert!(matches!(
+        build(Locker::builder(backend).retry(RetryPolicy {
+            initial: Duration::from_secs(2),
+            max: Duration::from_secs(1)
+        })),
+        LockError::Config(_)
+    ));
+}
+
+#[test]
+fn backoff_grows_with_jitter_and_stays_bounded() {
+    let policy = RetryPolicy::default();
+    for attempt in 0..40 {
+        let wait = policy.backoff(attempt);
+        let ceiling = (policy.initial * 2u32.saturating_pow(attempt.min(20))).min(policy.max);
+        assert!(
+            wait <= ceiling && wait >= ceiling / 2,
+            "attempt {attempt}: {wait:?}"
+        );
+    }
+    let draws: std::collections::HashSet<_> = (0..20).map(|_| policy.backoff(6)).collect();
+    assert!(draws.len() > 1, "backoff is not jittered");
+}

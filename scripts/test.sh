@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs every check and test of the workspace: formatting, lints, and the whole test
+# suite, which starts real redis-server, etcd and PostgreSQL processes on free loopback
+# ports. Fails (never skips) when a server binary is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+for bin in redis-server redis-cli etcd etcdctl protoc; do
+    command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
+done
+pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
+if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ]; then missing+=("initdb (PostgreSQL server)"); fi
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "test: missing server binaries: ${missing[*]}" >&2
+    echo "test: apt-get install -y redis-server etcd-server etcd-client protobuf-compiler postgresql" >&2
+    exit 1
+fi
+
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "== cargo test"
+cargo test --workspace --locked
+echo "== cargo doc"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
