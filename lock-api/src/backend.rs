@@ -6,7 +6,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::error::LockError;
-use crate::key::LockKey;
+use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
 
 /// A store that grants leases with fencing tokens.
@@ -72,6 +72,24 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         let _ = key;
         Err(LockError::Unsupported {
             operation: "inspect",
+            backend: self.name(),
+        })
+    }
+
+    /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by
+    /// another process (`lockctl release`). The result is an ordinary lease of this
+    /// instance: release, renew and fence still check owner and token in the store.
+    /// Backends whose leases carry a private handle (a pinned session) cannot do this.
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        let _ = (key, owner, token, ttl);
+        Err(LockError::Unsupported {
+            operation: "adopt",
             backend: self.name(),
         })
     }

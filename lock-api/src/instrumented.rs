@@ -9,7 +9,7 @@ use tracing::Instrument;
 
 use crate::backend::LockBackend;
 use crate::error::LockError;
-use crate::key::LockKey;
+use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
 use crate::telemetry::{ACQUIRE_SECONDS, ACQUIRE_TOTAL, RENEW_TOTAL};
 
@@ -31,6 +31,9 @@ impl Instrumented {
     }
 
     fn record_acquire(&self, outcome: &'static str, count: usize, took: Duration) {
+        if count == 0 {
+            return;
+        }
         let backend = self.inner.name();
         metrics::counter!(ACQUIRE_TOTAL, "backend" => backend, "outcome" => outcome)
             .increment(count as u64);
@@ -95,6 +98,16 @@ impl LockBackend for Instrumented {
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         let span = tracing::debug_span!("distlock.fence", backend = self.inner.name(), key = %lease.key(), token = %lease.token());
         self.inner.fence(lease).instrument(span).await
+    }
+
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.inner.adopt(key, owner, token, ttl)
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {

@@ -212,6 +212,24 @@ impl LockBackend for MemoryBackend {
         Ok(fence)
     }
 
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.capabilities.check_ttl(ttl)?;
+        Ok(Lease::new(
+            self.id,
+            key.clone(),
+            owner,
+            token,
+            ttl,
+            Instant::now(),
+        ))
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         self.faults.before_call().await?;
         let now = Instant::now();
@@ -408,6 +426,20 @@ mod tests {
                 .is_some()
         );
         assert_eq!(b.faults().calls(), 4);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_adopted_lease_releases_only_with_the_right_owner_and_token() {
+        let b = MemoryBackend::new();
+        let k = key("k");
+        let ttl = Duration::from_secs(10);
+        let lease = b.acquire(&k, ttl).await.unwrap().unwrap();
+        let wrong_owner = b.adopt(&k, OwnerId::random(), lease.token(), ttl).unwrap();
+        assert_eq!(b.release(&wrong_owner).await.unwrap(), Release::NotHeld);
+        let wrong_token = b.adopt(&k, lease.owner(), FencingToken(99), ttl).unwrap();
+        assert_eq!(b.release(&wrong_token).await.unwrap(), Release::NotHeld);
+        let adopted = b.adopt(&k, lease.owner(), lease.token(), ttl).unwrap();
+        assert_eq!(b.release(&adopted).await.unwrap(), Release::Released);
     }
 
     #[tokio::test(start_paused = true)]
