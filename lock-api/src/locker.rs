@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, timeout_at};
 use tracing::debug;
 
 use crate::backend::LockBackend;
@@ -241,6 +241,9 @@ impl Locker {
     /// lost while the job runs, the job's future is dropped at its next await point and
     /// `Err(LockError::Lost)` is returned.
     ///
+    /// Neither outcome waits on an unreachable store: after a loss the release runs in the
+    /// background, and after success it waits at most until the lease's `valid_until`.
+    ///
     /// # Cancel safety
     /// Cancelling drops the job and the guard (release on drop, best effort).
     pub async fn with_lock<F, Fut, T>(&self, key: &LockKey, job: F) -> Result<T, LockError>
@@ -255,15 +258,23 @@ impl Locker {
             () = guard.lost() => None,
             value = work => Some(value),
         };
-        let released = guard.release().await;
-        match outcome {
-            Some(value) => {
-                if let Err(error) = released {
-                    debug!(%key, %error, "release after the job failed; the lease runs out on its own");
-                }
-                Ok(value)
+        let Some(value) = outcome else {
+            // The store may be unreachable: release in the background (on drop) instead
+            // of making the caller wait for it.
+            drop(guard);
+            return Err(LockError::Lost);
+        };
+        // Waiting past the lease's validity gains nothing: it frees itself by then.
+        let deadline = guard.valid_until();
+        match timeout_at(deadline, guard.release()).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => {
+                debug!(%key, %error, "release after the job failed; the lease runs out on its own");
             }
-            None => Err(LockError::Lost),
+            Err(_) => {
+                debug!(%key, "release after the job timed out; the lease runs out on its own")
+            }
         }
+        Ok(value)
     }
 }

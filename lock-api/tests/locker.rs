@@ -181,6 +181,44 @@ async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let job = {
+        let backend = backend.clone();
+        move |_: &lock_api::LockGuard| async move {
+            backend.faults().hang();
+            sleep(TTL * 10).await;
+        }
+    };
+    let started = Instant::now();
+    let result = locker.with_lock(&key("job"), job).await;
+    assert!(matches!(result, Err(LockError::Lost)), "{result:?}");
+    assert!(
+        Instant::now() - started <= TTL,
+        "with_lock waited on the hung store"
+    );
+    backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let job = {
+        let backend = backend.clone();
+        move |_: &lock_api::LockGuard| async move {
+            backend.faults().hang();
+            7
+        }
+    };
+    let started = Instant::now();
+    assert_eq!(locker.with_lock(&key("job"), job).await.unwrap(), 7);
+    assert!(Instant::now() - started <= TTL);
+    backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
 async fn with_lock_returns_the_job_value_and_releases() {
     let backend = Arc::new(MemoryBackend::new());
     let locker = locker(backend.clone());
