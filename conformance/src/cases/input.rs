@@ -1,0 +1,225 @@
+//! Cases on bad input (typed errors that change nothing) and on unknown outcomes.
+
+use std::time::Duration;
+
+use lock_api::{
+    BackendId, Capabilities, Lease, LockError, LockKey, MAX_KEY_BYTES, Release, Renewal,
+};
+use tokio::time::{Instant, timeout};
+
+use super::release_held;
+use crate::factory::Factory;
+use crate::suite::{Ctx, Failure, Outcome, skip};
+
+/// TTLs a backend with `caps` must refuse: zero, below the minimum, above the maximum,
+/// and finer than the granularity (`ok` is a TTL it accepts).
+pub(crate) fn bad_ttls(caps: &Capabilities, ok: Duration) -> Vec<Duration> {
+    let mut bad = vec![Duration::ZERO];
+    let grain = caps.ttl_granularity;
+    if let Some(below) = caps.min_ttl.checked_sub(grain.max(Duration::from_nanos(1)))
+        && !below.is_zero()
+    {
+        bad.push(below);
+    }
+    if let Some(above) = caps.max_ttl.checked_add(grain.max(Duration::from_nanos(1))) {
+        bad.push(above);
+    }
+    if grain > Duration::from_nanos(1) {
+        bad.push(ok + grain / 2);
+    }
+    bad
+}
+
+/// `LockKey::new` refuses an empty key, one over 512 bytes and one with a control
+/// character; a key of exactly 512 bytes works on the backend.
+pub async fn invalid_keys_are_rejected(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("invalid_keys_are_rejected", factory);
+    let a = ctx.client().await;
+    let t = ctx.timing(&a);
+    let too_long = "k".repeat(MAX_KEY_BYTES + 1);
+    for (bad, what) in [
+        ("", "an empty key"),
+        (too_long.as_str(), "a key over 512 bytes"),
+        ("job\n1", "a key with a newline"),
+        ("job\u{7f}", "a key with DEL"),
+    ] {
+        let got = LockKey::new(bad);
+        ctx.ensure(
+            matches!(got, Err(LockError::InvalidKey { .. })),
+            format!("{what} to be refused with InvalidKey"),
+            || format!("{got:?}"),
+        )?;
+    }
+    let base = ctx.key("max")?;
+    let longest = format!(
+        "{base}:{}",
+        "x".repeat(MAX_KEY_BYTES - base.as_str().len() - 1)
+    );
+    let longest = ctx.ok("LockKey::new of 512 bytes", LockKey::new(longest))?;
+    let lease = ctx.take(&a, &longest, t.ttl).await?;
+    release_held(&ctx, &a, &lease).await?;
+    ctx.pass(&t)
+}
+
+/// TTLs of zero, below the minimum, above the maximum or finer than the granularity are
+/// InvalidTtl, for `acquire` and `acquire_many`, and leave the key free.
+pub async fn invalid_ttls_change_nothing(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("invalid_ttls_change_nothing", factory);
+    let a = ctx.client().await;
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    for bad in bad_ttls(&a.capabilities(), t.ttl) {
+        let got = a.acquire(&key, bad).await;
+        ctx.ensure(
+            matches!(got, Err(LockError::InvalidTtl { ttl, .. }) if ttl == bad),
+            format!("acquire with TTL {bad:?} to fail with InvalidTtl"),
+            || format!("{got:?}"),
+        )?;
+        let many = a.acquire_many(std::slice::from_ref(&key), bad).await;
+        ctx.ensure(
+            matches!(many, Err(LockError::InvalidTtl { .. })),
+            format!("acquire_many with TTL {bad:?} to fail with InvalidTtl"),
+            || format!("{many:?}"),
+        )?;
+    }
+    let lease = ctx.take(&a, &key, t.ttl).await?;
+    release_held(&ctx, &a, &lease).await?;
+    ctx.pass(&t)
+}
+
+/// A lease from another backend instance is ForeignLease for release, renew and fence
+/// (single and batch), and changes nothing.
+pub async fn foreign_lease_is_refused(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("foreign_lease_is_refused", factory);
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let lease = ctx.take(&a, &key, t.ttl).await?;
+    // What a lease granted by another instance looks like: everything equal but the
+    // instance that granted it.
+    let foreign = Lease::new(
+        BackendId::next(),
+        key.clone(),
+        lease.owner(),
+        lease.token(),
+        lease.ttl(),
+        lease.valid_until(),
+    );
+    let refused = |what: &str, e: Option<&LockError>| {
+        ctx.ensure(
+            matches!(e, Some(LockError::ForeignLease { .. })),
+            format!("{what} of a foreign lease to fail with ForeignLease"),
+            || format!("{e:?}"),
+        )
+    };
+    refused("release", a.release(&foreign).await.err().as_ref())?;
+    refused("renew", a.renew(&foreign).await.err().as_ref())?;
+    refused("fence", a.fence(&foreign).await.err().as_ref())?;
+    let batch = std::slice::from_ref(&foreign);
+    refused("release_many", a.release_many(batch).await.err().as_ref())?;
+    refused("renew_many", a.renew_many(batch).await.err().as_ref())?;
+    ctx.expect_held(&b, &key, t.ttl, "only a foreign lease was released")
+        .await?;
+
+    // Where the factory hands out distinct instances, a real lease of one is foreign to
+    // the other.
+    let other_key = ctx.key("other")?;
+    let theirs = ctx.take(&b, &other_key, t.ttl).await?;
+    if theirs.backend_id() != lease.backend_id() {
+        refused("release", a.release(&theirs).await.err().as_ref())?;
+        let renewal = b.renew(&theirs).await;
+        ctx.ensure(
+            matches!(renewal, Ok(Renewal::Renewed { .. })),
+            "the instance that granted it to renew it",
+            || format!("{renewal:?}"),
+        )?;
+    }
+    release_held(&ctx, &b, &theirs).await?;
+    release_held(&ctx, &a, &lease).await?;
+    ctx.pass(&t)
+}
+
+/// With the link cut, an acquire never reports a lease it cannot prove (it hangs or
+/// fails), and the key is free again within the TTL after the link heals.
+pub async fn lost_reply_is_not_a_lease(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new("lost_reply_is_not_a_lease", factory);
+    let Some(link) = factory.link() else {
+        return Ok(skip("the factory has no link faults"));
+    };
+    ctx.with_faults();
+    let a = ctx.client().await;
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    link.cut().await;
+    let got = timeout(t.ttl * 2, a.acquire(&key, t.ttl)).await;
+    link.heal().await;
+    let healed = Instant::now();
+    if let Ok(Ok(Some(lease))) = &got {
+        let _ = a.release(lease).await;
+        return Err(ctx.fail(
+            "no lease from an acquire whose request or reply was cut off",
+            format!("a lease with token {}", lease.token()),
+        ));
+    }
+    let b = ctx.client().await;
+    let next = ctx
+        .take_by(
+            &b,
+            &key,
+            t.ttl,
+            t.expired_by(healed),
+            "within the TTL after the heal",
+        )
+        .await?;
+    release_held(&ctx, &b, &next).await?;
+    ctx.pass(&t)
+}
+
+/// With a slow link, a grant's and a renewal's validity count from the instant the
+/// request was sent, not from when the reply arrived.
+pub async fn validity_counts_from_the_send_instant(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("validity_counts_from_the_send_instant", factory);
+    let Some(link) = factory.link() else {
+        return Ok(skip("the factory has no link faults"));
+    };
+    let a = ctx.client().await;
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let delay = t.ttl / 5;
+    link.delay(delay).await;
+    let sent = Instant::now();
+    let granted = a.acquire(&key, t.ttl).await;
+    let renewed = match &granted {
+        Ok(Some(lease)) => Some((Instant::now(), a.renew(lease).await)),
+        _ => None,
+    };
+    link.heal().await;
+    let lease = match ctx.ok("acquire over a slow link", granted)? {
+        Some(lease) => lease,
+        None => return Err(ctx.fail("a grant of a free key", "Ok(None)")),
+    };
+    ctx.ensure(
+        lease.valid_until() <= sent + t.ttl,
+        "the grant's valid_until at most the send instant plus the TTL",
+        || format!("{:?} past it", lease.valid_until() - (sent + t.ttl)),
+    )?;
+    if let Some((renew_sent, renewal)) = renewed {
+        match ctx.ok("renew over a slow link", renewal)? {
+            Renewal::Renewed { valid_until } => ctx.ensure(
+                valid_until <= renew_sent + t.ttl,
+                "the renewal's valid_until at most its send instant plus the TTL",
+                || format!("{:?} past it", valid_until - (renew_sent + t.ttl)),
+            )?,
+            Renewal::Lost => return Err(ctx.fail("a held lease to renew", "Lost")),
+        }
+    }
+    let released = ctx.ok("release", a.release(&lease).await)?;
+    ctx.ensure(
+        released == Release::Released,
+        "the lease to be released",
+        || format!("{released:?}"),
+    )?;
+    ctx.pass(&t)
+}

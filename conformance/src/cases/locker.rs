@@ -1,0 +1,396 @@
+//! Cases on [`Locker`] and [`lock_api::LockGuard`] over the backend: contention, the
+//! watchdog, loss handling and builder validation.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::future::join_all;
+use lock_api::{
+    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
+    Renewal, RetryPolicy,
+};
+use tokio::time::{Instant, sleep, timeout_at};
+
+use super::release_held;
+use crate::factory::Factory;
+use crate::history::FencedCounter;
+use crate::suite::{Ctx, Failure, Outcome, Timing, skip};
+
+/// How long a case waits past a deadline for a local event (a timer firing, a task
+/// being scheduled) on a loaded machine.
+const LOCAL_SLACK: Duration = Duration::from_millis(150);
+
+/// A locker on `client` with the case TTL, fast retries and a generous wait.
+fn locker(ctx: &Ctx<'_>, client: Arc<dyn LockBackend>, t: &Timing) -> Result<Locker, Failure> {
+    ctx.ok(
+        "Locker::builder(..).build()",
+        Locker::builder(client)
+            .ttl(t.ttl)
+            .retry(RetryPolicy {
+                initial: Duration::from_millis(1),
+                max: Duration::from_millis(20),
+            })
+            .wait_timeout(Some(Duration::from_secs(60)))
+            .build(),
+    )
+}
+
+/// 32 tasks on one key through `Locker::with_lock` run a read-modify-write on a fenced
+/// counter: no update is lost, every write is admitted, and no two grants' validity
+/// windows overlap (checked on the history).
+pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    const TASKS: usize = 32;
+    const ROUNDS: usize = 2;
+    let ctx = Ctx::new("contention_loses_no_update", factory);
+    let first = ctx.client().await;
+    let t = ctx.timing(&first);
+    let mut lockers = vec![locker(&ctx, first, &t)?];
+    for _ in 1..4 {
+        lockers.push(locker(&ctx, ctx.client().await, &t)?);
+    }
+    let key = ctx.key("counter")?;
+    let counter = Arc::new(FencedCounter::new(ctx.history().clone()));
+    let tasks = (0..TASKS).map(|i| {
+        let locker = lockers[i % lockers.len()].clone();
+        let key = key.clone();
+        let counter = counter.clone();
+        tokio::spawn(async move {
+            let mut admitted = 0usize;
+            for _ in 0..ROUNDS {
+                let write = locker
+                    .with_lock(&key, |guard| {
+                        let token = guard.token();
+                        let (key, counter) = (key.clone(), counter.clone());
+                        async move {
+                            let read = counter.read();
+                            // Hold the lock across a suspension so overlapping holders
+                            // would interleave their read and write.
+                            sleep(Duration::from_millis(1)).await;
+                            counter.write(&key, token, read, read + 1)
+                        }
+                    })
+                    .await?;
+                if write.is_admitted() {
+                    admitted += 1;
+                }
+            }
+            Ok::<usize, LockError>(admitted)
+        })
+    });
+    let mut admitted = 0;
+    for joined in join_all(tasks).await {
+        let result = joined.map_err(|e| ctx.fail("every worker task to finish", e))?;
+        admitted += ctx.ok("with_lock", result)?;
+    }
+    let total = TASKS * ROUNDS;
+    ctx.ensure(
+        admitted == total,
+        format!("all {total} writes admitted"),
+        || format!("{admitted} admitted"),
+    )?;
+    ctx.ensure(
+        counter.read() == total as u64,
+        format!("the counter at {total} (no lost update)"),
+        || counter.read(),
+    )?;
+    let grants = ctx.history().grants(&key).len();
+    ctx.ensure(grants == total, format!("{total} grants"), || grants)?;
+    ctx.pass(&t)
+}
+
+/// The watchdog keeps a job running 3× its TTL alive: the guard stays held, nobody
+/// else acquires the key, the token stays the store's current one.
+pub async fn watchdog_keeps_long_job_alive(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("watchdog_keeps_long_job_alive", factory);
+    let (client, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&client);
+    let locker = locker(&ctx, client, &t)?;
+    let key = ctx.key("k")?;
+    let Some(guard) = ctx.ok("try_lock", locker.try_lock(&key).await)? else {
+        return Err(ctx.fail("try_lock of a free key to grant a guard", "Ok(None)"));
+    };
+    let token = guard.token();
+    let until = Instant::now() + t.ttl * 3;
+    while Instant::now() < until {
+        sleep(t.ttl / 4).await;
+        ctx.ensure(
+            guard.is_held(),
+            "the guard to stay held while renewed",
+            || "is_held() == false".to_owned(),
+        )?;
+        ctx.expect_held(&other, &key, t.ttl, "the watchdog renews it")
+            .await?;
+    }
+    let fence = ctx.ok("fence", locker.backend().fence(guard.lease()).await)?;
+    ctx.ensure(
+        fence == Fence::Current && guard.token() == token,
+        format!("token {token} to stay Current after 3 TTLs"),
+        || format!("{fence:?}, token {}", guard.token()),
+    )?;
+    let released = ctx.ok("guard release", guard.release().await)?;
+    ctx.ensure(
+        released == Release::Released,
+        "the guard's release to be Released",
+        || format!("{released:?}"),
+    )?;
+    let next = ctx.take(&other, &key, t.ttl).await?;
+    ctx.ensure(
+        next.token() > token,
+        format!("a token above {token}"),
+        || next.token(),
+    )?;
+    release_held(&ctx, &other, &next).await?;
+    ctx.pass(&t)
+}
+
+/// With the link cut, the watchdog reports the loss no later than the guard's
+/// `valid_until` (plus scheduling slack): `lost()` resolves and `is_held()` is false.
+pub async fn watchdog_reports_loss_by_valid_until(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new("watchdog_reports_loss_by_valid_until", factory);
+    let Some(link) = factory.link() else {
+        return Ok(skip("the factory has no link faults"));
+    };
+    ctx.with_faults();
+    let client = ctx.client().await;
+    let t = ctx.timing(&client);
+    let locker = locker(&ctx, client, &t)?;
+    let key = ctx.key("k")?;
+    let Some(guard) = ctx.ok("try_lock", locker.try_lock(&key).await)? else {
+        return Err(ctx.fail("try_lock of a free key to grant a guard", "Ok(None)"));
+    };
+    sleep(t.ttl / 2).await;
+    link.cut().await;
+    let cut_at = Instant::now();
+    let lost = timeout_at(cut_at + t.ttl * 2 + Duration::from_secs(1), guard.lost()).await;
+    let lost_at = Instant::now();
+    link.heal().await;
+    let valid = guard.valid_until();
+    ctx.ensure(
+        lost.is_ok(),
+        "lost() to resolve once the link is cut",
+        || format!("still pending {:?} after the cut", lost_at - cut_at),
+    )?;
+    ctx.ensure(
+        !guard.is_held(),
+        "is_held() to be false after the loss",
+        || "is_held() == true",
+    )?;
+    ctx.ensure(
+        lost_at <= valid + LOCAL_SLACK,
+        format!("the loss reported by valid_until (+{LOCAL_SLACK:?})"),
+        || format!("reported {:?} after valid_until", lost_at - valid),
+    )?;
+    ctx.ensure(
+        valid <= cut_at + t.ttl,
+        "no validity beyond the cut plus one TTL",
+        || format!("valid_until {:?} after the cut", valid - cut_at),
+    )?;
+    // The store may still hold the key until its TTL runs out; either answer is right.
+    let _ = guard.release().await;
+    let other = ctx.client().await;
+    let next = ctx
+        .take_by(
+            &other,
+            &key,
+            t.ttl,
+            t.expired_by(Instant::now()),
+            "after the heal",
+        )
+        .await?;
+    release_held(&ctx, &other, &next).await?;
+    ctx.pass(&t)
+}
+
+/// A client whose renewals never reach the store (they hang), while every other call
+/// goes through: the loss of a lease without a link fault, for any backend.
+#[derive(Debug)]
+struct StalledRenewals {
+    inner: Arc<dyn LockBackend>,
+    stalled: AtomicBool,
+}
+
+impl StalledRenewals {
+    async fn gate(&self) {
+        if self.stalled.load(Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for StalledRenewals {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.gate().await;
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.inner.inspect(key).await
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.gate().await;
+        self.inner.renew_many(leases).await
+    }
+}
+
+/// Drops set a flag: shows the job's future was dropped.
+struct DropFlag(Arc<AtomicBool>);
+
+impl Drop for DropFlag {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `with_lock` drops the job when the lease is lost and returns `Err(LockError::Lost)`.
+pub async fn with_lock_aborts_job_on_loss(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("with_lock_aborts_job_on_loss", factory);
+    let client = ctx.client().await;
+    let t = ctx.timing(&client);
+    let stalled = Arc::new(StalledRenewals {
+        inner: client,
+        stalled: AtomicBool::new(false),
+    });
+    let locker = locker(&ctx, stalled.clone(), &t)?;
+    let key = ctx.key("k")?;
+    let (started, finished, dropped) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let invoked = Instant::now();
+    let result = locker
+        .with_lock(&key, |_guard| {
+            stalled.stalled.store(true, Ordering::SeqCst);
+            let (started, finished, dropped) = (started.clone(), finished.clone(), dropped.clone());
+            async move {
+                let _flag = DropFlag(dropped);
+                started.store(true, Ordering::SeqCst);
+                sleep(t.ttl * 10).await;
+                finished.store(true, Ordering::SeqCst);
+            }
+        })
+        .await;
+    let returned = Instant::now();
+    ctx.ensure(
+        matches!(result, Err(LockError::Lost)),
+        "with_lock to return Err(LockError::Lost) when renewals stop",
+        || format!("{result:?}"),
+    )?;
+    ctx.ensure(
+        started.load(Ordering::SeqCst)
+            && !finished.load(Ordering::SeqCst)
+            && dropped.load(Ordering::SeqCst),
+        "the job to have started, not finished, and been dropped",
+        || {
+            format!(
+                "started {}, finished {}, dropped {}",
+                started.load(Ordering::SeqCst),
+                finished.load(Ordering::SeqCst),
+                dropped.load(Ordering::SeqCst)
+            )
+        },
+    )?;
+    ctx.ensure(
+        returned <= invoked + t.ttl + LOCAL_SLACK + t.expiry_slack,
+        "with_lock to return within about one TTL of the grant",
+        || format!("returned after {:?}", returned - invoked),
+    )?;
+    let other = ctx.client().await;
+    let next = ctx
+        .take_by(
+            &other,
+            &key,
+            t.ttl,
+            t.expired_by(Instant::now()),
+            "after the loss",
+        )
+        .await?;
+    release_held(&ctx, &other, &next).await?;
+    ctx.pass(&t)
+}
+
+/// A guard's release frees the key at once; a dropped guard frees it by its TTL at the
+/// latest; neither is renewed afterwards.
+pub async fn guard_release_frees_the_key(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("guard_release_frees_the_key", factory);
+    let (client, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&client);
+    let locker = locker(&ctx, client, &t)?;
+    let key = ctx.key("released")?;
+    let guard = ctx.ok("lock", locker.lock(&key).await)?;
+    let token = guard.token();
+    ctx.ensure(
+        locker.held() == 1,
+        "the watchdog to renew one lease",
+        || locker.held(),
+    )?;
+    let released = ctx.ok("guard release", guard.release().await)?;
+    ctx.ensure(
+        released == Release::Released,
+        "the guard's release to be Released",
+        || format!("{released:?}"),
+    )?;
+    let next = ctx.take(&other, &key, t.ttl).await?;
+    ctx.ensure(
+        next.token() > token,
+        format!("a token above {token}"),
+        || next.token(),
+    )?;
+    release_held(&ctx, &other, &next).await?;
+
+    let dropped_key = ctx.key("dropped")?;
+    let guard = ctx.ok("lock", locker.lock(&dropped_key).await)?;
+    drop(guard);
+    ctx.ensure(
+        locker.held() == 0,
+        "no lease renewed after release and drop",
+        || locker.held(),
+    )?;
+    let after_drop = ctx
+        .take_by(
+            &other,
+            &dropped_key,
+            t.ttl,
+            t.expired_by(Instant::now()),
+            "after its guard was dropped",
+        )
+        .await?;
+    release_held(&ctx, &other, &after_drop).await?;
+    ctx.pass(&t)
+}
+
+/// `Locker::builder` refuses TTLs the backend cannot honour.
+pub async fn locker_builder_rejects_bad_ttl(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("locker_builder_rejects_bad_ttl", factory);
+    let client = ctx.client().await;
+    let t = ctx.timing(&client);
+    for bad in super::input::bad_ttls(&client.capabilities(), t.ttl) {
+        let built = Locker::builder(client.clone()).ttl(bad).build();
+        ctx.ensure(
+            matches!(built, Err(LockError::InvalidTtl { ttl, .. }) if ttl == bad),
+            format!("Locker::builder().ttl({bad:?}).build() to fail with InvalidTtl"),
+            || format!("{built:?}"),
+        )?;
+    }
+    locker(&ctx, client, &t)?;
+    ctx.pass(&t)
+}

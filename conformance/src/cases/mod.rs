@@ -1,0 +1,54 @@
+//! One `pub async fn` per conformance case.
+//!
+//! Every case takes a [`crate::Factory`], works under its own random key prefix,
+//! records its calls in a [`crate::history::History`], checks what the contract in
+//! [`lock_api::LockBackend`] requires at each step, checks the history against I1–I5 at
+//! the end, and releases what it took. TTLs come from the backend's capabilities
+//! ([`crate::suite::Timing`]), and every wait on the store is a deadline with slack,
+//! never a speed assertion.
+
+mod batch;
+mod input;
+mod lease;
+mod locker;
+
+pub use batch::*;
+pub use input::*;
+pub use lease::*;
+pub use locker::*;
+
+use std::sync::Arc;
+
+use lock_api::{Lease, LockBackend, OwnerId, Release};
+
+use crate::suite::{Ctx, Failure};
+
+/// Releases `lease`, which must still be held.
+async fn release_held(
+    ctx: &Ctx<'_>,
+    client: &Arc<dyn LockBackend>,
+    lease: &Lease,
+) -> Result<(), Failure> {
+    let got = ctx.ok("release of a held lease", client.release(lease).await)?;
+    ctx.ensure(
+        got == Release::Released,
+        format!(
+            "release of the held lease with token {} to be Released",
+            lease.token()
+        ),
+        || format!("{got:?}"),
+    )
+}
+
+/// A copy of `lease` with another owner: what a non-owner that guessed the key and
+/// token would send.
+fn forged(lease: &Lease) -> Lease {
+    Lease::new(
+        lease.backend_id(),
+        lease.key().clone(),
+        OwnerId::random(),
+        lease.token(),
+        lease.ttl(),
+        lease.valid_until(),
+    )
+}

@@ -1,0 +1,58 @@
+//! What a backend gives the suite: a [`Factory`] of fresh clients on one store, and,
+//! where the store supports them, fault controls for the link and the server.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::LockBackend;
+
+/// Makes backend instances (clients) that all talk to the same store under test.
+///
+/// Cases call [`Factory::backend`] more than once when they need independent clients
+/// (two workers). Keys are unique per case run, so a factory may share one server
+/// between concurrent tests.
+#[async_trait]
+pub trait Factory: Send + Sync {
+    /// A short name for messages (`"memory"`, `"redis"`, `"redis-cluster"`, ...).
+    fn name(&self) -> &str;
+
+    /// A new client on the store under test.
+    async fn backend(&self) -> Arc<dyn LockBackend>;
+
+    /// Faults on the link between the clients this factory makes and the store, if the
+    /// factory can inject them (a proxy, or the memory backend's knobs).
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        None
+    }
+
+    /// Faults on the store's server process, if the factory started it.
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        None
+    }
+}
+
+/// Faults between the clients and the store. Every fault lasts until [`LinkFaults::heal`].
+#[async_trait]
+pub trait LinkFaults: Send + Sync {
+    /// No request reaches the store and no reply comes back (a blackhole: calls hang or
+    /// time out in the client).
+    async fn cut(&self);
+    /// Every request and reply is delayed by `by`.
+    async fn delay(&self, by: Duration);
+    /// Back to normal.
+    async fn heal(&self);
+}
+
+/// Faults on the store's server.
+#[async_trait]
+pub trait ServerFaults: Send + Sync {
+    /// Freezes the server (SIGSTOP).
+    async fn pause(&self);
+    /// Thaws a paused server (SIGCONT).
+    async fn resume(&self);
+    /// Kills the server (SIGKILL) without restarting it.
+    async fn kill(&self);
+    /// Starts a killed server again on the same address and data directory.
+    async fn restart(&self);
+}

@@ -1,0 +1,443 @@
+//! PostgreSQL for tests: `initdb` into a temp dir and `postgres` on a free 127.0.0.1 port,
+//! run as the `postgres` OS user when the tests run as root. Creates the login role
+//! [`USER`] with password [`PASSWORD`] (SCRAM over TCP, so wrong-password tests work).
+//!
+//! The server runs with `fsync=off`: **tests only**. Data still survives
+//! [`PostgresServer::kill`] + [`PostgresServer::restart`] (the OS page cache keeps it), but
+//! not a machine crash.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use super::process::{ManagedProcess, Spec};
+use super::{HarnessError, Probe, find_binary, free_port, loopback, wait_until};
+
+/// The non-superuser login role that [`PostgresServer::url`] uses.
+pub const USER: &str = "distlock";
+/// The password of [`USER`].
+pub const PASSWORD: &str = "distlock-test-pw";
+/// The bootstrap superuser.
+pub const SUPERUSER: &str = "postgres";
+/// The TCP password of [`SUPERUSER`] (the Unix socket uses `trust`).
+pub const SUPERUSER_PASSWORD: &str = "distlock-superuser-test-pw";
+
+/// How long the server may take to accept queries after start or restart.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// Time limit for one `psql` run.
+const PSQL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The directory holding `postgres`, `initdb` and `psql`: `$DISTLOCK_PG_BINDIR` if set,
+/// else the newest `/usr/lib/postgresql/N/bin` that contains `postgres`.
+pub fn pg_bin_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("DISTLOCK_PG_BINDIR") {
+        return Some(PathBuf::from(dir));
+    }
+    let entries = std::fs::read_dir("/usr/lib/postgresql").ok()?;
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("postgres").is_file().then_some((version, bin))
+        })
+        .max_by_key(|(version, _)| *version)
+        .map(|(_, bin)| bin)
+}
+
+/// uid/gid of the `postgres` OS user when running as root (PostgreSQL refuses to run as
+/// root), `None` otherwise.
+fn run_as() -> Result<Option<(u32, u32)>, HarnessError> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(None);
+    }
+    let user = nix::unistd::User::from_name("postgres")
+        .map_err(|e| HarnessError::Setup(format!("looking up the `postgres` OS user: {e}")))?
+        .ok_or_else(|| {
+            HarnessError::Setup(
+                "running as root, PostgreSQL must run as the `postgres` OS user, which does \
+                 not exist (install the Debian package postgresql-15, which creates it)"
+                    .into(),
+            )
+        })?;
+    Ok(Some((user.uid.as_raw(), user.gid.as_raw())))
+}
+
+/// Runs a helper command to completion with a time limit, returning its stdout.
+async fn run(
+    mut cmd: tokio::process::Command,
+    command_line: String,
+    timeout: Duration,
+) -> Result<String, HarnessError> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let output = tokio::time::timeout(timeout, cmd.output())
+        .await
+        .map_err(|_| HarnessError::Timeout {
+            what: command_line.clone(),
+            after: timeout,
+        })?
+        .map_err(|e| HarnessError::io(format!("running {command_line}"), e))?;
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    if output.status.success() {
+        Ok(stdout)
+    } else {
+        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+        Err(HarnessError::CommandFailed {
+            command: command_line,
+            status: output.status.to_string(),
+            stderr: if stderr.trim().is_empty() {
+                stdout
+            } else {
+                stderr
+            },
+        })
+    }
+}
+
+/// Removes the single trailing newline psql prints.
+fn trim_output(mut s: String) -> String {
+    while s.ends_with('\n') || s.ends_with('\r') {
+        s.pop();
+    }
+    s
+}
+
+/// A PostgreSQL server on 127.0.0.1 with its own cluster directory; killed and removed on
+/// drop.
+#[derive(Debug)]
+pub struct PostgresServer {
+    // Field order matters: the process is killed before the directory is removed.
+    process: ManagedProcess,
+    port: u16,
+    psql: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl PostgresServer {
+    /// Runs `initdb` (UTF-8, C locale, `--auth-local=trust --auth-host=scram-sha-256`),
+    /// starts `postgres -c listen_addresses=127.0.0.1 -c fsync=off` (tests only) with its
+    /// Unix socket in the temp dir, waits until `select 1` works, then creates the role
+    /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
+    /// `postgres`) and gives [`SUPERUSER`] its TCP password.
+    pub async fn start() -> Result<Self, HarnessError> {
+        let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
+        let initdb = find_binary("initdb", &bin_dir)?;
+        let postgres = find_binary("postgres", &bin_dir)?;
+        let psql = find_binary("psql", &bin_dir)?;
+        let user = run_as()?;
+
+        let dir = super::temp_dir("distlock-pg-")?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+                .map_err(|e| HarnessError::io(format!("chmod 755 {}", dir.path().display()), e))?;
+        }
+        if let Some((uid, gid)) = user {
+            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).map_err(|e| {
+                HarnessError::io(
+                    format!("chown {} to the postgres user", dir.path().display()),
+                    e,
+                )
+            })?;
+        }
+        let data = dir.path().join("data");
+
+        let mut cmd = tokio::process::Command::new(&initdb);
+        cmd.arg("-D")
+            .arg(&data)
+            .args([
+                "-U",
+                SUPERUSER,
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ])
+            .env("LC_ALL", "C")
+            .current_dir(dir.path());
+        if let Some((uid, gid)) = user {
+            cmd.uid(uid).gid(gid);
+        }
+        run(
+            cmd,
+            format!("initdb -D {}", data.display()),
+            Duration::from_secs(120),
+        )
+        .await?;
+
+        let port = free_port()?;
+        let args: Vec<String> = vec![
+            "-D".into(),
+            data.display().to_string(),
+            "-p".into(),
+            port.to_string(),
+            "-k".into(),
+            dir.path().display().to_string(),
+            "-c".into(),
+            "listen_addresses=127.0.0.1".into(),
+            // Tests only: a machine crash could corrupt the cluster.
+            "-c".into(),
+            "fsync=off".into(),
+            "-c".into(),
+            "max_connections=200".into(),
+        ];
+        let spec = Spec {
+            what: format!("postgres on 127.0.0.1:{port}"),
+            program: postgres,
+            args: args.into_iter().map(Into::into).collect(),
+            envs: vec![("LC_ALL".into(), "C".into())],
+            cwd: dir.path().to_path_buf(),
+            user,
+            log: dir.path().join("postgres.log"),
+        };
+        let process = ManagedProcess::spawn(spec)?;
+        let server = PostgresServer {
+            process,
+            port,
+            psql,
+            dir,
+        };
+        server.wait_ready().await?;
+        server
+            .psql(&format!(
+                "CREATE ROLE {USER} LOGIN CREATEDB PASSWORD '{PASSWORD}'; \
+                 GRANT ALL ON SCHEMA public TO {USER}; \
+                 ALTER ROLE {SUPERUSER} PASSWORD '{SUPERUSER_PASSWORD}';"
+            ))
+            .await?;
+        Ok(server)
+    }
+
+    /// `postgres://distlock:distlock-test-pw@127.0.0.1:PORT/postgres`.
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://{USER}:{PASSWORD}@127.0.0.1:{}/postgres",
+            self.port
+        )
+    }
+
+    /// The same for the superuser [`SUPERUSER`] (over TCP, with [`SUPERUSER_PASSWORD`]).
+    pub fn superuser_url(&self) -> String {
+        format!(
+            "postgres://{SUPERUSER}:{SUPERUSER_PASSWORD}@127.0.0.1:{}/postgres",
+            self.port
+        )
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:PORT`, for example as the upstream of a [`super::proxy::FaultProxy`].
+    pub fn addr(&self) -> SocketAddr {
+        loopback(self.port)
+    }
+
+    /// The pid of the postmaster, `None` after [`kill`](Self::kill).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
+    }
+
+    /// The directory holding the Unix socket (`.s.PGSQL.PORT`).
+    pub fn socket_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// The data directory (`PGDATA`).
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    /// Freezes the postmaster and every backend with `SIGSTOP` (the whole process group):
+    /// open connections hang, new ones are not accepted.
+    pub fn pause(&self) -> Result<(), HarnessError> {
+        self.process.pause()
+    }
+
+    /// Continues a paused server with `SIGCONT`.
+    pub fn resume(&self) -> Result<(), HarnessError> {
+        self.process.resume()
+    }
+
+    /// Kills the postmaster and all backends with `SIGKILL` and waits for the postmaster.
+    /// Every session (and so every session-level advisory lock) is gone.
+    pub fn kill(&self) -> Result<(), HarnessError> {
+        self.process.kill()
+    }
+
+    /// Starts the server again on the same port and data dir (killing it first if it still
+    /// runs; crash recovery runs) and waits until `select 1` works.
+    pub async fn restart(&self) -> Result<(), HarnessError> {
+        self.process.respawn().await?;
+        self.wait_ready().await
+    }
+
+    /// True while the postmaster runs (also while paused).
+    pub fn is_running(&self) -> bool {
+        self.process.is_running()
+    }
+
+    /// True while the server is paused.
+    pub fn is_paused(&self) -> bool {
+        self.process.is_paused()
+    }
+
+    /// The last lines of the server log.
+    pub fn log_tail(&self) -> String {
+        self.process.log_tail()
+    }
+
+    /// Runs `sql` with `psql` as [`SUPERUSER`] over the Unix socket (trust) in database
+    /// `postgres`, stopping at the first error, and returns the unaligned, tuples-only
+    /// output (`|`-separated columns, one row per line).
+    pub async fn psql(&self, sql: &str) -> Result<String, HarnessError> {
+        let mut cmd = tokio::process::Command::new(&self.psql);
+        cmd.arg("-h")
+            .arg(self.dir.path())
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "-U",
+                SUPERUSER,
+                "-d",
+                "postgres",
+            ])
+            .args([
+                "-X",
+                "-q",
+                "-A",
+                "-t",
+                "-w",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-c",
+                sql,
+            ]);
+        run(cmd, format!("psql (socket) -c {sql:?}"), PSQL_TIMEOUT)
+            .await
+            .map(trim_output)
+    }
+
+    /// Runs `sql` with `psql` over TCP to 127.0.0.1 as `user` with `password` (SCRAM), for
+    /// authentication tests. Output as in [`psql`](Self::psql).
+    pub async fn psql_tcp(
+        &self,
+        user: &str,
+        password: &str,
+        sql: &str,
+    ) -> Result<String, HarnessError> {
+        let mut cmd = tokio::process::Command::new(&self.psql);
+        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", user])
+            .args(["-d", "postgres", "-X", "-q", "-A", "-t", "-w"])
+            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
+            .env("PGPASSWORD", password)
+            .env("PGCONNECT_TIMEOUT", "5");
+        run(
+            cmd,
+            format!("psql (tcp, user {user}) -c {sql:?}"),
+            PSQL_TIMEOUT,
+        )
+        .await
+        .map(trim_output)
+    }
+
+    async fn wait_ready(&self) -> Result<(), HarnessError> {
+        wait_until(
+            self.process.what(),
+            READY_TIMEOUT,
+            Duration::from_millis(50),
+            || async move {
+                if let Some(fatal) = self.process.check_alive() {
+                    return fatal;
+                }
+                if let Err(e) = tokio::net::TcpStream::connect(self.addr()).await {
+                    return Probe::NotYet(format!("TCP connect: {e}"));
+                }
+                match self.psql("select 1").await {
+                    Ok(out) if out == "1" => Probe::Ready(()),
+                    Ok(out) => Probe::NotYet(format!("select 1 returned {out:?}")),
+                    Err(e) => Probe::NotYet(e.to_string()),
+                }
+            },
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::require;
+
+    #[tokio::test]
+    async fn starts_authenticates_pauses_and_survives_restart() {
+        let pg = require(PostgresServer::start().await);
+        assert_eq!(require(pg.psql("select 1").await), "1");
+        assert_eq!(
+            pg.url(),
+            format!(
+                "postgres://distlock:distlock-test-pw@127.0.0.1:{}/postgres",
+                pg.port()
+            )
+        );
+        assert_eq!(
+            require(pg.psql("show fsync; show listen_addresses").await),
+            "off\n127.0.0.1"
+        );
+
+        // Password authentication over TCP: right password in, wrong password out.
+        assert_eq!(
+            require(pg.psql_tcp(USER, PASSWORD, "select current_user").await),
+            USER
+        );
+        assert_eq!(
+            require(
+                pg.psql_tcp(SUPERUSER, SUPERUSER_PASSWORD, "select current_user")
+                    .await
+            ),
+            SUPERUSER
+        );
+        match pg.psql_tcp(USER, "wrong-password", "select 1").await {
+            Err(HarnessError::CommandFailed { stderr, .. }) => {
+                assert!(
+                    stderr.contains("password authentication failed"),
+                    "{stderr}"
+                )
+            }
+            other => panic!("a wrong password must be rejected, got {other:?}"),
+        }
+        // The test role can create tables in the default database.
+        require(
+            pg.psql_tcp(
+                USER,
+                PASSWORD,
+                "create table t(x int); insert into t values (42)",
+            )
+            .await,
+        );
+
+        require(pg.pause());
+        let paused = tokio::time::timeout(Duration::from_millis(500), pg.psql("select 1")).await;
+        assert!(
+            paused.is_err(),
+            "a paused server must not answer: {paused:?}"
+        );
+        require(pg.resume());
+        assert_eq!(require(pg.psql("select 1").await), "1");
+
+        let pid = pg.pid();
+        require(pg.kill());
+        assert!(!pg.is_running());
+        assert!(pg.psql("select 1").await.is_err());
+        require(pg.restart().await);
+        assert!(pg.pid().is_some() && pg.pid() != pid);
+        assert_eq!(require(pg.psql("select x from t").await), "42");
+    }
+}

@@ -1,0 +1,794 @@
+//! `redis-server` for tests: a single node ([`RedisServer`]) or a 3-master Redis Cluster
+//! ([`RedisCluster`]), each node on a free 127.0.0.1 port with its own temp dir, plus a
+//! minimal raw-TCP RESP client ([`resp_command`]) so the harness does not depend on the
+//! `redis` crate.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use super::process::{ManagedProcess, Spec};
+use super::{
+    HarnessError, Probe, find_binary, free_port, free_port_with_bus, loopback, wait_until,
+};
+
+/// How long a single node may take to answer `PING` after start or restart.
+const READY_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a 3-node cluster may take to report `cluster_state:ok`.
+const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default time limit for one command sent by [`RedisServer::command`].
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// One RESP2 reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RespValue {
+    /// `+OK`-style status reply.
+    Simple(String),
+    /// `-ERR ...` error reply (the text after the `-`).
+    Error(String),
+    /// `:42` integer reply.
+    Integer(i64),
+    /// `$n` bulk string; `None` is the nil bulk string (`$-1`).
+    Bulk(Option<Vec<u8>>),
+    /// `*n` array; `None` is the nil array (`*-1`).
+    Array(Option<Vec<RespValue>>),
+}
+
+impl RespValue {
+    /// The reply as text, for simple strings, errors, integers and bulk strings.
+    pub fn as_text(&self) -> Option<String> {
+        match self {
+            RespValue::Simple(s) | RespValue::Error(s) => Some(s.clone()),
+            RespValue::Integer(i) => Some(i.to_string()),
+            RespValue::Bulk(Some(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+            RespValue::Bulk(None) | RespValue::Array(_) => None,
+        }
+    }
+
+    /// True for an error reply.
+    pub fn is_error(&self) -> bool {
+        matches!(self, RespValue::Error(_))
+    }
+}
+
+/// Parses one RESP value from the start of `buf`; `Ok(None)` when more bytes are needed.
+fn parse_resp(buf: &[u8]) -> Result<Option<(RespValue, usize)>, String> {
+    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
+        return Ok(None);
+    };
+    let Some((&kind, line)) = buf[..line_end].split_first() else {
+        return Err("empty RESP line".into());
+    };
+    let line = std::str::from_utf8(line).map_err(|e| format!("non-UTF-8 RESP header: {e}"))?;
+    let after = line_end + 2;
+    let int = || {
+        line.parse::<i64>()
+            .map_err(|e| format!("bad RESP integer {line:?}: {e}"))
+    };
+    match kind {
+        b'+' => Ok(Some((RespValue::Simple(line.to_string()), after))),
+        b'-' => Ok(Some((RespValue::Error(line.to_string()), after))),
+        b':' => Ok(Some((RespValue::Integer(int()?), after))),
+        b'$' => {
+            let len = int()?;
+            if len < 0 {
+                return Ok(Some((RespValue::Bulk(None), after)));
+            }
+            let len = len as usize;
+            if buf.len() < after + len + 2 {
+                return Ok(None);
+            }
+            let data = buf[after..after + len].to_vec();
+            Ok(Some((RespValue::Bulk(Some(data)), after + len + 2)))
+        }
+        b'*' => {
+            let len = int()?;
+            if len < 0 {
+                return Ok(Some((RespValue::Array(None), after)));
+            }
+            let mut items = Vec::with_capacity(len as usize);
+            let mut pos = after;
+            for _ in 0..len {
+                match parse_resp(&buf[pos..])? {
+                    Some((v, used)) => {
+                        items.push(v);
+                        pos += used;
+                    }
+                    None => return Ok(None),
+                }
+            }
+            Ok(Some((RespValue::Array(Some(items)), pos)))
+        }
+        other => Err(format!("unknown RESP type byte {:?}", other as char)),
+    }
+}
+
+fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
+    let mut out = format!("*{}\r\n", args.len()).into_bytes();
+    for a in args {
+        let a = a.as_ref();
+        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+        out.extend_from_slice(a);
+        out.extend_from_slice(b"\r\n");
+    }
+    out
+}
+
+async fn read_reply(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Result<RespValue, String> {
+    loop {
+        if let Some((value, used)) = parse_resp(buf)? {
+            buf.drain(..used);
+            return Ok(value);
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream
+            .read(&mut chunk)
+            .await
+            .map_err(|e| format!("read: {e}"))?;
+        if n == 0 {
+            return Err("connection closed before a full reply".into());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// Sends one command over a fresh TCP connection (after `AUTH password` when given) and
+/// returns the reply. An error reply is returned as `Ok(RespValue::Error(..))`, except a
+/// failed `AUTH`, which is a [`HarnessError::Protocol`].
+pub async fn resp_command<A: AsRef<[u8]>>(
+    addr: SocketAddr,
+    password: Option<&str>,
+    args: &[A],
+    timeout: Duration,
+) -> Result<RespValue, HarnessError> {
+    let name = args
+        .first()
+        .map(|a| String::from_utf8_lossy(a.as_ref()).into_owned())
+        .unwrap_or_default();
+    let what = format!("redis {name} on {addr}");
+    let fut = async {
+        let mut stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| HarnessError::io(format!("connecting for {what}"), e))?;
+        let mut buf = Vec::new();
+        if let Some(pw) = password {
+            stream
+                .write_all(&encode_command(&["AUTH", pw]))
+                .await
+                .map_err(|e| HarnessError::io(format!("sending AUTH for {what}"), e))?;
+            let reply = read_reply(&mut stream, &mut buf).await.map_err(|detail| {
+                HarnessError::Protocol {
+                    what: what.clone(),
+                    detail,
+                }
+            })?;
+            if reply.is_error() {
+                return Err(HarnessError::Protocol {
+                    what: what.clone(),
+                    detail: format!("AUTH failed: {reply:?}"),
+                });
+            }
+        }
+        stream
+            .write_all(&encode_command(args))
+            .await
+            .map_err(|e| HarnessError::io(format!("sending {what}"), e))?;
+        read_reply(&mut stream, &mut buf)
+            .await
+            .map_err(|detail| HarnessError::Protocol {
+                what: what.clone(),
+                detail,
+            })
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(HarnessError::Timeout {
+            what,
+            after: timeout,
+        }),
+    }
+}
+
+/// Percent-encodes `s` for the user-info part of a URL.
+fn url_escape(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// Options for a [`RedisServer`]; see [`RedisServer::builder`].
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct RedisServerBuilder {
+    appendonly: bool,
+    password: Option<String>,
+    cluster: bool,
+    extra_args: Vec<String>,
+}
+
+impl RedisServerBuilder {
+    /// Turns on the append-only file with `appendfsync always`, so acknowledged writes
+    /// survive [`RedisServer::kill`] + [`RedisServer::restart`]. Without it the server runs
+    /// with `--save ""` and loses everything on restart.
+    pub fn appendonly(mut self, on: bool) -> Self {
+        self.appendonly = on;
+        self
+    }
+
+    /// Requires this password (`requirepass`); `None` (the default) runs without one, with
+    /// protected mode off.
+    pub fn password(mut self, password: Option<&str>) -> Self {
+        self.password = password.map(str::to_string);
+        self
+    }
+
+    /// Appends raw command-line arguments, e.g. `["--maxmemory", "10mb"]`.
+    pub fn args<I, S>(mut self, args: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.extra_args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    pub(crate) fn cluster(mut self, on: bool) -> Self {
+        self.cluster = on;
+        self
+    }
+
+    /// Starts the server and waits until it answers `PING` with `+PONG`.
+    pub async fn start(self) -> Result<RedisServer, HarnessError> {
+        let program = find_binary("redis-server", &[])?;
+        let port = if self.cluster {
+            free_port_with_bus()?
+        } else {
+            free_port()?
+        };
+        let dir = super::temp_dir("distlock-redis-")?;
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--dir".into(),
+            dir.path().display().to_string(),
+            "--daemonize".into(),
+            "no".into(),
+            "--logfile".into(),
+            String::new(),
+        ];
+        if self.appendonly {
+            args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
+        } else {
+            args.extend(["--save".to_string(), String::new()]);
+            args.extend(["--appendonly", "no"].map(String::from));
+        }
+        match &self.password {
+            Some(pw) => args.extend(["--requirepass".to_string(), pw.clone()]),
+            None => args.extend(["--protected-mode", "no"].map(String::from)),
+        }
+        if self.cluster {
+            args.extend(
+                [
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                ]
+                .map(String::from),
+            );
+        }
+        args.extend(self.extra_args.iter().cloned());
+        let spec = Spec {
+            what: format!(
+                "redis-server{} on 127.0.0.1:{port}",
+                if self.cluster { " (cluster node)" } else { "" }
+            ),
+            program,
+            args: args.into_iter().map(Into::into).collect(),
+            envs: Vec::new(),
+            cwd: dir.path().to_path_buf(),
+            user: None,
+            log: dir.path().join("redis.log"),
+        };
+        let process = ManagedProcess::spawn(spec)?;
+        let server = RedisServer {
+            process,
+            port,
+            password: self.password,
+            dir,
+        };
+        server.wait_ready().await?;
+        Ok(server)
+    }
+}
+
+/// A `redis-server` process on 127.0.0.1 with its own temp dir; killed and removed on drop.
+#[derive(Debug)]
+pub struct RedisServer {
+    // Field order matters: the process is killed before the directory is removed.
+    process: ManagedProcess,
+    port: u16,
+    password: Option<String>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts a single node with default options (no persistence, no password).
+    pub async fn start() -> Result<Self, HarnessError> {
+        Self::builder().start().await
+    }
+
+    /// Options: append-only persistence, password, extra arguments.
+    pub fn builder() -> RedisServerBuilder {
+        RedisServerBuilder::default()
+    }
+
+    /// `redis://127.0.0.1:PORT/`, or `redis://:PASSWORD@127.0.0.1:PORT/` with a password.
+    pub fn url(&self) -> String {
+        match &self.password {
+            Some(pw) => format!("redis://:{}@127.0.0.1:{}/", url_escape(pw), self.port),
+            None => format!("redis://127.0.0.1:{}/", self.port),
+        }
+    }
+
+    /// The TCP port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `127.0.0.1:PORT`, for example as the upstream of a [`super::proxy::FaultProxy`].
+    pub fn addr(&self) -> SocketAddr {
+        loopback(self.port)
+    }
+
+    /// The password, if the server requires one.
+    pub fn password(&self) -> Option<&str> {
+        self.password.as_deref()
+    }
+
+    /// The pid of the running server process, `None` after [`kill`](Self::kill).
+    pub fn pid(&self) -> Option<u32> {
+        self.process.pid()
+    }
+
+    /// The server's working directory (RDB/AOF files, `nodes.conf`, `redis.log`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Freezes the server with `SIGSTOP`: connections stay open, nothing is answered.
+    pub fn pause(&self) -> Result<(), HarnessError> {
+        self.process.pause()
+    }
+
+    /// Continues a paused server with `SIGCONT`.
+    pub fn resume(&self) -> Result<(), HarnessError> {
+        self.process.resume()
+    }
+
+    /// Kills the server with `SIGKILL` (no shutdown save) and waits for it to exit.
+    pub fn kill(&self) -> Result<(), HarnessError> {
+        self.process.kill()
+    }
+
+    /// Starts the server again on the same port with the same directory and options (killing
+    /// it first if it still runs) and waits until it answers `PING`. Data survives only with
+    /// [`RedisServerBuilder::appendonly`].
+    pub async fn restart(&self) -> Result<(), HarnessError> {
+        self.process.respawn().await?;
+        self.wait_ready().await
+    }
+
+    /// True while the process runs (also while paused).
+    pub fn is_running(&self) -> bool {
+        self.process.is_running()
+    }
+
+    /// True while the server is paused.
+    pub fn is_paused(&self) -> bool {
+        self.process.is_paused()
+    }
+
+    /// The last lines of the server log.
+    pub fn log_tail(&self) -> String {
+        self.process.log_tail()
+    }
+
+    /// Sends one command (authenticating when a password is set), waiting at most
+    /// [`COMMAND_TIMEOUT`].
+    pub async fn command<A: AsRef<[u8]>>(&self, args: &[A]) -> Result<RespValue, HarnessError> {
+        self.command_timeout(args, COMMAND_TIMEOUT).await
+    }
+
+    /// Like [`command`](Self::command) with an explicit time limit.
+    pub async fn command_timeout<A: AsRef<[u8]>>(
+        &self,
+        args: &[A],
+        timeout: Duration,
+    ) -> Result<RespValue, HarnessError> {
+        resp_command(self.addr(), self.password.as_deref(), args, timeout).await
+    }
+
+    async fn wait_ready(&self) -> Result<(), HarnessError> {
+        let addr = self.addr();
+        let password = self.password.as_deref();
+        wait_until(
+            self.process.what(),
+            READY_TIMEOUT,
+            Duration::from_millis(20),
+            || async move {
+                if let Some(fatal) = self.process.check_alive() {
+                    return fatal;
+                }
+                match resp_command(addr, password, &["PING"], Duration::from_secs(2)).await {
+                    Ok(RespValue::Simple(s)) if s == "PONG" => Probe::Ready(()),
+                    Ok(other) => Probe::NotYet(format!("PING answered {other:?}")),
+                    Err(e) => Probe::NotYet(e.to_string()),
+                }
+            },
+        )
+        .await
+    }
+}
+
+/// The Redis Cluster hash slot of `key` (CRC16/XMODEM mod 16384, honouring `{hash tags}`).
+pub fn key_slot(key: &[u8]) -> u16 {
+    let hashed = match key.iter().position(|&b| b == b'{') {
+        Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
+            Some(len) if len > 0 => &key[open + 1..open + 1 + len],
+            _ => key,
+        },
+        None => key,
+    };
+    let mut crc: u16 = 0;
+    for &byte in hashed {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+/// A Redis Cluster of 3 masters (no replicas) on 127.0.0.1, formed with
+/// `redis-cli --cluster create`. Each node is a [`RedisServer`] with its own directory
+/// (holding `nodes.conf`, so a restarted node rejoins with its identity and slots).
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts 3 cluster-enabled masters (`--cluster-node-timeout 2000`), assigns all slots
+    /// with `redis-cli --cluster create`, and waits until every node reports
+    /// `cluster_state:ok`.
+    pub async fn start() -> Result<Self, HarnessError> {
+        let redis_cli = find_binary("redis-cli", &[])?;
+        let mut nodes = Vec::with_capacity(3);
+        for _ in 0..3 {
+            nodes.push(RedisServer::builder().cluster(true).start().await?);
+        }
+        let mut cmd = tokio::process::Command::new(&redis_cli);
+        cmd.arg("--cluster").arg("create");
+        for node in &nodes {
+            cmd.arg(format!("127.0.0.1:{}", node.port()));
+        }
+        cmd.args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let command_line = format!("redis-cli --cluster create ({:?})", cluster_ports(&nodes));
+        let output = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .map_err(|_| HarnessError::Timeout {
+                what: command_line.clone(),
+                after: Duration::from_secs(60),
+            })?
+            .map_err(|e| HarnessError::io(format!("running {command_line}"), e))?;
+        if !output.status.success() {
+            return Err(HarnessError::CommandFailed {
+                command: command_line,
+                status: output.status.to_string(),
+                stderr: format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&output.stderr),
+                    String::from_utf8_lossy(&output.stdout)
+                ),
+            });
+        }
+        let cluster = RedisCluster { nodes };
+        cluster.wait_healthy(CLUSTER_TIMEOUT).await?;
+        Ok(cluster)
+    }
+
+    /// The nodes, in start order (node 0 holds the lowest slots after creation).
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
+    }
+
+    /// `redis://127.0.0.1:PORT/` for every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The client ports of the masters.
+    pub fn master_ports(&self) -> Vec<u16> {
+        cluster_ports(&self.nodes)
+    }
+
+    /// Waits until every running, unpaused node reports `cluster_state:ok` in
+    /// `CLUSTER INFO` (for example after [`RedisServer::restart`] of a node).
+    pub async fn wait_healthy(&self, timeout: Duration) -> Result<(), HarnessError> {
+        let ports = self.master_ports();
+        wait_until(
+            &format!("redis cluster on ports {ports:?}"),
+            timeout,
+            Duration::from_millis(50),
+            || async move {
+                for node in &self.nodes {
+                    if !node.is_running() || node.is_paused() {
+                        continue;
+                    }
+                    match node
+                        .command_timeout(&["CLUSTER", "INFO"], Duration::from_secs(2))
+                        .await
+                    {
+                        Ok(reply) => {
+                            let text = reply.as_text().unwrap_or_default();
+                            if !text.contains("cluster_state:ok") {
+                                return Probe::NotYet(format!(
+                                    "node {} not ok: {}",
+                                    node.port(),
+                                    text.lines().next().unwrap_or("")
+                                ));
+                            }
+                        }
+                        Err(e) => return Probe::NotYet(e.to_string()),
+                    }
+                }
+                Probe::Ready(())
+            },
+        )
+        .await
+    }
+
+    /// The node that serves `slot`, according to `CLUSTER SLOTS` asked of the first running,
+    /// unpaused node.
+    pub async fn node_for_slot(&self, slot: u16) -> Result<&RedisServer, HarnessError> {
+        let mut last = HarnessError::Setup("no running, unpaused cluster node to ask".into());
+        for node in self
+            .nodes
+            .iter()
+            .filter(|n| n.is_running() && !n.is_paused())
+        {
+            let reply = match node.command(&["CLUSTER", "SLOTS"]).await {
+                Ok(r) => r,
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            let port = slot_owner_port(&reply, slot).ok_or_else(|| HarnessError::Protocol {
+                what: format!("CLUSTER SLOTS on {}", node.port()),
+                detail: format!("no owner for slot {slot} in {reply:?}"),
+            })?;
+            return self.nodes.iter().find(|n| n.port() == port).ok_or_else(|| {
+                HarnessError::Setup(format!("slot {slot} is served by unknown port {port}"))
+            });
+        }
+        Err(last)
+    }
+
+    /// The node that serves `key` (see [`key_slot`]).
+    pub async fn node_for_key(&self, key: &[u8]) -> Result<&RedisServer, HarnessError> {
+        self.node_for_slot(key_slot(key)).await
+    }
+}
+
+fn cluster_ports(nodes: &[RedisServer]) -> Vec<u16> {
+    nodes.iter().map(RedisServer::port).collect()
+}
+
+/// Finds the master port for `slot` in a `CLUSTER SLOTS` reply:
+/// `[[start, end, [ip, port, id, ..], replicas..], ..]`.
+fn slot_owner_port(reply: &RespValue, slot: u16) -> Option<u16> {
+    let RespValue::Array(Some(ranges)) = reply else {
+        return None;
+    };
+    ranges.iter().find_map(|range| {
+        let RespValue::Array(Some(items)) = range else {
+            return None;
+        };
+        match items.as_slice() {
+            [
+                RespValue::Integer(start),
+                RespValue::Integer(end),
+                RespValue::Array(Some(master)),
+                ..,
+            ] if (*start..=*end).contains(&i64::from(slot)) => match master.get(1) {
+                Some(RespValue::Integer(port)) => u16::try_from(*port).ok(),
+                _ => None,
+            },
+            _ => None,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::require;
+
+    fn text(v: RespValue) -> Option<String> {
+        v.as_text()
+    }
+
+    #[test]
+    fn resp_parser_handles_all_types_and_partial_input() {
+        let buf = b"*3\r\n+OK\r\n:-7\r\n$5\r\nhello\r\n";
+        let (v, used) = parse_resp(buf).unwrap().unwrap();
+        assert_eq!(used, buf.len());
+        assert_eq!(
+            v,
+            RespValue::Array(Some(vec![
+                RespValue::Simple("OK".into()),
+                RespValue::Integer(-7),
+                RespValue::Bulk(Some(b"hello".to_vec())),
+            ]))
+        );
+        assert_eq!(parse_resp(b"$5\r\nhel").unwrap(), None);
+        assert_eq!(parse_resp(b"*2\r\n+OK\r\n").unwrap(), None);
+        assert_eq!(
+            parse_resp(b"$-1\r\n").unwrap(),
+            Some((RespValue::Bulk(None), 5))
+        );
+        assert!(parse_resp(b"?x\r\n").is_err());
+    }
+
+    #[test]
+    fn key_slots_match_redis() {
+        // Values from CLUSTER KEYSLOT.
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"bar"), 5061);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
+        assert_ne!(key_slot(b"foo{}{bar}"), key_slot(b"bar"));
+    }
+
+    #[tokio::test]
+    async fn single_node_pause_resume_and_restart_loses_data() {
+        let redis = require(RedisServer::start().await);
+        assert_eq!(redis.url(), format!("redis://127.0.0.1:{}/", redis.port()));
+        let pid = redis.pid().expect("running");
+        assert_eq!(
+            text(require(redis.command(&["SET", "k", "v1"]).await)).as_deref(),
+            Some("OK")
+        );
+        assert_eq!(
+            text(require(redis.command(&["GET", "k"]).await)).as_deref(),
+            Some("v1")
+        );
+        // The server really runs with our options.
+        let reply = require(redis.command(&["CONFIG", "GET", "bind"]).await);
+        let RespValue::Array(Some(items)) = &reply else {
+            panic!("{reply:?}")
+        };
+        assert_eq!(items[1].as_text().as_deref(), Some("127.0.0.1"));
+
+        require(redis.pause());
+        assert!(redis.is_paused() && redis.is_running());
+        let err = redis
+            .command_timeout(&["PING"], Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, HarnessError::Timeout { .. }), "{err}");
+        require(redis.resume());
+        assert_eq!(
+            text(require(redis.command(&["PING"]).await)).as_deref(),
+            Some("PONG")
+        );
+
+        require(redis.kill());
+        assert!(!redis.is_running());
+        assert!(redis.pid().is_none());
+        assert!(redis.command(&["PING"]).await.is_err());
+        require(redis.restart().await);
+        assert_ne!(redis.pid(), Some(pid));
+        assert_eq!(
+            require(redis.command(&["GET", "k"]).await),
+            RespValue::Bulk(None),
+            "no persistence: the key is gone after a restart"
+        );
+    }
+
+    #[tokio::test]
+    async fn appendonly_survives_kill_and_restart() {
+        let redis = require(RedisServer::builder().appendonly(true).start().await);
+        require(redis.command(&["SET", "durable", "yes"]).await);
+        require(redis.kill());
+        require(redis.restart().await);
+        assert_eq!(
+            text(require(redis.command(&["GET", "durable"]).await)).as_deref(),
+            Some("yes")
+        );
+    }
+
+    #[tokio::test]
+    async fn password_is_required() {
+        let redis = require(
+            RedisServer::builder()
+                .password(Some("s3cret/pw"))
+                .start()
+                .await,
+        );
+        assert_eq!(
+            redis.url(),
+            format!("redis://:s3cret%2Fpw@127.0.0.1:{}/", redis.port())
+        );
+        let anonymous =
+            require(resp_command(redis.addr(), None, &["GET", "x"], COMMAND_TIMEOUT).await);
+        assert!(
+            matches!(&anonymous, RespValue::Error(e) if e.starts_with("NOAUTH")),
+            "{anonymous:?}"
+        );
+        let wrong = resp_command(redis.addr(), Some("nope"), &["PING"], COMMAND_TIMEOUT).await;
+        assert!(
+            matches!(wrong, Err(HarnessError::Protocol { .. })),
+            "{wrong:?}"
+        );
+        assert_eq!(
+            text(require(redis.command(&["PING"]).await)).as_deref(),
+            Some("PONG")
+        );
+    }
+
+    #[tokio::test]
+    async fn three_master_cluster_is_ok_and_routes_slots() {
+        let cluster = require(RedisCluster::start().await);
+        assert_eq!(cluster.nodes().len(), 3);
+        assert_eq!(cluster.urls().len(), 3);
+        for node in cluster.nodes() {
+            let info = text(require(node.command(&["CLUSTER", "INFO"]).await)).unwrap();
+            assert!(info.contains("cluster_state:ok"), "{info}");
+            assert!(info.contains("cluster_known_nodes:3"), "{info}");
+        }
+        let owner = require(cluster.node_for_key(b"foo").await);
+        assert_eq!(
+            text(require(owner.command(&["SET", "foo", "1"]).await)).as_deref(),
+            Some("OK")
+        );
+        let other = cluster
+            .nodes()
+            .iter()
+            .find(|n| n.port() != owner.port())
+            .unwrap();
+        let moved = require(other.command(&["SET", "foo", "1"]).await);
+        assert!(
+            matches!(&moved, RespValue::Error(e) if e.starts_with(&format!("MOVED {} 127.0.0.1:{}", key_slot(b"foo"), owner.port()))),
+            "{moved:?}"
+        );
+
+        // A killed node comes back with its slots (nodes.conf in its dir).
+        let victim = &cluster.nodes()[0];
+        require(victim.kill());
+        require(victim.restart().await);
+        require(cluster.wait_healthy(Duration::from_secs(30)).await);
+        let slot0 = require(cluster.node_for_slot(0).await);
+        assert_eq!(slot0.port(), victim.port());
+    }
+}

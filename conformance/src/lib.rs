@@ -1,0 +1,28 @@
+//! The conformance suite every distlock backend runs.
+//!
+//! - [`cases`]: one `pub async fn` per case, each taking a [`Factory`] of clients on the
+//!   store under test; [`CASES`] lists them all for runners such as `lockctl check`.
+//! - [`conformance_tests!`]: stamps one test per case for a backend.
+//! - [`history`]: the recorder every case writes its calls into, and the checker of the
+//!   invariants I1–I5.
+//! - [`memory`]: the factory over the in-memory reference backend; [`broken`]: a
+//!   deliberately wrong backend the suite must fail on.
+//! - [`harness`]: real servers (redis-server, etcd, PostgreSQL) on free loopback ports,
+//!   and a fault proxy.
+//!
+//! Cases use keys under a random per-run prefix (`conformance:<random>:<case>:...`), so
+//! several cases may share a server and a live deployment is only touched under that
+//! prefix; they release what they take. A case is skipped only when the backend does not
+//! declare what it needs (inspection, link faults), never because a server is missing.
+
+pub mod broken;
+pub mod cases;
+pub mod factory;
+pub mod harness;
+pub mod history;
+mod macros;
+pub mod memory;
+pub mod suite;
+
+pub use factory::{Factory, LinkFaults, ServerFaults};
+pub use suite::{CASES, Case, CaseReport, Failure, Outcome, run_all};

@@ -1,0 +1,108 @@
+//! [`MemoryFactory`]: the suite's factory over the in-memory reference backend, with
+//! link faults mapped onto the backend's fault knobs.
+//!
+//! A [`MemoryBackend`] keeps its state inside the instance, so two instances never share
+//! a store. The factory therefore hands out the *same* instance from every
+//! [`Factory::backend`] call: all "clients" of one factory share one store, as clients of
+//! one Redis server do. Cases that need a lease from another backend instance (the
+//! `ForeignLease` checks) do not rely on the factory for it: they build one with a fresh
+//! [`lock_api::BackendId`], which is what a lease from another instance looks like to a
+//! backend; where a factory does hand out distinct instances, the case checks real
+//! leases across them too.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::memory::MemoryBackend;
+use lock_api::{Instrumented, LockBackend};
+
+use crate::factory::{Factory, LinkFaults};
+
+/// How the factory hands the backend to the cases.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Layer {
+    /// The `MemoryBackend` itself, as `Arc<dyn LockBackend>`.
+    Direct,
+    /// Behind `lock_api::Instrumented`, i.e. through a second `Arc<dyn LockBackend>`.
+    Instrumented,
+}
+
+/// A factory whose clients all share one [`MemoryBackend`].
+#[derive(Debug, Clone)]
+pub struct MemoryFactory {
+    backend: Arc<MemoryBackend>,
+    layer: Layer,
+}
+
+impl Default for MemoryFactory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryFactory {
+    /// Clients are the backend itself.
+    pub fn new() -> Self {
+        Self {
+            backend: Arc::new(MemoryBackend::new()),
+            layer: Layer::Direct,
+        }
+    }
+
+    /// Clients reach the backend through `Instrumented`, one more `Arc<dyn LockBackend>`
+    /// layer, as a [`lock_api::Locker`] does.
+    pub fn instrumented() -> Self {
+        Self {
+            layer: Layer::Instrumented,
+            ..Self::new()
+        }
+    }
+
+    /// The shared backend, e.g. to turn its fault knobs.
+    pub fn memory(&self) -> &Arc<MemoryBackend> {
+        &self.backend
+    }
+}
+
+#[async_trait]
+impl Factory for MemoryFactory {
+    fn name(&self) -> &str {
+        match self.layer {
+            Layer::Direct => "memory",
+            Layer::Instrumented => "memory (instrumented, dyn)",
+        }
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        let direct: Arc<dyn LockBackend> = self.backend.clone();
+        match self.layer {
+            Layer::Direct => direct,
+            Layer::Instrumented => Arc::new(Instrumented::new(direct)),
+        }
+    }
+
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        Some(Arc::new(MemoryLink(self.backend.clone())))
+    }
+}
+
+/// Link faults of a [`MemoryFactory`]: a cut makes every call hang without reaching the
+/// store (a blackhole), a delay slows every call before it reaches the store.
+#[derive(Debug)]
+pub struct MemoryLink(Arc<MemoryBackend>);
+
+#[async_trait]
+impl LinkFaults for MemoryLink {
+    async fn cut(&self) {
+        self.0.faults().hang();
+    }
+
+    async fn delay(&self, by: Duration) {
+        self.0.faults().delay(by);
+    }
+
+    async fn heal(&self) {
+        self.0.faults().heal();
+    }
+}
