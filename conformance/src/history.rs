@@ -731,6 +731,7 @@ impl RecordingBackend {
         let (valid, reply) = match result {
             Ok(Renewal::Renewed { valid_until }) => (Some(*valid_until), Reply::Renewed),
             Ok(Renewal::Lost) => (None, Reply::Lost),
+            Ok(Renewal::Unreachable) => (None, Reply::Error("unreachable".into())),
             Err(e) => (None, Reply::Error(e.to_string())),
         };
         self.record_lease(Op::Renew, lease, invoked, valid, reply);
@@ -745,6 +746,7 @@ impl RecordingBackend {
         let reply = match result {
             Ok(Release::Released) => Reply::Released,
             Ok(Release::NotHeld) => Reply::NotHeld,
+            Ok(Release::Unreachable) => Reply::Error("unreachable".into()),
             Err(e) => Reply::Error(e.to_string()),
         };
         self.record_lease(Op::Release, lease, invoked, None, reply);

@@ -42,7 +42,10 @@ use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
 ///   [`LockError::OutcomeUnknown`] (or cleans up with an owner-checked release); it never
 ///   reports a lease it cannot prove was granted.
 /// - **Batches.** The `*_many` forms return one result per input, in order, each equal to
-///   what the single form would have returned.
+///   what the single form would have returned. Where the store is partitioned (a cluster)
+///   and only part of it answers, the items it could not ask are
+///   [`Renewal::Unreachable`] / [`Release::Unreachable`] (for acquire, `None`) rather than
+///   failing the whole batch; the single forms return an error in that case.
 #[async_trait]
 pub trait LockBackend: Send + Sync + Debug + 'static {
     /// A short name for logs and metrics (`"memory"`, `"redis"`, ...).

@@ -48,11 +48,14 @@ impl Instrumented {
                 .increment(count as u64);
             return;
         };
-        let lost = renewals.iter().filter(|r| **r == Renewal::Lost).count();
-        metrics::counter!(RENEW_TOTAL, "backend" => backend, "outcome" => "renewed")
-            .increment((renewals.len() - lost) as u64);
-        metrics::counter!(RENEW_TOTAL, "backend" => backend, "outcome" => "lost")
-            .increment(lost as u64);
+        let count_of = |wanted: fn(&Renewal) -> bool| renewals.iter().filter(|r| wanted(r)).count();
+        let renewed = count_of(|r| matches!(r, Renewal::Renewed { .. }));
+        let lost = count_of(|r| matches!(r, Renewal::Lost));
+        let unreachable = count_of(|r| matches!(r, Renewal::Unreachable));
+        for (outcome, n) in [("renewed", renewed), ("lost", lost), ("error", unreachable)] {
+            metrics::counter!(RENEW_TOTAL, "backend" => backend, "outcome" => outcome)
+                .increment(n as u64);
+        }
     }
 }
 

@@ -144,6 +144,10 @@ pub enum Renewal {
     },
     /// The lease had expired or belongs to someone else: nothing was extended.
     Lost,
+    /// Batch forms only: the part of the store that keeps this lease (a cluster node) did
+    /// not answer, so nothing is known. The watchdog retries it, as after a transient error,
+    /// until its `valid_until`. The single form returns an error instead.
+    Unreachable,
 }
 
 /// The outcome of a release.
@@ -153,6 +157,10 @@ pub enum Release {
     Released,
     /// The lease was no longer held (expired, taken over, or already released); nothing changed.
     NotHeld,
+    /// Batch forms only: the part of the store that keeps this lease did not answer; it
+    /// may still be held and frees itself when its TTL runs out. The single form returns
+    /// an error instead.
+    Unreachable,
 }
 
 /// The outcome of a fence check.

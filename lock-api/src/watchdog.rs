@@ -277,6 +277,7 @@ impl Watchdog {
                             state.mark_lost();
                             self.unregister(id);
                         }
+                        Renewal::Unreachable => self.retry_later(id, &lease, &state, now),
                     }
                 }
             }
@@ -288,17 +289,22 @@ impl Watchdog {
                 };
                 warn!(backend = self.backend.name(), leases = leases.len(), error = %why, "renewal failed; retrying until the leases run out");
                 for (id, lease, state) in batch {
-                    let valid_until = state.valid_until();
-                    if now >= valid_until {
-                        state.mark_lost();
-                        self.unregister(id);
-                    } else {
-                        let retry =
-                            (self.interval(lease.ttl()) / 4).min(Duration::from_millis(500));
-                        self.reschedule(id, (now + retry).min(valid_until));
-                    }
+                    self.retry_later(id, &lease, &state, now);
                 }
             }
+        }
+    }
+
+    /// After a transient failure: try again soon, or give the lease up once its local
+    /// deadline has passed.
+    fn retry_later(&self, id: u64, lease: &Lease, state: &LeaseState, now: Instant) {
+        let valid_until = state.valid_until();
+        if now >= valid_until {
+            state.mark_lost();
+            self.unregister(id);
+        } else {
+            let retry = (self.interval(lease.ttl()) / 4).min(Duration::from_millis(500));
+            self.reschedule(id, (now + retry).min(valid_until));
         }
     }
 }

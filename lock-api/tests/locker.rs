@@ -24,6 +24,7 @@ struct Spy {
     renew_many_calls: AtomicUsize,
     renewed_leases: AtomicUsize,
     lose_renewals: AtomicBool,
+    unreachable_renewals: AtomicUsize,
 }
 
 #[async_trait]
@@ -52,6 +53,12 @@ impl LockBackend for Spy {
             .fetch_add(leases.len(), Ordering::SeqCst);
         if self.lose_renewals.load(Ordering::SeqCst) {
             return Ok(vec![Renewal::Lost; leases.len()]);
+        }
+        let unreachable =
+            self.unreachable_renewals
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if unreachable.is_ok() {
+            return Ok(vec![Renewal::Unreachable; leases.len()]);
         }
         self.inner.renew_many(leases).await
     }
@@ -146,6 +153,30 @@ async fn transient_renewal_errors_are_retried() {
         guard.is_held(),
         "two failed renewals should have been retried"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unreachable_items_of_a_batch_are_retried_not_lost() {
+    let spy = Arc::new(Spy::default());
+    let locker = locker(spy.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    spy.unreachable_renewals.store(3, Ordering::SeqCst);
+    sleep(TTL * 2).await;
+    assert!(guard.is_held(), "an unreachable item was treated as lost");
+    assert!(spy.renew_many_calls.load(Ordering::SeqCst) >= 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_item_unreachable_until_valid_until_is_lost() {
+    let spy = Arc::new(Spy::default());
+    let locker = locker(spy.clone());
+    let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
+    spy.unreachable_renewals.store(usize::MAX, Ordering::SeqCst);
+    let deadline = guard.valid_until();
+    guard.lost().await;
+    assert!(Instant::now() <= deadline);
+    sleep(Duration::from_millis(10)).await;
+    assert_eq!(locker.held(), 0);
 }
 
 #[tokio::test(start_paused = true)]

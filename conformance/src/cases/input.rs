@@ -212,7 +212,7 @@ pub async fn validity_counts_from_the_send_instant(
                 "the renewal's valid_until at most its send instant plus the TTL",
                 || format!("{:?} past it", valid_until - (renew_sent + t.ttl)),
             )?,
-            Renewal::Lost => return Err(ctx.fail("a held lease to renew", "Lost")),
+            other => return Err(ctx.fail("a held lease to renew", format!("{other:?}"))),
         }
     }
     let released = ctx.ok("release", a.release(&lease).await)?;

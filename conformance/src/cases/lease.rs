@@ -26,17 +26,18 @@ pub async fn acquire_excludes_others(factory: &dyn Factory) -> Result<Outcome, F
     let results = join_all((0..16).map(|i| {
         let client = if i % 2 == 0 { a.clone() } else { b.clone() };
         let race = race.clone();
-        async move { client.acquire(&race, t.ttl).await }
+        async move { (client.clone(), client.acquire(&race, t.ttl).await) }
     }))
     .await;
     let mut winners = Vec::new();
-    for result in results {
+    for (client, result) in results {
         if let Some(lease) = ctx.ok("a concurrent acquire", result)? {
-            winners.push(lease);
+            winners.push((client, lease));
         }
     }
-    for winner in &winners {
-        release_held(&ctx, &a, winner).await?;
+    // Each winner is released through the client that was granted it.
+    for (client, winner) in &winners {
+        release_held(&ctx, client, winner).await?;
     }
     ctx.ensure(
         winners.len() == 1,
@@ -349,8 +350,8 @@ pub async fn renew_extends_and_keeps_token(factory: &dyn Factory) -> Result<Outc
                 )?;
                 valid = valid_until;
             }
-            Renewal::Lost => {
-                return Err(ctx.fail("a held lease to renew", "Lost"));
+            other => {
+                return Err(ctx.fail("a held lease to renew", format!("{other:?}")));
             }
         }
     }

@@ -7,8 +7,12 @@
 //! * binds `127.0.0.1` only, on a port picked by [`free_port`] (or [`free_port_with_bus`]
 //!   for Redis Cluster nodes, whose cluster bus listens on `port + 10000`);
 //! * gets its own [`tempfile::TempDir`], removed when the server value is dropped;
-//! * runs in its own process group, so `pause()` / `resume()` / `kill()` reach every process
-//!   of the server (PostgreSQL forks one backend per connection);
+//! * runs in its own process group, and `pause()` / `resume()` / `kill()` reach every process
+//!   of the server's tree (PostgreSQL forks one backend per connection, each in its own
+//!   session); `pause()` returns only once every thread of the tree is stopped;
+//! * is checked to be *this* server when probed (Redis `process_id`, etcd peer URL,
+//!   PostgreSQL socket in its own dir), and is started again on fresh ports when another
+//!   process took its port first;
 //! * is killed with `SIGKILL` and reaped when its value is dropped (also on a test panic,
 //!   which unwinds). A test process that is itself `SIGKILL`ed leaves its servers running:
 //!   there is no safe way to ask the kernel for a parent-death signal without `unsafe`.
@@ -383,6 +387,18 @@ pub async fn http_request(
     }
 }
 
+/// How many times a server start is retried with fresh ports when its port was taken
+/// between [`free_port`] and the server's own bind (another process on the machine).
+pub(crate) const START_ATTEMPTS: usize = 3;
+
+/// True when `e` says the server could not bind its port because it was taken.
+pub(crate) fn is_port_clash(e: &HarnessError) -> bool {
+    match e {
+        HarnessError::Exited { log, .. } => log.to_lowercase().contains("address already in use"),
+        _ => false,
+    }
+}
+
 /// Creates a temporary directory under `/tmp` (every user can traverse it) with `prefix`.
 pub(crate) fn temp_dir(prefix: &str) -> Result<tempfile::TempDir, HarnessError> {
     tempfile::Builder::new()
@@ -427,6 +443,28 @@ mod tests {
             find_binary("sh", &[dir.path().to_path_buf()]).unwrap(),
             fake
         );
+    }
+
+    #[test]
+    fn port_clashes_are_recognised_from_server_logs() {
+        let exited = |log: &str| HarnessError::Exited {
+            what: "server".into(),
+            status: "exit status: 1".into(),
+            log: log.into(),
+        };
+        for log in [
+            "# Warning: Could not create server TCP listening socket 127.0.0.1:42779: bind: Address already in use",
+            "etcdmain: listen tcp 127.0.0.1:42779: bind: address already in use",
+            "LOG:  could not bind IPv4 address \"127.0.0.1\": Address already in use",
+        ] {
+            assert!(is_port_clash(&exited(log)), "{log}");
+        }
+        assert!(!is_port_clash(&exited(
+            "FATAL: data directory has wrong ownership"
+        )));
+        assert!(!is_port_clash(&HarnessError::Setup(
+            "address already in use".into()
+        )));
     }
 
     #[test]

@@ -12,7 +12,10 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use super::process::{ManagedProcess, Spec};
-use super::{HarnessError, Probe, find_binary, free_port, loopback, wait_until};
+use super::{
+    HarnessError, Probe, START_ATTEMPTS, find_binary, free_port, is_port_clash, loopback,
+    wait_until,
+};
 
 /// The non-superuser login role that [`PostgresServer::url`] uses.
 pub const USER: &str = "distlock";
@@ -124,6 +127,16 @@ impl PostgresServer {
     /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
     /// `postgres`) and gives [`SUPERUSER`] its TCP password.
     pub async fn start() -> Result<Self, HarnessError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once().await {
+                Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once() -> Result<Self, HarnessError> {
         let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         let initdb = find_binary("initdb", &bin_dir)?;
         let postgres = find_binary("postgres", &bin_dir)?;
@@ -421,6 +434,26 @@ mod tests {
                 "create table t(x int); insert into t values (42)",
             )
             .await,
+        );
+
+        // A session that is already open freezes too: backends run in their own sessions
+        // (setsid), so pausing must reach the whole process tree, not just the group.
+        let started = std::time::Instant::now();
+        let session = async {
+            let out = pg.psql("select pg_sleep(1); select 'done'").await;
+            (out, started.elapsed())
+        };
+        let freeze = async {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            require(pg.pause());
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            require(pg.resume());
+        };
+        let ((out, finished_after), ()) = tokio::join!(session, freeze);
+        assert_eq!(require(out), "\ndone");
+        assert!(
+            finished_after >= Duration::from_millis(1900),
+            "the open session kept running while paused: done after {finished_after:?}"
         );
 
         require(pg.pause());

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use nix::sys::signal::{Signal, killpg};
+use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use parking_lot::Mutex;
 
@@ -36,14 +36,21 @@ struct State {
     /// never signalled again.
     child: Option<Child>,
     paused: bool,
+    /// Processes of the tree killed last time; a restart waits until they are gone.
+    killed: Vec<u32>,
 }
 
-/// A server process in its own process group (pgid == pid).
+/// A server process in its own process group (pgid == pid). Signals reach the whole tree:
+/// the group and every descendant, also those that left the group (PostgreSQL backends
+/// call `setsid`).
 #[derive(Debug)]
 pub(crate) struct ManagedProcess {
     spec: Spec,
     state: Mutex<State>,
 }
+
+/// How long `pause()` waits for every thread of the tree to be stopped.
+const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl ManagedProcess {
     /// Spawns the process described by `spec`.
@@ -54,6 +61,7 @@ impl ManagedProcess {
             state: Mutex::new(State {
                 child: Some(child),
                 paused: false,
+                killed: Vec::new(),
             }),
         })
     }
@@ -79,61 +87,87 @@ impl ManagedProcess {
         st.child.is_some() && st.paused
     }
 
-    fn signal(&self, st: &mut State, sig: Signal) -> Result<(), HarnessError> {
+    fn leader(&self, st: &mut State, sig: Signal) -> Result<u32, HarnessError> {
         reap_if_exited(st);
-        let Some(child) = st.child.as_ref() else {
-            return Err(HarnessError::Setup(format!(
+        st.child.as_ref().map(Child::id).ok_or_else(|| {
+            HarnessError::Setup(format!(
                 "cannot send {sig} to {}: it is not running",
                 self.spec.what
-            )));
-        };
-        let pgid = Pid::from_raw(child.id() as i32);
-        killpg(pgid, sig).map_err(|source| HarnessError::Signal {
-            what: self.spec.what.clone(),
-            signal: sig.to_string(),
-            source,
+            ))
         })
     }
 
-    /// `SIGSTOP` to the whole process group.
-    pub fn pause(&self) -> Result<(), HarnessError> {
-        let mut st = self.state.lock();
-        self.signal(&mut st, Signal::SIGSTOP)?;
-        st.paused = true;
-        Ok(())
+    fn signal_error(&self, sig: Signal, source: nix::errno::Errno) -> HarnessError {
+        HarnessError::Signal {
+            what: self.spec.what.clone(),
+            signal: sig.to_string(),
+            source,
+        }
     }
 
-    /// `SIGCONT` to the whole process group.
+    /// `SIGSTOP` to the whole tree; returns once every thread of it is stopped.
+    pub fn pause(&self) -> Result<(), HarnessError> {
+        let mut st = self.state.lock();
+        let leader = self.leader(&mut st, Signal::SIGSTOP)?;
+        st.paused = true;
+        let deadline = std::time::Instant::now() + STOP_TIMEOUT;
+        loop {
+            // The group first: a stopped parent neither forks nor reaps, so the descendant
+            // pids read next stay valid.
+            killpg(Pid::from_raw(leader as i32), Signal::SIGSTOP)
+                .map_err(|e| self.signal_error(Signal::SIGSTOP, e))?;
+            let tree = process_tree(leader);
+            for &pid in &tree {
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGSTOP);
+            }
+            if tree.iter().all(|&pid| all_threads_stopped(pid)) {
+                return Ok(());
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(HarnessError::Setup(format!(
+                    "{} did not stop within {STOP_TIMEOUT:?} after SIGSTOP",
+                    self.spec.what
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// `SIGCONT` to the whole tree.
     pub fn resume(&self) -> Result<(), HarnessError> {
         let mut st = self.state.lock();
-        self.signal(&mut st, Signal::SIGCONT)?;
+        let leader = self.leader(&mut st, Signal::SIGCONT)?;
+        for pid in process_tree(leader) {
+            if pid != leader {
+                let _ = kill(Pid::from_raw(pid as i32), Signal::SIGCONT);
+            }
+        }
+        killpg(Pid::from_raw(leader as i32), Signal::SIGCONT)
+            .map_err(|e| self.signal_error(Signal::SIGCONT, e))?;
         st.paused = false;
         Ok(())
     }
 
-    /// `SIGKILL` to the whole process group, then reaps the group leader. Killing a process
-    /// that is not running is not an error.
+    /// `SIGKILL` to the whole tree, then reaps the leader. Killing a process that is not
+    /// running is not an error.
     pub fn kill(&self) -> Result<(), HarnessError> {
         let mut st = self.state.lock();
         kill_and_reap(&mut st, &self.spec.what)
     }
 
-    /// Kills the process if it runs, waits until every process of its old group is gone,
+    /// Kills the process if it runs, waits until every process of its old tree is gone,
     /// then starts the same command line again.
     pub async fn respawn(&self) -> Result<(), HarnessError> {
-        let old_pgid = {
+        let killed = {
             let mut st = self.state.lock();
-            let pgid = st.child.as_ref().map(Child::id);
             kill_and_reap(&mut st, &self.spec.what)?;
-            pgid
+            std::mem::take(&mut st.killed)
         };
-        if let Some(pgid) = old_pgid {
-            // Forked children (PostgreSQL backends) may still be exiting; they hold the
-            // shared memory and the port. Bounded wait.
-            let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-            while group_alive(pgid) && tokio::time::Instant::now() < deadline {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+        // Killed children (PostgreSQL backends) may still be exiting while they hold shared
+        // memory or a port. Bounded wait.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while killed.iter().any(|&pid| is_live(pid)) && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let child = start(&self.spec)?;
         let mut st = self.state.lock();
@@ -177,13 +211,11 @@ impl ManagedProcess {
 impl Drop for ManagedProcess {
     fn drop(&mut self) {
         let mut st = self.state.lock();
-        if let Some(child) = st.child.as_mut() {
-            if matches!(child.try_wait(), Ok(None)) {
-                let _ = killpg(Pid::from_raw(child.id() as i32), Signal::SIGKILL);
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            st.child = None;
+        let _ = kill_and_reap(&mut st, "");
+        if let Some(mut child) = st.child.take() {
+            // kill_and_reap failed half-way: make sure the leader at least is gone.
+            let _ = child.kill();
+            let _ = child.wait();
         }
     }
 }
@@ -229,43 +261,98 @@ fn reap_if_exited(st: &mut State) {
 
 fn kill_and_reap(st: &mut State, what: &str) -> Result<(), HarnessError> {
     reap_if_exited(st);
-    if let Some(mut child) = st.child.take() {
-        st.paused = false;
-        let pgid = Pid::from_raw(child.id() as i32);
-        killpg(pgid, Signal::SIGKILL).map_err(|source| HarnessError::Signal {
-            what: what.to_string(),
-            signal: "SIGKILL".into(),
-            source,
-        })?;
-        child
-            .wait()
-            .map_err(|e| HarnessError::io(format!("waiting for {what} to exit"), e))?;
+    let Some(child) = st.child.as_mut() else {
+        return Ok(());
+    };
+    let leader = child.id();
+    let pgid = Pid::from_raw(leader as i32);
+    let signal_error = |source| HarnessError::Signal {
+        what: what.to_string(),
+        signal: "SIGKILL".into(),
+        source,
+    };
+    // Freeze the group so nothing forks or reaps while the tree is read, then kill it all.
+    killpg(pgid, Signal::SIGSTOP).map_err(signal_error)?;
+    let tree = process_tree(leader);
+    for &pid in &tree {
+        if pid != leader {
+            let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+        }
     }
+    killpg(pgid, Signal::SIGKILL).map_err(signal_error)?;
+    child
+        .wait()
+        .map_err(|e| HarnessError::io(format!("waiting for {what} to exit"), e))?;
+    st.child = None;
+    st.paused = false;
+    st.killed = tree;
     Ok(())
 }
 
-/// True when a live (non-zombie) process in process group `pgid` exists.
-fn group_alive(pgid: u32) -> bool {
+/// One line of `/proc/PID/stat`: (state, ppid, pgrp).
+fn proc_stat(path: &str) -> Option<(char, u32, u32)> {
+    let stat = std::fs::read_to_string(path).ok()?;
+    // "pid (comm) state ppid pgrp ..." — comm may contain spaces, so split after ')'.
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    let ppid = fields.next()?.parse().ok()?;
+    let pgrp = fields.next()?.parse().ok()?;
+    Some((state, ppid, pgrp))
+}
+
+/// Every live process in `leader`'s process group plus every descendant of any of them,
+/// leader included.
+fn process_tree(leader: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
+        return vec![leader];
     };
-    entries.flatten().any(|entry| {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            return false;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            return false;
-        };
-        // "pid (comm) state ppid pgrp ..." — comm may contain spaces, so split after ')'.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let mut fields = rest.split_whitespace();
-        let state = fields.next();
-        let pgrp = fields.nth(1).and_then(|s| s.parse::<u32>().ok());
-        pgrp == Some(pgid) && state != Some("Z") && state != Some("X")
+    let procs: Vec<(u32, u32, u32)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let (_, ppid, pgrp) = proc_stat(&format!("/proc/{pid}/stat"))?;
+            Some((pid, ppid, pgrp))
+        })
+        .collect();
+    let mut tree: Vec<u32> = procs
+        .iter()
+        .filter(|&&(pid, _, pgrp)| pgrp == leader || pid == leader)
+        .map(|&(pid, _, _)| pid)
+        .collect();
+    if !tree.contains(&leader) {
+        tree.push(leader);
+    }
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        for &(pid, ppid, _) in &procs {
+            if ppid == parent && !tree.contains(&pid) {
+                tree.push(pid);
+            }
+        }
+        i += 1;
+    }
+    tree
+}
+
+/// True when every thread of `pid` is stopped (or the process is gone or a zombie).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return true;
+    };
+    tasks.flatten().all(|task| {
+        let path = task.path().join("stat");
+        match path.to_str().and_then(proc_stat) {
+            Some((state, _, _)) => matches!(state, 'T' | 't' | 'Z' | 'X'),
+            None => true,
+        }
     })
+}
+
+/// True when `pid` exists and is not a zombie.
+fn is_live(pid: u32) -> bool {
+    matches!(proc_stat(&format!("/proc/{pid}/stat")), Some((state, _, _)) if !matches!(state, 'Z' | 'X'))
 }
 
 /// The last ~40 lines (at most 8 KiB) of a log file.

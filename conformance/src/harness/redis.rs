@@ -12,7 +12,8 @@ use tokio::net::TcpStream;
 
 use super::process::{ManagedProcess, Spec};
 use super::{
-    HarnessError, Probe, find_binary, free_port, free_port_with_bus, loopback, wait_until,
+    HarnessError, Probe, START_ATTEMPTS, find_binary, free_port, free_port_with_bus, is_port_clash,
+    loopback, wait_until,
 };
 
 /// How long a single node may take to answer `PING` after start or restart.
@@ -245,8 +246,19 @@ impl RedisServerBuilder {
         self
     }
 
-    /// Starts the server and waits until it answers `PING` with `+PONG`.
+    /// Starts the server and waits until it answers `PING` with `+PONG` (and `INFO`
+    /// reports this process's pid).
     pub async fn start(self) -> Result<RedisServer, HarnessError> {
+        let mut attempt = 1;
+        loop {
+            match self.clone().start_once().await {
+                Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
+                result => return result,
+            }
+        }
+    }
+
+    async fn start_once(self) -> Result<RedisServer, HarnessError> {
         let program = find_binary("redis-server", &[])?;
         let port = if self.cluster {
             free_port_with_bus()?
@@ -433,9 +445,26 @@ impl RedisServer {
                     return fatal;
                 }
                 match resp_command(addr, password, &["PING"], Duration::from_secs(2)).await {
-                    Ok(RespValue::Simple(s)) if s == "PONG" => Probe::Ready(()),
-                    Ok(other) => Probe::NotYet(format!("PING answered {other:?}")),
-                    Err(e) => Probe::NotYet(e.to_string()),
+                    Ok(RespValue::Simple(s)) if s == "PONG" => {}
+                    Ok(other) => return Probe::NotYet(format!("PING answered {other:?}")),
+                    Err(e) => return Probe::NotYet(e.to_string()),
+                }
+                // Make sure the server on the port is ours, not another process's that took
+                // the port first (ours then exits: the next check_alive reports it).
+                let info =
+                    resp_command(addr, password, &["INFO", "server"], Duration::from_secs(2))
+                        .await
+                        .map(|reply| reply.as_text().unwrap_or_default());
+                let ours = self
+                    .process
+                    .pid()
+                    .map(|pid| format!("process_id:{pid}\r\n"));
+                match (info, ours) {
+                    (Ok(info), Some(ours)) if info.contains(&ours) => Probe::Ready(()),
+                    (Ok(_), _) => Probe::NotYet(format!(
+                        "another process answers on {addr} (process_id is not ours)"
+                    )),
+                    (Err(e), _) => Probe::NotYet(e.to_string()),
                 }
             },
         )
