@@ -1,14 +1,10 @@
 //! [`MemoryFactory`]: the suite's factory over the in-memory reference backend, with
 //! link faults mapped onto the backend's fault knobs.
 //!
-//! A [`MemoryBackend`] keeps its state inside the instance, so two instances never share
-//! a store. The factory therefore hands out the *same* instance from every
-//! [`Factory::backend`] call: all "clients" of one factory share one store, as clients of
-//! one Redis server do. Cases that need a lease from another backend instance (the
-//! `ForeignLease` checks) do not rely on the factory for it: they build one with a fresh
-//! [`lock_api::BackendId`], which is what a lease from another instance looks like to a
-//! backend; where a factory does hand out distinct instances, the case checks real
-//! leases across them too.
+//! Every [`Factory::backend`] call returns a new client of one shared store
+//! ([`MemoryBackend::client`]): the clients see the same locks and fault knobs but are
+//! separate backend instances, so a lease used with the wrong client is refused as
+//! foreign, as with two connections to one server.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +24,7 @@ enum Layer {
     Instrumented,
 }
 
-/// A factory whose clients all share one [`MemoryBackend`].
+/// A factory whose clients are separate instances sharing one in-memory store.
 #[derive(Debug, Clone)]
 pub struct MemoryFactory {
     backend: Arc<MemoryBackend>,
@@ -59,7 +55,7 @@ impl MemoryFactory {
         }
     }
 
-    /// The shared backend, e.g. to turn its fault knobs.
+    /// The first client of the shared store, e.g. to turn its fault knobs.
     pub fn memory(&self) -> &Arc<MemoryBackend> {
         &self.backend
     }
@@ -75,7 +71,7 @@ impl Factory for MemoryFactory {
     }
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
-        let direct: Arc<dyn LockBackend> = self.backend.clone();
+        let direct: Arc<dyn LockBackend> = Arc::new(self.backend.client());
         match self.layer {
             Layer::Direct => direct,
             Layer::Instrumented => Arc::new(Instrumented::new(direct)),

@@ -122,6 +122,11 @@ impl OwnerId {
         Self(rand::random())
     }
 
+    /// An owner id from its 128 bits, as stored by a backend.
+    pub fn from_u128(bits: u128) -> Self {
+        Self(bits)
+    }
+
     /// The 128 bits.
     pub fn as_u128(self) -> u128 {
         self.0

@@ -7,6 +7,7 @@
 //! watchdog and user code react.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -40,8 +41,8 @@ const NAME: &str = "memory";
 #[derive(Debug)]
 pub struct MemoryBackend {
     id: BackendId,
-    keys: Mutex<HashMap<LockKey, KeyState>>,
-    faults: Faults,
+    keys: Arc<Mutex<HashMap<LockKey, KeyState>>>,
+    faults: Arc<Faults>,
     capabilities: Capabilities,
 }
 
@@ -93,13 +94,25 @@ impl MemoryBackend {
     pub fn with_capabilities(capabilities: Capabilities) -> Self {
         Self {
             id: BackendId::next(),
-            keys: Mutex::new(HashMap::new()),
-            faults: Faults::default(),
+            keys: Arc::new(Mutex::new(HashMap::new())),
+            faults: Arc::new(Faults::default()),
             capabilities,
         }
     }
 
-    /// The fault knobs of this backend.
+    /// Another client of the same store: it sees the same locks and fault knobs, but is
+    /// a separate backend instance, so leases do not cross between the two (as with two
+    /// connections to one Redis server).
+    pub fn client(&self) -> Self {
+        Self {
+            id: BackendId::next(),
+            keys: self.keys.clone(),
+            faults: self.faults.clone(),
+            capabilities: self.capabilities.clone(),
+        }
+    }
+
+    /// The fault knobs of this backend (shared by all its clients).
     pub fn faults(&self) -> &Faults {
         &self.faults
     }
@@ -346,7 +359,6 @@ fn take_one(counter: &AtomicU64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn key(s: &str) -> LockKey {
         LockKey::new(s).unwrap()
@@ -440,6 +452,22 @@ mod tests {
         assert_eq!(b.release(&wrong_token).await.unwrap(), Release::NotHeld);
         let adopted = b.adopt(&k, lease.owner(), lease.token(), ttl).unwrap();
         assert_eq!(b.release(&adopted).await.unwrap(), Release::Released);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clients_share_the_store_but_not_their_leases() {
+        let a = MemoryBackend::new();
+        let b = a.client();
+        let ttl = Duration::from_secs(1);
+        let lease = a.acquire(&key("k"), ttl).await.unwrap().unwrap();
+        assert!(b.acquire(&key("k"), ttl).await.unwrap().is_none());
+        assert!(matches!(
+            b.release(&lease).await,
+            Err(LockError::ForeignLease { .. })
+        ));
+        assert_eq!(a.release(&lease).await.unwrap(), Release::Released);
+        let next = b.acquire(&key("k"), ttl).await.unwrap().unwrap();
+        assert!(next.token() > lease.token());
     }
 
     #[tokio::test(start_paused = true)]

@@ -147,7 +147,8 @@ impl EtcdServer {
         self.dir.path()
     }
 
-    /// Freezes the member with `SIGSTOP`.
+    /// Freezes the member with `SIGSTOP`; returns once every thread is stopped (a few
+    /// milliseconds; blocks the caller).
     pub fn pause(&self) -> Result<(), HarnessError> {
         self.process.pause()
     }

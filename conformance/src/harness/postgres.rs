@@ -269,7 +269,8 @@ impl PostgresServer {
     }
 
     /// Freezes the postmaster and every backend with `SIGSTOP` (the whole process group):
-    /// open connections hang, new ones are not accepted.
+    /// open connections hang, new ones are not accepted. Returns once every process is
+    /// stopped (a few milliseconds; blocks the caller).
     pub fn pause(&self) -> Result<(), HarnessError> {
         self.process.pause()
     }

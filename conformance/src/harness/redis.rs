@@ -381,6 +381,7 @@ impl RedisServer {
     }
 
     /// Freezes the server with `SIGSTOP`: connections stay open, nothing is answered.
+    /// Returns once every thread is stopped (a few milliseconds; blocks the caller).
     pub fn pause(&self) -> Result<(), HarnessError> {
         self.process.pause()
     }
