@@ -1,0 +1,697 @@
+//! [`RedisBackend`]: the [`LockBackend`] on one Redis node or a Redis Cluster.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::{
+    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
+    OwnerId, Release, Renewal, valid_until,
+};
+use parking_lot::Mutex;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClientBuilder;
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+use tokio::time::Instant;
+
+use crate::config::{RedisBackendBuilder, redact_url};
+use crate::conn::{Call, Conn};
+use crate::keys::LockKeys;
+use crate::scripts::{ABANDON_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
+
+pub(crate) const NAME: &str = "redis";
+
+/// The Redis lock backend: one script (one round trip) per operation, one pipeline per
+/// node for batches, on a single node or a Redis Cluster.
+///
+/// Keys: `<prefix>:{<name>}` holds the owner id with the lease's TTL;
+/// `<prefix>:{<name>}:fence` holds the newest token and never expires. Tokens are
+/// `max(previous + 1, server time in µs)`, so they keep increasing even after a restart or
+/// failover that lost the counter (as long as the server clock does not go back).
+///
+/// Cheap to clone: clones share the connection.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), lock_api::LockError> {
+/// use std::time::Duration;
+/// use lock_api::{LockBackend, LockKey};
+/// let redis = lock_redis::RedisBackend::builder()
+///     .url("redis://127.0.0.1:6379/")
+///     .build()
+///     .await?;
+/// let lease = redis.acquire(&LockKey::new("job:42")?, Duration::from_secs(30)).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Conn,
+    prefix: String,
+    caps: Capabilities,
+    response_timeout: Duration,
+    replica_acks: Option<(usize, Duration)>,
+    id: BackendId,
+    /// The URLs with passwords hidden, for `Debug`.
+    shown_urls: Vec<String>,
+    cluster: bool,
+}
+
+impl fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("urls", &self.inner.shown_urls)
+            .field("cluster", &self.inner.cluster)
+            .field("prefix", &self.inner.prefix)
+            .field("response_timeout", &self.inner.response_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisBackend {
+    /// Options for a new backend; see [`RedisBackendBuilder`].
+    pub fn builder() -> RedisBackendBuilder {
+        RedisBackendBuilder::default()
+    }
+
+    pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
+        let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
+        let conn = if b.cluster {
+            for (url, shown) in b.urls.iter().zip(&shown_urls) {
+                if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
+                    if info.redis_settings().db() != 0 {
+                        return Err(LockError::Config(format!(
+                            "{shown}: a Redis Cluster has only database 0"
+                        )));
+                    }
+                }
+            }
+            let client = ClusterClientBuilder::new(
+                b.urls
+                    .iter()
+                    .map(|u| parse_url(u))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+            .connection_timeout(b.connect_timeout)
+            .response_timeout(b.response_timeout)
+            .retries(2)
+            .build()
+            .map_err(|e| config_error(&shown_urls.join(","), &e))?;
+            let c = with_timeout(b.connect_timeout, client.get_async_connection())
+                .await
+                .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+            Conn::Cluster(c, Arc::new(Mutex::new(None)))
+        } else {
+            let info = parse_url(&b.urls[0])?;
+            let client = redis::Client::open(info).map_err(|e| config_error(&shown_urls[0], &e))?;
+            // The backend applies its own response timeout (to tell an unknown outcome
+            // from an unreachable server); the manager only bounds connecting.
+            let config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(b.connect_timeout))
+                .set_response_timeout(None)
+                .set_number_of_retries(1)
+                .set_max_delay(Duration::from_millis(500));
+            let c = with_timeout(
+                b.connect_timeout * 2,
+                ConnectionManager::new_with_config(client, config),
+            )
+            .await
+            .map_err(|e| connect_error(&shown_urls[0], e))?;
+            Conn::Single(c)
+        };
+        // Connecting does not prove the credentials: a server with a password accepts the
+        // connection and refuses the first command.
+        let ping = redis::cmd("PING");
+        let probe = match &conn {
+            Conn::Single(c) => {
+                with_timeout(b.connect_timeout, c.clone().req_packed_command(&ping)).await
+            }
+            Conn::Cluster(c, _) => {
+                with_timeout(b.connect_timeout, c.clone().req_packed_command(&ping)).await
+            }
+        };
+        probe
+            .and_then(Value::extract_error)
+            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        with_timeout(b.connect_timeout, conn.load_all())
+            .await
+            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
+            .native_batch(true)
+            .server_side_ttl(true)
+            .inspect(true);
+        Ok(Self {
+            inner: Arc::new(Inner {
+                conn,
+                prefix: b.prefix,
+                caps,
+                response_timeout: b.response_timeout,
+                replica_acks: b.replica_acks,
+                id: BackendId::next(),
+                shown_urls,
+                cluster: b.cluster,
+            }),
+        })
+    }
+
+    /// The key prefix.
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The two Redis keys of `key`: `(<prefix>:{<name>}, <prefix>:{<name>}:fence)`.
+    pub fn redis_keys(&self, key: &LockKey) -> (String, String) {
+        let k = LockKeys::new(&self.inner.prefix, key);
+        (k.lock, k.fence)
+    }
+
+    fn keys(&self, key: &LockKey) -> LockKeys {
+        LockKeys::new(&self.inner.prefix, key)
+    }
+
+    /// Waits for a reply at most the response timeout. No reply in time means the request
+    /// may have run: `OutcomeUnknown` for an operation that changes state.
+    async fn timed<T>(
+        &self,
+        operation: &'static str,
+        changes_state: bool,
+        request: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
+        match tokio::time::timeout(self.inner.response_timeout, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(map_error(operation, changes_state, &e)),
+            Err(_) => {
+                let message = format!("no reply within {:?}", self.inner.response_timeout);
+                Err(if changes_state {
+                    LockError::OutcomeUnknown {
+                        backend: NAME,
+                        operation,
+                        message,
+                    }
+                } else {
+                    LockError::unavailable(NAME, message)
+                })
+            }
+        }
+    }
+
+    /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
+    /// taken, in the background, checked against their owner ids. Best effort: the keys
+    /// expire on their own anyway.
+    fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let conn = self.inner.conn.clone();
+        runtime.spawn(async move {
+            let calls: Vec<Call> = attempts
+                .into_iter()
+                .map(|(keys, owner)| Call {
+                    script: &ABANDON_SCRIPT,
+                    keys: vec![keys.lock],
+                    args: vec![owner.to_string()],
+                })
+                .collect();
+            // Requests on the same connection run in order, so this runs after the
+            // acquire if that ever reached the server.
+            let outcome = tokio::time::timeout(ttl, conn.batch(&calls)).await;
+            tracing::debug!(
+                keys = calls.len(),
+                done = matches!(outcome, Ok(Ok(_))),
+                "cleanup after an acquire with an unknown outcome"
+            );
+        });
+    }
+
+    fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
+        Call {
+            script: &ACQUIRE_SCRIPT,
+            keys: vec![keys.lock.clone(), keys.fence.clone()],
+            args: vec![owner.to_string(), ttl.as_millis().to_string()],
+        }
+    }
+
+    fn lease_call(&self, script: &'static redis::Script, lease: &Lease, ttl: bool) -> Call {
+        let keys = self.keys(lease.key());
+        let mut args = vec![lease.owner().to_string(), lease.token().get().to_string()];
+        if ttl {
+            args.push(lease.ttl().as_millis().to_string());
+        }
+        Call {
+            script,
+            keys: vec![keys.lock, keys.fence],
+            args,
+        }
+    }
+
+    /// Runs `script` on the fenced-resource key of `resource` with `token`.
+    pub(crate) async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        script: &'static redis::Script,
+        resource: &str,
+        token: u64,
+    ) -> Result<T, LockError> {
+        let call = Call {
+            script,
+            keys: vec![crate::keys::fenced_resource_key(
+                &self.inner.prefix,
+                resource,
+            )],
+            args: vec![token.to_string()],
+        };
+        self.timed(operation, true, self.inner.conn.invoke(&call))
+            .await
+    }
+
+    fn lease(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: u64,
+        ttl: Duration,
+        sent: Instant,
+    ) -> Lease {
+        Lease::new(
+            self.inner.id,
+            key.clone(),
+            owner,
+            FencingToken(token),
+            ttl,
+            valid_until(sent, ttl),
+        )
+    }
+
+    async fn acquire_with_replicas(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        replicas: usize,
+        wait: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let keys = self.keys(key);
+        let owner = OwnerId::random();
+        let call = self.acquire_call(&keys, owner, ttl);
+        let mut wait_cmd = redis::cmd("WAIT");
+        wait_cmd.arg(replicas).arg(wait.as_millis().to_string());
+        let sent = Instant::now();
+        let replies = self
+            .timed(
+                "acquire",
+                true,
+                self.inner.conn.invoke_with(&call, &[wait_cmd]),
+            )
+            .await;
+        let replies = match replies {
+            Ok(r) => r,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(vec![(keys, owner)], ttl);
+                }
+                return Err(e);
+            }
+        };
+        let mut replies = replies.into_iter();
+        let token = parse_token(replies.next())?;
+        let Some(token) = token else { return Ok(None) };
+        let acked: i64 = match replies.next().map(Value::extract_error) {
+            Some(Ok(v)) => redis::from_redis_value(v).map_err(|e| LockError::backend(NAME, e))?,
+            Some(Err(e)) => {
+                self.abandon(vec![(keys, owner)], ttl);
+                return Err(map_error("acquire", true, &e));
+            }
+            None => 0,
+        };
+        let lease = self.lease(key, owner, token, ttl, sent);
+        if usize::try_from(acked).unwrap_or(0) < replicas {
+            let _ = self.release(&lease).await;
+            return Err(LockError::unavailable(
+                NAME,
+                format!(
+                    "only {acked} of {replicas} replicas acknowledged the lock within {wait:?}; it was released"
+                ),
+            ));
+        }
+        Ok(Some(lease))
+    }
+}
+
+#[async_trait]
+impl LockBackend for RedisBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.caps.clone()
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.caps.check_ttl(ttl)?;
+        if let Some((replicas, wait)) = self.inner.replica_acks {
+            return self.acquire_with_replicas(key, ttl, replicas, wait).await;
+        }
+        let keys = self.keys(key);
+        let owner = OwnerId::random();
+        let call = self.acquire_call(&keys, owner, ttl);
+        let sent = Instant::now();
+        match self
+            .timed(
+                "acquire",
+                true,
+                self.inner.conn.invoke::<Option<u64>>(&call),
+            )
+            .await
+        {
+            Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, ttl, sent))),
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(vec![(keys, owner)], ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        lease.check_backend(self.inner.id, NAME)?;
+        let call = self.lease_call(&RENEW_SCRIPT, lease, true);
+        let sent = Instant::now();
+        let renewed: i64 = self
+            .timed("renew", true, self.inner.conn.invoke(&call))
+            .await?;
+        Ok(renewal(renewed, sent, lease.ttl()))
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        lease.check_backend(self.inner.id, NAME)?;
+        let call = self.lease_call(&RELEASE_SCRIPT, lease, false);
+        let released: i64 = self
+            .timed("release", true, self.inner.conn.invoke(&call))
+            .await?;
+        Ok(release(released))
+    }
+
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        lease.check_backend(self.inner.id, NAME)?;
+        let call = self.lease_call(&FENCE_SCRIPT, lease, false);
+        let (current, newest): (i64, u64) = self
+            .timed("fence", false, self.inner.conn.invoke(&call))
+            .await?;
+        Ok(if current == 1 {
+            Fence::Current
+        } else {
+            Fence::Stale {
+                current: FencingToken(newest),
+            }
+        })
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let keys = self.keys(key);
+        let mut pipe = redis::pipe();
+        pipe.get(&keys.lock).pttl(&keys.lock).get(&keys.fence);
+        let conn = self.inner.conn.clone();
+        let (owner, pttl, token): (Option<String>, i64, Option<u64>) = self
+            .timed("inspect", false, async move {
+                match conn {
+                    Conn::Single(mut c) => pipe.query_async(&mut c).await,
+                    Conn::Cluster(mut c, _) => pipe.query_async(&mut c).await,
+                }
+            })
+            .await?;
+        Ok(LockInfo {
+            owner: owner.as_deref().and_then(|o| OwnerId::parse(o).ok()),
+            token: token.map(FencingToken),
+            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+        })
+    }
+
+    async fn acquire_many(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.inner.caps.check_ttl(ttl)?;
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.inner.replica_acks.is_some() {
+            // Each grant needs its own WAIT verdict: take them one at a time.
+            let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
+            for key in keys {
+                match self.acquire(key, ttl).await {
+                    Ok(l) => out.push(l),
+                    Err(e) => {
+                        let taken: Vec<Lease> = out.into_iter().flatten().collect();
+                        let _ = self.release_many(&taken).await;
+                        return Err(e);
+                    }
+                }
+            }
+            return Ok(out);
+        }
+        let attempts: Vec<(LockKeys, OwnerId)> = keys
+            .iter()
+            .map(|k| (self.keys(k), OwnerId::random()))
+            .collect();
+        let calls: Vec<Call> = attempts
+            .iter()
+            .map(|(k, owner)| self.acquire_call(k, *owner, ttl))
+            .collect();
+        let sent = Instant::now();
+        let replies = match self
+            .timed("acquire_many", true, self.inner.conn.batch(&calls))
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(attempts, ttl);
+                }
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut failure = None;
+        let mut unknown = Vec::new();
+        for ((key, (lock_keys, owner)), reply) in keys.iter().zip(attempts).zip(replies) {
+            match reply
+                .map_err(|e| map_error("acquire_many", true, &e))
+                .and_then(|v| parse_token(Some(v)))
+            {
+                Ok(token) => out.push(token.map(|t| self.lease(key, owner, t, ttl, sent))),
+                Err(e) => {
+                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                        unknown.push((lock_keys, owner));
+                    }
+                    failure.get_or_insert(e);
+                    out.push(None);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            // A failed batch holds nothing: give back what it took.
+            let taken: Vec<Lease> = out.into_iter().flatten().collect();
+            let _ = self.release_many(&taken).await;
+            if !unknown.is_empty() {
+                self.abandon(unknown, ttl);
+            }
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// One pipeline per node. In a cluster, a lease whose node cannot be reached while
+    /// others can is reported [`Renewal::Lost`]: the batch has no per-lease error, and the
+    /// holder must not rely on a lease it could not renew. When no node answers, the
+    /// whole call fails (and the watchdog retries until the leases' `valid_until`).
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        for lease in leases {
+            lease.check_backend(self.inner.id, NAME)?;
+        }
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let calls: Vec<Call> = leases
+            .iter()
+            .map(|l| self.lease_call(&RENEW_SCRIPT, l, true))
+            .collect();
+        let sent = Instant::now();
+        let replies = self
+            .timed("renew_many", true, self.inner.conn.batch(&calls))
+            .await?;
+        let mut first_error = None;
+        let mut any_ok = false;
+        let out: Vec<Renewal> = replies
+            .into_iter()
+            .zip(leases)
+            .map(|(reply, lease)| {
+                match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+                    Ok(n) => {
+                        any_ok = true;
+                        renewal(n, sent, lease.ttl())
+                    }
+                    Err(e) => {
+                        first_error.get_or_insert(e);
+                        Renewal::Lost
+                    }
+                }
+            })
+            .collect();
+        match first_error {
+            Some(e) if !any_ok => Err(map_error("renew_many", true, &e)),
+            _ => Ok(out),
+        }
+    }
+
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        for lease in leases {
+            lease.check_backend(self.inner.id, NAME)?;
+        }
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let calls: Vec<Call> = leases
+            .iter()
+            .map(|l| self.lease_call(&RELEASE_SCRIPT, l, false))
+            .collect();
+        let replies = self
+            .timed("release_many", true, self.inner.conn.batch(&calls))
+            .await?;
+        replies
+            .into_iter()
+            .map(|reply| {
+                reply
+                    .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
+                    .map(release)
+                    .map_err(|e| map_error("release_many", true, &e))
+            })
+            .collect()
+    }
+}
+
+fn renewal(renewed: i64, sent: Instant, ttl: Duration) -> Renewal {
+    if renewed == 1 {
+        Renewal::Renewed {
+            valid_until: valid_until(sent, ttl),
+        }
+    } else {
+        Renewal::Lost
+    }
+}
+
+fn release(released: i64) -> Release {
+    if released == 1 {
+        Release::Released
+    } else {
+        Release::NotHeld
+    }
+}
+
+fn parse_token(reply: Option<Value>) -> Result<Option<u64>, LockError> {
+    let Some(reply) = reply else {
+        return Err(LockError::backend(NAME, "the acquire script sent no reply"));
+    };
+    let reply = reply
+        .extract_error()
+        .map_err(|e| map_error("acquire", true, &e))?;
+    redis::from_redis_value::<Option<u64>>(reply).map_err(|e| LockError::backend(NAME, e))
+}
+
+async fn with_timeout<T>(
+    limit: Duration,
+    f: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, RedisError> {
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+        Err(RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {limit:?}"),
+        )))
+    })
+}
+
+fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
+    redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(|e| config_error(&redact_url(url), &e))
+}
+
+fn config_error(shown_url: &str, e: &RedisError) -> LockError {
+    // The client library's message may quote the URL: only its kind is kept.
+    LockError::Config(format!("invalid Redis URL {shown_url}: {}", e.category()))
+}
+
+fn connect_error(shown_url: &str, e: RedisError) -> LockError {
+    if is_auth_error(&e) {
+        return LockError::Config(format!(
+            "{shown_url}: the server refused the credentials ({})",
+            e.kind_name()
+        ));
+    }
+    LockError::unavailable(
+        NAME,
+        format!("cannot connect to {shown_url}: {}", e.kind_name()),
+    )
+}
+
+fn is_auth_error(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::AuthenticationFailed | ErrorKind::Server(ServerErrorKind::NoPerm)
+    ) || e.code().is_some_and(|c| c == "WRONGPASS" || c == "NOAUTH")
+}
+
+/// Turns a client error into the public error, without the store's type or credentials.
+fn map_error(operation: &'static str, changes_state: bool, e: &RedisError) -> LockError {
+    if is_auth_error(e) {
+        return LockError::Config(format!(
+            "the Redis server refused the credentials ({})",
+            e.kind_name()
+        ));
+    }
+    if e.is_connection_refusal() {
+        return LockError::unavailable(NAME, format!("{operation}: connection refused"));
+    }
+    if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
+        let message = format!("{operation}: connection lost ({e})");
+        return if changes_state {
+            LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message,
+            }
+        } else {
+            LockError::unavailable(NAME, message)
+        };
+    }
+    match e.kind() {
+        ErrorKind::Server(
+            ServerErrorKind::ClusterDown
+            | ServerErrorKind::TryAgain
+            | ServerErrorKind::BusyLoading
+            | ServerErrorKind::MasterDown,
+        )
+        | ErrorKind::ClusterConnectionNotFound => {
+            LockError::unavailable(NAME, format!("{operation}: {e}"))
+        }
+        _ => LockError::backend(NAME, e.clone()),
+    }
+}
+
+trait KindName {
+    fn kind_name(&self) -> String;
+}
+
+impl KindName for RedisError {
+    /// The error's category and code, never its free text (which may quote a URL).
+    fn kind_name(&self) -> String {
+        match self.code() {
+            Some(code) => format!("{}: {code}", self.category()),
+            None => self.category().to_owned(),
+        }
+    }
+}

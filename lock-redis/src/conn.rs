@@ -1,0 +1,369 @@
+//! The connection to one node or a cluster, script invocation and pipelines.
+//!
+//! Single calls go through [`redis::Script`] (EVALSHA, and SCRIPT LOAD + retry on
+//! NOSCRIPT). Batches are one pipeline of EVALSHA per node; replies that say the command
+//! did not run (NOSCRIPT, MOVED, ASK) are sent again after loading the script or through
+//! the cluster client's own redirect handling. Anything that may have run is never resent.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, Script, ServerErrorKind,
+    Value,
+};
+
+/// One script call in a batch.
+pub(crate) struct Call {
+    pub(crate) script: &'static Script,
+    pub(crate) keys: Vec<String>,
+    pub(crate) args: Vec<String>,
+}
+
+impl Call {
+    fn cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(self.keys.len());
+        for k in &self.keys {
+            cmd.arg(k);
+        }
+        for a in &self.args {
+            cmd.arg(a);
+        }
+        cmd
+    }
+
+    fn invocation(&self) -> redis::ScriptInvocation<'static> {
+        let mut inv = self.script.prepare_invoke();
+        for k in &self.keys {
+            inv.key(k);
+        }
+        for a in &self.args {
+            inv.arg(a);
+        }
+        inv
+    }
+
+    fn slot(&self) -> u16 {
+        self.keys.first().map_or(0, |k| key_slot(k.as_bytes()))
+    }
+}
+
+/// A connection to a single node (reconnecting on its own) or to a cluster.
+#[derive(Clone)]
+pub(crate) enum Conn {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection, Arc<Mutex<Option<Arc<SlotOwners>>>>),
+}
+
+/// Which node (`host`, `port`) serves each slot range, from `CLUSTER SLOTS`.
+pub(crate) struct SlotOwners(Vec<(u16, u16, String, u16)>);
+
+impl SlotOwners {
+    fn node(&self, slot: u16) -> Option<(&str, u16)> {
+        self.0
+            .iter()
+            .find(|(start, end, _, _)| (*start..=*end).contains(&slot))
+            .map(|(_, _, host, port)| (host.as_str(), *port))
+    }
+}
+
+impl Conn {
+    /// Runs one script call.
+    pub(crate) async fn invoke<T: FromRedisValue>(&self, call: &Call) -> RedisResult<T> {
+        let inv = call.invocation();
+        match self {
+            Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c, _) => inv.invoke_async(&mut c.clone()).await,
+        }
+    }
+
+    /// Runs one script call followed by extra commands in one pipeline to the call's node,
+    /// loading the script and resending once if it was missing.
+    pub(crate) async fn invoke_with(&self, call: &Call, extra: &[Cmd]) -> RedisResult<Vec<Value>> {
+        let mut pipe = Pipeline::new();
+        pipe.add_command(call.cmd());
+        for cmd in extra {
+            pipe.add_command(cmd.clone());
+        }
+        let route = Route::new(call.slot(), SlotAddr::Master);
+        let mut replies = self
+            .send(&pipe, SingleNodeRoutingInfo::SpecificNode(route))
+            .await?;
+        if is_noscript(&replies[0]) {
+            self.load(call.script, SingleNodeRoutingInfo::SpecificNode(route))
+                .await?;
+            replies = self
+                .send(&pipe, SingleNodeRoutingInfo::SpecificNode(route))
+                .await?;
+        }
+        Ok(replies)
+    }
+
+    /// Runs many script calls: one pipeline per node. Returns one reply per call, in order;
+    /// the outer error means nothing can be said about any call (single node only).
+    pub(crate) async fn batch(&self, calls: &[Call]) -> RedisResult<Vec<RedisResult<Value>>> {
+        match self {
+            Conn::Single(_) => {
+                let all: Vec<usize> = (0..calls.len()).collect();
+                self.node_batch(calls, &all, SingleNodeRoutingInfo::Random)
+                    .await
+            }
+            Conn::Cluster(..) => self.cluster_batch(calls).await,
+        }
+    }
+
+    async fn cluster_batch(&self, calls: &[Call]) -> RedisResult<Vec<RedisResult<Value>>> {
+        let owners = self.slot_owners().await?;
+        let mut groups: BTreeMap<(String, u16), Vec<usize>> = BTreeMap::new();
+        for (i, call) in calls.iter().enumerate() {
+            let (host, port) = owners.node(call.slot()).unwrap_or(("", 0));
+            groups.entry((host.to_owned(), port)).or_default().push(i);
+        }
+        let sends = groups.into_iter().map(|((host, port), idx)| async move {
+            let route = if port == 0 {
+                // The map does not know the slot: let the client route by the first key.
+                SingleNodeRoutingInfo::SpecificNode(Route::new(
+                    calls[idx[0]].slot(),
+                    SlotAddr::Master,
+                ))
+            } else {
+                SingleNodeRoutingInfo::ByAddress { host, port }
+            };
+            let replies = match self.node_batch(calls, &idx, route).await {
+                Ok(replies) => replies,
+                Err(e) => idx.iter().map(|_| Err(e.clone())).collect(),
+            };
+            (idx, replies)
+        });
+        let mut out: Vec<Option<RedisResult<Value>>> = calls.iter().map(|_| None).collect();
+        let mut moved = false;
+        for (idx, replies) in futures::future::join_all(sends).await {
+            for (i, reply) in idx.into_iter().zip(replies) {
+                // A redirected command did not run: send it again through the client's
+                // routing, which follows MOVED/ASK and refreshes its slot map.
+                let reply = match reply {
+                    Err(e) if is_redirect(&e) => {
+                        moved = true;
+                        self.invoke::<Value>(&calls[i]).await
+                    }
+                    other => other,
+                };
+                out[i] = Some(reply);
+            }
+        }
+        if let (true, Conn::Cluster(_, cache)) = (moved, self) {
+            *cache.lock() = None;
+        }
+        Ok(out
+            .into_iter()
+            .map(|r| r.unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply")))))
+            .collect())
+    }
+
+    /// One pipeline of the calls at `idx` to one node; NOSCRIPT replies are sent again once
+    /// after loading their scripts on that node.
+    async fn node_batch(
+        &self,
+        calls: &[Call],
+        idx: &[usize],
+        route: SingleNodeRoutingInfo,
+    ) -> RedisResult<Vec<RedisResult<Value>>> {
+        let mut pipe = Pipeline::with_capacity(idx.len());
+        for &i in idx {
+            pipe.add_command(calls[i].cmd());
+        }
+        let replies = self.send(&pipe, route.clone()).await?;
+        let mut out: Vec<RedisResult<Value>> =
+            replies.into_iter().map(Value::extract_error).collect();
+        let missing: Vec<usize> = (0..out.len())
+            .filter(|&j| matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)))
+            .collect();
+        if missing.is_empty() {
+            return Ok(out);
+        }
+        let mut scripts: Vec<&'static Script> = Vec::new();
+        let mut again = Pipeline::with_capacity(missing.len());
+        for &j in &missing {
+            let call = &calls[idx[j]];
+            if !scripts
+                .iter()
+                .any(|s| s.get_hash() == call.script.get_hash())
+            {
+                scripts.push(call.script);
+            }
+            again.add_command(call.cmd());
+        }
+        for script in scripts {
+            self.load(script, route.clone()).await?;
+        }
+        let replies = self.send(&again, route).await?;
+        for (j, reply) in missing.into_iter().zip(replies) {
+            out[j] = reply.extract_error();
+        }
+        Ok(out)
+    }
+
+    async fn send(&self, pipe: &Pipeline, route: SingleNodeRoutingInfo) -> RedisResult<Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, pipe.len()).await,
+            Conn::Cluster(c, _) => {
+                c.clone()
+                    .route_pipeline(pipe.clone(), 0, pipe.len(), route)
+                    .await
+            }
+        }
+    }
+
+    async fn load(&self, script: &Script, route: SingleNodeRoutingInfo) -> RedisResult<()> {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(script_source(script));
+        match self {
+            Conn::Single(c) => c.clone().req_packed_command(&cmd).await?.extract_error()?,
+            Conn::Cluster(c, _) => {
+                c.clone()
+                    .route_command(cmd, RoutingInfo::SingleNode(route))
+                    .await?
+            }
+        };
+        Ok(())
+    }
+
+    /// Loads every script on every node (every master of a cluster), so the first call of
+    /// each is one round trip. Later losses (restart, `SCRIPT FLUSH`) are handled by reloading.
+    pub(crate) async fn load_all(&self) -> RedisResult<()> {
+        for script in crate::scripts::all() {
+            match self {
+                Conn::Single(_) => self.load(script, SingleNodeRoutingInfo::Random).await?,
+                Conn::Cluster(c, _) => {
+                    let mut cmd = redis::cmd("SCRIPT");
+                    cmd.arg("LOAD").arg(script_source(script));
+                    c.clone()
+                        .route_command(
+                            cmd,
+                            RoutingInfo::MultiNode((
+                                redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
+                                Some(redis::cluster_routing::ResponsePolicy::AllSucceeded),
+                            )),
+                        )
+                        .await?
+                        .extract_error()?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn slot_owners(&self) -> RedisResult<Arc<SlotOwners>> {
+        let Conn::Cluster(c, cache) = self else {
+            return Ok(Arc::new(SlotOwners(Vec::new())));
+        };
+        if let Some(owners) = cache.lock().clone() {
+            return Ok(owners);
+        }
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let reply = c
+            .clone()
+            .route_command(
+                cmd,
+                RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
+            )
+            .await?;
+        let owners = Arc::new(parse_cluster_slots(reply));
+        *cache.lock() = Some(owners.clone());
+        Ok(owners)
+    }
+}
+
+fn script_source(script: &Script) -> &'static str {
+    crate::scripts::source(script)
+}
+
+fn parse_cluster_slots(reply: Value) -> SlotOwners {
+    let mut ranges = Vec::new();
+    if let Value::Array(items) = reply {
+        for item in items {
+            let Value::Array(parts) = item else { continue };
+            let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(master))) =
+                (parts.first(), parts.get(1), parts.get(2))
+            else {
+                continue;
+            };
+            let host = match master.first() {
+                Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                Some(Value::SimpleString(s)) => s.clone(),
+                _ => continue,
+            };
+            let Some(Value::Int(port)) = master.get(1) else {
+                continue;
+            };
+            if let (Ok(s), Ok(e), Ok(p)) = (
+                u16::try_from(*start),
+                u16::try_from(*end),
+                u16::try_from(*port),
+            ) {
+                ranges.push((s, e, host, p));
+            }
+        }
+    }
+    SlotOwners(ranges)
+}
+
+fn is_noscript(v: &Value) -> bool {
+    matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript))
+}
+
+fn is_redirect(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::Ask)
+    )
+}
+
+/// The Redis Cluster hash slot of a key: CRC16 (XMODEM) of its hash tag, modulo 16384.
+pub(crate) fn key_slot(key: &[u8]) -> u16 {
+    let tagged = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            rest.iter()
+                .position(|&b| b == b'}')
+                .filter(|&close| close > 0)
+                .map(|close| &rest[..close])
+        })
+        .unwrap_or(key);
+    let mut crc: u16 = 0;
+    for &byte in tagged {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_match_the_redis_cluster_spec() {
+        // Values from the Redis Cluster specification and `CLUSTER KEYSLOT`.
+        assert_eq!(key_slot(b"123456789"), 0x31C3);
+        assert_eq!(key_slot(b"foo"), 12182);
+        assert_eq!(key_slot(b"{user1000}.following"), key_slot(b"user1000"));
+        // An empty tag hashes the whole key.
+        assert_eq!(key_slot(b"foo{}{bar}"), key_slot(b"foo{}{bar}"));
+        assert_ne!(key_slot(b"a{}x"), key_slot(b""));
+    }
+}

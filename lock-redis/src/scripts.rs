@@ -1,0 +1,54 @@
+//! The Lua scripts, one file each in `src/scripts/`, wrapped in [`redis::Script`] so they
+//! run with EVALSHA and are loaded again when the server has forgotten them.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+const ACQUIRE: &str = include_str!("scripts/acquire.lua");
+const RENEW: &str = include_str!("scripts/renew.lua");
+const RELEASE: &str = include_str!("scripts/release.lua");
+const ABANDON: &str = include_str!("scripts/abandon.lua");
+const FENCE: &str = include_str!("scripts/fence.lua");
+const ADMIT: &str = include_str!("scripts/admit.lua");
+
+/// `SET NX PX` and, on success, the new token `max(counter + 1, server µs)`.
+pub(crate) static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
+/// Owner- and token-checked `PEXPIRE`.
+pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW));
+/// Owner- and token-checked `DEL`.
+pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE));
+/// Owner-checked `DEL` for an acquire whose reply was lost.
+pub(crate) static ABANDON_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON));
+/// Owner and token check.
+pub(crate) static FENCE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE));
+/// Highest admitted token of a fenced resource.
+pub(crate) static ADMIT_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ADMIT));
+
+/// Every script, for loading them all when connecting.
+pub(crate) fn all() -> [&'static Script; 6] {
+    [
+        &ACQUIRE_SCRIPT,
+        &RENEW_SCRIPT,
+        &RELEASE_SCRIPT,
+        &ABANDON_SCRIPT,
+        &FENCE_SCRIPT,
+        &ADMIT_SCRIPT,
+    ]
+}
+
+/// The source of one of the scripts above, for `SCRIPT LOAD` before a pipeline is resent
+/// (`redis::Script` keeps its source private).
+pub(crate) fn source(script: &Script) -> &'static str {
+    [
+        (&*ACQUIRE_SCRIPT, ACQUIRE),
+        (&*RENEW_SCRIPT, RENEW),
+        (&*RELEASE_SCRIPT, RELEASE),
+        (&*ABANDON_SCRIPT, ABANDON),
+        (&*FENCE_SCRIPT, FENCE),
+        (&*ADMIT_SCRIPT, ADMIT),
+    ]
+    .into_iter()
+    .find(|(s, _)| s.get_hash() == script.get_hash())
+    .map_or("", |(_, src)| src)
+}

@@ -1,0 +1,8 @@
+-- Frees a lock taken by an acquire whose reply was lost: the token is unknown, and the
+-- owner id alone identifies that attempt (it is random per attempt).
+-- KEYS[1] = lock key, ARGV[1] = owner id
+-- Returns 1 when the key was deleted, 0 otherwise.
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0

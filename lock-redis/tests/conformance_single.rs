@@ -1,0 +1,6 @@
+//! The whole conformance suite on a real single `redis-server` (one per case), with link
+//! faults through a proxy and server faults through the harness.
+
+mod common;
+
+conformance::conformance_tests!(common::RedisFactory::start());

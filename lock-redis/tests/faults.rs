@@ -1,0 +1,265 @@
+//! Fault cases on real servers, one test each: a paused server, a partitioned link while
+//! the watchdog runs, `SCRIPT FLUSH`, a restart that loses every key, a dead cluster master.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{RedisClusterFactory, RedisFactory};
+use conformance::harness;
+use lock_api::{
+    Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockError, LockKey, Locker,
+    Release, Renewal,
+};
+use lock_redis::{RedisBackend, RedisFencedResource};
+use tokio::time::{Instant, sleep, timeout_at};
+
+const SLACK: Duration = Duration::from_millis(300);
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).unwrap()
+}
+
+fn locker(redis: RedisBackend, ttl: Duration) -> Locker {
+    Locker::builder(Arc::new(redis))
+        .ttl(ttl)
+        .wait_timeout(Some(Duration::from_secs(10)))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_paused_past_the_ttl_loses_the_guard_and_fences_out_the_old_holder() {
+    let f = RedisFactory::start().await;
+    let ttl = Duration::from_millis(900);
+    let old = locker(f.redis().await, ttl);
+    let guard = old
+        .try_lock(&key("paused"))
+        .await
+        .unwrap()
+        .expect("free key");
+    let old_token = guard.token();
+
+    harness::require(f.server.pause());
+    let deadline = guard.valid_until();
+    let lost = timeout_at(deadline + SLACK, guard.lost()).await;
+    assert!(
+        lost.is_ok(),
+        "the guard still claimed the lease after its valid_until"
+    );
+    assert!(!guard.is_held());
+    // Keep the server frozen past the TTL, so the key has expired when it wakes up.
+    sleep(ttl).await;
+    harness::require(f.server.resume());
+
+    let new = f.redis().await;
+    let lease = new
+        .acquire(&key("paused"), ttl)
+        .await
+        .unwrap()
+        .expect("the expired key is free again");
+    assert!(
+        lease.token() > old_token,
+        "{} <= {old_token}",
+        lease.token()
+    );
+
+    let resource = RedisFencedResource::new(new.clone(), EnforcementMode::Enforce);
+    assert_eq!(
+        resource.admit("ledger", lease.token()).await.unwrap(),
+        Admission::Admitted
+    );
+    assert_eq!(
+        resource.admit("ledger", old_token).await.unwrap(),
+        Admission::Stale {
+            latest: lease.token()
+        }
+    );
+    assert!(matches!(
+        guard.release().await,
+        Ok(Release::NotHeld) | Err(LockError::Lost)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_link_loses_the_guard_and_the_locker_recovers_after_heal() {
+    let f = RedisFactory::start().await;
+    let ttl = Duration::from_millis(900);
+    let locker = locker(f.redis().await, ttl);
+    let guard = locker.try_lock(&key("partition")).await.unwrap().unwrap();
+    // Let the watchdog renew a few times first.
+    sleep(ttl).await;
+    assert!(guard.is_held());
+
+    f.proxy.blackhole();
+    let deadline = guard.valid_until();
+    assert!(
+        timeout_at(deadline + SLACK, guard.lost()).await.is_ok(),
+        "the watchdog did not report the lease lost by its valid_until"
+    );
+    assert!(!guard.is_held());
+    drop(guard);
+    f.proxy.heal();
+
+    // Renewals held back by the partition may reach the server after the heal and keep
+    // the old key for one more TTL; `lock` waits that out.
+    let again = locker
+        .lock(&key("partition"))
+        .await
+        .expect("recovered after heal");
+    assert!(again.is_held());
+    let other = locker.try_lock(&key("partition-2")).await.unwrap();
+    assert!(other.is_some());
+    again.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operations_succeed_after_script_flush() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let ttl = Duration::from_secs(10);
+    let flush = || async { harness::require(f.server.command(&["SCRIPT", "FLUSH"]).await) };
+
+    flush().await;
+    let lease = redis.acquire(&key("flush"), ttl).await.unwrap().unwrap();
+    flush().await;
+    assert!(matches!(
+        redis.renew(&lease).await.unwrap(),
+        Renewal::Renewed { .. }
+    ));
+    flush().await;
+    assert_eq!(redis.fence(&lease).await.unwrap(), Fence::Current);
+    flush().await;
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+
+    let keys: Vec<LockKey> = (0..20).map(|i| key(&format!("flush-{i}"))).collect();
+    flush().await;
+    let leases: Vec<_> = redis
+        .acquire_many(&keys, ttl)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    flush().await;
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    flush().await;
+    let released = redis.release_many(&leases).await.unwrap();
+    assert!(released.iter().all(|r| *r == Release::Released));
+    assert!(common::command_calls(&f.server, "script|load").await >= 7);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_a_restart_that_lost_every_key() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let ttl = Duration::from_secs(10);
+    let k = key("restart");
+    let mut before = Vec::new();
+    for _ in 0..3 {
+        let lease = redis.acquire(&k, ttl).await.unwrap().unwrap();
+        before.push(lease.token());
+        redis.release(&lease).await.unwrap();
+    }
+    let highest_before = *before.iter().max().unwrap();
+
+    harness::require(f.server.restart().await);
+    let (_, fence_key) = redis.redis_keys(&k);
+    let counter = harness::require(f.server.command(&["GET", fence_key.as_str()]).await);
+    assert_eq!(
+        counter.as_text(),
+        None,
+        "the restart was expected to lose the counter"
+    );
+
+    // The client reconnects on its own; the first calls may still see the old connection.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let after = loop {
+        match redis.acquire(&k, ttl).await {
+            Ok(Some(lease)) => break lease.token(),
+            Ok(None) => panic!("nobody else holds the key"),
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("no reconnect after restart: {e}"),
+        }
+    };
+    assert!(after > highest_before, "{after} <= {highest_before}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_cluster_master_fails_its_keys_cleanly_and_the_others_keep_working() {
+    let f = RedisClusterFactory::start().await;
+    // Let the surviving masters keep serving their slots when one master is gone.
+    for node in f.cluster.nodes() {
+        harness::require(
+            node.command(&["CONFIG", "SET", "cluster-require-full-coverage", "no"])
+                .await,
+        );
+    }
+    let redis = f.redis().await;
+    let ttl = Duration::from_secs(20);
+    let victim = f.cluster.nodes()[0].port();
+    let mut on_victim = Vec::new();
+    let mut elsewhere = Vec::new();
+    for i in 0..40 {
+        let k = key(&format!("kill-{i}"));
+        let (lock_key, _) = redis.redis_keys(&k);
+        let node = harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await);
+        if node.port() == victim {
+            on_victim.push(k)
+        } else {
+            elsewhere.push(k)
+        }
+    }
+    assert!(!on_victim.is_empty() && !elsewhere.is_empty());
+    let fresh_key = elsewhere.pop().unwrap();
+    let victim_leases: Vec<_> = redis
+        .acquire_many(&on_victim, ttl)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    let other_leases: Vec<_> = redis
+        .acquire_many(&elsewhere, ttl)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+
+    harness::require(f.cluster.nodes()[0].kill());
+
+    for lease in &victim_leases[..2] {
+        let err = redis.renew(lease).await.expect_err("its master is dead");
+        assert!(err.is_retryable(), "{err}");
+    }
+    for lease in &other_leases {
+        assert!(matches!(
+            redis.renew(lease).await.unwrap(),
+            Renewal::Renewed { .. }
+        ));
+    }
+    let fresh = redis
+        .acquire(&fresh_key, ttl)
+        .await
+        .unwrap()
+        .expect("a new key on a surviving master can be taken");
+    assert_eq!(redis.release(&fresh).await.unwrap(), Release::Released);
+
+    let mut all = victim_leases.clone();
+    all.extend(other_leases.iter().cloned());
+    let renewed = redis.renew_many(&all).await.unwrap();
+    for (lease, r) in all.iter().zip(&renewed) {
+        let expect_ok = elsewhere.contains(lease.key());
+        assert_eq!(
+            matches!(r, Renewal::Renewed { .. }),
+            expect_ok,
+            "{:?}",
+            lease.key()
+        );
+    }
+}

@@ -1,0 +1,96 @@
+//! Counts what the server received (`INFO commandstats`, `INFO stats`) to prove that every
+//! operation is one command and a batch of 1,000 renewals is one pipeline.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RedisFactory, command_calls, info_field};
+use lock_api::{LockBackend, LockKey, Renewal};
+
+const TTL: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_operation_is_one_evalsha() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let key = LockKey::new("round-trip").unwrap();
+    // Warm up: the first call of each script may need a SCRIPT LOAD.
+    let lease = redis.acquire(&key, TTL).await.unwrap().unwrap();
+    redis.renew(&lease).await.unwrap();
+    redis.fence(&lease).await.unwrap();
+    redis.release(&lease).await.unwrap();
+    harness_reset(&f).await;
+
+    let lease = redis.acquire(&key, TTL).await.unwrap().unwrap();
+    assert_eq!(f.calls("evalsha").await, 1, "acquire");
+    assert!(matches!(
+        redis.renew(&lease).await.unwrap(),
+        Renewal::Renewed { .. }
+    ));
+    assert_eq!(f.calls("evalsha").await, 2, "renew");
+    redis.fence(&lease).await.unwrap();
+    assert_eq!(f.calls("evalsha").await, 3, "fence");
+    redis.release(&lease).await.unwrap();
+    assert_eq!(f.calls("evalsha").await, 4, "release");
+    // No other client command did part of the work (commands run inside the scripts are
+    // counted under their own names, so GET/SET are not listed here).
+    for other in ["eval", "script|load", "incr", "multi", "exec"] {
+        assert_eq!(f.calls(other).await, 0, "unexpected {other}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renew_many_of_a_thousand_leases_is_one_pipeline() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys: Vec<LockKey> = (0..1000)
+        .map(|i| LockKey::new(format!("batch-{i}")).unwrap())
+        .collect();
+    let leases: Vec<_> = redis
+        .acquire_many(&keys, TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.expect("every key was free"))
+        .collect();
+    redis.renew_many(&leases[..1]).await.unwrap();
+    harness_reset(&f).await;
+    // The server counts one read from the socket per received chunk; a pipeline of 1,000
+    // EVALSHA (about 150 kB) arrives in a handful of reads, one by one would need 1,000
+    // requests each waiting for its reply.
+    let reads_before = info_field(&f.server, "stats", "total_reads_processed").await;
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    let reads = info_field(&f.server, "stats", "total_reads_processed").await - reads_before;
+    assert_eq!(renewed.len(), 1000);
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    assert_eq!(f.calls("evalsha").await, 1000);
+    // The INFO commands of this test are reads too.
+    assert!(
+        reads < 100,
+        "1,000 renewals took {reads} socket reads: not one pipeline"
+    );
+    println!("renew_many(1000): 1000 EVALSHA in {reads} server socket reads");
+}
+
+async fn harness_reset(f: &RedisFactory) {
+    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_are_loaded_once_when_connecting() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys: Vec<LockKey> = (0..10)
+        .map(|i| LockKey::new(format!("warm-{i}")).unwrap())
+        .collect();
+    let first = redis.acquire_many(&keys, TTL).await.unwrap();
+    assert!(first.iter().all(Option::is_some));
+    // The six scripts were loaded by `build`; the batch needed no reload.
+    assert_eq!(command_calls(&f.server, "script|load").await, 6);
+    let leases: Vec<_> = first.into_iter().flatten().collect();
+    redis.release_many(&leases).await.unwrap();
+    let again = redis.acquire_many(&keys, TTL).await.unwrap();
+    assert!(again.iter().all(Option::is_some));
+    assert_eq!(command_calls(&f.server, "script|load").await, 6);
+}
