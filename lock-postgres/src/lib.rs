@@ -1,5 +1,29 @@
-//! PostgreSQL backends for distlock.
+//! PostgreSQL backends for distlock, and fencing and idempotency in SQL.
 //!
-//! This crate is a placeholder until the PostgreSQL backends land: it will hold the
-//! advisory-lock backend, the lease-table backend, the SQL fencing gate and the
-//! idempotency-key helper. It exports nothing yet.
+//! - [`PgLeaseBackend`]: one row per lock in a lease table; acquire is one upsert on the
+//!   server's clock; no connection stays pinned. Use it by default.
+//! - [`PgAdvisoryBackend`]: session-level advisory locks; each held lock pins a connection,
+//!   and ownership ends with the session. Not usable behind a transaction-pooling proxy.
+//! - [`PgFencedResource`]: the downstream gate that rejects writes carrying an older
+//!   fencing token, inside the application's own transaction.
+//! - [`IdempotencyKeys`]: records `payment:{job_id}`-style keys in the same transaction
+//!   as the side effect.
+//!
+//! Both backends are built from a [`PgBuilder`] and need their tables: call `setup()` once
+//! (idempotent). Tokens survive server restarts: they live in tables, never in memory.
+//! The two backends keep separate state: a lease-table lock and an advisory lock on the
+//! same name do not exclude each other.
+
+mod advisory;
+mod client;
+mod config;
+mod error;
+mod fencing;
+mod lease_table;
+mod schema;
+
+pub use advisory::PgAdvisoryBackend;
+pub use config::{MAX_POOL_SIZE, PgBuilder};
+pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
+pub use lease_table::PgLeaseBackend;
+pub use schema::{DEFAULT_SCHEMA, Schema};

@@ -1,0 +1,563 @@
+//! [`PgAdvisoryBackend`]: session-level advisory locks (`pg_try_advisory_lock`) on a
+//! connection pinned to the lease until it is released.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::{
+    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
+    OwnerId, Release, Renewal, valid_until,
+};
+use sha2::{Digest, Sha256};
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, Postgres, Row};
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, ttl_ms};
+use crate::error::Operation;
+use crate::schema::Schema;
+
+const NAME: &str = "postgres-advisory";
+
+/// How many keepalive probes go unanswered before the server drops a session.
+const KEEPALIVE_PROBES: i64 = 3;
+
+/// The statements, with the schema name filled in once.
+struct Statements {
+    acquire: Arc<str>,
+    token: Arc<str>,
+    inspect: Arc<str>,
+}
+
+/// Checks that this session holds the advisory lock `(classid, objid)` of a bigint key.
+const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
+     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
+       AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
+
+/// Unlocks and puts the session's time limits back to the server defaults, so the
+/// connection can serve the pool again.
+const UNLOCK: &str = "SELECT pg_advisory_unlock($1) AS released, \
+     set_config('idle_session_timeout', '0', false), \
+     set_config('tcp_user_timeout', '0', false), \
+     set_config('tcp_keepalives_idle', '0', false), \
+     set_config('tcp_keepalives_interval', '0', false), \
+     set_config('tcp_keepalives_count', '0', false)";
+
+/// PostgreSQL advisory-lock backend: session-level advisory locks
+/// (`pg_try_advisory_lock`) on a connection pinned to the lease until it is released.
+///
+/// # How it works
+///
+/// - **Key.** The first 8 bytes of SHA-256 of `distlock:<schema>:<name>`, read big-endian
+///   as a signed 64-bit integer: the same on every platform and release. Two names whose
+///   hashes collide contend for one lock: a collision costs waiting, never safety.
+/// - **acquire** takes a connection from the pool and runs ONE statement on it that tries
+///   the lock, and only if it got it bumps the name's counter in
+///   `<schema>.distlock_advisory_tokens` and sets the session's time limits. The
+///   connection then stays pinned to the lease (in its private handle) until release.
+/// - **Ownership ends with the session.** The session runs with
+///   `idle_session_timeout = ttl`, so a holder that stops renewing (paused, partitioned,
+///   vanished) loses its session, and so its lock, about one TTL after its last call;
+///   TCP keepalives and `tcp_user_timeout` (also about one TTL) end sessions whose client
+///   machine vanished mid-request. Needs PostgreSQL 14 or newer.
+/// - **renew** checks on the pinned session that it is alive and still holds the lock
+///   (`pg_locks` for `pg_backend_pid()`), which also restarts the idle timer. A dropped
+///   connection is [`Renewal::Lost`].
+/// - **release** runs `pg_advisory_unlock` on the pinned session and gives the connection
+///   back to the pool. A lease dropped without release closes its connection, which frees
+///   the lock; a pinned connection never returns to the pool still holding a lock.
+///
+/// # Capacity
+///
+/// Every held lock pins a connection: one backend holds at most
+/// [`PgBuilder::pool_size`](crate::PgBuilder::pool_size) locks
+/// ([`Capabilities::max_held`]); one more acquire fails at once with [`LockError::Unavailable`] saying so. The server's `max_connections` bounds
+/// all backends together.
+///
+/// # Not behind a transaction-pooling proxy
+///
+/// Session locks need the session: behind PgBouncer in `transaction` (or `statement`)
+/// pooling mode, consecutive statements run on different server sessions, so locks leak
+/// to other clients and checks see the wrong session. Connect directly or through a
+/// `session`-mode pool.
+///
+/// Call [`PgAdvisoryBackend::setup`] once per database (idempotent) for the token table.
+pub struct PgAdvisoryBackend {
+    id: BackendId,
+    client: PgClient,
+    max_held: usize,
+    /// Connections in use for locks: held ones and attempts in flight.
+    slots: Arc<Semaphore>,
+    /// Locks held right now, so a full backend fails at once instead of waiting.
+    held: Arc<AtomicUsize>,
+    sql: Statements,
+}
+
+/// The private handle of an advisory lease: the pinned session, while it is pinned.
+struct Session {
+    key: i64,
+    owner: OwnerId,
+    token: FencingToken,
+    pinned: Mutex<Option<Pinned>>,
+}
+
+/// A connection pinned to a held lock, with the capacity it takes up; both are given
+/// back when it is taken out of its [`Session`] (release, or loss found).
+struct Pinned {
+    conn: PoolConnection<Postgres>,
+    _slot: OwnedSemaphorePermit,
+    _held: Held,
+}
+
+/// Counts one held lock while it lives.
+struct Held(Arc<AtomicUsize>);
+
+impl Held {
+    fn new(count: &Arc<AtomicUsize>) -> Self {
+        count.fetch_add(1, Ordering::SeqCst);
+        Self(count.clone())
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Still pinned: the lease was dropped without release. Closing the session frees
+        // the lock; returning it to the pool would leak the lock to the next user.
+        if let Some(pinned) = self.pinned.get_mut().as_mut() {
+            pinned.conn.close_on_drop();
+        }
+    }
+}
+
+impl PgAdvisoryBackend {
+    /// Settings for the server at `url`; see [`crate::PgBuilder`].
+    pub fn builder(url: impl Into<String>) -> crate::PgBuilder {
+        crate::PgBuilder::new(url)
+    }
+
+    pub(crate) fn from_client(client: PgClient, max_held: u32) -> Self {
+        let max_held = usize::try_from(max_held).unwrap_or(usize::MAX);
+        let s = &client.schema;
+        let sql = Statements {
+            // The lock CTE holds a volatile call, so it is evaluated exactly once; the
+            // session settings and the token bump only happen when the lock was taken.
+            acquire: s.sql(
+                "WITH l AS (SELECT pg_try_advisory_lock($1) AS ok), \
+                 cfg AS (SELECT set_config('idle_session_timeout', $3, false), \
+                                set_config('tcp_user_timeout', $3, false), \
+                                set_config('tcp_keepalives_idle', $4, false), \
+                                set_config('tcp_keepalives_interval', $4, false), \
+                                set_config('tcp_keepalives_count', $5, false) \
+                           FROM l WHERE l.ok) \
+                 INSERT INTO {s}.distlock_advisory_tokens AS t (name, token, owner, ttl_ms) \
+                 SELECT $2, 1, $6, $7 FROM l, cfg WHERE l.ok \
+                 ON CONFLICT (name) DO UPDATE \
+                    SET token = t.token + 1, owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
+                 RETURNING token",
+            ),
+            token: s.sql("SELECT token FROM {s}.distlock_advisory_tokens WHERE name = $1"),
+            // The holder's remaining time is its idle-session budget: the TTL minus the
+            // time since its session's last state change.
+            inspect: s.sql(
+                "SELECT t.token, t.owner, \
+                        (SELECT greatest(1, (extract(epoch FROM a.state_change - clock_timestamp()) \
+                                             * 1000000)::bigint + t.ttl_ms * 1000) \
+                           FROM pg_locks k JOIN pg_stat_activity a ON a.pid = k.pid \
+                          WHERE k.locktype = 'advisory' AND k.granted AND k.objsubid = 1 \
+                            AND k.classid = $2::bigint::oid AND k.objid = $3::bigint::oid \
+                            AND k.database = (SELECT oid FROM pg_database \
+                                               WHERE datname = current_database()) \
+                          LIMIT 1) AS remaining_us \
+                   FROM {s}.distlock_advisory_tokens t WHERE t.name = $1",
+            ),
+        };
+        Self {
+            id: BackendId::next(),
+            client,
+            max_held,
+            slots: Arc::new(Semaphore::new(max_held)),
+            held: Arc::new(AtomicUsize::new(0)),
+            sql,
+        }
+    }
+
+    /// Opens all of the pool's connections now and checks that the tables exist: fails
+    /// with [`LockError::Unavailable`] when the server cannot be reached and with
+    /// [`LockError::Config`] on a refused login or a database without `setup()`.
+    /// Optional: without it, connections open on first use.
+    pub async fn connect(&self) -> Result<(), LockError> {
+        self.client.warm_up(NAME, "distlock_advisory_tokens").await
+    }
+
+    /// Creates the schema and tables if they do not exist. Idempotent; run it once at
+    /// deployment or start-up, never implicitly per call.
+    pub async fn setup(&self) -> Result<(), LockError> {
+        self.client.setup(NAME).await
+    }
+
+    /// The advisory-lock key of `key` in this backend's schema.
+    pub fn lock_id(&self, key: &LockKey) -> i64 {
+        lock_id(&self.client.schema, key)
+    }
+
+    /// The session of a lease granted by this backend; `None` for a lease that does not
+    /// carry this acquisition's session (another owner or token), which holds nothing.
+    fn session<'a>(&self, lease: &'a Lease) -> Result<Option<&'a Session>, LockError> {
+        lease.check_backend(self.id, NAME)?;
+        Ok(lease
+            .handle::<Session>()
+            .filter(|s| s.owner == lease.owner() && s.token == lease.token()))
+    }
+
+    fn exhausted(&self) -> LockError {
+        LockError::unavailable(
+            NAME,
+            format!(
+                "all {} lock slots are in use: each held advisory lock pins one of the \
+                 pool's connections; release a lock or raise pool_size",
+                self.max_held
+            ),
+        )
+    }
+
+    /// Acquires with the validity counted from `sent` (taken before anything was sent).
+    async fn acquire_sent(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        sent: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        if self.held.load(Ordering::SeqCst) >= self.max_held {
+            return Err(self.exhausted());
+        }
+        // Attempts in flight finish quickly; wait for one of them, not for a lock holder.
+        let slot = tokio::time::timeout(
+            self.client.connect_timeout,
+            self.slots.clone().acquire_owned(),
+        )
+        .await
+        .ok()
+        .and_then(Result::ok)
+        .ok_or_else(|| self.exhausted())?;
+        let id = self.lock_id(key);
+        let ms = ttl_ms(ttl);
+        // Keepalive probes start after a third of the TTL and give up after about one TTL.
+        let keepalive_secs = (ms / 1000 / (KEEPALIVE_PROBES + 1)).max(1);
+        let owner = OwnerId::random();
+        let mut conn = self.client.conn(NAME).await?;
+        let token: Option<i64> = on_conn!(
+            self.client,
+            NAME,
+            Operation::Acquire,
+            conn,
+            sqlx::query_scalar(AssertSqlSafe(self.sql.acquire.clone()))
+                .bind(id)
+                .bind(key.as_str())
+                .bind(ms.to_string())
+                .bind(keepalive_secs.to_string())
+                .bind(KEEPALIVE_PROBES.to_string())
+                .bind(owner_uuid(owner))
+                .bind(ms)
+                .fetch_optional(&mut *conn)
+        )
+        .inspect_err(|_| {
+            // A failure after the lock was taken would leave it held by a pooled session
+            // (session locks ignore rollbacks): close the session to be sure.
+            conn.close_on_drop();
+        })?;
+        let Some(token) = token else {
+            return Ok(None);
+        };
+        let token = token_from(token);
+        let session = Session {
+            key: id,
+            owner,
+            token,
+            pinned: Mutex::new(Some(Pinned {
+                conn,
+                _slot: slot,
+                _held: Held::new(&self.held),
+            })),
+        };
+        let lease = Lease::new(
+            self.id,
+            key.clone(),
+            owner,
+            token,
+            ttl,
+            valid_until(sent, ttl),
+        );
+        Ok(Some(lease.with_handle(Arc::new(session))))
+    }
+
+    /// Renews with the validity counted from `sent`.
+    async fn renew_sent(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
+        let Some(session) = self.session(lease)? else {
+            return Ok(Renewal::Lost);
+        };
+        Ok(if self.holds(session, Operation::Renew).await? {
+            Renewal::Renewed {
+                valid_until: valid_until(sent, lease.ttl()),
+            }
+        } else {
+            Renewal::Lost
+        })
+    }
+
+    async fn current_token(&self, key: &LockKey) -> Result<Option<FencingToken>, LockError> {
+        let mut conn = self.client.conn(NAME).await?;
+        let token: Option<i64> = on_conn!(
+            self.client,
+            NAME,
+            Operation::Fence,
+            conn,
+            sqlx::query_scalar(AssertSqlSafe(self.sql.token.clone()))
+                .bind(key.as_str())
+                .fetch_optional(&mut *conn)
+        )?;
+        Ok(token.map(token_from))
+    }
+
+    /// Whether the pinned session still holds the lock; `None` when the session is gone
+    /// (and then the connection has been dropped, closing it).
+    async fn holds(&self, session: &Session, op: Operation) -> Result<bool, LockError> {
+        let mut slot = session.pinned.lock().await;
+        let Some(pinned) = slot.as_mut() else {
+            return Ok(false);
+        };
+        let (classid, objid) = split(session.key);
+        let result = self
+            .client
+            .timed(
+                NAME,
+                op,
+                sqlx::query_scalar::<_, bool>(HOLDS)
+                    .bind(classid)
+                    .bind(objid)
+                    .fetch_one(&mut *pinned.conn),
+            )
+            .await;
+        match result {
+            Ok(true) => Ok(true),
+            Ok(false) => {
+                // Nothing else unlocks on this session; unpin it rather than trust it.
+                unpin(&mut slot);
+                Ok(false)
+            }
+            Err(failed) if failed.broken => {
+                // The session is gone or unusable, and with it the lock.
+                unpin(&mut slot);
+                Ok(false)
+            }
+            Err(failed) => Err(failed.error),
+        }
+    }
+}
+
+/// Takes the pinned connection out of its session and closes it, which ends the server
+/// session and so frees any lock it still holds.
+fn unpin(slot: &mut Option<Pinned>) {
+    if let Some(mut pinned) = slot.take() {
+        pinned.conn.close_on_drop();
+    }
+}
+
+/// `(classid, objid)` of a bigint advisory key, as `pg_locks` shows them.
+fn split(key: i64) -> (i64, i64) {
+    let bits = key as u64;
+    ((bits >> 32) as i64, (bits & 0xffff_ffff) as i64)
+}
+
+/// The first 8 bytes of SHA-256 of `distlock:<schema>:<name>`, big-endian.
+pub(crate) fn lock_id(schema: &Schema, key: &LockKey) -> i64 {
+    let digest = Sha256::new()
+        .chain_update(b"distlock:")
+        .chain_update(schema.as_str().as_bytes())
+        .chain_update(b":")
+        .chain_update(key.as_str().as_bytes())
+        .finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
+impl fmt::Debug for PgAdvisoryBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgAdvisoryBackend")
+            .field("url", &self.client.url)
+            .field("schema", &self.client.schema)
+            .field("max_held", &self.max_held)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for PgAdvisoryBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    /// TTL granularity 1 ms; ownership bound to the session, which the server ends one
+    /// TTL after the holder's last call; at most `pool_size` locks held at once.
+    fn capabilities(&self) -> Capabilities {
+        self.client
+            .capabilities()
+            .session_bound(true)
+            .max_held(Some(self.max_held))
+            .inspect(true)
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        self.acquire_sent(key, ttl, Instant::now()).await
+    }
+
+    /// One acquire after another, each on its own pinned session; every validity counts
+    /// from the batch's start. On an error the leases already taken are released.
+    async fn acquire_many(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        let sent = Instant::now();
+        let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
+        for key in keys {
+            match self.acquire_sent(key, ttl, sent).await {
+                Ok(lease) => out.push(lease),
+                Err(e) => {
+                    let taken: Vec<Lease> = out.into_iter().flatten().collect();
+                    // Best effort: a lease that cannot be released frees with its session.
+                    let _ = self.release_many(&taken).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One check after another, each on its lease's session; every new validity counts
+    /// from the batch's start.
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        let sent = Instant::now();
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            out.push(self.renew_sent(lease, sent).await?);
+        }
+        Ok(out)
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.renew_sent(lease, Instant::now()).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        let Some(session) = self.session(lease)? else {
+            return Ok(Release::NotHeld);
+        };
+        let mut slot = session.pinned.lock().await;
+        let Some(pinned) = slot.as_mut() else {
+            return Ok(Release::NotHeld);
+        };
+        let result = self
+            .client
+            .timed(
+                NAME,
+                Operation::Release,
+                sqlx::query_scalar::<_, bool>(UNLOCK)
+                    .bind(session.key)
+                    .fetch_one(&mut *pinned.conn),
+            )
+            .await;
+        if result.as_ref().is_ok_and(|unlocked| *unlocked) {
+            // Unlocked and reset: the connection goes back to the pool.
+            slot.take();
+            Ok(Release::Released)
+        } else {
+            // Not held, or the session is gone: closing it frees whatever it held.
+            unpin(&mut slot);
+            Ok(Release::NotHeld)
+        }
+    }
+
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        if let Some(session) = self.session(lease)? {
+            if self.holds(session, Operation::Fence).await? {
+                return Ok(Fence::Current);
+            }
+        }
+        let current = self
+            .current_token(lease.key())
+            .await?
+            .unwrap_or(lease.token());
+        Ok(Fence::Stale { current })
+    }
+
+    /// The newest token; while a session holds the lock, its owner id and the time left
+    /// until the server ends the session if it stays idle.
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let (classid, objid) = split(self.lock_id(key));
+        let mut conn = self.client.conn(NAME).await?;
+        let row = on_conn!(
+            self.client,
+            NAME,
+            Operation::Inspect,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
+                .bind(key.as_str())
+                .bind(classid)
+                .bind(objid)
+                .fetch_optional(&mut *conn)
+        )?;
+        let Some(row) = row else {
+            return Ok(LockInfo {
+                owner: None,
+                token: None,
+                remaining: None,
+            });
+        };
+        let decode = |e| crate::error::from_sqlx(NAME, Operation::Inspect, &self.client.schema, e);
+        let token: i64 = row.try_get("token").map_err(decode)?;
+        let owner: Uuid = row.try_get("owner").map_err(decode)?;
+        let remaining: Option<i64> = row.try_get("remaining_us").map_err(decode)?;
+        Ok(LockInfo {
+            owner: remaining.and_then(|_| owner_from(owner)),
+            token: Some(token_from(token)),
+            remaining: remaining.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_ids_are_stable_and_namespaced() {
+        let a = Schema::new("distlock").unwrap();
+        let b = Schema::new("other").unwrap();
+        let key = LockKey::new("payout:42").unwrap();
+        // SHA-256("distlock:distlock:payout:42"), first 8 bytes, big-endian.
+        let digest = Sha256::digest(b"distlock:distlock:payout:42");
+        let expected = i64::from_be_bytes(digest[..8].try_into().unwrap());
+        assert_eq!(lock_id(&a, &key), expected);
+        assert_ne!(lock_id(&a, &key), lock_id(&b, &key));
+    }
+
+    #[test]
+    fn keys_split_into_classid_and_objid() {
+        assert_eq!(split(0x0000_0001_0000_0002), (1, 2));
+        assert_eq!(split(-1), (0xffff_ffff, 0xffff_ffff));
+    }
+}

@@ -1,0 +1,258 @@
+//! [`PgBuilder`]: the connection settings both backends share, validated in one place.
+
+use std::fmt;
+use std::str::FromStr;
+use std::time::Duration;
+
+use lock_api::LockError;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+use crate::advisory::PgAdvisoryBackend;
+use crate::client::PgClient;
+use crate::lease_table::PgLeaseBackend;
+use crate::schema::{DEFAULT_SCHEMA, Schema};
+
+/// The largest pool a builder accepts.
+pub const MAX_POOL_SIZE: u32 = 1_000;
+
+/// Settings for [`PgLeaseBackend`] and [`PgAdvisoryBackend`]: URL, pool size, schema, TTL
+/// bounds and time limits.
+///
+/// `build_*` validate everything and fail with [`LockError::Config`]; they open no
+/// connection (the pool connects on first use), so a server that is down shows up as
+/// [`LockError::Unavailable`] on the first call. `Debug` hides the password.
+///
+/// ```
+/// use std::time::Duration;
+/// use lock_postgres::PgBuilder;
+///
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let backend = PgBuilder::new("postgres://app:secret@127.0.0.1:5432/app")
+///     .schema("locks")
+///     .pool_size(8)
+///     .ttl_bounds(Duration::from_millis(100), Duration::from_secs(600))
+///     .build_lease_backend()
+///     .unwrap();
+/// assert!(!format!("{backend:?}").contains("secret"));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct PgBuilder {
+    url: String,
+    schema: String,
+    pool_size: u32,
+    min_ttl: Duration,
+    max_ttl: Duration,
+    connect_timeout: Duration,
+    request_timeout: Duration,
+}
+
+impl PgBuilder {
+    /// Settings for the server at `url` (`postgres://user:password@host:port/database`),
+    /// with schema [`DEFAULT_SCHEMA`], 10 connections, TTLs from 10 ms to 24 h, and
+    /// 5 s connect and request time limits.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            schema: DEFAULT_SCHEMA.to_owned(),
+            pool_size: 10,
+            min_ttl: Duration::from_millis(10),
+            max_ttl: Duration::from_secs(24 * 3600),
+            connect_timeout: Duration::from_secs(5),
+            request_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// The schema holding the tables (validated by [`Schema::new`]).
+    #[must_use]
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The most connections the backend opens. For the advisory backend this is also the
+    /// most locks it can hold at once (each held lock pins a connection); it opens one more
+    /// connection for `setup` and `inspect`.
+    #[must_use]
+    pub fn pool_size(mut self, size: u32) -> Self {
+        self.pool_size = size;
+        self
+    }
+
+    /// The shortest and longest TTL the backend accepts, in whole milliseconds.
+    #[must_use]
+    pub fn ttl_bounds(mut self, min: Duration, max: Duration) -> Self {
+        self.min_ttl = min;
+        self.max_ttl = max;
+        self
+    }
+
+    /// How long getting a connection may take before a call fails with `Unavailable`.
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long a sent request may wait for its reply before the call fails with
+    /// `OutcomeUnknown` (writes) or `Unavailable` (reads).
+    #[must_use]
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// Builds the lease-table backend.
+    pub fn build_lease_backend(&self) -> Result<PgLeaseBackend, LockError> {
+        Ok(PgLeaseBackend::from_client(self.client(self.pool_size)?))
+    }
+
+    /// Builds the advisory-lock backend.
+    pub fn build_advisory_backend(&self) -> Result<PgAdvisoryBackend, LockError> {
+        // One connection more than the lock capacity, so setup and inspect still work
+        // when every lock slot is pinned.
+        let client = self.client(self.pool_size.saturating_add(1))?;
+        Ok(PgAdvisoryBackend::from_client(client, self.pool_size))
+    }
+
+    fn client(&self, max_connections: u32) -> Result<PgClient, LockError> {
+        let schema = Schema::new(&self.schema)?;
+        if self.pool_size == 0 || self.pool_size > MAX_POOL_SIZE {
+            return Err(LockError::Config(format!(
+                "pool size {} is out of range 1..={MAX_POOL_SIZE}",
+                self.pool_size
+            )));
+        }
+        self.check_ttl_bounds()?;
+        for (what, t) in [
+            ("connect timeout", self.connect_timeout),
+            ("request timeout", self.request_timeout),
+        ] {
+            if t.is_zero() {
+                return Err(LockError::Config(format!(
+                    "the {what} must be greater than zero"
+                )));
+            }
+        }
+        let options = connect_options(&self.url)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(self.connect_timeout)
+            .connect_lazy_with(options);
+        Ok(PgClient {
+            pool,
+            schema,
+            pool_size: max_connections,
+            connect_timeout: self.connect_timeout,
+            request_timeout: self.request_timeout,
+            min_ttl: self.min_ttl,
+            max_ttl: self.max_ttl,
+            url: redact(&self.url),
+        })
+    }
+
+    fn check_ttl_bounds(&self) -> Result<(), LockError> {
+        let whole_ms = |d: Duration| d.as_nanos() % 1_000_000 == 0;
+        // The advisory backend hands the TTL to `idle_session_timeout`, a 32-bit count of ms.
+        let limit = Duration::from_millis(i32::MAX as u64);
+        if self.min_ttl.is_zero()
+            || self.min_ttl > self.max_ttl
+            || self.max_ttl > limit
+            || !whole_ms(self.min_ttl)
+            || !whole_ms(self.max_ttl)
+        {
+            return Err(LockError::Config(format!(
+                "TTL bounds {:?}..={:?} are invalid: both must be whole milliseconds, \
+                 0 < min <= max <= {limit:?}",
+                self.min_ttl, self.max_ttl
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for PgBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgBuilder")
+            .field("url", &redact(&self.url))
+            .field("schema", &self.schema)
+            .field("pool_size", &self.pool_size)
+            .field("min_ttl", &self.min_ttl)
+            .field("max_ttl", &self.max_ttl)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("request_timeout", &self.request_timeout)
+            .finish()
+    }
+}
+
+/// Parses a `postgres://` URL without ever echoing it (it may hold a password).
+fn connect_options(url: &str) -> Result<PgConnectOptions, LockError> {
+    let parsed = url::Url::parse(url)
+        .map_err(|e| LockError::Config(format!("malformed PostgreSQL URL: {e}")))?;
+    if !matches!(parsed.scheme(), "postgres" | "postgresql") {
+        return Err(LockError::Config(format!(
+            "unsupported URL scheme {:?}: expected postgres:// or postgresql://",
+            parsed.scheme()
+        )));
+    }
+    if parsed.host_str().is_none_or(str::is_empty) {
+        return Err(LockError::Config(
+            "malformed PostgreSQL URL: no host".into(),
+        ));
+    }
+    let options = PgConnectOptions::from_str(url).map_err(|e| {
+        // sqlx's parse errors describe the offending part, never the whole URL.
+        LockError::Config(format!("malformed PostgreSQL URL: {e}"))
+    })?;
+    Ok(options.application_name("distlock"))
+}
+
+/// The URL with its password replaced by `***`, for Debug output and messages.
+pub(crate) fn redact(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                // Only fails for URLs that cannot have a password, which have none.
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<malformed url>".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redaction_hides_the_password_only() {
+        assert_eq!(
+            redact("postgres://app:s3cret@db:5432/x"),
+            "postgres://app:***@db:5432/x"
+        );
+        assert_eq!(redact("postgres://db/x"), "postgres://db/x");
+        assert_eq!(redact("::not a url s3cret"), "<malformed url>");
+    }
+
+    #[test]
+    fn bad_settings_are_config_errors_that_never_show_the_password() {
+        let cases = [
+            PgBuilder::new("not a url :s3cret"),
+            PgBuilder::new("mysql://u:s3cret@h/db"),
+            PgBuilder::new("postgres://u:s3cret@h/db").schema("Bad-Name"),
+            PgBuilder::new("postgres://u:s3cret@h/db").pool_size(0),
+            PgBuilder::new("postgres://u:s3cret@h/db")
+                .ttl_bounds(Duration::from_secs(2), Duration::from_secs(1)),
+            PgBuilder::new("postgres://u:s3cret@h/db")
+                .ttl_bounds(Duration::from_micros(1500), Duration::from_secs(1)),
+            PgBuilder::new("postgres://u:s3cret@h/db").request_timeout(Duration::ZERO),
+        ];
+        for b in cases {
+            let err = b.build_lease_backend().unwrap_err();
+            assert!(matches!(err, LockError::Config(_)), "{b:?}: {err}");
+            assert!(!err.to_string().contains("s3cret"), "{err}");
+            assert!(!format!("{b:?}").contains("s3cret"));
+        }
+    }
+}

@@ -1,0 +1,252 @@
+//! Fencing and idempotency where the side effects happen: in the application's own
+//! PostgreSQL transaction.
+//!
+//! - [`PgFencedResource`] keeps the highest admitted token per resource in
+//!   `<schema>.distlock_fenced` and admits a write only when its token is at least that
+//!   high. [`PgFencedResource::admit_in`] does it inside the caller's transaction, so the
+//!   caller's own statements commit only together with the admission.
+//! - [`IdempotencyKeys`] records a key such as `payment:{job_id}` in
+//!   `<schema>.distlock_idempotency` in the same transaction as the side effect: a repeat
+//!   reports [`Idempotency::AlreadyApplied`] and the caller applies nothing.
+//!
+//! # Equal tokens are admitted
+//!
+//! The guarded UPDATE of the classic recipe (`WHERE $token > COALESCE(last_fencing_token, 0)`)
+//! rejects a second write by the *same* holder. Every fenced resource in distlock admits a
+//! token equal to the highest seen (`>=`), as [`lock_api::MemoryFencedResource`] does: the
+//! holder of the newest lease may write many times, and only an older token is stale. The
+//! same rule, written on an application table, reads:
+//!
+//! ```sql
+//! UPDATE payouts SET status = 'processed', last_fencing_token = $2
+//!  WHERE id = $1 AND $2 >= COALESCE(last_fencing_token, 0);  -- zero rows = stale
+//! ```
+//!
+//! The admission row stays locked until the caller's transaction ends, so two holders'
+//! transactions on one resource run one after the other and the older token is rejected
+//! once the newer one has committed.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use lock_api::{
+    Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey, decide,
+};
+use sqlx::{AssertSqlSafe, PgPool, PgTransaction};
+
+use crate::client::token_from;
+use crate::error::{self, Operation};
+use crate::schema::{self, Schema};
+
+const NAME: &str = "postgres-fence";
+
+/// A [`FencedResource`] stored in PostgreSQL, in shadow or enforce mode.
+///
+/// Tables come from [`PgFencedResource::setup`] (the same tables as the backends' `setup`).
+#[derive(Clone, Debug)]
+pub struct PgFencedResource {
+    pool: PgPool,
+    schema: Schema,
+    mode: EnforcementMode,
+    admit_sql: Arc<str>,
+    latest_sql: Arc<str>,
+}
+
+impl PgFencedResource {
+    /// A resource gate on `pool` with its table in `schema`.
+    pub fn new(pool: PgPool, schema: &str, mode: EnforcementMode) -> Result<Self, LockError> {
+        let schema = Schema::new(schema)?;
+        Ok(Self {
+            admit_sql: schema.sql(
+                "INSERT INTO {s}.distlock_fenced AS f (resource, last_fencing_token) \
+                 VALUES ($1, $2) \
+                 ON CONFLICT (resource) DO UPDATE \
+                    SET last_fencing_token = EXCLUDED.last_fencing_token \
+                  WHERE EXCLUDED.last_fencing_token >= COALESCE(f.last_fencing_token, 0) \
+                 RETURNING last_fencing_token",
+            ),
+            latest_sql: schema
+                .sql("SELECT last_fencing_token FROM {s}.distlock_fenced WHERE resource = $1"),
+            pool,
+            schema,
+            mode,
+        })
+    }
+
+    /// Creates the schema and tables if they do not exist. Idempotent.
+    pub async fn setup(&self) -> Result<(), LockError> {
+        schema::setup(&self.pool, &self.schema, NAME).await
+    }
+
+    /// The enforcement mode.
+    pub fn mode(&self) -> EnforcementMode {
+        self.mode
+    }
+
+    /// Admits a write to `resource` carrying `token`, inside the caller's transaction.
+    ///
+    /// On [`Admission::Admitted`] the token is recorded as the newest; run the side effect
+    /// in the same transaction and commit. On [`Admission::Stale`] nothing was recorded:
+    /// do not write, this worker's lease is gone. [`Admission::ShadowStale`] (shadow mode)
+    /// is counted in `distlock_fence_rejected_total{mode="shadow"}` and lets the write
+    /// through, never lowering the recorded token.
+    ///
+    /// ```no_run
+    /// # async fn demo(fenced: lock_postgres::PgFencedResource, pool: sqlx::PgPool,
+    /// #               token: lock_api::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut tx = pool.begin().await?;
+    /// if fenced.admit_in(&mut tx, "payout:42", token).await?.is_admitted() {
+    ///     sqlx::query("UPDATE payouts SET status = 'processed' WHERE id = $1")
+    ///         .bind(42_i64)
+    ///         .execute(&mut *tx)
+    ///         .await?;
+    ///     tx.commit().await?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    /// Cancel safe as far as the store goes: nothing is committed until the caller commits.
+    pub async fn admit_in(
+        &self,
+        tx: &mut PgTransaction<'_>,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, LockError> {
+        check_name(resource, "resource")?;
+        let fail = |e| error::from_sqlx(NAME, Operation::Admit, &self.schema, e);
+        let value = i64::try_from(token.get()).map_err(|_| LockError::InvalidKey {
+            reason: format!("fencing token {token} does not fit a bigint"),
+        })?;
+        let admitted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.admit_sql.clone()))
+            .bind(resource)
+            .bind(value)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(fail)?;
+        if admitted.is_some() {
+            return Ok(decide(self.mode, resource, token, None));
+        }
+        // Rejected: read the newer token that caused it (committed by another holder).
+        let latest: Option<Option<i64>> =
+            sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
+                .bind(resource)
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(fail)?;
+        let latest = latest.flatten().map_or(token, token_from);
+        Ok(decide(self.mode, resource, token, Some(latest)))
+    }
+
+    /// The highest token admitted for `resource`.
+    pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
+        check_name(resource, "resource")?;
+        let latest: Option<Option<i64>> =
+            sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
+                .bind(resource)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| error::from_sqlx(NAME, Operation::Fence, &self.schema, e))?;
+        Ok(latest.flatten().map(token_from))
+    }
+}
+
+#[async_trait]
+impl FencedResource for PgFencedResource {
+    /// [`PgFencedResource::admit_in`] in a transaction of its own.
+    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
+        let fail = |e| error::from_sqlx(NAME, Operation::Admit, &self.schema, e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let admission = self.admit_in(&mut tx, resource, token).await?;
+        tx.commit().await.map_err(fail)?;
+        Ok(admission)
+    }
+}
+
+/// Whether a side effect's idempotency key was new.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Idempotency {
+    /// The key is new: apply the side effect in this transaction, then commit.
+    Applied,
+    /// The key was recorded before: the side effect already happened; apply nothing.
+    AlreadyApplied,
+}
+
+/// Idempotency keys in `<schema>.distlock_idempotency`, recorded in the caller's
+/// transaction together with the side effect they stand for.
+#[derive(Clone, Debug)]
+pub struct IdempotencyKeys {
+    schema: Schema,
+    record_sql: Arc<str>,
+}
+
+impl IdempotencyKeys {
+    /// Keys stored in `schema` (created by any `setup()` of this crate).
+    pub fn new(schema: &str) -> Result<Self, LockError> {
+        let schema = Schema::new(schema)?;
+        Ok(Self {
+            record_sql: schema.sql(
+                "INSERT INTO {s}.distlock_idempotency (key) VALUES ($1) \
+                 ON CONFLICT (key) DO NOTHING",
+            ),
+            schema,
+        })
+    }
+
+    /// Records `key` (for example `payment:{job_id}`) in the caller's transaction.
+    ///
+    /// [`Idempotency::Applied`]: apply the side effect in the same transaction and commit;
+    /// if the transaction rolls back, the key is not recorded either.
+    /// [`Idempotency::AlreadyApplied`]: a committed transaction recorded it before.
+    /// A concurrent transaction recording the same key makes this call wait for it.
+    ///
+    /// The key follows the rules of [`LockKey`] (1 to 512 bytes, no control characters).
+    pub async fn record(
+        &self,
+        tx: &mut PgTransaction<'_>,
+        key: &str,
+    ) -> Result<Idempotency, LockError> {
+        check_name(key, "idempotency key")?;
+        let done = sqlx::query(AssertSqlSafe(self.record_sql.clone()))
+            .bind(key)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| error::from_sqlx(NAME, Operation::RecordKey, &self.schema, e))?;
+        Ok(if done.rows_affected() == 1 {
+            Idempotency::Applied
+        } else {
+            Idempotency::AlreadyApplied
+        })
+    }
+}
+
+/// Resource names and idempotency keys follow the lock-key rules.
+fn check_name(name: &str, what: &str) -> Result<(), LockError> {
+    LockKey::new(name).map(drop).map_err(|e| match e {
+        LockError::InvalidKey { reason } => LockError::InvalidKey {
+            reason: format!("{what}: {reason}"),
+        },
+        other => other,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_key_rules() {
+        assert!(check_name("payment:42", "resource").is_ok());
+        let err = check_name("", "idempotency key").unwrap_err();
+        assert!(err.to_string().contains("idempotency key"), "{err}");
+        assert!(check_name("a\u{0}b", "resource").is_err());
+    }
+
+    #[test]
+    fn schema_names_are_checked_before_any_sql_is_built() {
+        assert!(matches!(
+            IdempotencyKeys::new("x; drop table y"),
+            Err(LockError::Config(_))
+        ));
+    }
+}

@@ -1,0 +1,443 @@
+//! [`PgLeaseBackend`]: one row per lock name in `<schema>.distlock_leases`, taken and
+//! checked with single statements on the server's clock. No connection stays pinned.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::{
+    BackendId, Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
+    Release, Renewal, valid_until,
+};
+use sqlx::{AssertSqlSafe, Row};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, token_i64, ttl_ms};
+use crate::config::PgBuilder;
+use crate::error::Operation;
+
+const NAME: &str = "postgres-lease";
+
+/// The statements, with the schema name filled in once.
+struct Statements {
+    acquire: Arc<str>,
+    acquire_many: Arc<str>,
+    renew_many: Arc<str>,
+    release_many: Arc<str>,
+    renew: Arc<str>,
+    release: Arc<str>,
+    fence: Arc<str>,
+    inspect: Arc<str>,
+}
+
+/// PostgreSQL lease-table backend: one row per lock name in `<schema>.distlock_leases`,
+/// taken and checked with single statements on the server's clock. No connection stays
+/// pinned.
+///
+/// # How it works
+///
+/// - **acquire** is one upsert: it inserts the row, or takes it over only when it is free
+///   (`owner IS NULL`) or expired (`expires_at <= now()`), bumping the token either way.
+/// - **renew** and **release** match name, owner *and* token, and only while
+///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
+/// - **release** clears the owner and keeps the row, so the next token is still higher.
+///
+/// Expiry uses the server's clock only (`now()`); the client's own deadline
+/// ([`Lease::valid_until`]) is counted from the instant the request was sent, so it always
+/// ends before the server's.
+///
+/// TTLs are whole milliseconds. Tokens survive server restarts (the table is durable).
+///
+/// Call [`PgLeaseBackend::setup`] once per database (idempotent) before using it; calls on
+/// a database without the tables fail with [`LockError::Config`] naming `setup()`.
+pub struct PgLeaseBackend {
+    id: BackendId,
+    client: PgClient,
+    sql: Statements,
+}
+
+impl PgLeaseBackend {
+    /// Settings for the server at `url`; see [`PgBuilder`].
+    pub fn builder(url: impl Into<String>) -> PgBuilder {
+        PgBuilder::new(url)
+    }
+
+    pub(crate) fn from_client(client: PgClient) -> Self {
+        let s = &client.schema;
+        let sql = Statements {
+            acquire: s.sql(
+                "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
+                 VALUES ($1, $2, 1, now() + $3::bigint * interval '1 millisecond') \
+                 ON CONFLICT (name) DO UPDATE \
+                    SET owner = EXCLUDED.owner, token = l.token + 1, \
+                        expires_at = EXCLUDED.expires_at \
+                  WHERE l.owner IS NULL OR l.expires_at <= now() \
+                 RETURNING token",
+            ),
+            acquire_many: s.sql(
+                "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
+                 SELECT k.name, k.owner, 1, now() + $3::bigint * interval '1 millisecond' \
+                   FROM unnest($1::text[], $2::uuid[]) AS k(name, owner) \
+                 ON CONFLICT (name) DO UPDATE \
+                    SET owner = EXCLUDED.owner, token = l.token + 1, \
+                        expires_at = EXCLUDED.expires_at \
+                  WHERE l.owner IS NULL OR l.expires_at <= now() \
+                 RETURNING name, token",
+            ),
+            renew_many: s.sql(
+                "UPDATE {s}.distlock_leases AS l \
+                    SET expires_at = now() + k.ttl_ms * interval '1 millisecond' \
+                   FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[]) \
+                        AS k(name, owner, token, ttl_ms) \
+                  WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
+                    AND l.expires_at > now() \
+                 RETURNING l.name, l.token",
+            ),
+            release_many: s.sql(
+                "UPDATE {s}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
+                   FROM unnest($1::text[], $2::uuid[], $3::bigint[]) AS k(name, owner, token) \
+                  WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
+                    AND l.expires_at > now() \
+                 RETURNING l.name, l.token",
+            ),
+            renew: s.sql(
+                "UPDATE {s}.distlock_leases \
+                    SET expires_at = now() + $4::bigint * interval '1 millisecond' \
+                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
+            ),
+            release: s.sql(
+                "UPDATE {s}.distlock_leases SET owner = NULL, expires_at = NULL \
+                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
+            ),
+            fence: s.sql(
+                "SELECT token, (owner = $2 AND token = $3 AND expires_at > now()) AS held \
+                   FROM {s}.distlock_leases WHERE name = $1",
+            ),
+            inspect: s.sql(
+                "SELECT CASE WHEN expires_at > now() THEN owner END AS owner, token, \
+                        CASE WHEN expires_at > now() \
+                             THEN (extract(epoch FROM expires_at - now()) * 1000000)::bigint \
+                        END AS remaining_us \
+                   FROM {s}.distlock_leases WHERE name = $1",
+            ),
+        };
+        Self {
+            id: BackendId::next(),
+            client,
+            sql,
+        }
+    }
+
+    /// Opens all of the pool's connections now and checks that the tables exist: fails
+    /// with [`LockError::Unavailable`] when the server cannot be reached and with
+    /// [`LockError::Config`] on a refused login or a database without `setup()`.
+    /// Optional: without it, connections open on first use.
+    pub async fn connect(&self) -> Result<(), LockError> {
+        self.client.warm_up(NAME, "distlock_leases").await
+    }
+
+    /// Creates the schema and tables if they do not exist. Idempotent; run it once at
+    /// deployment or start-up, never implicitly per call.
+    pub async fn setup(&self) -> Result<(), LockError> {
+        self.client.setup(NAME).await
+    }
+
+    /// The pool, for sharing with [`crate::PgFencedResource`] or the application.
+    pub fn pool(&self) -> &sqlx::PgPool {
+        &self.client.pool
+    }
+
+    /// The validated schema name.
+    pub fn schema(&self) -> &str {
+        self.client.schema.as_str()
+    }
+
+    fn check(&self, lease: &Lease) -> Result<(), LockError> {
+        lease.check_backend(self.id, NAME)
+    }
+
+    /// Runs a batch UPDATE over `leases` (owner- and token-checked) and returns, per lease,
+    /// whether its row was updated. A lease listed twice is released once, as two single
+    /// calls in a row would (the second finds it already released), and renewed twice.
+    async fn update_many(
+        &self,
+        op: Operation,
+        sql: &Arc<str>,
+        leases: &[Lease],
+    ) -> Result<Vec<bool>, LockError> {
+        for lease in leases {
+            self.check(lease)?;
+        }
+        let mut conn = self.client.conn(NAME).await?;
+        let names: Vec<&str> = leases.iter().map(|l| l.key().as_str()).collect();
+        let owners: Vec<Uuid> = leases.iter().map(|l| owner_uuid(l.owner())).collect();
+        let tokens: Vec<i64> = leases.iter().map(|l| token_i64(l.token())).collect();
+        let ttls: Vec<i64> = leases.iter().map(|l| ttl_ms(l.ttl())).collect();
+        let mut query = sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql.clone()))
+            .bind(names)
+            .bind(owners)
+            .bind(tokens);
+        if op == Operation::Renew {
+            query = query.bind(ttls);
+        }
+        let rows = on_conn!(self.client, NAME, op, conn, query.fetch_all(&mut *conn))?;
+        let mut updated: HashSet<(String, i64)> = rows.into_iter().collect();
+        Ok(leases
+            .iter()
+            .map(|l| {
+                let row = (l.key().as_str().to_owned(), token_i64(l.token()));
+                // A renewal can be repeated; a release happens once.
+                if op == Operation::Renew {
+                    updated.contains(&row)
+                } else {
+                    updated.remove(&row)
+                }
+            })
+            .collect())
+    }
+}
+
+impl fmt::Debug for PgLeaseBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgLeaseBackend")
+            .field("url", &self.client.url)
+            .field("schema", &self.client.schema)
+            .field("pool_size", &self.client.pool_size)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LockBackend for PgLeaseBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    /// TTL granularity 1 ms, server-side expiry, `inspect`, one-statement batches; no pinned connections, so no
+    /// `max_held`.
+    fn capabilities(&self) -> Capabilities {
+        self.client.capabilities().inspect(true).native_batch(true)
+    }
+
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        let owner = OwnerId::random();
+        // Counted from before the connection is taken: earlier is the safe side.
+        let sent = Instant::now();
+        let mut conn = self.client.conn(NAME).await?;
+        let token: Option<i64> = on_conn!(
+            self.client,
+            NAME,
+            Operation::Acquire,
+            conn,
+            sqlx::query_scalar(AssertSqlSafe(self.sql.acquire.clone()))
+                .bind(key.as_str())
+                .bind(owner_uuid(owner))
+                .bind(ttl_ms(ttl))
+                .fetch_optional(&mut *conn)
+        )?;
+        Ok(token.map(|t| {
+            Lease::new(
+                self.id,
+                key.clone(),
+                owner,
+                token_from(t),
+                ttl,
+                valid_until(sent, ttl),
+            )
+        }))
+    }
+
+    /// One statement for the whole batch.
+    async fn acquire_many(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        // Each name once (a repeat in the same batch finds it held), in sorted order, so
+        // concurrent batches lock rows in the same order and cannot deadlock.
+        let unique: BTreeMap<&str, OwnerId> = keys
+            .iter()
+            .map(|k| (k.as_str(), OwnerId::random()))
+            .collect();
+        let sent = Instant::now();
+        let mut conn = self.client.conn(NAME).await?;
+        let names: Vec<&str> = unique.keys().copied().collect();
+        let owners: Vec<Uuid> = unique.values().map(|o| owner_uuid(*o)).collect();
+        let rows: Vec<(String, i64)> = on_conn!(
+            self.client,
+            NAME,
+            Operation::Acquire,
+            conn,
+            sqlx::query_as(AssertSqlSafe(self.sql.acquire_many.clone()))
+                .bind(names)
+                .bind(owners)
+                .bind(ttl_ms(ttl))
+                .fetch_all(&mut *conn)
+        )?;
+        let mut granted: HashMap<String, i64> = rows.into_iter().collect();
+        Ok(keys
+            .iter()
+            .map(|key| {
+                let token = granted.remove(key.as_str())?;
+                Some(Lease::new(
+                    self.id,
+                    key.clone(),
+                    unique[key.as_str()],
+                    token_from(token),
+                    ttl,
+                    valid_until(sent, ttl),
+                ))
+            })
+            .collect())
+    }
+
+    /// One statement for the whole batch.
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        let sent = Instant::now();
+        let renewed = self
+            .update_many(Operation::Renew, &self.sql.renew_many, leases)
+            .await?;
+        Ok(leases
+            .iter()
+            .zip(renewed)
+            .map(|(lease, renewed)| {
+                if renewed {
+                    Renewal::Renewed {
+                        valid_until: valid_until(sent, lease.ttl()),
+                    }
+                } else {
+                    Renewal::Lost
+                }
+            })
+            .collect())
+    }
+
+    /// One statement for the whole batch.
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        let released = self
+            .update_many(Operation::Release, &self.sql.release_many, leases)
+            .await?;
+        Ok(released
+            .into_iter()
+            .map(|r| {
+                if r {
+                    Release::Released
+                } else {
+                    Release::NotHeld
+                }
+            })
+            .collect())
+    }
+
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.check(lease)?;
+        // Counted from before the connection is taken: earlier is the safe side.
+        let sent = Instant::now();
+        let mut conn = self.client.conn(NAME).await?;
+        let done = on_conn!(
+            self.client,
+            NAME,
+            Operation::Renew,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.renew.clone()))
+                .bind(lease.key().as_str())
+                .bind(owner_uuid(lease.owner()))
+                .bind(token_i64(lease.token()))
+                .bind(ttl_ms(lease.ttl()))
+                .execute(&mut *conn)
+        )?;
+        Ok(if done.rows_affected() == 1 {
+            Renewal::Renewed {
+                valid_until: valid_until(sent, lease.ttl()),
+            }
+        } else {
+            Renewal::Lost
+        })
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.check(lease)?;
+        let mut conn = self.client.conn(NAME).await?;
+        let done = on_conn!(
+            self.client,
+            NAME,
+            Operation::Release,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+                .bind(lease.key().as_str())
+                .bind(owner_uuid(lease.owner()))
+                .bind(token_i64(lease.token()))
+                .execute(&mut *conn)
+        )?;
+        Ok(if done.rows_affected() == 1 {
+            Release::Released
+        } else {
+            Release::NotHeld
+        })
+    }
+
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.check(lease)?;
+        let mut conn = self.client.conn(NAME).await?;
+        let row = on_conn!(
+            self.client,
+            NAME,
+            Operation::Fence,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.fence.clone()))
+                .bind(lease.key().as_str())
+                .bind(owner_uuid(lease.owner()))
+                .bind(token_i64(lease.token()))
+                .fetch_optional(&mut *conn)
+        )?;
+        let Some(row) = row else {
+            return Ok(Fence::Stale {
+                current: lease.token(),
+            });
+        };
+        let decode = |e| crate::error::from_sqlx(NAME, Operation::Fence, &self.client.schema, e);
+        let token: i64 = row.try_get("token").map_err(decode)?;
+        let held: Option<bool> = row.try_get("held").map_err(decode)?;
+        Ok(if held == Some(true) {
+            Fence::Current
+        } else {
+            Fence::Stale {
+                current: token_from(token),
+            }
+        })
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let mut conn = self.client.conn(NAME).await?;
+        let row = on_conn!(
+            self.client,
+            NAME,
+            Operation::Inspect,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
+                .bind(key.as_str())
+                .fetch_optional(&mut *conn)
+        )?;
+        let Some(row) = row else {
+            return Ok(LockInfo {
+                owner: None,
+                token: None,
+                remaining: None,
+            });
+        };
+        let decode = |e| crate::error::from_sqlx(NAME, Operation::Inspect, &self.client.schema, e);
+        let owner: Option<Uuid> = row.try_get("owner").map_err(decode)?;
+        let token: i64 = row.try_get("token").map_err(decode)?;
+        let remaining: Option<i64> = row.try_get("remaining_us").map_err(decode)?;
+        Ok(LockInfo {
+            owner: owner.and_then(owner_from),
+            token: Some(token_from(token)),
+            remaining: remaining.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
+        })
+    }
+}

@@ -1,0 +1,117 @@
+//! Shared test support: one PostgreSQL server per test binary while any test uses it,
+//! and the conformance factories for both backends.
+
+#![allow(dead_code)] // Each test binary uses a different part of this module.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use conformance::factory::Factory;
+use conformance::harness::{self, postgres::PostgresServer};
+use lock_api::LockBackend;
+use lock_postgres::PgBuilder;
+
+/// The server shared by the tests of one binary. Only a `Weak` is kept here: the server
+/// is stopped (killed on drop) as soon as the last test holding it ends, so no process
+/// outlives the test binary.
+static SHARED: tokio::sync::Mutex<Weak<PostgresServer>> =
+    tokio::sync::Mutex::const_new(Weak::new());
+
+/// The shared server, started (and prepared) if no running test holds it.
+pub async fn shared_server() -> Arc<PostgresServer> {
+    let mut slot = SHARED.lock().await;
+    if let Some(server) = slot.upgrade() {
+        return server;
+    }
+    let server = Arc::new(start_server().await);
+    *slot = Arc::downgrade(&server);
+    server
+}
+
+/// A server of its own, for tests that kill, pause or restart it; the tables are set up.
+pub async fn start_server() -> PostgresServer {
+    let server = harness::require(PostgresServer::start().await);
+    // The test role may create the backends' schema (a deployment grants this once).
+    harness::require(
+        server
+            .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+            .await,
+    );
+    builder(&server)
+        .build_lease_backend()
+        .expect("valid settings")
+        .setup()
+        .await
+        .expect("setup on a fresh server");
+    server
+}
+
+/// Settings for the test role on `server`, with short time limits.
+pub fn builder(server: &PostgresServer) -> PgBuilder {
+    PgBuilder::new(server.url())
+        .pool_size(4)
+        .connect_timeout(Duration::from_secs(5))
+        .request_timeout(Duration::from_secs(5))
+}
+
+/// Which backend a factory makes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// `PgLeaseBackend`.
+    Lease,
+    /// `PgAdvisoryBackend`.
+    Advisory,
+}
+
+/// A conformance factory on one server. Its clients are one backend instance, as the
+/// memory factory's are, because some cases release a lease through another client than
+/// the one that took it; the crate's own tests cover distinct instances.
+pub struct PgFactory {
+    server: Arc<PostgresServer>,
+    kind: Kind,
+    backend: Arc<dyn LockBackend>,
+}
+
+impl PgFactory {
+    /// A factory on the shared server.
+    pub async fn shared(kind: Kind) -> Self {
+        let server = shared_server().await;
+        Self {
+            backend: backend(&server, kind).await,
+            server,
+            kind,
+        }
+    }
+}
+
+/// A backend of `kind` on `server` with its connections open, as a trait object.
+pub async fn backend(server: &PostgresServer, kind: Kind) -> Arc<dyn LockBackend> {
+    let b = builder(server);
+    match kind {
+        Kind::Lease => {
+            let backend = b.build_lease_backend().expect("valid settings");
+            backend.connect().await.expect("connect");
+            Arc::new(backend)
+        }
+        Kind::Advisory => {
+            let backend = b.build_advisory_backend().expect("valid settings");
+            backend.connect().await.expect("connect");
+            Arc::new(backend)
+        }
+    }
+}
+
+#[async_trait]
+impl Factory for PgFactory {
+    fn name(&self) -> &str {
+        match self.kind {
+            Kind::Lease => "postgres-lease",
+            Kind::Advisory => "postgres-advisory",
+        }
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        self.backend.clone()
+    }
+}
