@@ -1,0 +1,376 @@
+//! Opening a backend from a URL: [`connect`] reads the scheme, checks that the cargo
+//! feature for that store is enabled, and hands the URL to the store's backend.
+//!
+//! Errors name what is wrong with the URL but never repeat it whole, so a password in
+//! it cannot leak into a log; use [`redact`] to show a URL to a person.
+
+use std::fmt;
+use std::sync::Arc;
+
+use lock_api::memory::MemoryBackend;
+use lock_api::{LockBackend, LockError};
+use url::Url;
+
+/// A store [`connect`] can open, named by the scheme of its URL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Scheme {
+    /// `memory://`: a new in-process [`MemoryBackend`]; every call opens a separate store.
+    Memory,
+    /// `redis://`: one Redis server.
+    Redis,
+    /// `rediss://`: one Redis server over TLS.
+    RedisTls,
+    /// `redis+cluster://`: a Redis Cluster.
+    RedisCluster,
+    /// `etcd://`: an etcd v3 cluster.
+    Etcd,
+    /// `postgres://` or `postgresql://`: a PostgreSQL server.
+    Postgres,
+}
+
+/// Every URL scheme [`connect`] knows, with the store it opens, in the order error
+/// messages list them.
+pub const SCHEMES: &[(&str, Scheme)] = &[
+    ("memory", Scheme::Memory),
+    ("redis", Scheme::Redis),
+    ("rediss", Scheme::RedisTls),
+    ("redis+cluster", Scheme::RedisCluster),
+    ("etcd", Scheme::Etcd),
+    ("postgres", Scheme::Postgres),
+    ("postgresql", Scheme::Postgres),
+];
+
+impl Scheme {
+    /// The store for a URL scheme (`"redis"`, `"postgresql"`, ...), if it is a known one.
+    pub fn from_name(name: &str) -> Option<Self> {
+        SCHEMES
+            .iter()
+            .find(|(known, _)| known.eq_ignore_ascii_case(name))
+            .map(|&(_, scheme)| scheme)
+    }
+
+    /// The cargo feature of `distlock` that brings this store's backend, if one is needed.
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            Self::Memory => None,
+            Self::Redis | Self::RedisTls | Self::RedisCluster => Some("redis"),
+            Self::Etcd => Some("etcd"),
+            Self::Postgres => Some("postgres"),
+        }
+    }
+
+    /// True when this build of `distlock` was compiled with the store's feature.
+    pub fn is_enabled(self) -> bool {
+        match self.feature() {
+            None => true,
+            Some("redis") => cfg!(feature = "redis"),
+            Some("etcd") => cfg!(feature = "etcd"),
+            Some("postgres") => cfg!(feature = "postgres"),
+            Some(_) => false,
+        }
+    }
+
+    /// The scheme's main name as written in a URL.
+    pub fn name(self) -> &'static str {
+        SCHEMES
+            .iter()
+            .find(|&&(_, scheme)| scheme == self)
+            .map_or("unknown", |&(name, _)| name)
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}://", self.name())
+    }
+}
+
+/// Opens the lock backend a URL names.
+///
+/// | URL | needs feature | store |
+/// |---|---|---|
+/// | `memory://` | — | a new in-process [`MemoryBackend`] (nothing is shared between calls) |
+/// | `redis://[:password@]host[:port][/db]`, `rediss://…` | `redis` | one Redis server |
+/// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
+/// | `etcd://host:port` | `etcd` | an etcd v3 cluster |
+/// | `postgres://user[:password]@host[:port]/db` | `postgres` | PostgreSQL |
+///
+/// # Errors
+///
+/// [`LockError::Config`] when the URL is malformed (the message says what is wrong),
+/// its scheme is unknown (the message lists the known ones), the store's cargo feature
+/// is not enabled, or the store's backend is not part of this build. The errors of the
+/// store's backend (for example [`LockError::Unavailable`] when the server is down) pass
+/// through. No error contains the URL's password.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() {
+/// let err = distlock::connect("carrier-pigeon://coop").await.unwrap_err();
+/// assert!(err.to_string().contains("redis://"), "{err}");
+/// # }
+/// ```
+pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+    let parsed = parse(url)?;
+    let scheme = Scheme::from_name(parsed.scheme()).ok_or_else(|| unknown_scheme(&parsed))?;
+    if scheme != Scheme::Memory && parsed.host_str().is_none_or(str::is_empty) {
+        return Err(LockError::Config(format!(
+            "the {scheme} URL has no host: write {scheme}host:port"
+        )));
+    }
+    if !scheme.is_enabled() {
+        return Err(feature_off(scheme));
+    }
+    open(scheme, &parsed).await
+}
+
+/// Hands a checked URL to the store's backend. Plugging a backend in is one arm here
+/// (and the backend crate in the feature's list in Cargo.toml).
+async fn open(scheme: Scheme, url: &Url) -> Result<Arc<dyn LockBackend>, LockError> {
+    match scheme {
+        Scheme::Memory => memory(url),
+        #[cfg(feature = "redis")]
+        Scheme::Redis | Scheme::RedisTls => {
+            let backend = lock_redis::RedisBackend::builder()
+                .url(url.as_str())
+                .build()
+                .await?;
+            Ok(Arc::new(backend))
+        }
+        #[cfg(feature = "redis")]
+        Scheme::RedisCluster => {
+            // The client takes seed nodes as redis:// URLs and discovers the others.
+            let seed = format!("redis{}", &url.as_str()["redis+cluster".len()..]);
+            let backend = lock_redis::RedisBackend::builder()
+                .cluster_urls([seed])
+                .build()
+                .await?;
+            Ok(Arc::new(backend))
+        }
+        #[cfg(feature = "etcd")]
+        Scheme::Etcd => Err(not_in_build(scheme)),
+        #[cfg(feature = "postgres")]
+        Scheme::Postgres => Err(not_in_build(scheme)),
+        // Reached only for a store whose feature is off, which `connect` refused already.
+        #[allow(unreachable_patterns)]
+        _ => Err(feature_off(scheme)),
+    }
+}
+
+fn memory(url: &Url) -> Result<Arc<dyn LockBackend>, LockError> {
+    let bare = url.host_str().is_none_or(str::is_empty)
+        && url.username().is_empty()
+        && url.password().is_none()
+        && url.port().is_none()
+        && matches!(url.path(), "" | "/")
+        && url.query().is_none()
+        && url.fragment().is_none();
+    if !bare {
+        return Err(LockError::Config(
+            "a memory URL takes no host, port, path or query: write memory://".into(),
+        ));
+    }
+    Ok(Arc::new(MemoryBackend::new()))
+}
+
+fn parse(url: &str) -> Result<Url, LockError> {
+    Url::parse(url.trim()).map_err(|e| {
+        // The url crate's messages never repeat the input, so they are safe to show.
+        let hint = match e {
+            url::ParseError::RelativeUrlWithoutBase | url::ParseError::EmptyHost => {
+                format!(
+                    "; a lock URL starts with a scheme, one of {}",
+                    known_schemes()
+                )
+            }
+            _ => String::new(),
+        };
+        LockError::Config(format!("malformed URL: {e}{hint}"))
+    })
+}
+
+fn unknown_scheme(url: &Url) -> LockError {
+    LockError::Config(format!(
+        "unknown URL scheme `{}`: expected one of {}",
+        url.scheme(),
+        known_schemes()
+    ))
+}
+
+fn feature_off(scheme: Scheme) -> LockError {
+    let feature = scheme.feature().unwrap_or("none");
+    LockError::Config(format!(
+        "feature `{feature}` is not enabled: build distlock with `--features {feature}` to open {scheme} URLs"
+    ))
+}
+
+#[cfg(any(feature = "etcd", feature = "postgres"))]
+fn not_in_build(scheme: Scheme) -> LockError {
+    let feature = scheme.feature().unwrap_or("none");
+    LockError::Config(format!(
+        "feature `{feature}` is enabled, but this build of distlock has no {feature} backend yet: {scheme} URLs cannot be opened"
+    ))
+}
+
+fn known_schemes() -> String {
+    SCHEMES
+        .iter()
+        .map(|(name, _)| format!("{name}://"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A URL fit to show a person or a log: the password, if any, is replaced by `***`.
+/// A URL that does not parse is shown as `<malformed URL>`, since it cannot be redacted.
+///
+/// ```
+/// assert_eq!(distlock::redact("redis://:hunter2@127.0.0.1:6379"), "redis://:***@127.0.0.1:6379");
+/// ```
+pub fn redact(url: &str) -> String {
+    match Url::parse(url.trim()) {
+        Ok(mut parsed) => {
+            if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
+                return "<URL with a password>".into();
+            }
+            parsed.to_string()
+        }
+        Err(_) => "<malformed URL>".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lock_api::LockKey;
+    use std::time::Duration;
+
+    async fn error_of(url: &str) -> String {
+        match connect(url).await {
+            Ok(backend) => panic!("{url} opened {backend:?}"),
+            Err(LockError::Config(message)) => message,
+            Err(other) => panic!("{url}: expected a configuration error, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn memory_urls_open_a_working_backend() {
+        let backend = connect("memory://").await.unwrap();
+        assert_eq!(backend.name(), "memory");
+        let key = LockKey::new("k").unwrap();
+        let lease = backend.acquire(&key, Duration::from_secs(5)).await.unwrap();
+        assert!(lease.is_some());
+        assert!(
+            backend
+                .acquire(&key, Duration::from_secs(5))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    #[tokio::test]
+    async fn every_memory_url_is_a_separate_store() {
+        let key = LockKey::new("k").unwrap();
+        let a = connect("memory://").await.unwrap();
+        let b = connect("MEMORY://").await.unwrap();
+        assert!(
+            a.acquire(&key, Duration::from_secs(5))
+                .await
+                .unwrap()
+                .is_some()
+        );
+        assert!(
+            b.acquire(&key, Duration::from_secs(5))
+                .await
+                .unwrap()
+                .is_some()
+        );
+    }
+
+    #[tokio::test]
+    async fn a_memory_url_with_more_than_the_scheme_is_refused() {
+        for url in ["memory://somewhere", "memory:///path", "memory://?x=1"] {
+            assert!(error_of(url).await.contains("memory://"), "{url}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_malformed_url_says_what_is_wrong() {
+        let no_scheme = error_of("127.0.0.1:6379").await;
+        assert!(no_scheme.starts_with("malformed URL"), "{no_scheme}");
+        assert!(no_scheme.contains("redis://"), "{no_scheme}");
+        let bad_port = error_of("redis://127.0.0.1:99999").await;
+        assert!(bad_port.contains("invalid port"), "{bad_port}");
+        let no_host = error_of("redis://").await;
+        assert!(no_host.contains("no host"), "{no_host}");
+    }
+
+    #[tokio::test]
+    async fn an_unknown_scheme_lists_the_known_ones() {
+        let message = error_of("mysql://db:3306").await;
+        assert!(message.contains("`mysql`"), "{message}");
+        for (name, _) in SCHEMES {
+            assert!(message.contains(&format!("{name}://")), "{message}");
+        }
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[tokio::test]
+    async fn a_scheme_whose_feature_is_off_names_the_feature() {
+        let message = error_of("etcd://127.0.0.1:2379").await;
+        assert!(
+            message.contains("feature `etcd` is not enabled"),
+            "{message}"
+        );
+    }
+
+    #[cfg(not(feature = "postgres"))]
+    #[tokio::test]
+    async fn both_postgres_spellings_need_the_postgres_feature() {
+        for url in ["postgres://u@127.0.0.1/db", "postgresql://u@127.0.0.1/db"] {
+            let message = error_of(url).await;
+            assert!(message.contains("feature `postgres`"), "{message}");
+        }
+    }
+
+    #[tokio::test]
+    async fn errors_never_contain_the_password() {
+        for url in [
+            "redis://:hunter2@127.0.0.1:1",
+            "redis+cluster://:hunter2@127.0.0.1:1",
+            "postgres://user:hunter2@127.0.0.1:1/db",
+            "etcd://user:hunter2@127.0.0.1:1",
+            "redis://:hunter2@[::1",
+            "redis://:hunter2@127.0.0.1:99999",
+            "unknown://user:hunter2@host",
+            "memory://user:hunter2@",
+        ] {
+            let shown = match connect(url).await {
+                Ok(backend) => format!("{backend:?}"),
+                Err(e) => format!("{e} {e:?}"),
+            };
+            assert!(!shown.contains("hunter2"), "{url} leaked: {shown}");
+        }
+    }
+
+    #[test]
+    fn redact_hides_the_password_and_keeps_the_rest() {
+        assert_eq!(
+            redact("postgres://app:s3cret@127.0.0.1:5432/jobs"),
+            "postgres://app:***@127.0.0.1:5432/jobs"
+        );
+        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact("redis://:s3cret@[::1"), "<malformed URL>");
+    }
+
+    #[test]
+    fn schemes_know_their_features() {
+        assert_eq!(Scheme::from_name("rediss"), Some(Scheme::RedisTls));
+        assert_eq!(Scheme::from_name("postgresql"), Some(Scheme::Postgres));
+        assert_eq!(Scheme::from_name("ftp"), None);
+        assert_eq!(Scheme::RedisCluster.feature(), Some("redis"));
+        assert!(Scheme::Memory.is_enabled());
+        assert_eq!(Scheme::Etcd.is_enabled(), cfg!(feature = "etcd"));
+        assert_eq!(Scheme::Postgres.to_string(), "postgres://");
+    }
+}

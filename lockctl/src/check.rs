@@ -1,0 +1,152 @@
+//! `lockctl check URL`: the conformance suite against a live store.
+//!
+//! Every case works under its own random key prefix (`conformance:<random>:<case>:…`)
+//! and releases what it takes, so a live deployment is touched only under that prefix.
+//! Cases that need fault injection run where the URL allows it (the in-memory store)
+//! and are skipped, by declared capability, elsewhere.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use conformance::memory::MemoryFactory;
+use conformance::{CASES, Factory, Outcome};
+use distlock::{LockBackend, LockError, Scheme, async_trait};
+use tokio::time::Instant;
+
+/// Clients of the store a URL names, each from its own `connect`.
+struct UrlFactory {
+    url: String,
+    shown: String,
+    /// The client opened to check the URL; stands in if a later connect fails, so a
+    /// store that went away fails the cases that use it rather than the whole run.
+    first: Arc<dyn LockBackend>,
+}
+
+#[async_trait]
+impl Factory for UrlFactory {
+    fn name(&self) -> &str {
+        &self.shown
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        match distlock::connect(&self.url).await {
+            Ok(backend) => backend,
+            Err(_) => self.first.clone(),
+        }
+    }
+}
+
+/// Runs the conformance cases whose name contains `filter` against `url`, printing a
+/// line per case; the exit code is non-zero if any case failed.
+pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
+    let first = distlock::connect(url).await?;
+    let memory = url
+        .split_once("://")
+        .and_then(|(scheme, _)| Scheme::from_name(scheme))
+        == Some(Scheme::Memory);
+    // Every `connect("memory://")` is a separate store, but the cases need clients that
+    // share one, as clients of one server do: the suite's memory factory gives that.
+    let factory: Box<dyn Factory> = if memory {
+        Box::new(MemoryFactory::new())
+    } else {
+        Box::new(UrlFactory {
+            url: url.to_owned(),
+            shown: distlock::redact(url),
+            first,
+        })
+    };
+    run_suite(factory.as_ref(), filter, &mut std::io::stdout()).await
+}
+
+/// Runs the matching cases on `factory`, writing a line per case to `out`.
+async fn run_suite(
+    factory: &dyn Factory,
+    filter: &str,
+    out: &mut dyn Write,
+) -> Result<ExitCode, LockError> {
+    let print = |out: &mut dyn Write, line: String| {
+        // A closed stdout (a pager quit early) must not stop the suite or hide its verdict.
+        let _ = writeln!(out, "{line}");
+    };
+    print(out, format!("conformance suite on {}", factory.name()));
+    let (mut passed, mut failed, mut skipped) = (0u32, 0u32, 0u32);
+    for case in CASES.iter().filter(|case| case.name.contains(filter)) {
+        let started = Instant::now();
+        let result = (case.run)(factory).await;
+        let took = millis(started.elapsed());
+        match result {
+            Ok(Outcome::Passed) => {
+                passed += 1;
+                print(out, format!("ok    {} ({took})", case.name));
+            }
+            Ok(Outcome::Skipped { reason }) => {
+                skipped += 1;
+                print(out, format!("skip  {}: {reason}", case.name));
+            }
+            Err(failure) => {
+                failed += 1;
+                print(out, format!("FAIL  {} ({took})", case.name));
+                print(out, format!("        expected: {}", failure.expected));
+                print(out, format!("        got:      {}", failure.got));
+            }
+        }
+    }
+    if passed + failed + skipped == 0 {
+        return Err(LockError::Config(format!(
+            "no conformance case matches the filter {filter:?}"
+        )));
+    }
+    print(
+        out,
+        format!("\n{passed} cases passed, {failed} failed, {skipped} skipped"),
+    );
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn millis(d: Duration) -> String {
+    format!("{} ms", d.as_millis())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use conformance::broken::BrokenFactory;
+
+    #[tokio::test]
+    async fn a_failing_case_fails_the_check_and_says_why() {
+        let mut out = Vec::new();
+        let code = run_suite(&BrokenFactory::new(), "", &mut out)
+            .await
+            .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(code, ExitCode::FAILURE, "{text}");
+        assert!(text.contains("FAIL  "), "{text}");
+        assert!(text.contains("expected: "), "{text}");
+    }
+
+    #[tokio::test]
+    async fn the_reference_backend_passes_every_case() {
+        let mut out = Vec::new();
+        let code = run_suite(&MemoryFactory::new(), "release", &mut out)
+            .await
+            .unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert_eq!(code, ExitCode::SUCCESS, "{text}");
+        assert!(!text.contains("FAIL"), "{text}");
+    }
+
+    #[tokio::test]
+    async fn a_filter_that_matches_nothing_is_an_error() {
+        let mut out = Vec::new();
+        let err = run_suite(&MemoryFactory::new(), "no-such-case", &mut out)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("no-such-case"), "{err}");
+    }
+}

@@ -1,0 +1,286 @@
+//! The lockctl command line, run as a user runs it: exit codes, tables, JSON, errors.
+
+use assert_cmd::Command;
+use predicates::prelude::*;
+use serde_json::Value;
+
+fn lockctl() -> Command {
+    Command::cargo_bin("lockctl").expect("the lockctl binary is built")
+}
+
+/// The demo's JSON report with a workload small enough for a test.
+fn demo_json(extra: &[&str]) -> Vec<Value> {
+    let output = lockctl()
+        .args(["demo", "--jobs", "60", "--json"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let rows: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    rows.as_array().expect("a JSON array").clone()
+}
+
+fn count(row: &Value, field: &str) -> u64 {
+    row[field]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{field} in {row}"))
+}
+
+#[test]
+fn demo_json_has_one_object_per_strategy() {
+    let rows = demo_json(&[]);
+    let names: Vec<&str> = rows
+        .iter()
+        .map(|r| r["strategy"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "no-lock",
+            "lock",
+            "lock+renew",
+            "lock+renew+fence",
+            "lock+renew+fence+idempotency"
+        ]
+    );
+    for row in &rows {
+        assert_eq!(count(row, "jobs"), 60, "{row}");
+        assert_eq!(
+            count(row, "unpaid_jobs"),
+            0,
+            "every job is paid at least once: {row}"
+        );
+        assert_eq!(
+            count(row, "side_effects"),
+            60 + count(row, "duplicate_side_effects"),
+            "{row}"
+        );
+    }
+}
+
+#[test]
+fn demo_only_the_idempotency_key_reaches_zero_duplicates() {
+    let rows = demo_json(&["--seed", "7"]);
+    let duplicates: Vec<u64> = rows
+        .iter()
+        .map(|r| count(r, "duplicate_side_effects"))
+        .collect();
+    assert_eq!(duplicates[4], 0, "{rows:?}");
+    assert!(
+        duplicates[0] > 0,
+        "no lock lets duplicates through: {rows:?}"
+    );
+    let fenced = &rows[3];
+    if count(fenced, "crashes") > 0 {
+        assert!(
+            count(fenced, "duplicate_side_effects") > 0,
+            "a crash between the write and the ack defeats fencing alone: {fenced}"
+        );
+    }
+    assert!(count(&rows[4], "idempotent_repeats") > 0, "{rows:?}");
+}
+
+#[test]
+fn demo_table_shows_zero_duplicates_only_for_the_last_strategy() {
+    let output = lockctl().args(["demo", "--jobs", "60"]).output().unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let text = String::from_utf8(output.stdout).unwrap();
+    let header = text
+        .lines()
+        .find(|l| l.starts_with("strategy"))
+        .expect("a header row");
+    let column = header
+        .split("  ")
+        .filter(|c| !c.is_empty())
+        .position(|c| c.trim() == "duplicates")
+        .expect("a duplicates column");
+    let duplicates = |strategy: &str| -> u64 {
+        let row = text
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(strategy))
+            .unwrap_or_else(|| panic!("no row for {strategy} in\n{text}"));
+        row.split_whitespace().nth(column).unwrap().parse().unwrap()
+    };
+    assert_eq!(duplicates("lock+renew+fence+idempotency"), 0, "{text}");
+    let weaker = ["no-lock", "lock", "lock+renew", "lock+renew+fence"];
+    assert!(weaker.iter().any(|s| duplicates(s) > 0), "{text}");
+}
+
+#[test]
+fn demo_refuses_a_bad_backend_and_an_empty_workload() {
+    lockctl()
+        .args(["demo", "--backend", "nosuch://x"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("unknown URL scheme `nosuch`"));
+    lockctl()
+        .args(["demo", "--workers", "0"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("at least one worker"));
+}
+
+#[test]
+fn check_passes_on_the_memory_backend() {
+    lockctl()
+        .args(["check", "memory://"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("ok    acquire_excludes_others"))
+        .stdout(predicate::str::contains(" 0 failed"));
+}
+
+#[test]
+fn bad_urls_fail_with_a_clear_error() {
+    for (url, says) in [
+        ("127.0.0.1:6379", "malformed URL"),
+        ("redis://127.0.0.1:99999", "invalid port"),
+        ("mysql://127.0.0.1", "unknown URL scheme `mysql`"),
+        ("memory://somewhere", "memory://"),
+    ] {
+        for command in ["check", "inspect"] {
+            let mut cmd = lockctl();
+            cmd.arg(command).arg(url);
+            if command == "inspect" {
+                cmd.arg("job:1");
+            }
+            cmd.assert()
+                .failure()
+                .stderr(predicate::str::contains(says));
+        }
+    }
+}
+
+#[cfg(not(feature = "etcd"))]
+#[test]
+fn a_store_whose_feature_is_off_names_the_feature() {
+    lockctl()
+        .args(["check", "etcd://127.0.0.1:2379"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("feature `etcd` is not enabled"));
+}
+
+#[test]
+fn an_unreachable_store_fails_without_leaking_the_password() {
+    let output = lockctl()
+        .args(["inspect", "redis://:hunter2@127.0.0.1:1", "job:1"])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(stderr.contains("redis"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    assert!(output.stdout.is_empty());
+}
+
+#[test]
+fn acquire_prints_the_owner_and_token() {
+    let output = lockctl()
+        .args(["acquire", "memory://", "job:1", "--ttl", "30s", "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let lease: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(lease["token"], 1);
+    assert_eq!(lease["ttl_ms"], 30_000);
+    let owner = lease["owner"].as_str().unwrap();
+    assert_eq!(owner.len(), 32);
+    assert!(owner.bytes().all(|b| b.is_ascii_hexdigit()));
+}
+
+#[test]
+fn acquire_refuses_a_duration_it_cannot_read() {
+    lockctl()
+        .args(["acquire", "memory://", "job:1", "--ttl", "5 fortnights"])
+        .assert()
+        .code(2)
+        .stderr(predicate::str::contains("--ttl"));
+}
+
+#[test]
+fn inspect_shows_a_free_key() {
+    lockctl()
+        .args(["inspect", "memory://", "job:1"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("holder:    none"));
+}
+
+#[test]
+fn release_reports_why_it_cannot_release_a_lease_from_another_process() {
+    lockctl()
+        .args([
+            "release",
+            "memory://",
+            "job:1",
+            "--owner",
+            "0123456789abcdef0123456789abcdef",
+            "--token",
+            "1",
+        ])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("did not grant"));
+    lockctl()
+        .args([
+            "release",
+            "memory://",
+            "job:1",
+            "--owner",
+            "xyz",
+            "--token",
+            "1",
+        ])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("32 hexadecimal digits"));
+}
+
+#[test]
+fn bench_says_it_is_not_in_this_build() {
+    lockctl()
+        .args(["bench", "memory://"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("not part of this build"));
+}
+
+#[test]
+fn every_command_has_help() {
+    lockctl()
+        .arg("--help")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("demo").and(predicate::str::contains("check")));
+    for command in ["demo", "check", "inspect", "acquire", "release", "bench"] {
+        lockctl()
+            .args([command, "--help"])
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("Usage: lockctl"));
+    }
+}
+
+mod on_redis {
+    use super::*;
+    use conformance::harness::redis::RedisServer;
+    use conformance::harness::require;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn check_and_demo_pass_on_a_redis_server_the_test_starts() {
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        let check = lockctl().args(["check", &url]).output().unwrap();
+        let stdout = String::from_utf8_lossy(&check.stdout);
+        assert!(check.status.success(), "{stdout}\n{check:?}");
+        assert!(stdout.contains(" 0 failed"), "{stdout}");
+
+        let rows = demo_json(&["--backend", &url]);
+        assert_eq!(count(&rows[4], "duplicate_side_effects"), 0, "{rows:?}");
+        assert!(count(&rows[0], "duplicate_side_effects") > 0, "{rows:?}");
+        for row in &rows {
+            assert_eq!(count(row, "unpaid_jobs"), 0, "{row}");
+        }
+    }
+}
