@@ -97,6 +97,19 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         })
     }
 
+    /// Deletes everything the store keeps for `key`, its fencing counter included, for
+    /// test and check runs that clean up the keys they made under their own prefix.
+    ///
+    /// Never purge a key that is still in use: its tokens would start again from the
+    /// store's floor, and fencing downstream would reject the new holders.
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let _ = key;
+        Err(LockError::Unsupported {
+            operation: "purge",
+            backend: self.name(),
+        })
+    }
+
     /// [`LockBackend::acquire`] for many keys; one result per key, in order.
     ///
     /// If the call fails part way, the keys it already took are released (best effort)

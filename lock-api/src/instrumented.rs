@@ -113,6 +113,11 @@ impl LockBackend for Instrumented {
         self.inner.adopt(key, owner, token, ttl)
     }
 
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let span = tracing::debug_span!("distlock.purge", backend = self.inner.name(), %key);
+        self.inner.purge(key).instrument(span).await
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         let span = tracing::debug_span!("distlock.inspect", backend = self.inner.name(), %key);
         self.inner.inspect(key).instrument(span).await

@@ -243,6 +243,12 @@ impl LockBackend for MemoryBackend {
         ))
     }
 
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        self.faults.before_call().await?;
+        self.keys.lock().remove(key);
+        Ok(())
+    }
+
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         self.faults.before_call().await?;
         let now = Instant::now();
