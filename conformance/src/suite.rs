@@ -178,7 +178,9 @@ impl Timing {
         let ttl = fit_ttl(caps, Duration::from_millis(250));
         Self {
             ttl,
-            expiry_slack: (ttl / 4).max(Duration::from_millis(100)),
+            // Stores expire leases on their own schedule (etcd checks every 500 ms):
+            // half a TTL, at least 200 ms, past the deadline is still "on time".
+            expiry_slack: (ttl / 2).max(Duration::from_millis(200)),
         }
     }
 

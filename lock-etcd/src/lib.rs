@@ -1,5 +1,42 @@
-//! etcd v3 backend for distlock.
+//! etcd v3 backend for distlock: every lock is a key attached to its own lease, taken and
+//! checked in transactions, and the key's `create_revision` is the fencing token.
 //!
-//! This crate is a placeholder until the etcd backend lands: it will hold the
-//! `EtcdBackend` (leases and transactions, the key's `create_revision` as the fencing
-//! token) and the etcd-side `FencedResource`. It exports nothing yet.
+//! ```no_run
+//! # async fn demo() -> Result<(), lock_api::LockError> {
+//! use std::sync::Arc;
+//! use std::time::Duration;
+//! use lock_api::{LockKey, Locker};
+//! use lock_etcd::EtcdBackend;
+//!
+//! let backend = EtcdBackend::builder().endpoint("http://127.0.0.1:2379").build().await?;
+//! let locker = Locker::builder(Arc::new(backend)).ttl(Duration::from_secs(10)).build()?;
+//! let guard = locker.lock(&LockKey::new("payout:42")?).await?;
+//! // ... attach guard.token() to every write ...
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees and limits
+//!
+//! - Tokens are etcd revisions: strictly increasing per key (and cluster-wide), durable
+//!   across restarts and leader changes.
+//! - TTLs are whole seconds and at least the cluster's minimum lease TTL (2 s with etcd's
+//!   default 1 s election timeout). Other TTLs are refused with `InvalidTtl`, never rounded.
+//! - A lock may outlive its TTL in etcd (lease expiry is checked every 500 ms, and a leader
+//!   change extends every lease); the client's validity window always ends first.
+//! - [`EtcdFencedResource`] gates downstream writes stored in etcd on the token.
+//! - Keys: `<prefix>/locks/<name>` (the lock, on its lease), `<prefix>/tokens/<name>` (its
+//!   `mod_revision` is the newest token, so it is known while the lock is free; one small
+//!   key per lock name, kept forever, like a fence counter), and, for the fenced resource,
+//!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`.
+//! - Cost: an acquire is two round trips (grant the lease, then the transaction); release,
+//!   renew and fence are one. A contended acquire revokes its unused lease in the background.
+
+mod backend;
+mod config;
+mod error;
+mod fenced;
+
+pub use backend::EtcdBackend;
+pub use config::{DEFAULT_KEY_PREFIX, ETCD_MAX_LEASE_TTL, EtcdBuilder};
+pub use fenced::EtcdFencedResource;

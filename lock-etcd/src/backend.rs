@@ -1,0 +1,619 @@
+//! [`EtcdBackend`]: locks as etcd keys attached to one lease each, taken and checked in
+//! transactions, with the key's `create_revision` as the fencing token.
+//!
+//! # One lease per lock
+//!
+//! Every acquisition grants its own lease with the lock's TTL and attaches the key to it.
+//! The alternative, etcd's "session" pattern (one lease per TTL value shared by every
+//! lock, kept alive by one background loop), saves the grant round trip, but it breaks
+//! bounded ownership: a lock whose holder stops renewing it stays alive as long as any
+//! other lock on the shared lease is renewed, i.e. as long as the process runs. With one
+//! lease per lock, a lock that is not renewed is deleted by etcd when its own TTL runs out.
+//!
+//! # Why renewal never extends someone else's lock
+//!
+//! Renewal checks the key (`create_revision == token` and `value == owner`) and sends one
+//! `LeaseKeepAlive` for the lock's own lease, both at once. A key is bound to the lease it
+//! was created with for its whole life, so a keep-alive can only ever extend *this*
+//! acquisition's key. If that key was deleted (released, or deleted by hand) the keep-alive
+//! extends an empty lease, which holds nothing and lapses by itself; a new holder's key has
+//! its own lease, which this renewal never touches. A lease that already expired is gone
+//! from etcd and cannot be kept alive: the keep-alive answers TTL 0 and renewal is `Lost`.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
+};
+use lock_api::{
+    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
+    OwnerId, Release, Renewal, valid_until,
+};
+use tokio::time::Instant;
+use tracing::{debug, instrument};
+
+use crate::config::EtcdBuilder;
+use crate::error::{self, Effect, NAME};
+
+/// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
+///
+/// - **Keys**: `<prefix>/locks/<name>` holds the owner id and is attached to the lock's lease.
+/// - **Token**: the key's `create_revision`, the cluster-wide revision of the write that
+///   created it: strictly increasing across releases, expiries, leader changes and restarts.
+/// - **TTL**: whole seconds, at least the cluster's minimum lease TTL (learned when the
+///   backend is built, 2 s with etcd's default election timeout). Anything else is
+///   [`LockError::InvalidTtl`]: etcd would silently lengthen a shorter lease.
+/// - **Expiry**: etcd checks lease expiry about every 500 ms and, after a leader change,
+///   extends every lease by up to one election timeout plus the TTL. A lock can outlive its
+///   TTL in etcd; it never ends earlier. The client-side `valid_until` is computed from the
+///   moment the lease was requested, so it always ends before the lease does.
+///
+/// Cheap to clone: clones share one connection pool.
+#[derive(Clone)]
+pub struct EtcdBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    id: BackendId,
+    client: Client,
+    prefix: String,
+    endpoints: Vec<String>,
+    user: Option<String>,
+    server_min_ttl: Duration,
+    capabilities: Capabilities,
+    request_timeout: Duration,
+}
+
+/// How often renewal asks again when the key is held but the leader does not know its lease.
+const KEEP_ALIVE_RETRIES: u32 = 3;
+const KEEP_ALIVE_RETRY_PAUSE: Duration = Duration::from_millis(50);
+
+/// The lease a lock key is attached to, kept in the [`Lease`] so that renew and release
+/// need not look it up.
+#[derive(Debug, Clone, Copy)]
+struct EtcdLease {
+    id: i64,
+}
+
+impl fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("endpoints", &self.inner.endpoints)
+            .field("prefix", &self.inner.prefix)
+            .field("user", &self.inner.user)
+            .field("min_ttl", &self.inner.capabilities.min_ttl)
+            .field("max_ttl", &self.inner.capabilities.max_ttl)
+            .field("request_timeout", &self.inner.request_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdBackend {
+    /// Starts configuring a backend.
+    pub fn builder() -> EtcdBuilder {
+        EtcdBuilder::new()
+    }
+
+    pub(crate) fn from_parts(
+        client: Client,
+        prefix: String,
+        endpoints: Vec<String>,
+        user: Option<String>,
+        server_min_ttl: Duration,
+        (min_ttl, max_ttl): (Duration, Duration),
+        request_timeout: Duration,
+    ) -> Self {
+        let capabilities =
+            Capabilities::new(Duration::from_secs(1), min_ttl, max_ttl).inspect(true);
+        Self {
+            inner: Arc::new(Inner {
+                id: BackendId::next(),
+                client,
+                prefix,
+                endpoints,
+                user,
+                server_min_ttl,
+                capabilities,
+                request_timeout,
+            }),
+        }
+    }
+
+    /// The shortest lease TTL the cluster grants, as measured when the backend was built.
+    pub fn server_min_ttl(&self) -> Duration {
+        self.inner.server_min_ttl
+    }
+
+    /// The key prefix (without a trailing `/`).
+    pub fn key_prefix(&self) -> &str {
+        &self.inner.prefix
+    }
+
+    /// The etcd key that holds `key`'s lock.
+    pub fn lock_key(&self, key: &LockKey) -> String {
+        format!("{}/locks/{}", self.inner.prefix, key.as_str())
+    }
+
+    /// The etcd key whose `mod_revision` is the newest token granted for `key`. It outlives
+    /// the lock key (which is deleted on release and expiry), so the newest token is still
+    /// known when the lock is free.
+    pub fn token_key(&self, key: &LockKey) -> String {
+        format!("{}/tokens/{}", self.inner.prefix, key.as_str())
+    }
+
+    pub(crate) fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// Runs one etcd call under the request timeout and converts its error.
+    pub(crate) async fn call<T, F>(&self, effect: Effect, fut: F) -> Result<T, LockError>
+    where
+        F: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let timeout = self.inner.request_timeout;
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(Ok(value)) => Ok(value),
+            Ok(Err(e)) => Err(error::convert(e, effect)),
+            Err(_) => Err(error::timed_out(effect, timeout)),
+        }
+    }
+
+    /// TTL checks with etcd-specific reasons; never rounds.
+    fn check_ttl(&self, ttl: Duration) -> Result<i64, LockError> {
+        let caps = &self.inner.capabilities;
+        if ttl.subsec_nanos() != 0 {
+            return Err(LockError::invalid_ttl(
+                ttl,
+                "etcd leases are granted in whole seconds; this TTL would have to be rounded, \
+                 which would change how long the lock is held",
+            ));
+        }
+        if ttl < caps.min_ttl {
+            let why = if ttl < self.inner.server_min_ttl {
+                format!(
+                    "this etcd cluster's minimum lease TTL is {:?} (derived from its election \
+                     timeout); it would silently lengthen a shorter lease",
+                    self.inner.server_min_ttl
+                )
+            } else {
+                format!("the backend's configured minimum TTL is {:?}", caps.min_ttl)
+            };
+            return Err(LockError::invalid_ttl(ttl, why));
+        }
+        caps.check_ttl(ttl)?;
+        i64::try_from(ttl.as_secs())
+            .map_err(|_| LockError::invalid_ttl(ttl, "the TTL does not fit etcd's lease TTL"))
+    }
+
+    fn check_lease(&self, lease: &Lease) -> Result<(), LockError> {
+        lease.check_backend(self.inner.id, NAME)
+    }
+
+    /// The comparisons that prove `lease` still holds its key.
+    fn held_by(&self, lease: &Lease) -> Vec<Compare> {
+        let key = self.lock_key(lease.key());
+        let token = i64::try_from(lease.token().get()).unwrap_or(i64::MAX);
+        vec![
+            Compare::create_revision(key.clone(), CompareOp::Equal, token),
+            Compare::value(key, CompareOp::Equal, lease.owner().to_string()),
+        ]
+    }
+
+    /// Revokes a lease in the background: used when the lease holds no lock (a contended
+    /// acquire, a released lock) or must not hold one (an acquire whose reply was lost).
+    /// Revoking only ever deletes keys attached to *this* lease, so it cannot harm another
+    /// holder; if the revoke is lost too, the lease lapses by itself within its TTL.
+    fn revoke_in_background(&self, lease_id: i64) {
+        let mut leases = self.inner.client.lease_client();
+        let timeout = self.inner.request_timeout;
+        tokio::spawn(async move {
+            let _ = tokio::time::timeout(timeout, leases.revoke(lease_id)).await;
+        });
+    }
+
+    /// The lease a lock key is attached to: from the [`Lease`]'s handle, or, for an adopted
+    /// lease, read from the key (only while the key still belongs to `lease`).
+    async fn lease_id(&self, lease: &Lease) -> Result<Option<i64>, LockError> {
+        if let Some(handle) = lease.handle::<EtcdLease>() {
+            return Ok(Some(handle.id));
+        }
+        let kv = self.get_key(lease.key()).await?;
+        Ok(kv
+            .filter(|kv| is_held_by(kv, lease))
+            .map(|kv| kv.lease())
+            .filter(|&id| id != 0))
+    }
+
+    async fn get_key(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
+        Ok(self.lookup(key).await?.0)
+    }
+
+    /// The lock key and the newest token of `key`, read in one transaction.
+    async fn lookup(
+        &self,
+        key: &LockKey,
+    ) -> Result<(Option<KeyValue>, Option<FencingToken>), LockError> {
+        let txn = Txn::new().and_then([
+            TxnOp::get(self.lock_key(key), None),
+            TxnOp::get(self.token_key(key), None),
+        ]);
+        let mut kv = self.inner.client.kv_client();
+        let resp = self.call(Effect::None, kv.txn(txn)).await?;
+        let mut found = resp.op_responses().into_iter().map(|op| match op {
+            TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
+            _ => None,
+        });
+        let lock = found.next().flatten();
+        let newest = found
+            .next()
+            .flatten()
+            .and_then(|kv| u64::try_from(kv.mod_revision()).ok())
+            .map(FencingToken);
+        Ok((lock, newest))
+    }
+
+    /// Grants a lease, then in one transaction puts the key on it if the key does not
+    /// exist. Validity counts from `sent`, taken before the grant was requested: the lease
+    /// starts counting when etcd grants it, so validity from `sent` ends before it does.
+    async fn acquire_sent(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        seconds: i64,
+        sent: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let mut leases = self.inner.client.lease_client();
+        // A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
+        let granted = self.call(Effect::None, leases.grant(seconds, None)).await?;
+        let lease_id = granted.id();
+        if granted.ttl() != seconds {
+            self.revoke_in_background(lease_id);
+            return Err(LockError::invalid_ttl(
+                ttl,
+                format!(
+                    "etcd granted a {} s lease instead of {seconds} s (its minimum lease TTL \
+                     changed?); refusing a lease longer than asked for",
+                    granted.ttl()
+                ),
+            ));
+        }
+
+        let owner = OwnerId::random();
+        let etcd_key = self.lock_key(key);
+        let txn = Txn::new()
+            .when([Compare::create_revision(
+                etcd_key.clone(),
+                CompareOp::Equal,
+                0,
+            )])
+            .and_then([
+                TxnOp::put(
+                    etcd_key.clone(),
+                    owner.to_string(),
+                    Some(PutOptions::new().with_lease(lease_id)),
+                ),
+                TxnOp::put(self.token_key(key), owner.to_string(), None),
+            ])
+            .or_else([TxnOp::get(etcd_key, None)]);
+        let mut kv = self.inner.client.kv_client();
+        let resp = match self.call(Effect::Write("acquire"), kv.txn(txn)).await {
+            Ok(resp) => resp,
+            Err(e) => {
+                // If the put did happen, revoking our own lease deletes the key again.
+                self.revoke_in_background(lease_id);
+                return Err(e);
+            }
+        };
+        if !resp.succeeded() {
+            self.revoke_in_background(lease_id);
+            debug!(
+                holder_token = first_kv(&resp).map(|kv| kv.create_revision()),
+                "contended"
+            );
+            return Ok(None);
+        }
+        let token = FencingToken(header_revision(&resp)?);
+        Ok(Some(
+            Lease::new(
+                self.inner.id,
+                key.clone(),
+                owner,
+                token,
+                ttl,
+                valid_until(sent, ttl),
+            )
+            .with_handle(Arc::new(EtcdLease { id: lease_id })),
+        ))
+    }
+
+    /// Checks the key and keeps its lease alive, both in flight at once (see the module docs).
+    async fn renew_sent(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
+        let Some(lease_id) = self.lease_id(lease).await? else {
+            return Ok(Renewal::Lost);
+        };
+        let mut kv = self.inner.client.kv_client();
+        let check = kv.txn(Txn::new().when(self.held_by(lease)));
+        let (check, kept) = tokio::join!(
+            self.call(Effect::None, check),
+            self.keep_alive_once(lease_id)
+        );
+        if !check?.succeeded() {
+            return Ok(Renewal::Lost);
+        }
+        if kept? {
+            return Ok(Renewal::Renewed {
+                valid_until: valid_until(sent, lease.ttl()),
+            });
+        }
+        // The key was held at a linearizable read, yet the leader did not know its lease:
+        // a leader that has not applied the grant yet (in a cluster, the member that
+        // answered the grant may apply it first). Ask again; a lease that really expired
+        // stays unknown and the renewal is `Lost`.
+        for _ in 0..KEEP_ALIVE_RETRIES {
+            tokio::time::sleep(KEEP_ALIVE_RETRY_PAUSE).await;
+            let retry_sent = Instant::now();
+            if self.keep_alive_once(lease_id).await? {
+                return Ok(Renewal::Renewed {
+                    valid_until: valid_until(retry_sent, lease.ttl()),
+                });
+            }
+        }
+        Ok(Renewal::Lost)
+    }
+
+    /// One `LeaseKeepAlive` round trip: `Ok(false)` when etcd does not know the lease.
+    async fn keep_alive_once(&self, lease_id: i64) -> Result<bool, LockError> {
+        let mut leases = self.inner.client.lease_client();
+        let timeout = self.inner.request_timeout;
+        match tokio::time::timeout(timeout, leases.keep_alive(lease_id)).await {
+            Ok(Ok(_)) => Ok(true),
+            Ok(Err(e)) if is_lease_gone(&e) => Ok(false),
+            Ok(Err(e)) => Err(error::convert(e, Effect::Write("renew"))),
+            Err(_) => Err(error::timed_out(Effect::Write("renew"), timeout)),
+        }
+    }
+
+    /// Releases the leases this backend took, on the error path of a batch.
+    async fn give_back(&self, leases: Vec<Lease>) {
+        let releases = leases.iter().map(|lease| self.release(lease));
+        let _ = futures::future::join_all(releases).await;
+    }
+}
+
+/// Splits a batch into waves of indices in which every key appears at most once: the
+/// `n`-th lease of a key goes in wave `n`, so calls on one key keep their order.
+fn waves(leases: &[Lease]) -> Vec<Vec<usize>> {
+    let mut seen: std::collections::HashMap<&LockKey, usize> = std::collections::HashMap::new();
+    let mut waves: Vec<Vec<usize>> = Vec::new();
+    for (i, lease) in leases.iter().enumerate() {
+        let n = seen.entry(lease.key()).or_insert(0);
+        if waves.len() <= *n {
+            waves.push(Vec::new());
+        }
+        waves[*n].push(i);
+        *n += 1;
+    }
+    waves
+}
+
+fn is_held_by(kv: &KeyValue, lease: &Lease) -> bool {
+    u64::try_from(kv.create_revision()).ok() == Some(lease.token().get())
+        && kv.value() == lease.owner().to_string().as_bytes()
+}
+
+fn header_revision(resp: &TxnResponse) -> Result<u64, LockError> {
+    resp.header()
+        .and_then(|h| u64::try_from(h.revision()).ok())
+        .filter(|&r| r > 0)
+        .ok_or_else(|| LockError::backend(NAME, "etcd's transaction reply has no revision"))
+}
+
+fn first_kv(resp: &TxnResponse) -> Option<KeyValue> {
+    resp.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
+        _ => None,
+    })
+}
+
+fn is_lease_gone(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::LeaseKeepAliveError(m) => m.contains("not found"),
+        etcd_client::Error::GRpcStatus(s) => s.message().contains("requested lease not found"),
+        _ => false,
+    }
+}
+
+#[async_trait]
+impl LockBackend for EtcdBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities.clone()
+    }
+
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        let seconds = self.check_ttl(ttl)?;
+        self.acquire_sent(key, ttl, seconds, Instant::now()).await
+    }
+
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.check_lease(lease)?;
+        self.renew_sent(lease, Instant::now()).await
+    }
+
+    /// Deletes the key if `lease` still holds it (owner and token compared in one
+    /// transaction), then revokes the lock's now empty lease in the background.
+    ///
+    /// The answer comes from the transaction alone, so it is exact. The revoke is off the
+    /// caller's path: it only frees etcd's memory early, since the lease holds no key any
+    /// more; if it is lost, the lease lapses within its TTL.
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.check_lease(lease)?;
+        let etcd_key = self.lock_key(lease.key());
+        let txn = Txn::new().when(self.held_by(lease)).and_then([
+            TxnOp::get(etcd_key.clone(), None),
+            TxnOp::delete(etcd_key, None),
+        ]);
+        let mut kv = self.inner.client.kv_client();
+        let resp = self.call(Effect::Write("release"), kv.txn(txn)).await?;
+        if !resp.succeeded() {
+            return Ok(Release::NotHeld);
+        }
+        let lease_id = lease
+            .handle::<EtcdLease>()
+            .map(|h| h.id)
+            .or_else(|| first_kv(&resp).map(|kv| kv.lease()))
+            .filter(|&id| id != 0);
+        if let Some(lease_id) = lease_id {
+            self.revoke_in_background(lease_id);
+        }
+        Ok(Release::Released)
+    }
+
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.check_lease(lease)?;
+        let (lock, newest) = self.lookup(lease.key()).await?;
+        if lock.as_ref().is_some_and(|kv| is_held_by(kv, lease)) {
+            return Ok(Fence::Current);
+        }
+        let holder = lock.and_then(|kv| u64::try_from(kv.create_revision()).ok());
+        let current = [newest, holder.map(FencingToken), Some(lease.token())]
+            .into_iter()
+            .flatten()
+            .max()
+            .unwrap_or(lease.token());
+        Ok(Fence::Stale { current })
+    }
+
+    /// The holder, the newest token and the remaining lease TTL (whole seconds, rounded
+    /// down by etcd).
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let (lock, newest) = self.lookup(key).await?;
+        let Some(kv) = lock else {
+            return Ok(LockInfo {
+                owner: None,
+                token: newest,
+                remaining: None,
+            });
+        };
+        let owner = std::str::from_utf8(kv.value())
+            .ok()
+            .and_then(|v| OwnerId::parse(v).ok());
+        let remaining = if kv.lease() == 0 {
+            None
+        } else {
+            let mut leases = self.inner.client.lease_client();
+            let ttl = self
+                .call(Effect::None, leases.time_to_live(kv.lease(), None))
+                .await?;
+            u64::try_from(ttl.ttl()).ok().map(Duration::from_secs)
+        };
+        let held = u64::try_from(kv.create_revision()).ok().map(FencingToken);
+        Ok(LockInfo {
+            owner,
+            token: newest.max(held),
+            remaining,
+        })
+    }
+
+    /// Acquires every key concurrently (their requests share the connection), with the
+    /// validity of every lease counted from the instant the batch started. A key listed
+    /// twice is taken at most once: later copies get `None`, as one-by-one calls would.
+    async fn acquire_many(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        let seconds = self.check_ttl(ttl)?;
+        let sent = Instant::now();
+        let mut seen = std::collections::HashSet::with_capacity(keys.len());
+        let firsts: Vec<bool> = keys.iter().map(|k| seen.insert(k)).collect();
+        let attempts = keys.iter().zip(&firsts).map(|(key, &first)| async move {
+            if first {
+                self.acquire_sent(key, ttl, seconds, sent).await
+            } else {
+                Ok(None)
+            }
+        });
+        let results = futures::future::join_all(attempts).await;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut failure = None;
+        for result in results {
+            match result {
+                Ok(lease) => out.push(lease),
+                Err(e) => failure = failure.or(Some(e)),
+            }
+        }
+        if let Some(e) = failure {
+            // A failed batch holds nothing.
+            self.give_back(out.into_iter().flatten().collect()).await;
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Renews every lease concurrently, each counted from the instant the batch started.
+    /// Repeated keys go in later waves, so each answers as in one-by-one calls.
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        for lease in leases {
+            self.check_lease(lease)?;
+        }
+        let sent = Instant::now();
+        let mut out = vec![Renewal::Lost; leases.len()];
+        for wave in waves(leases) {
+            let renewals = wave.iter().map(|&i| self.renew_sent(&leases[i], sent));
+            for (&i, renewal) in wave.iter().zip(futures::future::join_all(renewals).await) {
+                out[i] = renewal?;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Releases every lease concurrently. Repeated keys go in later waves, so a second
+    /// release of the same lease is `NotHeld` as in one-by-one calls.
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        for lease in leases {
+            self.check_lease(lease)?;
+        }
+        let mut out = vec![Release::NotHeld; leases.len()];
+        for wave in waves(leases) {
+            let releases = wave.iter().map(|&i| self.release(&leases[i]));
+            for (&i, release) in wave.iter().zip(futures::future::join_all(releases).await) {
+                out[i] = release?;
+            }
+        }
+        Ok(out)
+    }
+
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.check_ttl(ttl)?;
+        // An adopted lease carries no lease id: renew and release read it from the key,
+        // and only while the key still holds this owner and token.
+        Ok(Lease::new(
+            self.inner.id,
+            key.clone(),
+            owner,
+            token,
+            ttl,
+            Instant::now(),
+        ))
+    }
+}

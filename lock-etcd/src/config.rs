@@ -1,0 +1,405 @@
+//! [`EtcdBuilder`]: where the cluster is, how to reach it (TLS, user and password), the key
+//! prefix, the TTL bounds and the request timeout. `build()` validates everything, connects,
+//! and asks the cluster for its shortest lease.
+
+use std::fmt;
+use std::time::Duration;
+
+use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use lock_api::LockError;
+
+use crate::backend::EtcdBackend;
+use crate::error::{self, Effect};
+
+/// The longest lease etcd grants (`MaxLeaseTTL` in etcd's lessor, in seconds).
+pub const ETCD_MAX_LEASE_TTL: Duration = Duration::from_secs(9_000_000_000);
+
+/// The default key prefix: locks live under `distlock/locks/`, fences under `distlock/fenced/`.
+pub const DEFAULT_KEY_PREFIX: &str = "distlock";
+
+const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Builds an [`EtcdBackend`].
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), lock_api::LockError> {
+/// use std::time::Duration;
+/// use lock_etcd::EtcdBackend;
+///
+/// let backend = EtcdBackend::builder()
+///     .endpoints(["http://127.0.0.1:2379", "http://127.0.0.1:22379"])
+///     .key_prefix("billing")
+///     .credentials("worker", "s3cret")
+///     .request_timeout(Duration::from_secs(2))
+///     .build()
+///     .await?;
+/// # Ok(()) }
+/// ```
+///
+/// `Debug` never shows the password or the TLS private key.
+#[derive(Clone)]
+#[must_use = "a builder does nothing until `build().await`"]
+pub struct EtcdBuilder {
+    endpoints: Vec<String>,
+    key_prefix: String,
+    user: Option<(String, String)>,
+    tls: Option<TlsSettings>,
+    ttl_bounds: Option<(Duration, Duration)>,
+    request_timeout: Duration,
+    connect_timeout: Duration,
+}
+
+#[derive(Clone, Default)]
+struct TlsSettings {
+    ca_pem: Option<Vec<u8>>,
+    identity_pem: Option<(Vec<u8>, Vec<u8>)>,
+    domain: Option<String>,
+}
+
+impl Default for EtcdBuilder {
+    fn default() -> Self {
+        Self {
+            endpoints: Vec::new(),
+            key_prefix: DEFAULT_KEY_PREFIX.to_owned(),
+            user: None,
+            tls: None,
+            ttl_bounds: None,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+        }
+    }
+}
+
+impl fmt::Debug for EtcdBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdBuilder")
+            .field("endpoints", &self.endpoints)
+            .field("key_prefix", &self.key_prefix)
+            .field("user", &self.user.as_ref().map(|(name, _)| name))
+            .field("password", &self.user.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls.is_some())
+            .field("ttl_bounds", &self.ttl_bounds)
+            .field("request_timeout", &self.request_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+impl EtcdBuilder {
+    /// A builder with no endpoints, prefix [`DEFAULT_KEY_PREFIX`], a 5 s request timeout and
+    /// a 3 s connect timeout.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds one endpoint: `http://host:port`, `https://host:port`, or `host:port` (plain HTTP).
+    pub fn endpoint(mut self, endpoint: impl Into<String>) -> Self {
+        self.endpoints.push(endpoint.into());
+        self
+    }
+
+    /// Adds several endpoints (the members of one cluster).
+    pub fn endpoints<I, S>(mut self, endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.endpoints.extend(endpoints.into_iter().map(Into::into));
+        self
+    }
+
+    /// The prefix under which every key of this backend lives; a trailing `/` is ignored.
+    /// Backends with different prefixes never see each other's locks.
+    pub fn key_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.key_prefix = prefix.into();
+        self
+    }
+
+    /// Authenticates as `user` with `password`. The password is never logged or printed.
+    pub fn credentials(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.user = Some((user.into(), password.into()));
+        self
+    }
+
+    /// Trusts the CA certificate(s) in `pem` for `https://` endpoints.
+    pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls.get_or_insert_with(TlsSettings::default).ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents a client certificate and its private key (both PEM) to the server.
+    pub fn tls_client_identity_pem(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls
+            .get_or_insert_with(TlsSettings::default)
+            .identity_pem = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// The name the server certificate must carry, when it differs from the endpoint host.
+    pub fn tls_domain_name(mut self, domain: impl Into<String>) -> Self {
+        self.tls.get_or_insert_with(TlsSettings::default).domain = Some(domain.into());
+        self
+    }
+
+    /// Narrows the TTLs this backend accepts to `min..=max` (whole seconds). The cluster's
+    /// own minimum lease TTL still applies when it is higher than `min`.
+    pub fn ttl_bounds(mut self, min: Duration, max: Duration) -> Self {
+        self.ttl_bounds = Some((min, max));
+        self
+    }
+
+    /// How long one request may take before it fails: `Unavailable` for a read, or
+    /// `OutcomeUnknown` for a write that may have been applied.
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
+        self
+    }
+
+    /// How long connecting to an endpoint may take.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Validates the settings, connects, and learns the cluster's minimum lease TTL.
+    ///
+    /// # Errors
+    /// [`LockError::Config`] for invalid settings or rejected credentials;
+    /// [`LockError::Unavailable`] when no endpoint answers within the timeouts.
+    pub async fn build(self) -> Result<EtcdBackend, LockError> {
+        let settings = self.validate()?;
+        let options = self.connect_options();
+        let budget = self.connect_timeout + self.request_timeout;
+        let connect = Client::connect(&settings.endpoints, Some(options));
+        let client = match tokio::time::timeout(budget, connect).await {
+            Ok(Ok(client)) => client,
+            Ok(Err(e)) => return Err(error::convert(e, Effect::None)),
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    error::NAME,
+                    format!(
+                        "no endpoint of {:?} answered within {budget:?}",
+                        settings.endpoints
+                    ),
+                ));
+            }
+        };
+        probe_access(&client, &settings.prefix, self.request_timeout).await?;
+        let server_min = probe_min_lease_ttl(&client, self.request_timeout).await?;
+        let (min, max) = self
+            .ttl_bounds
+            .unwrap_or((Duration::from_secs(1), ETCD_MAX_LEASE_TTL));
+        let min = min.max(server_min);
+        if min > max {
+            return Err(LockError::Config(format!(
+                "the TTL bounds end at {max:?}, below this cluster's minimum lease TTL of \
+                 {server_min:?}"
+            )));
+        }
+        Ok(EtcdBackend::from_parts(
+            client,
+            settings.prefix,
+            settings.endpoints,
+            self.user.map(|(name, _)| name),
+            server_min,
+            (min, max),
+            self.request_timeout,
+        ))
+    }
+
+    fn validate(&self) -> Result<Validated, LockError> {
+        if self.endpoints.is_empty() {
+            return Err(LockError::Config(
+                "no etcd endpoint: call `endpoint(..)` or `endpoints(..)`".into(),
+            ));
+        }
+        let mut endpoints = Vec::with_capacity(self.endpoints.len());
+        for endpoint in &self.endpoints {
+            let endpoint = endpoint.trim();
+            let normalized = if endpoint.starts_with("http://") || endpoint.starts_with("https://")
+            {
+                endpoint.to_owned()
+            } else if endpoint.contains("://") {
+                return Err(LockError::Config(format!(
+                    "etcd endpoint {endpoint:?} must use http:// or https://"
+                )));
+            } else {
+                format!("http://{endpoint}")
+            };
+            if normalized.ends_with("://") {
+                return Err(LockError::Config(format!(
+                    "etcd endpoint {endpoint:?} has no host"
+                )));
+            }
+            let https = normalized.starts_with("https://");
+            if https != self.tls.is_some() {
+                return Err(LockError::Config(format!(
+                    "etcd endpoint {normalized:?}: TLS settings are {} but the endpoint uses {}; \
+                     use https:// endpoints with TLS settings and http:// without",
+                    if self.tls.is_some() {
+                        "given"
+                    } else {
+                        "missing"
+                    },
+                    if https { "https" } else { "http" },
+                )));
+            }
+            endpoints.push(normalized);
+        }
+        let prefix = self.key_prefix.trim_end_matches('/');
+        if prefix.is_empty() {
+            return Err(LockError::Config("the key prefix must not be empty".into()));
+        }
+        if let Some((user, _)) = &self.user
+            && user.is_empty()
+        {
+            return Err(LockError::Config("the etcd user name is empty".into()));
+        }
+        if let Some((min, max)) = self.ttl_bounds {
+            for bound in [min, max] {
+                if bound.is_zero() || bound.subsec_nanos() != 0 {
+                    return Err(LockError::Config(format!(
+                        "TTL bound {bound:?} must be a positive whole number of seconds: etcd \
+                         leases are granted in whole seconds"
+                    )));
+                }
+            }
+            if min > max || max > ETCD_MAX_LEASE_TTL {
+                return Err(LockError::Config(format!(
+                    "TTL bounds {min:?}..={max:?} must satisfy min <= max <= {ETCD_MAX_LEASE_TTL:?}"
+                )));
+            }
+        }
+        if self.request_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(LockError::Config(
+                "the request and connect timeouts must be greater than zero".into(),
+            ));
+        }
+        Ok(Validated {
+            endpoints,
+            prefix: prefix.to_owned(),
+        })
+    }
+
+    fn connect_options(&self) -> ConnectOptions {
+        // `require_leader` makes a member without a leader fail at once ("no leader": the
+        // request was not proposed) instead of holding the request until the timeout.
+        // HTTP/2 keep-alive pings notice a dead connection so the channel reconnects.
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(self.connect_timeout)
+            .with_require_leader(true)
+            .with_keep_alive(Duration::from_secs(2), self.request_timeout)
+            .with_keep_alive_while_idle(true);
+        if let Some((user, password)) = &self.user {
+            options = options.with_user(user.clone(), password.clone());
+        }
+        if let Some(tls) = &self.tls {
+            let mut config = TlsOptions::new();
+            if let Some(ca) = &tls.ca_pem {
+                config = config.ca_certificate(Certificate::from_pem(ca));
+            }
+            if let Some((cert, key)) = &tls.identity_pem {
+                config = config.identity(Identity::from_pem(cert, key));
+            }
+            if let Some(domain) = &tls.domain {
+                config = config.domain_name(domain.clone());
+            }
+            options = options.with_tls(config);
+        }
+        options
+    }
+}
+
+struct Validated {
+    endpoints: Vec<String>,
+    prefix: String,
+}
+
+/// Reads (counts) the lock keys once, so that missing or rejected credentials, and a user
+/// without access to the prefix, fail `build()` instead of the first lock call.
+async fn probe_access(client: &Client, prefix: &str, timeout: Duration) -> Result<(), LockError> {
+    let mut kv = client.kv_client();
+    let options = GetOptions::new().with_prefix().with_count_only();
+    tokio::time::timeout(timeout, kv.get(format!("{prefix}/locks/"), Some(options)))
+        .await
+        .map_err(|_| error::timed_out(Effect::None, timeout))?
+        .map_err(|e| error::convert(e, Effect::None))?;
+    Ok(())
+}
+
+/// Grants a 1-second lease and reads back the TTL the cluster actually gave it: etcd
+/// silently raises a TTL below its minimum (about 1.5 election timeouts, rounded up to whole
+/// seconds: 2 s with the default 1 s election timeout), so this is the shortest TTL it honours.
+async fn probe_min_lease_ttl(client: &Client, timeout: Duration) -> Result<Duration, LockError> {
+    let mut leases = client.lease_client();
+    let granted = tokio::time::timeout(timeout, leases.grant(1, None))
+        .await
+        .map_err(|_| error::timed_out(Effect::None, timeout))?
+        .map_err(|e| error::convert(e, Effect::None))?;
+    // The probe lease holds no key; if this revoke is lost it simply expires.
+    let _ = tokio::time::timeout(timeout, leases.revoke(granted.id())).await;
+    let seconds = u64::try_from(granted.ttl()).unwrap_or(0).max(1);
+    Ok(Duration::from_secs(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_hides_the_password() {
+        let b = EtcdBuilder::new()
+            .endpoint("127.0.0.1:2379")
+            .credentials("worker", "hunter2-secret");
+        let shown = format!("{b:?}");
+        assert!(shown.contains("worker"), "{shown}");
+        assert!(!shown.contains("hunter2-secret"), "{shown}");
+        assert!(shown.contains("<redacted>"), "{shown}");
+    }
+
+    #[test]
+    fn settings_are_validated_before_connecting() {
+        let cases = [
+            EtcdBuilder::new(),
+            EtcdBuilder::new().endpoint("redis://127.0.0.1:6379"),
+            EtcdBuilder::new().endpoint("http://"),
+            EtcdBuilder::new().endpoint("https://127.0.0.1:2379"),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .key_prefix("/"),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .credentials("", "x"),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .ttl_bounds(Duration::from_millis(1500), Duration::from_secs(10)),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .ttl_bounds(Duration::from_secs(10), Duration::from_secs(5)),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .request_timeout(Duration::ZERO),
+        ];
+        for builder in cases {
+            assert!(
+                matches!(builder.validate(), Err(LockError::Config(_))),
+                "{builder:?} should be refused"
+            );
+        }
+        let ok = EtcdBuilder::new()
+            .endpoints(["127.0.0.1:2379", "http://127.0.0.1:2380"])
+            .key_prefix("jobs/")
+            .validate()
+            .unwrap();
+        assert_eq!(
+            ok.endpoints,
+            ["http://127.0.0.1:2379", "http://127.0.0.1:2380"]
+        );
+        assert_eq!(ok.prefix, "jobs");
+    }
+}

@@ -1,0 +1,199 @@
+//! [`EtcdFencedResource`]: downstream values stored in etcd, written only by the holder of
+//! the newest fencing token, in one transaction per write.
+//!
+//! The highest admitted token of a resource lives in `<prefix>/fenced/<resource>` as a
+//! 20-digit zero-padded decimal, so etcd's byte-wise value comparison orders tokens
+//! numerically. A write is one transaction:
+//!
+//! ```text
+//! if value(fence) > token           (false when the fence key does not exist yet)
+//! then get(fence)                   stale: report the newest token; shadow mode also
+//!                                   writes the value, but never lowers the fence
+//! else put(fence, token), put(data) admitted: the fence moves up with the write
+//! ```
+//!
+//! Because the check and the write are one transaction, no interleaving lets a holder with
+//! a lower token write after a holder with a higher one.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
+use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
+
+use crate::backend::EtcdBackend;
+use crate::error::{Effect, NAME};
+
+/// A fenced resource whose state lives in etcd, next to the locks of an [`EtcdBackend`].
+#[derive(Debug, Clone)]
+pub struct EtcdFencedResource {
+    backend: Arc<EtcdBackend>,
+    mode: EnforcementMode,
+}
+
+impl EtcdFencedResource {
+    /// A resource store on `backend`'s connection and key prefix, in `mode`.
+    pub fn new(backend: &EtcdBackend, mode: EnforcementMode) -> Self {
+        Self {
+            backend: Arc::new(backend.clone()),
+            mode,
+        }
+    }
+
+    /// The enforcement mode.
+    pub fn mode(&self) -> EnforcementMode {
+        self.mode
+    }
+
+    /// The etcd key holding `resource`'s highest admitted token.
+    pub fn fence_key(&self, resource: &str) -> String {
+        format!("{}/fenced/{resource}", self.backend.key_prefix())
+    }
+
+    /// The etcd key holding `resource`'s value written by [`EtcdFencedResource::write`].
+    pub fn data_key(&self, resource: &str) -> String {
+        format!("{}/data/{resource}", self.backend.key_prefix())
+    }
+
+    /// Writes `value` to `resource` if `token` is at least the highest admitted token, and
+    /// records `token` as the highest. A stale token writes nothing in enforce mode; in
+    /// shadow mode the value is written, the fence is left as it was, and the write is
+    /// logged and counted.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled write may or may not have been applied.
+    pub async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: impl Into<Vec<u8>>,
+    ) -> Result<Admission, LockError> {
+        self.guarded(resource, token, Some(value.into())).await
+    }
+
+    /// The value last written to `resource`, if any.
+    pub async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
+        check_resource(resource)?;
+        let mut kv = self.backend.client().kv_client();
+        let mut resp = self
+            .backend
+            .call(Effect::None, kv.get(self.data_key(resource), None))
+            .await?;
+        Ok(resp
+            .take_kvs()
+            .into_iter()
+            .next()
+            .map(|kv| kv.value().to_vec()))
+    }
+
+    /// The highest token admitted for `resource`, if any.
+    pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
+        check_resource(resource)?;
+        let mut kv = self.backend.client().kv_client();
+        let mut resp = self
+            .backend
+            .call(Effect::None, kv.get(self.fence_key(resource), None))
+            .await?;
+        resp.take_kvs()
+            .first()
+            .map(|kv| parse_token(kv.value()))
+            .transpose()
+    }
+
+    async fn guarded(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: Option<Vec<u8>>,
+    ) -> Result<Admission, LockError> {
+        check_resource(resource)?;
+        let fence = self.fence_key(resource);
+        let encoded = encode(token);
+        let data = value.map(|v| TxnOp::put(self.data_key(resource), v, None));
+
+        let mut stale_ops = vec![TxnOp::get(fence.clone(), None)];
+        let mut admitted_ops = vec![TxnOp::put(
+            fence.clone(),
+            encoded.clone(),
+            Some(PutOptions::new().with_prev_key()),
+        )];
+        if let Some(data) = data {
+            if self.mode == EnforcementMode::Shadow {
+                stale_ops.push(data.clone());
+            }
+            admitted_ops.push(data);
+        }
+        let txn = Txn::new()
+            .when([Compare::value(fence, CompareOp::Greater, encoded)])
+            .and_then(stale_ops)
+            .or_else(admitted_ops);
+        let mut kv = self.backend.client().kv_client();
+        let resp = self
+            .backend
+            .call(Effect::Write("fenced write"), kv.txn(txn))
+            .await?;
+        let seen = seen_token(&resp)?;
+        Ok(decide(self.mode, resource, token, seen))
+    }
+}
+
+#[async_trait]
+impl FencedResource for EtcdFencedResource {
+    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
+        self.guarded(resource, token, None).await
+    }
+}
+
+fn check_resource(resource: &str) -> Result<(), LockError> {
+    if resource.is_empty() {
+        return Err(LockError::InvalidKey {
+            reason: "the fenced resource name is empty".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Zero-padded to the 20 digits of `u64::MAX`, so byte order is numeric order.
+fn encode(token: FencingToken) -> String {
+    format!("{:020}", token.get())
+}
+
+fn parse_token(bytes: &[u8]) -> Result<FencingToken, LockError> {
+    std::str::from_utf8(bytes)
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .map(FencingToken)
+        .ok_or_else(|| LockError::backend(NAME, "a fence key holds something other than a token"))
+}
+
+/// The token the fence held before this write: from the `get` of the stale branch, or the
+/// previous value of the `put` of the admitted branch.
+fn seen_token(resp: &TxnResponse) -> Result<Option<FencingToken>, LockError> {
+    let stale = resp.succeeded();
+    let kv = resp.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) if stale => get.kvs().first().cloned(),
+        TxnOpResponse::Put(put) if !stale => put.prev_key().cloned(),
+        _ => None,
+    });
+    kv.map(|kv| parse_token(kv.value())).transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn encoded_tokens_sort_like_numbers() {
+        let tokens = [0, 9, 10, 99, 100, 4_294_967_296, u64::MAX];
+        for pair in tokens.windows(2) {
+            assert!(encode(FencingToken(pair[0])) < encode(FencingToken(pair[1])));
+        }
+        assert_eq!(
+            parse_token(encode(FencingToken(u64::MAX)).as_bytes())
+                .unwrap()
+                .get(),
+            u64::MAX
+        );
+        assert!(parse_token(b"x1").is_err());
+    }
+}

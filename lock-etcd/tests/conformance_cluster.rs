@@ -1,0 +1,5 @@
+//! The conformance suite against a real 3-member etcd cluster.
+
+mod common;
+
+conformance::conformance_tests!(common::EtcdFactory::cluster());

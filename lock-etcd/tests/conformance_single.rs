@@ -1,0 +1,5 @@
+//! The conformance suite against a real single-member etcd.
+
+mod common;
+
+conformance::conformance_tests!(common::EtcdFactory::single());

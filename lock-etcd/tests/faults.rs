@@ -1,0 +1,230 @@
+//! Faults on real etcd: the leader killed while a lock is held, a member paused, and the
+//! client's connection blackholed. In every case the lock stays safe: a new holder gets a
+//! higher token, and the old holder is fenced.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::EtcdFactory;
+use conformance::harness::require;
+use lock_api::{
+    Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockError, LockKey,
+    Locker, Release, Renewal,
+};
+use lock_etcd::{EtcdBackend, EtcdFencedResource};
+use tokio::time::{Instant, sleep, timeout_at};
+
+const TTL: Duration = Duration::from_secs(2);
+
+fn key(name: &str) -> LockKey {
+    use std::hash::{BuildHasher, RandomState};
+    let random = RandomState::new().hash_one(std::time::SystemTime::now());
+    LockKey::new(format!("etcd-fault:{random:016x}:{name}")).unwrap()
+}
+
+/// Runs `call` until it gives something other than a retryable error, or panics at `deadline`.
+async fn until_answered<T, F, Fut>(what: &str, deadline: Instant, mut call: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
+    loop {
+        match call().await {
+            Ok(v) => return v,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
+/// Acquires `key` with `client`, retrying while it is held or the store is unavailable.
+async fn take_by(client: &EtcdBackend, key: &LockKey, deadline: Instant) -> Lease {
+    loop {
+        match client.acquire(key, TTL).await {
+            Ok(Some(lease)) => return lease,
+            Ok(None) => {}
+            Err(e) if e.is_retryable() => {}
+            Err(e) => panic!("acquire: {e}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{key} was not free again by the deadline"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The old holder is fenced everywhere once the new one holds the key.
+async fn assert_fenced(
+    old_client: &EtcdBackend,
+    old: &Lease,
+    new_client: &EtcdBackend,
+    new: &Lease,
+) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    assert!(
+        new.token() > old.token(),
+        "new token {} after {}",
+        new.token(),
+        old.token()
+    );
+    let fence = until_answered("fence", deadline, || old_client.fence(old)).await;
+    assert_eq!(
+        fence,
+        Fence::Stale {
+            current: new.token()
+        }
+    );
+    let renewal = until_answered("renew", deadline, || old_client.renew(old)).await;
+    assert_eq!(renewal, Renewal::Lost);
+    let release = until_answered("release", deadline, || old_client.release(old)).await;
+    assert_eq!(release, Release::NotHeld);
+    let fence = until_answered("fence", deadline, || new_client.fence(new)).await;
+    assert_eq!(fence, Fence::Current, "the new holder is untouched");
+    let resource = EtcdFencedResource::new(new_client, EnforcementMode::Enforce);
+    let r = new.key().as_str();
+    let admitted = until_answered("admit", deadline, || resource.admit(r, new.token())).await;
+    assert_eq!(admitted, Admission::Admitted);
+    let late = until_answered("admit", deadline, || resource.admit(r, old.token())).await;
+    assert_eq!(
+        late,
+        Admission::Stale {
+            latest: new.token()
+        }
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_leader_while_a_lock_is_held_keeps_it_safe() {
+    let factory = EtcdFactory::private_cluster()
+        .await
+        .with_request_timeout(Duration::from_secs(3));
+    let cluster = factory.cluster_servers().unwrap();
+    let (a, b) = (factory.etcd().await, factory.etcd().await);
+    let k = key("leader-kill");
+
+    let sent = Instant::now();
+    let old = a.acquire(&k, TTL).await.unwrap().expect("free key");
+    let leader = require(cluster.leader_index().await);
+    require(cluster.members()[leader].kill());
+    let killed_at = Instant::now();
+    // The old holder stops renewing (it is partitioned away with the old leader).
+    let new_leader = require(cluster.leader_index().await);
+    let elected_at = Instant::now();
+    assert_ne!(new_leader, leader);
+
+    let new = take_by(&b, &k, killed_at + Duration::from_secs(30)).await;
+    let taken_at = Instant::now();
+    println!(
+        "leader kill: lease granted with TTL {TTL:?}; leader killed {:?} after the grant was \
+         sent; new leader elected {:?} after the kill; key free again {:?} after the \
+         election, i.e. the lease outlived its TTL by {:?}",
+        killed_at - sent,
+        elected_at - killed_at,
+        taken_at - elected_at,
+        taken_at.saturating_duration_since(sent + TTL),
+    );
+    assert_fenced(&a, &old, &b, &new).await;
+    until_answered("release", Instant::now() + Duration::from_secs(10), || {
+        b.release(&new)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_member_loses_its_clients_locks_and_the_others_carry_on() {
+    let factory = EtcdFactory::private_cluster().await;
+    let cluster = factory.cluster_servers().unwrap();
+    let leader = require(cluster.leader_index().await);
+    let follower = (leader + 1) % 3;
+    let others: Vec<String> = (0..3)
+        .filter(|&i| i != follower)
+        .map(|i| format!("http://{}", factory.proxies()[i].addr()))
+        .collect();
+    let only_paused = format!("http://{}", factory.proxies()[follower].addr());
+    let on = |endpoints: Vec<String>| {
+        EtcdBackend::builder()
+            .endpoints(endpoints)
+            .key_prefix("distlock-test")
+            .request_timeout(Duration::from_secs(1))
+            .build()
+    };
+    let holder = on(vec![only_paused.clone()]).await.unwrap();
+    let rest = on(others).await.unwrap();
+    let k = key("paused");
+
+    let locker = Locker::builder(Arc::new(holder.clone()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let guard = locker.try_lock(&k).await.unwrap().expect("free key");
+    let old = guard.lease().clone();
+    require(cluster.members()[follower].pause());
+    let paused_at = Instant::now();
+
+    // The holder's renewals cannot reach the cluster: the guard reports the loss.
+    let lost = timeout_at(paused_at + TTL * 2 + Duration::from_secs(1), guard.lost()).await;
+    assert!(lost.is_ok(), "the guard noticed the loss");
+    assert!(!guard.is_held());
+    // A new client on the paused member alone gets a retryable error, never a lease.
+    match on(vec![only_paused]).await {
+        Err(e) => assert!(e.is_retryable(), "{e}"),
+        Ok(_) => panic!("a client reached a paused member"),
+    }
+    // The rest of the cluster carries on; the key frees itself when its lease runs out.
+    let new = take_by(&rest, &k, paused_at + Duration::from_secs(20)).await;
+    for _ in 0..3 {
+        let next_key = key("paused-cycle");
+        let lease = take_by(&rest, &next_key, Instant::now() + Duration::from_secs(10)).await;
+        assert_eq!(rest.release(&lease).await.unwrap(), Release::Released);
+    }
+
+    require(cluster.members()[follower].resume());
+    // Once the member has caught up, its client sees the new holder and is fenced.
+    assert_fenced(&holder, &old, &rest, &new).await;
+    let _ = guard.release().await;
+    rest.release(&new).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_connection_makes_the_guard_report_lost() {
+    let cut_link = EtcdFactory::single().await;
+    let clean_link = EtcdFactory::single().await;
+    let holder = cut_link.etcd().await;
+    let other = clean_link.etcd().await;
+    let k = key("blackhole");
+
+    let locker = Locker::builder(Arc::new(holder.clone()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let guard = locker.try_lock(&k).await.unwrap().expect("free key");
+    let old = guard.lease().clone();
+    sleep(TTL / 2).await;
+    cut_link.proxies().iter().for_each(|p| p.blackhole());
+    let cut_at = Instant::now();
+
+    let lost = timeout_at(cut_at + TTL * 2 + Duration::from_secs(1), guard.lost()).await;
+    let lost_at = Instant::now();
+    assert!(lost.is_ok(), "lost() resolved after the cut");
+    assert!(!guard.is_held());
+    assert!(
+        guard.valid_until() <= cut_at + TTL,
+        "no validity past the cut plus one TTL"
+    );
+    assert!(lost_at <= guard.valid_until() + Duration::from_millis(500));
+
+    // Another client, on a working link, takes the key once the lease ran out in etcd.
+    let new = take_by(&other, &k, cut_at + Duration::from_secs(10)).await;
+    cut_link.proxies().iter().for_each(|p| {
+        p.reset();
+        p.heal();
+    });
+    assert_fenced(&holder, &old, &other, &new).await;
+    let _ = guard.release().await;
+    other.release(&new).await.unwrap();
+}
