@@ -80,6 +80,13 @@ impl RedisBackend {
 
     pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
         let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
+        if b.uses_tls() {
+            crate::tls::ensure_crypto_provider();
+        }
+        let certificates = b.tls_root_ca.clone().map(|pem| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem),
+        });
         let conn = if b.cluster {
             for (url, shown) in b.urls.iter().zip(&shown_urls) {
                 if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
@@ -90,7 +97,7 @@ impl RedisBackend {
                     }
                 }
             }
-            let client = ClusterClientBuilder::new(
+            let mut client = ClusterClientBuilder::new(
                 b.urls
                     .iter()
                     .map(|u| parse_url(u))
@@ -98,16 +105,24 @@ impl RedisBackend {
             )
             .connection_timeout(b.connect_timeout)
             .response_timeout(b.response_timeout)
-            .retries(2)
-            .build()
-            .map_err(|e| config_error(&shown_urls.join(","), &e))?;
+            .retries(2);
+            if let Some(certificates) = certificates {
+                client = client.certs(certificates);
+            }
+            let client = client
+                .build()
+                .map_err(|e| config_error(&shown_urls.join(","), &e))?;
             let c = with_timeout(b.connect_timeout, client.get_async_connection())
                 .await
                 .map_err(|e| connect_error(&shown_urls.join(","), e))?;
             Conn::Cluster(c, Arc::new(Mutex::new(None)))
         } else {
             let info = parse_url(&b.urls[0])?;
-            let client = redis::Client::open(info).map_err(|e| config_error(&shown_urls[0], &e))?;
+            let client = match certificates {
+                Some(certificates) => redis::Client::build_with_tls(info, certificates),
+                None => redis::Client::open(info),
+            }
+            .map_err(|e| config_error(&shown_urls[0], &e))?;
             // The backend applies its own response timeout (to tell an unknown outcome
             // from an unreachable server); the manager only bounds connecting.
             let config = ConnectionManagerConfig::new()
@@ -199,6 +214,60 @@ impl RedisBackend {
         }
     }
 
+    /// Runs a batch under [`Self::timed`]. In a cluster each node's pipeline has the
+    /// response timeout of its own (a silent node makes only its items unreachable), so
+    /// the whole batch gets twice that, room for the redirected calls sent again after.
+    async fn timed_batch(
+        &self,
+        operation: &'static str,
+        calls: &[Call],
+    ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
+        let node_timeout = self.inner.response_timeout;
+        let request = self.inner.conn.batch(calls, node_timeout);
+        if !self.inner.cluster {
+            return self.timed(operation, true, request).await;
+        }
+        match tokio::time::timeout(node_timeout * 2, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(map_error(operation, true, &e)),
+            Err(_) => Err(LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message: format!("no reply within {:?}", node_timeout * 2),
+            }),
+        }
+    }
+
+    /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
+    /// for a lease whose cluster node did not answer while another node did. Any other
+    /// per-lease error, or no node answering at all, fails the whole batch.
+    fn lease_outcomes(
+        &self,
+        operation: &'static str,
+        replies: Vec<redis::RedisResult<Value>>,
+    ) -> Result<Vec<Option<i64>>, LockError> {
+        let mut out = Vec::with_capacity(replies.len());
+        let mut unreachable = None;
+        let mut answered = 0usize;
+        for reply in replies {
+            match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+                Ok(n) => {
+                    answered += 1;
+                    out.push(Some(n));
+                }
+                Err(e) if self.inner.cluster && is_unreachable(&e) => {
+                    unreachable.get_or_insert(e);
+                    out.push(None);
+                }
+                Err(e) => return Err(map_error(operation, true, &e)),
+            }
+        }
+        match unreachable {
+            Some(e) if answered == 0 => Err(map_error(operation, true, &e)),
+            _ => Ok(out),
+        }
+    }
+
     /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
     /// taken, in the background, checked against their owner ids. Best effort: the keys
     /// expire on their own anyway.
@@ -207,6 +276,7 @@ impl RedisBackend {
             return;
         };
         let conn = self.inner.conn.clone();
+        let node_timeout = self.inner.response_timeout;
         runtime.spawn(async move {
             let calls: Vec<Call> = attempts
                 .into_iter()
@@ -218,7 +288,7 @@ impl RedisBackend {
                 .collect();
             // Requests on the same connection run in order, so this runs after the
             // acquire if that ever reached the server.
-            let outcome = tokio::time::timeout(ttl, conn.batch(&calls)).await;
+            let outcome = tokio::time::timeout(ttl, conn.batch(&calls, node_timeout)).await;
             tracing::debug!(
                 keys = calls.len(),
                 done = matches!(outcome, Ok(Ok(_))),
@@ -328,11 +398,14 @@ impl RedisBackend {
         };
         let lease = self.lease(key, owner, token, ttl, sent);
         if usize::try_from(acked).unwrap_or(0) < replicas {
-            let _ = self.release(&lease).await;
+            let given_back = match self.release(&lease).await {
+                Ok(_) => "it was released".to_owned(),
+                Err(e) => format!("releasing it failed ({e}); it expires after {ttl:?}"),
+            };
             return Err(LockError::unavailable(
                 NAME,
                 format!(
-                    "only {acked} of {replicas} replicas acknowledged the lock within {wait:?}; it was released"
+                    "only {acked} of {replicas} replicas acknowledged the lock within {wait:?}; {given_back}"
                 ),
             ));
         }
@@ -431,6 +504,41 @@ impl LockBackend for RedisBackend {
         })
     }
 
+    /// A lease of this instance for `owner` and `token`, for tools that act on a lock held
+    /// by another process. Nothing is sent: renew, release and fence check owner and token
+    /// in their scripts, so a wrong pair is [`Renewal::Lost`] / [`Release::NotHeld`] /
+    /// [`Fence::Stale`] and changes nothing. Its `valid_until` is now: this process never
+    /// saw the grant, so it cannot claim any validity before a renewal.
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.inner.caps.check_ttl(ttl)?;
+        Ok(Lease::new(
+            self.inner.id,
+            key.clone(),
+            owner,
+            token,
+            ttl,
+            Instant::now(),
+        ))
+    }
+
+    /// Deletes the lock key and the fence key (the token counter) with one `DEL`: the two
+    /// keys share a hash slot, so this is one command on one node, also in a cluster.
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let keys = self.keys(key);
+        let mut del = redis::cmd("DEL");
+        del.arg(&keys.lock).arg(&keys.fence);
+        let _deleted: i64 = self
+            .timed("purge", true, self.inner.conn.command(&del))
+            .await?;
+        Ok(())
+    }
+
     async fn acquire_many(
         &self,
         keys: &[LockKey],
@@ -464,10 +572,7 @@ impl LockBackend for RedisBackend {
             .map(|(k, owner)| self.acquire_call(k, *owner, ttl))
             .collect();
         let sent = Instant::now();
-        let replies = match self
-            .timed("acquire_many", true, self.inner.conn.batch(&calls))
-            .await
-        {
+        let replies = match self.timed_batch("acquire_many", &calls).await {
             Ok(r) => r,
             Err(e) => {
                 if matches!(e, LockError::OutcomeUnknown { .. }) {
@@ -479,12 +584,28 @@ impl LockBackend for RedisBackend {
         let mut out = Vec::with_capacity(keys.len());
         let mut failure = None;
         let mut unknown = Vec::new();
+        let mut unreachable = None;
+        let mut answered = 0usize;
         for ((key, (lock_keys, owner)), reply) in keys.iter().zip(attempts).zip(replies) {
+            let reply = match reply {
+                // A cluster node that did not answer: its keys are `None`, and whatever an
+                // attempt that reached it may have taken is given back in the background.
+                Err(e) if self.inner.cluster && is_unreachable(&e) => {
+                    unknown.push((lock_keys, owner));
+                    unreachable.get_or_insert(e);
+                    out.push(None);
+                    continue;
+                }
+                other => other,
+            };
             match reply
                 .map_err(|e| map_error("acquire_many", true, &e))
                 .and_then(|v| parse_token(Some(v)))
             {
-                Ok(token) => out.push(token.map(|t| self.lease(key, owner, t, ttl, sent))),
+                Ok(token) => {
+                    answered += 1;
+                    out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
+                }
                 Err(e) => {
                     if matches!(e, LockError::OutcomeUnknown { .. }) {
                         unknown.push((lock_keys, owner));
@@ -493,6 +614,9 @@ impl LockBackend for RedisBackend {
                     out.push(None);
                 }
             }
+        }
+        if failure.is_none() && answered == 0 {
+            failure = unreachable.map(|e| map_error("acquire_many", true, &e));
         }
         if let Some(e) = failure {
             // A failed batch holds nothing: give back what it took.
@@ -503,13 +627,15 @@ impl LockBackend for RedisBackend {
             }
             return Err(e);
         }
+        if !unknown.is_empty() {
+            self.abandon(unknown, ttl);
+        }
         Ok(out)
     }
 
-    /// One pipeline per node. In a cluster, a lease whose node cannot be reached while
-    /// others can is reported [`Renewal::Lost`]: the batch has no per-lease error, and the
-    /// holder must not rely on a lease it could not renew. When no node answers, the
-    /// whole call fails (and the watchdog retries until the leases' `valid_until`).
+    /// One pipeline per node. In a cluster, a lease whose node did not answer while
+    /// another node did is [`Renewal::Unreachable`] (the watchdog retries it until its
+    /// `valid_until`); when no node answers, the whole call fails, as the single form does.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         for lease in leases {
             lease.check_backend(self.inner.id, NAME)?;
@@ -522,33 +648,21 @@ impl LockBackend for RedisBackend {
             .map(|l| self.lease_call(&RENEW_SCRIPT, l, true))
             .collect();
         let sent = Instant::now();
-        let replies = self
-            .timed("renew_many", true, self.inner.conn.batch(&calls))
-            .await?;
-        let mut first_error = None;
-        let mut any_ok = false;
-        let out: Vec<Renewal> = replies
+        let replies = self.timed_batch("renew_many", &calls).await?;
+        Ok(self
+            .lease_outcomes("renew_many", replies)?
             .into_iter()
             .zip(leases)
-            .map(|(reply, lease)| {
-                match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
-                    Ok(n) => {
-                        any_ok = true;
-                        renewal(n, sent, lease.ttl())
-                    }
-                    Err(e) => {
-                        first_error.get_or_insert(e);
-                        Renewal::Lost
-                    }
-                }
+            .map(|(outcome, lease)| match outcome {
+                Some(n) => renewal(n, sent, lease.ttl()),
+                None => Renewal::Unreachable,
             })
-            .collect();
-        match first_error {
-            Some(e) if !any_ok => Err(map_error("renew_many", true, &e)),
-            _ => Ok(out),
-        }
+            .collect())
     }
 
+    /// One pipeline per node. In a cluster, a lease whose node did not answer while
+    /// another node did is [`Release::Unreachable`] (it frees itself when its TTL runs
+    /// out); when no node answers, the whole call fails, as the single form does.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         for lease in leases {
             lease.check_backend(self.inner.id, NAME)?;
@@ -560,18 +674,12 @@ impl LockBackend for RedisBackend {
             .iter()
             .map(|l| self.lease_call(&RELEASE_SCRIPT, l, false))
             .collect();
-        let replies = self
-            .timed("release_many", true, self.inner.conn.batch(&calls))
-            .await?;
-        replies
+        let replies = self.timed_batch("release_many", &calls).await?;
+        Ok(self
+            .lease_outcomes("release_many", replies)?
             .into_iter()
-            .map(|reply| {
-                reply
-                    .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
-                    .map(release)
-                    .map_err(|e| map_error("release_many", true, &e))
-            })
-            .collect()
+            .map(|outcome| outcome.map_or(Release::Unreachable, release))
+            .collect())
     }
 }
 
@@ -632,10 +740,33 @@ fn connect_error(shown_url: &str, e: RedisError) -> LockError {
             e.kind_name()
         ));
     }
+    if let Some(tls) = crate::tls::tls_failure(&e) {
+        // An untrusted certificate or a TLS/plain mismatch does not go away by retrying.
+        return LockError::Config(format!("{shown_url}: TLS handshake failed: {tls}"));
+    }
     LockError::unavailable(
         NAME,
         format!("cannot connect to {shown_url}: {}", e.kind_name()),
     )
+}
+
+/// True for the errors of a node that could not be asked or did not answer: a cluster
+/// batch reports its items unreachable instead of failing as a whole.
+fn is_unreachable(e: &RedisError) -> bool {
+    !is_auth_error(e)
+        && (e.is_connection_refusal()
+            || e.is_timeout()
+            || e.is_connection_dropped()
+            || e.is_io_error()
+            || matches!(
+                e.kind(),
+                ErrorKind::Server(
+                    ServerErrorKind::ClusterDown
+                        | ServerErrorKind::TryAgain
+                        | ServerErrorKind::BusyLoading
+                        | ServerErrorKind::MasterDown
+                ) | ErrorKind::ClusterConnectionNotFound
+            ))
 }
 
 fn is_auth_error(e: &RedisError) -> bool {

@@ -25,13 +25,25 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// # URLs
 ///
 /// * `redis://[[user]:password@]host[:port][/db]` — one node (plain TCP);
-/// * `rediss://...` — one node over TLS (rustls, system roots);
+/// * `rediss://...` — one node over TLS (rustls with the `ring` crypto provider). The
+///   server certificate is checked against the Mozilla roots bundled with the client
+///   (`webpki-roots`), or only against [`RedisBackendBuilder::tls_root_ca_pem`] when set
+///   (a private CA). `rediss://host:port/#insecure` turns certificate checks off entirely:
+///   anyone on the path can then read and forge replies; use it only against a test server;
+///
 /// * several URLs given with [`RedisBackendBuilder::cluster_urls`] — a Redis Cluster,
 ///   discovered from those seed nodes;
 /// * `redis+cluster://...` or `rediss+cluster://...` — a Redis Cluster discovered from that
 ///   one seed node (the scheme is the plain one with `+cluster` added).
 ///
 /// A cluster has no databases: a `/db` other than 0 is refused there.
+///
+/// # TLS and the process-wide crypto provider
+///
+/// The client library builds its TLS configuration from rustls's process-wide default
+/// crypto provider. When a `rediss://` URL is used and the process has not chosen one,
+/// [`RedisBackendBuilder::build`] installs rustls's `ring` provider as that default; a
+/// provider the application installed first is kept.
 #[must_use]
 #[derive(Clone)]
 pub struct RedisBackendBuilder {
@@ -43,6 +55,7 @@ pub struct RedisBackendBuilder {
     pub(crate) response_timeout: Duration,
     pub(crate) connect_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
+    pub(crate) tls_root_ca: Option<Vec<u8>>,
 }
 
 impl Default for RedisBackendBuilder {
@@ -56,6 +69,7 @@ impl Default for RedisBackendBuilder {
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             replica_acks: None,
+            tls_root_ca: None,
         }
     }
 }
@@ -116,9 +130,37 @@ impl RedisBackendBuilder {
     /// After every acquire, wait (`WAIT replicas timeout`, in the same round trip) until
     /// `replicas` replicas have the write. When fewer acknowledge, the lock is released
     /// and the acquire fails with [`LockError::Unavailable`] saying how many did.
+    /// `timeout` must be shorter than the [response timeout](Self::response_timeout),
+    /// which the acquire's reply (after `WAIT`) has to meet; otherwise `build` fails with
+    /// [`LockError::Config`]. Batches of acquires then run one key at a time.
     pub fn replica_acks(mut self, replicas: usize, timeout: Duration) -> Self {
         self.replica_acks = Some((replicas, timeout));
         self
+    }
+
+    /// Trusts only the CA certificates in `pem` (one or more PEM `CERTIFICATE` blocks) for
+    /// `rediss://` servers, instead of the bundled public roots: for a server whose
+    /// certificate a private CA signed. Every URL must then be `rediss://`; a PEM without a
+    /// certificate, or with one that does not parse, is a [`LockError::Config`].
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), lock_api::LockError> {
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| lock_api::LockError::Config(e.to_string()))?;
+    /// let redis = lock_redis::RedisBackend::builder()
+    ///     .url("rediss://redis.internal:6380/")
+    ///     .tls_root_ca_pem(ca)
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn tls_root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_root_ca = Some(pem.into());
+        self
+    }
+
+    /// True when any URL uses TLS.
+    pub(crate) fn uses_tls(&self) -> bool {
+        self.urls.iter().any(|u| u.starts_with("rediss://"))
     }
 
     /// Validates the options and connects.
@@ -161,6 +203,26 @@ impl RedisBackendBuilder {
                 "timeouts must be greater than zero".into(),
             ));
         }
+        if let Some((_, wait)) = self.replica_acks {
+            // WAIT holds the reply for up to its timeout; a shorter response timeout would
+            // turn every slow acknowledgement into an unknown outcome.
+            if wait >= self.response_timeout {
+                return Err(LockError::Config(format!(
+                    "the replica acknowledgement timeout {wait:?} must be shorter than the \
+                     response timeout {:?}",
+                    self.response_timeout
+                )));
+            }
+        }
+        if let Some(pem) = &self.tls_root_ca {
+            if let Some(url) = self.urls.iter().find(|u| !u.starts_with("rediss://")) {
+                return Err(LockError::Config(format!(
+                    "a TLS root CA was given but {} is not a rediss:// URL",
+                    redact_url(url)
+                )));
+            }
+            crate::tls::check_root_pem(pem)?;
+        }
         Ok(())
     }
 }
@@ -177,6 +239,13 @@ impl fmt::Debug for RedisBackendBuilder {
             .field("response_timeout", &self.response_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("replica_acks", &self.replica_acks)
+            .field(
+                "tls_root_ca",
+                &self
+                    .tls_root_ca
+                    .as_ref()
+                    .map(|pem| format!("<{} bytes of PEM>", pem.len())),
+            )
             .finish()
     }
 }
@@ -212,6 +281,21 @@ pub(crate) fn redact_url(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A self-signed CA certificate (its key was thrown away), for option checks only.
+    const CA_PEM: &str = "\
+-----BEGIN CERTIFICATE-----
+MIIBmDCCAT2gAwIBAgIUPlTIuWSunvcfW9otEkwMXnn1smowCgYIKoZIzj0EAwIw
+IDEeMBwGA1UEAwwVZGlzdGxvY2sgdW5pdC10ZXN0IENBMCAXDTI2MTIwMjE2MjUy
+MVoYDzIxMjYxMTA4MTYyNTIxWjAgMR4wHAYDVQQDDBVkaXN0bG9jayB1bml0LXRl
+c3QgQ0EwWTATBgcqhkjOPQIBBggqhkjOPQMBBwNCAATk1IgiKDJIeAu5DK/x+m78
+QgyvHqt3OrcGv8W3za7Go6KFaarFLTR/1wp4A7u+0Z7ky77vQJn1Aah/eDurMA3b
+o1MwUTAdBgNVHQ4EFgQU/eraDVAhto8pil1RM3pGWUxwsCMwHwYDVR0jBBgwFoAU
+/eraDVAhto8pil1RM3pGWUxwsCMwDwYDVR0TAQH/BAUwAwEB/zAKBggqhkjOPQQD
+AgNJADBGAiEAnYiOGrgFJWkxxgEGIRhZJo+Vxw5pKopEZ4fscl4RYKoCIQCeBSuc
+GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
+-----END CERTIFICATE-----
+";
 
     #[test]
     fn redaction_hides_passwords_and_keeps_the_rest() {
@@ -254,6 +338,17 @@ mod tests {
                 .max_ttl(Duration::from_secs(1)),
             base.clone().max_ttl(Duration::from_micros(1500)),
             base.clone().response_timeout(Duration::ZERO),
+            base.clone()
+                .response_timeout(Duration::from_secs(1))
+                .replica_acks(1, Duration::from_secs(1)),
+            // A root CA only makes sense with TLS URLs, and must hold a certificate.
+            base.clone().tls_root_ca_pem(CA_PEM),
+            RedisBackendBuilder::default()
+                .url("rediss://127.0.0.1:1")
+                .tls_root_ca_pem("not a certificate"),
+            RedisBackendBuilder::default()
+                .url("rediss://127.0.0.1:1")
+                .tls_root_ca_pem(CA_PEM.replace("MII", "@@@")),
             RedisBackendBuilder::default(),
         ] {
             assert!(
@@ -262,5 +357,12 @@ mod tests {
             );
         }
         assert!(base.validate().is_ok());
+        assert!(
+            RedisBackendBuilder::default()
+                .url("rediss://127.0.0.1:1")
+                .tls_root_ca_pem(CA_PEM)
+                .validate()
+                .is_ok()
+        );
     }
 }

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager};
@@ -104,20 +105,40 @@ impl Conn {
         Ok(replies)
     }
 
+    /// Runs one plain command (routed by its first key in a cluster).
+    pub(crate) async fn command<T: FromRedisValue>(&self, cmd: &Cmd) -> RedisResult<T> {
+        match self {
+            Conn::Single(c) => cmd.query_async(&mut c.clone()).await,
+            Conn::Cluster(c, _) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+
     /// Runs many script calls: one pipeline per node. Returns one reply per call, in order;
     /// the outer error means nothing can be said about any call (single node only).
-    pub(crate) async fn batch(&self, calls: &[Call]) -> RedisResult<Vec<RedisResult<Value>>> {
+    ///
+    /// In a cluster each node's pipeline waits at most `node_timeout`: the calls of a node
+    /// that does not answer in time get a timeout error of their own, so the replies of
+    /// the other nodes are still returned.
+    pub(crate) async fn batch(
+        &self,
+        calls: &[Call],
+        node_timeout: Duration,
+    ) -> RedisResult<Vec<RedisResult<Value>>> {
         match self {
             Conn::Single(_) => {
                 let all: Vec<usize> = (0..calls.len()).collect();
                 self.node_batch(calls, &all, SingleNodeRoutingInfo::Random)
                     .await
             }
-            Conn::Cluster(..) => self.cluster_batch(calls).await,
+            Conn::Cluster(..) => self.cluster_batch(calls, node_timeout).await,
         }
     }
 
-    async fn cluster_batch(&self, calls: &[Call]) -> RedisResult<Vec<RedisResult<Value>>> {
+    async fn cluster_batch(
+        &self,
+        calls: &[Call],
+        node_timeout: Duration,
+    ) -> RedisResult<Vec<RedisResult<Value>>> {
         let owners = self.slot_owners().await?;
         let mut groups: BTreeMap<(String, u16), Vec<usize>> = BTreeMap::new();
         for (i, call) in calls.iter().enumerate() {
@@ -134,10 +155,16 @@ impl Conn {
             } else {
                 SingleNodeRoutingInfo::ByAddress { host, port }
             };
-            let replies = match self.node_batch(calls, &idx, route).await {
-                Ok(replies) => replies,
-                Err(e) => idx.iter().map(|_| Err(e.clone())).collect(),
-            };
+            let replies =
+                match tokio::time::timeout(node_timeout, self.node_batch(calls, &idx, route)).await
+                {
+                    Ok(Ok(replies)) => replies,
+                    Ok(Err(e)) => idx.iter().map(|_| Err(e.clone())).collect(),
+                    Err(_) => {
+                        let e = no_reply_within(node_timeout);
+                        idx.iter().map(|_| Err(e.clone())).collect()
+                    }
+                };
             (idx, replies)
         });
         let mut out: Vec<Option<RedisResult<Value>>> = calls.iter().map(|_| None).collect();
@@ -149,7 +176,9 @@ impl Conn {
                 let reply = match reply {
                     Err(e) if is_redirect(&e) => {
                         moved = true;
-                        self.invoke::<Value>(&calls[i]).await
+                        tokio::time::timeout(node_timeout, self.invoke::<Value>(&calls[i]))
+                            .await
+                            .unwrap_or_else(|_| Err(no_reply_within(node_timeout)))
                     }
                     other => other,
                 };
@@ -312,6 +341,14 @@ fn parse_cluster_slots(reply: Value) -> SlotOwners {
         }
     }
     SlotOwners(ranges)
+}
+
+/// The error of a node that sent no reply in time: an I/O timeout, like the client's own.
+fn no_reply_within(limit: Duration) -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no reply from the node within {limit:?}"),
+    ))
 }
 
 fn is_noscript(v: &Value) -> bool {

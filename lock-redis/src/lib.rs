@@ -9,11 +9,17 @@
 //! * **Tokens that survive restarts.** Acquire sets the lock with `SET NX PX` and, only on
 //!   success, issues `max(counter + 1, server time in µs)` as the token and stores it.
 //! * **Batches.** `acquire_many`, `renew_many` and `release_many` send one pipeline per
-//!   node, so a watchdog renews thousands of leases in one round trip.
+//!   node, so a watchdog renews thousands of leases in one round trip. In a cluster, the
+//!   items of a node that does not answer (dead, or silent past the response timeout)
+//!   while another node does are `None` / [`lock_api::Renewal::Unreachable`] /
+//!   [`lock_api::Release::Unreachable`]; when no node answers, the call fails.
 //! * **Cluster.** A lock's two keys share a hash tag, hence a slot; redirects are followed.
 //! * **Unknown outcomes.** A request without a reply within the response timeout fails with
 //!   [`lock_api::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
 //!   checked against its owner id, whatever it may have taken.
+//!
+//! * **Tools.** `adopt` rebuilds a lease from an owner id and token (the scripts check
+//!   both, so a wrong pair changes nothing); `purge` deletes a lock's two keys with one `DEL`.
 //!
 //! [`RedisFencedResource`] gates downstream writes on tokens with one script.
 //!
@@ -23,6 +29,13 @@
 //! token still protects fenced writes, since the server clock keeps tokens increasing).
 //! [`RedisBackendBuilder::replica_acks`] narrows that window with `WAIT`; it does not close it.
 //! Passwords never appear in `Debug` output or errors.
+//!
+//! # TLS
+//!
+//! `rediss://` URLs connect over TLS with rustls and its `ring` crypto provider, which
+//! [`RedisBackendBuilder::build`] installs as rustls's process-wide default when the
+//! application has not chosen one. A private CA is trusted with
+//! [`RedisBackendBuilder::tls_root_ca_pem`]; see [`RedisBackendBuilder`] for `#insecure`.
 
 mod backend;
 mod config;
@@ -30,6 +43,7 @@ mod conn;
 mod fenced;
 mod keys;
 mod scripts;
+mod tls;
 
 pub use backend::RedisBackend;
 pub use config::{

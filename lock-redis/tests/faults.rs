@@ -250,16 +250,100 @@ async fn a_dead_cluster_master_fails_its_keys_cleanly_and_the_others_keep_workin
         .expect("a new key on a surviving master can be taken");
     assert_eq!(redis.release(&fresh).await.unwrap(), Release::Released);
 
+    // Batches answer per lease: the healthy masters' leases are renewed, the dead
+    // master's are unreachable (not lost: nothing is known about them).
     let mut all = victim_leases.clone();
     all.extend(other_leases.iter().cloned());
     let renewed = redis.renew_many(&all).await.unwrap();
     for (lease, r) in all.iter().zip(&renewed) {
-        let expect_ok = elsewhere.contains(lease.key());
-        assert_eq!(
-            matches!(r, Renewal::Renewed { .. }),
-            expect_ok,
-            "{:?}",
-            lease.key()
-        );
+        if elsewhere.contains(lease.key()) {
+            assert!(
+                matches!(r, Renewal::Renewed { .. }),
+                "{:?}: {r:?}",
+                lease.key()
+            );
+        } else {
+            assert_eq!(*r, Renewal::Unreachable, "{:?}", lease.key());
+        }
+    }
+
+    // A batch acquire gives `None` for the keys it could not ask and takes the others.
+    let mut fresh_keys: Vec<LockKey> = on_victim
+        .iter()
+        .map(|k| key(&format!("{k}-again")))
+        .collect();
+    fresh_keys.push(fresh_key.clone());
+    let taken = redis.acquire_many(&fresh_keys, ttl).await.unwrap();
+    assert_eq!(taken.len(), fresh_keys.len());
+    for (k, lease) in fresh_keys.iter().zip(&taken) {
+        let (lock_key, _) = redis.redis_keys(k);
+        let on_dead =
+            harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await).port() == victim;
+        assert_eq!(lease.is_none(), on_dead, "{k:?}");
+    }
+    let taken: Vec<_> = taken.into_iter().flatten().collect();
+    assert!(!taken.is_empty());
+
+    let mut to_release = all.clone();
+    to_release.extend(taken.iter().cloned());
+    let released = redis.release_many(&to_release).await.unwrap();
+    for (lease, r) in to_release.iter().zip(&released) {
+        let (lock_key, _) = redis.redis_keys(lease.key());
+        let on_dead =
+            harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await).port() == victim;
+        let expected = if on_dead {
+            Release::Unreachable
+        } else {
+            Release::Released
+        };
+        assert_eq!(*r, expected, "{:?}", lease.key());
+    }
+
+    // A batch with only the dead master's leases has nobody to answer: it fails as the
+    // single form does.
+    let err = redis
+        .renew_many(&victim_leases)
+        .await
+        .expect_err("no node answered");
+    assert!(err.is_retryable(), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_cluster_master_makes_only_its_leases_unreachable_in_batches() {
+    let f = RedisClusterFactory::start().await;
+    let redis = f.redis().await;
+    let ttl = Duration::from_secs(20);
+    let victim = f.cluster.nodes()[1].port();
+    let keys: Vec<LockKey> = (0..30).map(|i| key(&format!("silent-{i}"))).collect();
+    let leases: Vec<_> = redis
+        .acquire_many(&keys, ttl)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    let mut on_victim = Vec::new();
+    for lease in &leases {
+        let (lock_key, _) = redis.redis_keys(lease.key());
+        let node = harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await);
+        on_victim.push(node.port() == victim);
+    }
+    assert!(on_victim.iter().any(|v| *v) && on_victim.iter().any(|v| !*v));
+
+    // Frozen, not dead: its connections stay open and nothing is answered.
+    harness::require(f.cluster.nodes()[1].pause());
+    let renewed = redis.renew_many(&leases).await;
+    harness::require(f.cluster.nodes()[1].resume());
+    let renewed = renewed.expect("the other masters answered");
+    for ((lease, r), silent) in leases.iter().zip(&renewed).zip(&on_victim) {
+        if *silent {
+            assert_eq!(*r, Renewal::Unreachable, "{:?}", lease.key());
+        } else {
+            assert!(
+                matches!(r, Renewal::Renewed { .. }),
+                "{:?}: {r:?}",
+                lease.key()
+            );
+        }
     }
 }

@@ -1,7 +1,8 @@
-//! `redis-server` for tests: a single node ([`RedisServer`]) or a 3-master Redis Cluster
-//! ([`RedisCluster`]), each node on a free 127.0.0.1 port with its own temp dir, plus a
-//! minimal raw-TCP RESP client ([`resp_command`]) so the harness does not depend on the
-//! `redis` crate.
+//! `redis-server` for tests: a single node ([`RedisServer`]), optionally with a TLS port
+//! ([`RedisServerBuilder::tls`]) or as a replica of another ([`RedisServerBuilder::replica_of`]),
+//! or a 3-master Redis Cluster ([`RedisCluster`]), each node on a free 127.0.0.1 port with
+//! its own temp dir, plus a minimal raw-TCP RESP client ([`resp_command`]) so the harness
+//! does not depend on the `redis` crate.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -205,6 +206,28 @@ fn url_escape(s: &str) -> String {
         .collect()
 }
 
+/// The PEM files of a TLS port: the server's certificate chain and key, and the CA that
+/// clients are told to trust. Its `Debug` never shows the key.
+#[derive(Clone)]
+pub struct RedisTls {
+    /// The server certificate (PEM), valid for `127.0.0.1`.
+    pub cert_pem: String,
+    /// The server's private key (PEM).
+    pub key_pem: String,
+    /// The CA certificate (PEM) that signed `cert_pem`.
+    pub ca_pem: String,
+}
+
+impl std::fmt::Debug for RedisTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisTls")
+            .field("cert_pem", &format!("<{} bytes>", self.cert_pem.len()))
+            .field("key_pem", &"<redacted>")
+            .field("ca_pem", &format!("<{} bytes>", self.ca_pem.len()))
+            .finish()
+    }
+}
+
 /// Options for a [`RedisServer`]; see [`RedisServer::builder`].
 #[derive(Debug, Clone, Default)]
 #[must_use]
@@ -213,6 +236,8 @@ pub struct RedisServerBuilder {
     password: Option<String>,
     cluster: bool,
     extra_args: Vec<String>,
+    tls: Option<RedisTls>,
+    replica_of: Option<SocketAddr>,
 }
 
 impl RedisServerBuilder {
@@ -238,6 +263,24 @@ impl RedisServerBuilder {
         S: Into<String>,
     {
         self.extra_args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Also listens for TLS on a second free port ([`RedisServer::tls_port`],
+    /// [`RedisServer::tls_url`]) with these PEMs, written to the server's temp dir
+    /// (`--tls-port --tls-cert-file --tls-key-file --tls-ca-cert-file`, client certificates
+    /// not required). The plain port stays open on 127.0.0.1 so that
+    /// [`RedisServer::command`], readiness checks and fault proxies keep working.
+    pub fn tls(mut self, tls: RedisTls) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Starts the server as a replica of the master at `master` (`--replicaof`); with a
+    /// [`password`](Self::password), it is also used as `masterauth`. [`start`](Self::start)
+    /// returns once the replica has synced (`master_link_status:up`).
+    pub fn replica_of(mut self, master: SocketAddr) -> Self {
+        self.replica_of = Some(master);
         self
     }
 
@@ -288,6 +331,46 @@ impl RedisServerBuilder {
             Some(pw) => args.extend(["--requirepass".to_string(), pw.clone()]),
             None => args.extend(["--protected-mode", "no"].map(String::from)),
         }
+        let tls_port = match &self.tls {
+            Some(tls) => {
+                let tls_port = free_port()?;
+                let mut files = Vec::with_capacity(3);
+                for (name, pem) in [
+                    ("tls.crt", &tls.cert_pem),
+                    ("tls.key", &tls.key_pem),
+                    ("ca.crt", &tls.ca_pem),
+                ] {
+                    let path = dir.path().join(name);
+                    std::fs::write(&path, pem)
+                        .map_err(|e| HarnessError::io(format!("writing {}", path.display()), e))?;
+                    files.push(path.display().to_string());
+                }
+                args.extend([
+                    "--tls-port".to_string(),
+                    tls_port.to_string(),
+                    "--tls-cert-file".to_string(),
+                    files[0].clone(),
+                    "--tls-key-file".to_string(),
+                    files[1].clone(),
+                    "--tls-ca-cert-file".to_string(),
+                    files[2].clone(),
+                    "--tls-auth-clients".to_string(),
+                    "no".to_string(),
+                ]);
+                Some(tls_port)
+            }
+            None => None,
+        };
+        if let Some(master) = self.replica_of {
+            args.extend([
+                "--replicaof".to_string(),
+                master.ip().to_string(),
+                master.port().to_string(),
+            ]);
+            if let Some(pw) = &self.password {
+                args.extend(["--masterauth".to_string(), pw.clone()]);
+            }
+        }
         if self.cluster {
             args.extend(
                 [
@@ -318,7 +401,9 @@ impl RedisServerBuilder {
         let server = RedisServer {
             process,
             port,
+            tls_port,
             password: self.password,
+            replica: self.replica_of.is_some(),
             dir,
         };
         server.wait_ready().await?;
@@ -332,7 +417,9 @@ pub struct RedisServer {
     // Field order matters: the process is killed before the directory is removed.
     process: ManagedProcess,
     port: u16,
+    tls_port: Option<u16>,
     password: Option<String>,
+    replica: bool,
     dir: tempfile::TempDir,
 }
 
@@ -358,6 +445,21 @@ impl RedisServer {
     /// The TCP port.
     pub fn port(&self) -> u16 {
         self.port
+    }
+
+    /// The TLS port, when started with [`RedisServerBuilder::tls`].
+    pub fn tls_port(&self) -> Option<u16> {
+        self.tls_port
+    }
+
+    /// `rediss://127.0.0.1:TLS_PORT/` (with the password, like [`url`](Self::url)), when
+    /// started with [`RedisServerBuilder::tls`]. Clients must trust [`RedisTls::ca_pem`].
+    pub fn tls_url(&self) -> Option<String> {
+        let tls_port = self.tls_port?;
+        Some(match &self.password {
+            Some(pw) => format!("rediss://:{}@127.0.0.1:{tls_port}/", url_escape(pw)),
+            None => format!("rediss://127.0.0.1:{tls_port}/"),
+        })
     }
 
     /// `127.0.0.1:PORT`, for example as the upstream of a [`super::proxy::FaultProxy`].
@@ -461,7 +563,13 @@ impl RedisServer {
                     .pid()
                     .map(|pid| format!("process_id:{pid}\r\n"));
                 match (info, ours) {
-                    (Ok(info), Some(ours)) if info.contains(&ours) => Probe::Ready(()),
+                    (Ok(info), Some(ours)) if info.contains(&ours) => {
+                        if self.replica {
+                            replica_synced(addr, password).await
+                        } else {
+                            Probe::Ready(())
+                        }
+                    }
                     (Ok(_), _) => Probe::NotYet(format!(
                         "another process answers on {addr} (process_id is not ours)"
                     )),
@@ -470,6 +578,33 @@ impl RedisServer {
             },
         )
         .await
+    }
+}
+
+/// Ready once a replica reports its link to the master up (the initial sync is done).
+async fn replica_synced(addr: SocketAddr, password: Option<&str>) -> Probe<()> {
+    match resp_command(
+        addr,
+        password,
+        &["INFO", "replication"],
+        Duration::from_secs(2),
+    )
+    .await
+    {
+        Ok(reply) => {
+            let info = reply.as_text().unwrap_or_default();
+            if info.contains("master_link_status:up") {
+                Probe::Ready(())
+            } else {
+                Probe::NotYet(format!(
+                    "replica not synced yet: {}",
+                    info.lines()
+                        .find(|l| l.starts_with("master_link_status"))
+                        .unwrap_or("no master_link_status")
+                ))
+            }
+        }
+        Err(e) => Probe::NotYet(e.to_string()),
     }
 }
 
@@ -784,6 +919,40 @@ mod tests {
         assert_eq!(
             text(require(redis.command(&["PING"]).await)).as_deref(),
             Some("PONG")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_replica_syncs_from_its_master_and_follows_writes() {
+        let master = require(RedisServer::start().await);
+        let replica = require(
+            RedisServer::builder()
+                .replica_of(master.addr())
+                .start()
+                .await,
+        );
+        let info = text(require(master.command(&["INFO", "replication"]).await)).unwrap();
+        assert!(info.contains("connected_slaves:1"), "{info}");
+        let info = text(require(replica.command(&["INFO", "replication"]).await)).unwrap();
+        assert!(info.contains("role:slave"), "{info}");
+        assert!(
+            info.contains(&format!("master_port:{}", master.port())),
+            "{info}"
+        );
+        require(master.command(&["SET", "replicated", "yes"]).await);
+        // WAIT returns once the replica has the write: it must count one replica.
+        assert_eq!(
+            require(master.command(&["WAIT", "1", "5000"]).await),
+            RespValue::Integer(1)
+        );
+        assert_eq!(
+            text(require(replica.command(&["GET", "replicated"]).await)).as_deref(),
+            Some("yes")
+        );
+        let readonly = require(replica.command(&["SET", "x", "1"]).await);
+        assert!(
+            matches!(&readonly, RespValue::Error(e) if e.starts_with("READONLY")),
+            "{readonly:?}"
         );
     }
 

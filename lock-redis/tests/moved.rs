@@ -1,0 +1,118 @@
+//! A slot that moves to another master after the client cached the slot map: batches
+//! get `MOVED` for it, send those calls again through the client's routing, and succeed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::RedisClusterFactory;
+use conformance::harness::{self, redis::RedisServer, redis::RespValue, redis::key_slot};
+use lock_api::{LockBackend, LockKey, Release, Renewal};
+
+const TTL: Duration = Duration::from_secs(20);
+
+async fn node_id(node: &RedisServer) -> String {
+    harness::require(node.command(&["CLUSTER", "MYID"]).await)
+        .as_text()
+        .expect("CLUSTER MYID")
+}
+
+fn ok(reply: RespValue) {
+    assert_eq!(reply, RespValue::Simple("OK".into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
+    let f = RedisClusterFactory::start().await;
+    let redis = f.redis().await;
+    let moving = LockKey::new("migrating").unwrap();
+    let staying = LockKey::new("staying-put").unwrap();
+    let (lock_key, fence_key) = redis.redis_keys(&moving);
+    let slot = key_slot(lock_key.as_bytes());
+    let source = harness::require(f.cluster.node_for_slot(slot).await);
+    let target = f
+        .cluster
+        .nodes()
+        .iter()
+        .find(|n| n.port() != source.port())
+        .unwrap();
+
+    let leases: Vec<_> = redis
+        .acquire_many(&[moving.clone(), staying.clone()], TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    // The first batch caches which master serves which slot.
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+
+    // Move the slot, with both keys of the lock, to the target master.
+    let (source_id, target_id) = (node_id(source).await, node_id(target).await);
+    let slot_text = slot.to_string();
+    ok(harness::require(
+        target
+            .command(&["CLUSTER", "SETSLOT", &slot_text, "IMPORTING", &source_id])
+            .await,
+    ));
+    ok(harness::require(
+        source
+            .command(&["CLUSTER", "SETSLOT", &slot_text, "MIGRATING", &target_id])
+            .await,
+    ));
+    let target_port = target.port().to_string();
+    ok(harness::require(
+        source
+            .command(&[
+                "MIGRATE",
+                "127.0.0.1",
+                &target_port,
+                "",
+                "0",
+                "5000",
+                "KEYS",
+                lock_key.as_str(),
+                fence_key.as_str(),
+            ])
+            .await,
+    ));
+    for node in f.cluster.nodes() {
+        ok(harness::require(
+            node.command(&["CLUSTER", "SETSLOT", &slot_text, "NODE", &target_id])
+                .await,
+        ));
+    }
+    assert_eq!(
+        harness::require(source.command(&["GET", lock_key.as_str()]).await),
+        RespValue::Error(format!("MOVED {slot} 127.0.0.1:{}", target.port()))
+    );
+
+    // The cached map still names the source: the batch gets MOVED and sends again.
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    assert!(
+        renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })),
+        "{renewed:?}"
+    );
+    assert!(matches!(
+        redis.renew(&leases[0]).await.unwrap(),
+        Renewal::Renewed { .. }
+    ));
+    let released = redis.release_many(&leases).await.unwrap();
+    assert_eq!(released, vec![Release::Released, Release::Released]);
+    // The lock was freed on its new master, and its token counter moved with it.
+    assert_eq!(
+        harness::require(
+            target
+                .command(&["EXISTS", lock_key.as_str(), fence_key.as_str()])
+                .await
+        ),
+        RespValue::Integer(1)
+    );
+    let again = redis
+        .acquire(&moving, TTL)
+        .await
+        .unwrap()
+        .expect("free key");
+    assert!(again.token() > leases[0].token());
+}
