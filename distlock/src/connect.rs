@@ -93,14 +93,32 @@ impl fmt::Display for Scheme {
 /// | `memory://` | — | a new in-process [`MemoryBackend`] (nothing is shared between calls) |
 /// | `redis://[:password@]host[:port][/db]`, `rediss://…` | `redis` | one Redis server |
 /// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
-/// | `etcd://host:port` | `etcd` | an etcd v3 cluster |
-/// | `postgres://user[:password]@host[:port]/db` | `postgres` | PostgreSQL |
+/// | `etcd://[user:password@]host:port[,host:port…][?prefix=…]` | `etcd` | an etcd v3 cluster |
+/// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…]` | `postgres` | PostgreSQL |
+///
+/// # PostgreSQL
+///
+/// `postgresql://` is the same as `postgres://`. distlock reads three query parameters
+/// and removes them before the URL reaches the driver:
+///
+/// - `mode=lease` (the default) opens the lease-table backend, `mode=advisory` the
+///   advisory-lock backend (which pins a connection per held lock and does not work
+///   behind a transaction-pooling proxy);
+/// - `schema=NAME`: the schema of the tables (default `distlock`);
+/// - `pool_size=N`: the most connections (for `advisory`, the most locks held at once).
+///
+/// PostgreSQL's own connection parameters (`sslmode`, `sslrootcert`, `application_name`,
+/// `options`, ...) pass through; any other parameter is a [`LockError::Config`], so a
+/// misspelt one is never silently ignored. `connect` opens the pool's connections and
+/// checks that the tables exist, but never creates them: run [`setup`] (or
+/// `lockctl setup URL`) once per database, as part of deploying, with a role allowed to
+/// create them.
 ///
 /// # Errors
 ///
 /// [`LockError::Config`] when the URL is malformed (the message says what is wrong),
-/// its scheme is unknown (the message lists the known ones), the store's cargo feature
-/// is not enabled, or the store's backend is not part of this build. The errors of the
+/// its scheme is unknown (the message lists the known ones), or the store's cargo
+/// feature is not enabled. The errors of the
 /// store's backend (for example [`LockError::Unavailable`] when the server is down) pass
 /// through. No error contains the URL's password.
 ///
@@ -111,7 +129,36 @@ impl fmt::Display for Scheme {
 /// # }
 /// ```
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
-    let parsed = parse(url)?;
+    let (scheme, parsed) = checked(url)?;
+    open(scheme, &parsed, url).await
+}
+
+/// Prepares the store a URL names for [`connect`]: for PostgreSQL, creates the schema and
+/// every table distlock uses (both backends', and those of the SQL fencing and
+/// idempotency helpers), idempotently; the role needs `CREATE` on the database unless the
+/// schema exists already. Stores that need no preparation (memory, Redis, etcd) are left
+/// untouched and `Ok(())` is returned without connecting.
+///
+/// # Errors
+///
+/// The same configuration errors as [`connect`]; for PostgreSQL, the server's errors
+/// (unreachable, login refused, not permitted to create the schema).
+pub async fn setup(url: &str) -> Result<(), LockError> {
+    let (scheme, parsed) = checked(url)?;
+    match scheme {
+        #[cfg(feature = "postgres")]
+        Scheme::Postgres => crate::pg_url::PgUrl::parse(&parsed)?.setup().await,
+        _ => {
+            let _ = parsed;
+            Ok(())
+        }
+    }
+}
+
+/// Parses `url` and checks that its scheme is known, it has a host where one is needed,
+/// and its store's feature is enabled.
+fn checked(url: &str) -> Result<(Scheme, Url), LockError> {
+    let parsed = parse(&first_member_only(url))?;
     let scheme = Scheme::from_name(parsed.scheme()).ok_or_else(|| unknown_scheme(&parsed))?;
     if scheme != Scheme::Memory && parsed.host_str().is_none_or(str::is_empty) {
         return Err(LockError::Config(format!(
@@ -121,12 +168,32 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     if !scheme.is_enabled() {
         return Err(feature_off(scheme));
     }
-    open(scheme, &parsed).await
+    Ok((scheme, parsed))
 }
 
-/// Hands a checked URL to the store's backend. Plugging a backend in is one arm here
-/// (and the backend crate in the feature's list in Cargo.toml).
-async fn open(scheme: Scheme, url: &Url) -> Result<Arc<dyn LockBackend>, LockError> {
+/// An etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), which no URL
+/// parser reads as one authority: the generic checks look at the first member only, and
+/// the etcd backend reads them all.
+fn first_member_only(url: &str) -> std::borrow::Cow<'_, str> {
+    let Some((scheme, rest)) = url.trim().split_once("://") else {
+        return url.into();
+    };
+    if Scheme::from_name(scheme) != Some(Scheme::Etcd) {
+        return url.into();
+    }
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.find(',') {
+        Some(comma) => format!("{scheme}://{}{tail}", &authority[..comma]).into(),
+        None => url.into(),
+    }
+}
+
+/// Hands a checked URL to the store's backend (`raw` is the URL as given, for stores
+/// whose URLs the generic parser cannot read whole). Plugging a backend in is one arm
+/// here (and the backend crate in the feature's list in Cargo.toml).
+#[cfg_attr(not(feature = "etcd"), allow(unused_variables))]
+async fn open(scheme: Scheme, url: &Url, raw: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     match scheme {
         Scheme::Memory => memory(url),
         #[cfg(feature = "redis")]
@@ -148,9 +215,9 @@ async fn open(scheme: Scheme, url: &Url) -> Result<Arc<dyn LockBackend>, LockErr
             Ok(Arc::new(backend))
         }
         #[cfg(feature = "etcd")]
-        Scheme::Etcd => Err(not_in_build(scheme)),
+        Scheme::Etcd => crate::etcd_url::EtcdUrl::parse(raw)?.open().await,
         #[cfg(feature = "postgres")]
-        Scheme::Postgres => Err(not_in_build(scheme)),
+        Scheme::Postgres => crate::pg_url::PgUrl::parse(url)?.open().await,
         // Reached only for a store whose feature is off, which `connect` refused already.
         #[allow(unreachable_patterns)]
         _ => Err(feature_off(scheme)),
@@ -204,14 +271,6 @@ fn feature_off(scheme: Scheme) -> LockError {
     ))
 }
 
-#[cfg(any(feature = "etcd", feature = "postgres"))]
-fn not_in_build(scheme: Scheme) -> LockError {
-    let feature = scheme.feature().unwrap_or("none");
-    LockError::Config(format!(
-        "feature `{feature}` is enabled, but this build of distlock has no {feature} backend yet: {scheme} URLs cannot be opened"
-    ))
-}
-
 fn known_schemes() -> String {
     SCHEMES
         .iter()
@@ -225,8 +284,24 @@ fn known_schemes() -> String {
 ///
 /// ```
 /// assert_eq!(distlock::redact("redis://:hunter2@127.0.0.1:6379"), "redis://:***@127.0.0.1:6379");
+/// assert_eq!(distlock::redact("etcd://root:hunter2@h1:2379,h2:2379"), "etcd://root:***@h1:2379,h2:2379");
 /// ```
 pub fn redact(url: &str) -> String {
+    let first = first_member_only(url);
+    if first != url {
+        // A list of etcd members: redact the first one's URL, then put the others back.
+        let shown = redact(&first);
+        let Some(start) = shown.find("://").map(|i| i + 3) else {
+            return shown;
+        };
+        let (_, rest) = url.trim().split_once("://").unwrap_or_default();
+        let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+        let others = authority.split_once(',').map_or("", |(_, others)| others);
+        let end = shown[start..]
+            .find(['/', '?', '#'])
+            .map_or(shown.len(), |i| start + i);
+        return format!("{},{others}{}", &shown[..end], &shown[end..]);
+    }
     match Url::parse(url.trim()) {
         Ok(mut parsed) => {
             if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
@@ -361,6 +436,11 @@ mod tests {
         );
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
         assert_eq!(redact("redis://:s3cret@[::1"), "<malformed URL>");
+        assert_eq!(
+            redact("etcd://root:s3cret@h1:2379,h2:2379,h3?prefix=p"),
+            "etcd://root:***@h1:2379,h2:2379,h3?prefix=p"
+        );
+        assert_eq!(redact("etcd://h1,h2"), "etcd://h1,h2");
     }
 
     #[test]

@@ -32,6 +32,7 @@ struct Statements {
     acquire: Arc<str>,
     token: Arc<str>,
     inspect: Arc<str>,
+    purge: Arc<str>,
 }
 
 /// Checks that this session holds the advisory lock `(classid, objid)` of a bigint key.
@@ -85,6 +86,12 @@ const UNLOCK: &str = "SELECT pg_advisory_unlock($1) AS released, \
 /// pooling mode, consecutive statements run on different server sessions, so locks leak
 /// to other clients and checks see the wrong session. Connect directly or through a
 /// `session`-mode pool.
+///
+/// # No adopt
+///
+/// [`LockBackend::adopt`] is [`LockError::Unsupported`]: an advisory lease *is* its pinned
+/// session, and no other client can act on another session's lock. A lock held by a
+/// vanished process frees itself when the server ends that session.
 ///
 /// Call [`PgAdvisoryBackend::setup`] once per database (idempotent) for the token table.
 pub struct PgAdvisoryBackend {
@@ -181,6 +188,7 @@ impl PgAdvisoryBackend {
                           LIMIT 1) AS remaining_us \
                    FROM {s}.distlock_advisory_tokens t WHERE t.name = $1",
             ),
+            purge: s.sql("DELETE FROM {s}.distlock_advisory_tokens WHERE name = $1"),
         };
         Self {
             id: BackendId::next(),
@@ -502,6 +510,23 @@ impl LockBackend for PgAdvisoryBackend {
             .await?
             .unwrap_or(lease.token());
         Ok(Fence::Stale { current })
+    }
+
+    /// Deletes the key's token row: the next grant starts from 1. A session that still
+    /// holds the advisory lock keeps it (the lock lives in the session, not in a table);
+    /// purge only keys nobody holds.
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let mut conn = self.client.conn(NAME).await?;
+        on_conn!(
+            self.client,
+            NAME,
+            Operation::Purge,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
+                .bind(key.as_str())
+                .execute(&mut *conn)
+        )?;
+        Ok(())
     }
 
     /// The newest token; while a session holds the lock, its owner id and the time left

@@ -21,6 +21,7 @@ pub(crate) enum Operation {
     Inspect,
     Admit,
     RecordKey,
+    Purge,
 }
 
 impl Operation {
@@ -34,6 +35,7 @@ impl Operation {
             Self::Inspect => "inspect",
             Self::Admit => "admit",
             Self::RecordKey => "record",
+            Self::Purge => "purge",
         }
     }
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::{
-    BackendId, Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
-    Release, Renewal, valid_until,
+    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
+    OwnerId, Release, Renewal, valid_until,
 };
 use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
@@ -31,6 +31,7 @@ struct Statements {
     release: Arc<str>,
     fence: Arc<str>,
     inspect: Arc<str>,
+    purge: Arc<str>,
 }
 
 /// PostgreSQL lease-table backend: one row per lock name in `<schema>.distlock_leases`,
@@ -123,6 +124,7 @@ impl PgLeaseBackend {
                         END AS remaining_us \
                    FROM {s}.distlock_leases WHERE name = $1",
             ),
+            purge: s.sql("DELETE FROM {s}.distlock_leases WHERE name = $1"),
         };
         Self {
             id: BackendId::next(),
@@ -410,6 +412,43 @@ impl LockBackend for PgLeaseBackend {
                 current: token_from(token),
             }
         })
+    }
+
+    /// A lease of this instance for `owner` and `token`. No statement runs: release, renew
+    /// and fence match name, owner and token in the row, so an adopted lease acts only on
+    /// the acquisition it names. Its local validity is already over (`valid_until` is now),
+    /// because how much of the TTL is left is known only to the server.
+    fn adopt(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        Ok(Lease::new(
+            self.id,
+            key.clone(),
+            owner,
+            token,
+            ttl,
+            Instant::now(),
+        ))
+    }
+
+    /// Deletes the key's row, and with it the newest token: the next grant starts from 1.
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let mut conn = self.client.conn(NAME).await?;
+        on_conn!(
+            self.client,
+            NAME,
+            Operation::Purge,
+            conn,
+            sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
+                .bind(key.as_str())
+                .execute(&mut *conn)
+        )?;
+        Ok(())
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {

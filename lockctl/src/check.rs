@@ -2,6 +2,8 @@
 //!
 //! Every case works under its own random key prefix (`conformance:<random>:<case>:…`)
 //! and releases what it takes, so a live deployment is touched only under that prefix.
+//! When the cases are done, every key they sent to the store is purged, fencing counters
+//! included (see [`crate::used_keys`]), so the store is left as it was found.
 //! Cases that need fault injection run where the URL allows it (the in-memory store)
 //! and are skipped, by declared capability, elsewhere.
 
@@ -12,7 +14,9 @@ use std::time::Duration;
 
 use conformance::memory::MemoryFactory;
 use conformance::{CASES, Factory, Outcome};
-use distlock::{LockBackend, LockError, Scheme, async_trait};
+
+use crate::used_keys::{Cleanup, RecordingFactory, UsedKeys};
+use distlock::{LockBackend, LockError, async_trait};
 use tokio::time::Instant;
 
 /// Clients of the store a URL names, each from its own `connect`.
@@ -42,10 +46,7 @@ impl Factory for UrlFactory {
 /// line per case; the exit code is non-zero if any case failed.
 pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
     let first = distlock::connect(url).await?;
-    let memory = url
-        .split_once("://")
-        .and_then(|(scheme, _)| Scheme::from_name(scheme))
-        == Some(Scheme::Memory);
+    let memory = crate::keys::is_memory(url);
     // Every `connect("memory://")` is a separate store, but the cases need clients that
     // share one, as clients of one server do: the suite's memory factory gives that.
     let factory: Box<dyn Factory> = if memory {
@@ -60,7 +61,8 @@ pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
     run_suite(factory.as_ref(), filter, &mut std::io::stdout()).await
 }
 
-/// Runs the matching cases on `factory`, writing a line per case to `out`.
+/// Runs the matching cases on `factory`, writing a line per case to `out`, then purges
+/// the keys they used.
 async fn run_suite(
     factory: &dyn Factory,
     filter: &str,
@@ -71,10 +73,12 @@ async fn run_suite(
         let _ = writeln!(out, "{line}");
     };
     print(out, format!("conformance suite on {}", factory.name()));
+    let used = Arc::new(UsedKeys::default());
+    let recording = RecordingFactory::new(factory, used.clone());
     let (mut passed, mut failed, mut skipped) = (0u32, 0u32, 0u32);
     for case in CASES.iter().filter(|case| case.name.contains(filter)) {
         let started = Instant::now();
-        let result = (case.run)(factory).await;
+        let result = (case.run)(&recording).await;
         let took = millis(started.elapsed());
         match result {
             Ok(Outcome::Passed) => {
@@ -98,11 +102,45 @@ async fn run_suite(
             "no conformance case matches the filter {filter:?}"
         )));
     }
+    let cleaned = match used.purge(factory.backend().await.as_ref()).await {
+        Cleanup::Purged(n) => {
+            print(
+                out,
+                format!("\ncleanup: purged the {n} keys the cases used"),
+            );
+            true
+        }
+        Cleanup::Unsupported { backend, left } => {
+            print(
+                out,
+                format!(
+                    "\ncleanup: the {backend} backend cannot purge keys; {left} keys under \
+                     conformance:<random>: prefixes stay (their leases end with their TTL, \
+                     their token counters stay)"
+                ),
+            );
+            true
+        }
+        Cleanup::Failed {
+            purged,
+            error,
+            left,
+        } => {
+            print(
+                out,
+                format!(
+                    "\ncleanup FAILED: purged {purged} keys, {left} under conformance:<random>: \
+                     prefixes stay: {error}"
+                ),
+            );
+            false
+        }
+    };
     print(
         out,
-        format!("\n{passed} cases passed, {failed} failed, {skipped} skipped"),
+        format!("{passed} cases passed, {failed} failed, {skipped} skipped"),
     );
-    Ok(if failed == 0 {
+    Ok(if failed == 0 && cleaned {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
@@ -139,6 +177,7 @@ mod tests {
         let text = String::from_utf8(out).unwrap();
         assert_eq!(code, ExitCode::SUCCESS, "{text}");
         assert!(!text.contains("FAIL"), "{text}");
+        assert!(text.contains("cleanup: purged the "), "{text}");
     }
 
     #[tokio::test]

@@ -1,22 +1,40 @@
-//! `lockctl inspect`, `acquire` and `release`: one lock, by hand.
+//! `lockctl setup`, `inspect`, `acquire` and `release`: one store or one lock, by hand.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use distlock::{BackendId, FencingToken, Lease, LockError, LockKey, OwnerId, Release, Scheme};
+use distlock::{FencingToken, LockError, LockKey, OwnerId, Release, Scheme};
 use serde_json::json;
-use tokio::time::Instant;
 
-fn note_if_memory(url: &str) {
-    let memory = url
+/// True when `url` names the in-process memory store.
+pub fn is_memory(url: &str) -> bool {
+    url.trim()
         .split_once("://")
         .and_then(|(scheme, _)| Scheme::from_name(scheme))
-        == Some(Scheme::Memory);
-    if memory {
+        == Some(Scheme::Memory)
+}
+
+fn note_if_memory(url: &str) {
+    if is_memory(url) {
         eprintln!(
             "note: memory:// is a store inside this lockctl process; it ends when lockctl exits"
         );
     }
+}
+
+/// Prepares the store for use (for PostgreSQL, creates the schema and tables).
+pub async fn setup(url: &str) -> Result<ExitCode, LockError> {
+    distlock::setup(url).await?;
+    let shown = distlock::redact(url);
+    match url
+        .trim()
+        .split_once("://")
+        .and_then(|(s, _)| Scheme::from_name(s))
+    {
+        Some(Scheme::Postgres) => println!("the tables distlock uses are ready on {shown}"),
+        _ => println!("nothing to set up on {shown}: this store needs no tables"),
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Prints the holder, newest token and remaining TTL of `key`.
@@ -88,44 +106,51 @@ pub async fn acquire(
 
 /// Releases `key` if the lease of `owner` with `token` still holds it.
 ///
-/// A lease is bound to the backend instance that granted it, and this process did not
-/// grant it: a backend that enforces the binding refuses it with `ForeignLease`, which
-/// is reported as such.
+/// The lease was granted to another process (`lockctl acquire`, a worker): it is rebuilt
+/// from its owner id and token with [`distlock::LockBackend::adopt`], and the store
+/// releases it only if that owner and token still hold the key. Backends whose leases are
+/// a pinned session (PostgreSQL advisory locks) cannot do this and say so.
 pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<ExitCode, LockError> {
     let key = LockKey::new(key)?;
     let owner = OwnerId::parse(owner)?;
     let backend = distlock::connect(url).await?;
-    let caps = backend.capabilities();
-    let lease = Lease::new(
-        BackendId::next(),
-        key.clone(),
-        owner,
-        FencingToken(token),
-        caps.min_ttl,
-        Instant::now(),
-    );
-    match backend.release(&lease).await {
-        Ok(Release::Released) => {
+    let ttl = backend.capabilities().min_ttl;
+    let lease = match backend.adopt(&key, owner, FencingToken(token), ttl) {
+        Ok(lease) => lease,
+        Err(LockError::Unsupported { backend, .. }) => {
+            return Err(LockError::Config(format!(
+                "the {backend} backend cannot release a lock held by another process: \
+                 its lease is the holder's own session; nothing changed \
+                 (the lock frees itself when that session ends)"
+            )));
+        }
+        Err(e) => return Err(e),
+    };
+    match backend.release(&lease).await? {
+        Release::Released => {
             println!("released {key}");
             Ok(ExitCode::SUCCESS)
         }
-        Ok(Release::NotHeld) => {
+        Release::NotHeld if is_memory(url) => {
             eprintln!(
-                "lockctl: {key} is not held by owner {owner} with token {token}; nothing changed"
+                "lockctl: {key} is not held by owner {owner} with token {token}; nothing changed. \
+                 memory:// is a store inside each lockctl process, so a lock taken by another \
+                 lockctl run is never in it: use a shared store (redis://, etcd://, postgres://)"
             );
             Ok(ExitCode::FAILURE)
         }
-        Ok(Release::Unreachable) => {
+        Release::NotHeld => {
+            eprintln!(
+                "lockctl: {key} is not held by owner {owner} with token {token}; nothing changed \
+                 (the lease expired, was released, or belongs to someone else)"
+            );
+            Ok(ExitCode::FAILURE)
+        }
+        Release::Unreachable => {
             eprintln!(
                 "lockctl: the store did not answer for {key}; it may still be held until its TTL runs out"
             );
             Ok(ExitCode::FAILURE)
         }
-        Err(LockError::ForeignLease { backend }) => Err(LockError::Config(format!(
-            "the {backend} backend only releases leases granted by the same client instance, \
-             and this lockctl process did not grant this one; nothing changed \
-             (wait for the TTL to run out instead)"
-        ))),
-        Err(e) => Err(e),
     }
 }

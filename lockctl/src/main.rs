@@ -2,12 +2,14 @@
 //!
 //! - `demo`: the job-worker scenario, five strategies side by side;
 //! - `check URL`: the conformance suite against a live store;
+//! - `setup URL`: create the tables a store needs (PostgreSQL);
 //! - `inspect`, `acquire`, `release`: one lock, by hand;
 //! - `bench`: the capacity report.
 
 mod check;
 mod demo;
 mod keys;
+mod used_keys;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -34,6 +36,12 @@ enum Command {
         /// Run only the cases whose name contains this.
         #[arg(long, default_value = "")]
         filter: String,
+    },
+    /// Create the schema and tables a store needs (PostgreSQL); idempotent.
+    /// Other stores need nothing.
+    Setup {
+        /// The store's URL, e.g. postgres://user:password@host/db?schema=locks.
+        url: String,
     },
     /// Show who holds a lock, its newest fencing token and the lease's remaining TTL.
     Inspect {
@@ -136,6 +144,7 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Check { url, filter } => check::run(&url, &filter).await,
+        Command::Setup { url } => keys::setup(&url).await,
         Command::Inspect { url, key, json } => keys::inspect(&url, &key, json).await,
         Command::Acquire {
             url,

@@ -208,7 +208,7 @@ fn inspect_shows_a_free_key() {
 }
 
 #[test]
-fn release_reports_why_it_cannot_release_a_lease_from_another_process() {
+fn release_on_memory_explains_that_the_store_is_per_process() {
     lockctl()
         .args([
             "release",
@@ -221,7 +221,10 @@ fn release_reports_why_it_cannot_release_a_lease_from_another_process() {
         ])
         .assert()
         .failure()
-        .stderr(predicate::str::contains("did not grant"));
+        .stderr(predicate::str::contains("nothing changed"))
+        .stderr(predicate::str::contains(
+            "memory:// is a store inside each lockctl process",
+        ));
     lockctl()
         .args([
             "release",
@@ -235,6 +238,15 @@ fn release_reports_why_it_cannot_release_a_lease_from_another_process() {
         .assert()
         .failure()
         .stderr(predicate::str::contains("32 hexadecimal digits"));
+}
+
+#[test]
+fn setup_of_a_store_without_tables_does_nothing() {
+    lockctl()
+        .args(["setup", "memory://"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("nothing to set up"));
 }
 
 #[test]
@@ -253,7 +265,9 @@ fn every_command_has_help() {
         .assert()
         .success()
         .stdout(predicate::str::contains("demo").and(predicate::str::contains("check")));
-    for command in ["demo", "check", "inspect", "acquire", "release", "bench"] {
+    for command in [
+        "demo", "check", "setup", "inspect", "acquire", "release", "bench",
+    ] {
         lockctl()
             .args([command, "--help"])
             .assert()
@@ -262,19 +276,53 @@ fn every_command_has_help() {
     }
 }
 
+/// `lockctl acquire --json` on `url`: the owner id and token it printed.
+fn acquire_json(url: &str, key: &str) -> (String, u64) {
+    let output = lockctl()
+        .args(["acquire", url, key, "--ttl", "60s", "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let lease: Value = serde_json::from_slice(&output.stdout).unwrap();
+    (
+        lease["owner"].as_str().unwrap().to_owned(),
+        lease["token"].as_u64().unwrap(),
+    )
+}
+
+/// `lockctl inspect --json` on `url`.
+fn inspect_json(url: &str, key: &str) -> Value {
+    let output = lockctl()
+        .args(["inspect", url, key, "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    serde_json::from_slice(&output.stdout).unwrap()
+}
+
+/// `lockctl check` on `url`, which must pass; its stdout.
+fn check_passes(url: &str) -> String {
+    let check = lockctl().args(["check", url]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&check.stdout).into_owned();
+    assert!(
+        check.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+    assert!(stdout.contains(" 0 failed"), "{stdout}");
+    stdout
+}
+
 mod on_redis {
     use super::*;
-    use conformance::harness::redis::RedisServer;
+    use conformance::harness::redis::{RedisServer, RespValue};
     use conformance::harness::require;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn check_and_demo_pass_on_a_redis_server_the_test_starts() {
         let server = require(RedisServer::start().await);
         let url = server.url();
-        let check = lockctl().args(["check", &url]).output().unwrap();
-        let stdout = String::from_utf8_lossy(&check.stdout);
-        assert!(check.status.success(), "{stdout}\n{check:?}");
-        assert!(stdout.contains(" 0 failed"), "{stdout}");
+        check_passes(&url);
 
         let rows = demo_json(&["--backend", &url]);
         assert_eq!(count(&rows[4], "duplicate_side_effects"), 0, "{rows:?}");
@@ -282,5 +330,164 @@ mod on_redis {
         for row in &rows {
             assert_eq!(count(row, "unpaid_jobs"), 0, "{row}");
         }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn check_leaves_no_key_behind_and_never_touches_other_keys() {
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        let theirs = require(server.command(&["SET", "app:config", "keep me"]).await);
+        assert!(!theirs.is_error(), "{theirs:?}");
+
+        let stdout = check_passes(&url);
+        assert!(stdout.contains("cleanup: purged the "), "{stdout}");
+
+        let keys = require(server.command(&["KEYS", "*"]).await);
+        let left: Vec<String> = match &keys {
+            RespValue::Array(Some(items)) => items.iter().filter_map(RespValue::as_text).collect(),
+            other => panic!("KEYS answered {other:?}"),
+        };
+        assert_eq!(
+            left,
+            ["app:config"],
+            "only the key the check did not make is left"
+        );
+        let value = require(server.command(&["GET", "app:config"]).await);
+        assert_eq!(value.as_text().as_deref(), Some("keep me"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn release_frees_a_lock_another_lockctl_process_acquired() {
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        let (owner, token) = acquire_json(&url, "payout:7");
+        assert_eq!(inspect_json(&url, "payout:7")["holder"], owner.as_str());
+
+        // A wrong token changes nothing.
+        lockctl()
+            .args(["release", &url, "payout:7", "--owner", &owner])
+            .args(["--token", &(token + 1).to_string()])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("nothing changed"));
+        assert_eq!(inspect_json(&url, "payout:7")["holder"], owner.as_str());
+
+        lockctl()
+            .args(["release", &url, "payout:7", "--owner", &owner])
+            .args(["--token", &token.to_string()])
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("released payout:7"));
+        let info = inspect_json(&url, "payout:7");
+        assert_eq!(info["holder"], Value::Null, "{info}");
+        assert_eq!(info["token"], token, "the token stays: {info}");
+    }
+}
+
+mod on_postgres {
+    use super::*;
+    use conformance::harness::postgres::PostgresServer;
+    use conformance::harness::require;
+
+    /// A server whose test role may use schema `public`, set up through `lockctl setup`.
+    async fn server_with_tables() -> (PostgresServer, String) {
+        let server = require(PostgresServer::start().await);
+        let url = format!("{}?schema=public", server.url());
+        lockctl()
+            .args(["setup", &url])
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("tables distlock uses are ready"));
+        (server, url)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn check_passes_in_both_modes_and_cleans_up() {
+        let (server, url) = server_with_tables().await;
+        for mode in ["lease", "advisory"] {
+            let stdout = check_passes(&format!("{url}&mode={mode}"));
+            assert!(stdout.contains("cleanup: purged the "), "{mode}: {stdout}");
+        }
+        let rows = require(
+            server
+                .psql(
+                    "SELECT (SELECT count(*) FROM public.distlock_leases) \
+                          + (SELECT count(*) FROM public.distlock_advisory_tokens)",
+                )
+                .await,
+        );
+        assert_eq!(rows.trim(), "0", "no row is left behind");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn without_setup_the_error_says_to_run_it() {
+        let server = require(PostgresServer::start().await);
+        let url = format!("{}?schema=public", server.url());
+        lockctl()
+            .args(["inspect", &url, "job:1"])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("setup()"));
+        lockctl()
+            .args(["check", &format!("{url}&mdoe=advisory")])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("unknown parameter `mdoe`"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn release_works_on_the_lease_table_and_says_why_not_on_advisory_locks() {
+        let (_server, url) = server_with_tables().await;
+        let (owner, token) = acquire_json(&url, "payout:9");
+        lockctl()
+            .args(["release", &url, "payout:9", "--owner", &owner])
+            .args(["--token", &token.to_string()])
+            .assert()
+            .success();
+        assert_eq!(inspect_json(&url, "payout:9")["holder"], Value::Null);
+
+        lockctl()
+            .args(["release", &format!("{url}&mode=advisory"), "payout:9"])
+            .args(["--owner", &owner, "--token", &token.to_string()])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains(
+                "cannot release a lock held by another process",
+            ));
+    }
+}
+
+mod on_etcd {
+    use super::*;
+    use conformance::harness::etcd::{EtcdCluster, EtcdServer};
+    use conformance::harness::require;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn check_passes_on_an_etcd_server_the_test_starts() {
+        let server = require(EtcdServer::start().await);
+        let url = server.endpoint().replace("http://", "etcd://");
+        let stdout = check_passes(&format!("{url}?prefix=lockctl-check"));
+        assert!(stdout.contains("cleanup: "), "{stdout}");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn release_frees_a_lock_another_lockctl_process_acquired_on_a_cluster() {
+        let cluster = require(EtcdCluster::start().await);
+        let members: Vec<String> = cluster
+            .endpoints()
+            .iter()
+            .map(|e| e.replace("http://", ""))
+            .collect();
+        let url = format!("etcd://{}", members.join(","));
+        let (owner, token) = acquire_json(&url, "payout:11");
+        assert_eq!(inspect_json(&url, "payout:11")["holder"], owner.as_str());
+        lockctl()
+            .args(["release", &url, "payout:11", "--owner", &owner])
+            .args(["--token", &token.to_string()])
+            .assert()
+            .success();
+        let info = inspect_json(&url, "payout:11");
+        assert_eq!(info["holder"], Value::Null, "{info}");
+        assert_eq!(info["token"], token, "{info}");
     }
 }
