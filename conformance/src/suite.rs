@@ -166,7 +166,7 @@ pub mod macro_support {
 /// with millisecond TTLs and on one with whole-second TTLs.
 #[derive(Clone, Debug)]
 pub struct Timing {
-    /// The TTL the cases use: 250 ms, or the store's minimum rounded up to its granularity.
+    /// The TTL the cases use: 500 ms, or the store's minimum rounded up to its granularity.
     pub ttl: Duration,
     /// How long after a TTL runs out the store may take to notice (expiry lag).
     pub expiry_slack: Duration,
@@ -175,7 +175,7 @@ pub struct Timing {
 impl Timing {
     /// The timing for a backend with `caps`.
     pub fn for_capabilities(caps: &Capabilities) -> Self {
-        let ttl = fit_ttl(caps, Duration::from_millis(250));
+        let ttl = fit_ttl(caps, Duration::from_millis(500));
         Self {
             ttl,
             // Stores expire leases on their own schedule (etcd checks every 500 ms):
@@ -401,7 +401,7 @@ mod tests {
         );
         assert_eq!(
             Timing::for_capabilities(&ms).ttl,
-            Duration::from_millis(250)
+            Duration::from_millis(500)
         );
         let secs = Capabilities::new(
             Duration::from_secs(1),
