@@ -25,6 +25,8 @@ pub enum Scheme {
     RedisCluster,
     /// `etcd://`: an etcd v3 cluster.
     Etcd,
+    /// `etcds://`: an etcd v3 cluster over TLS (`?ca=` names the CA file).
+    EtcdTls,
     /// `postgres://` or `postgresql://`: a PostgreSQL server.
     Postgres,
 }
@@ -37,6 +39,7 @@ pub const SCHEMES: &[(&str, Scheme)] = &[
     ("rediss", Scheme::RedisTls),
     ("redis+cluster", Scheme::RedisCluster),
     ("etcd", Scheme::Etcd),
+    ("etcds", Scheme::EtcdTls),
     ("postgres", Scheme::Postgres),
     ("postgresql", Scheme::Postgres),
 ];
@@ -55,7 +58,7 @@ impl Scheme {
         match self {
             Self::Memory => None,
             Self::Redis | Self::RedisTls | Self::RedisCluster => Some("redis"),
-            Self::Etcd => Some("etcd"),
+            Self::Etcd | Self::EtcdTls => Some("etcd"),
             Self::Postgres => Some("postgres"),
         }
     }
@@ -94,6 +97,7 @@ impl fmt::Display for Scheme {
 /// | `redis://[:password@]host[:port][/db]`, `rediss://…` | `redis` | one Redis server |
 /// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
 /// | `etcd://[user:password@]host:port[,host:port…][?prefix=…]` | `etcd` | an etcd v3 cluster |
+/// | `etcds://host:port[,host:port…]?ca=/path/ca.pem[&prefix=…]` | `etcd` | an etcd v3 cluster over TLS |
 /// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…]` | `postgres` | PostgreSQL |
 ///
 /// # PostgreSQL
@@ -178,7 +182,10 @@ fn first_member_only(url: &str) -> std::borrow::Cow<'_, str> {
     let Some((scheme, rest)) = url.trim().split_once("://") else {
         return url.into();
     };
-    if Scheme::from_name(scheme) != Some(Scheme::Etcd) {
+    if !matches!(
+        Scheme::from_name(scheme),
+        Some(Scheme::Etcd | Scheme::EtcdTls)
+    ) {
         return url.into();
     }
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
@@ -215,7 +222,7 @@ async fn open(scheme: Scheme, url: &Url, raw: &str) -> Result<Arc<dyn LockBacken
             Ok(Arc::new(backend))
         }
         #[cfg(feature = "etcd")]
-        Scheme::Etcd => crate::etcd_url::EtcdUrl::parse(raw)?.open().await,
+        Scheme::Etcd | Scheme::EtcdTls => crate::etcd_url::EtcdUrl::parse(raw)?.open().await,
         #[cfg(feature = "postgres")]
         Scheme::Postgres => crate::pg_url::PgUrl::parse(url)?.open().await,
         // Reached only for a store whose feature is off, which `connect` refused already.
@@ -406,6 +413,26 @@ mod tests {
             let message = error_of(url).await;
             assert!(message.contains("feature `postgres`"), "{message}");
         }
+    }
+
+    #[cfg(feature = "etcd")]
+    #[tokio::test]
+    async fn an_etcds_url_needs_its_ca_file() {
+        let message = error_of("etcds://root:s3cret@127.0.0.1:1,127.0.0.1:2").await;
+        assert!(message.contains("ca"), "{message}");
+        assert!(!message.contains("s3cret"), "{message}");
+        let message = error_of("etcds://127.0.0.1:1?ca=/nonexistent/ca.pem").await;
+        assert!(message.contains("/nonexistent/ca.pem"), "{message}");
+    }
+
+    #[cfg(not(feature = "etcd"))]
+    #[tokio::test]
+    async fn an_etcds_url_needs_the_etcd_feature() {
+        assert!(
+            error_of("etcds://127.0.0.1:1?ca=/x")
+                .await
+                .contains("feature `etcd`")
+        );
     }
 
     #[tokio::test]

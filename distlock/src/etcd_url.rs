@@ -1,9 +1,19 @@
-//! `etcd://` URLs: one or more cluster members, optional credentials and key prefix.
+//! `etcd://` and `etcds://` URLs: one or more cluster members, optional credentials and
+//! key prefix, and for TLS the CA to trust.
 //!
-//! `etcd://[user:password@]host:port[,host:port…][?prefix=NAME]`. The members are a
-//! comma-separated list, which a generic URL parser cannot read as one authority, so the
-//! authority is split here and each member checked on its own. A member without a port
-//! gets etcd's client port, 2379. Messages never repeat the credentials.
+//! - `etcd://[user:password@]host:port[,host:port…][?prefix=NAME]`: plain HTTP/2.
+//! - `etcds://[user:password@]host:port[,host:port…]?ca=/path/to/ca.pem[&prefix=NAME]`:
+//!   TLS to every member. `ca` is required: the PEM file of the CA that signed the
+//!   members' certificates (no system roots are trusted). The file is read when the URL
+//!   is opened; a file that is missing, unreadable or holds no PEM certificate is a
+//!   [`LockError::Config`] naming the `ca` parameter and the path, never the contents.
+//!   The members' certificates must be valid for the host names written in the URL.
+//!
+//! The members are a comma-separated list, which a generic URL parser cannot read as one
+//! authority, so the authority is split here and each member checked on its own. A member
+//! without a port gets etcd's client port, 2379. The client sticks to one member and moves
+//! to the next when one cannot be reached (see `lock_etcd`). Messages never repeat the
+//! credentials.
 
 use std::sync::Arc;
 
@@ -19,6 +29,8 @@ pub(crate) struct EtcdUrl {
     endpoints: Vec<String>,
     credentials: Option<(String, String)>,
     prefix: Option<String>,
+    /// The CA file of an `etcds://` URL.
+    ca: Option<String>,
 }
 
 impl std::fmt::Debug for EtcdUrl {
@@ -27,14 +39,16 @@ impl std::fmt::Debug for EtcdUrl {
             .field("endpoints", &self.endpoints)
             .field("user", &self.credentials.as_ref().map(|(user, _)| user))
             .field("prefix", &self.prefix)
+            .field("ca", &self.ca)
             .finish()
     }
 }
 
 impl EtcdUrl {
-    /// Parses `url`, whose scheme `connect` has already checked.
+    /// Parses `url`, whose scheme `connect` has already checked (`etcd` or `etcds`).
     pub(crate) fn parse(url: &str) -> Result<Self, LockError> {
-        let rest = url.trim().split_once("://").map_or("", |(_, rest)| rest);
+        let (scheme, rest) = url.trim().split_once("://").unwrap_or(("", ""));
+        let tls = scheme.eq_ignore_ascii_case("etcds");
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
         let (authority, tail) = rest.split_at(end);
         let (userinfo, members) = match authority.rsplit_once('@') {
@@ -45,7 +59,7 @@ impl EtcdUrl {
         let endpoints = members
             .split(',')
             .enumerate()
-            .map(|(i, member)| endpoint(i, member))
+            .map(|(i, member)| endpoint(i, member, tls))
             .collect::<Result<Vec<_>, _>>()?;
 
         // The rest (path, query) read as a URL of its own, without the members.
@@ -56,26 +70,41 @@ impl EtcdUrl {
                 "an etcd URL takes no path: set the key prefix with ?prefix=NAME".into(),
             ));
         }
-        let mut prefix = None;
+        let (mut prefix, mut ca) = (None, None);
         for (name, value) in tail.query_pairs() {
-            match &*name {
-                "prefix" if prefix.is_none() => prefix = Some(value.into_owned()),
-                "prefix" => {
+            let slot = match &*name {
+                "prefix" => &mut prefix,
+                "ca" if tls => &mut ca,
+                "ca" => {
                     return Err(LockError::Config(
-                        "the etcd URL sets `prefix` more than once".into(),
+                        "`ca` is for TLS: write etcds://…?ca=/path/to/ca.pem".into(),
                     ));
                 }
                 other => {
                     return Err(LockError::Config(format!(
-                        "unknown parameter `{other}` in the etcd URL: distlock reads prefix"
+                        "unknown parameter `{other}` in the etcd URL: distlock reads prefix{}",
+                        if tls { " and ca" } else { "" }
                     )));
                 }
+            };
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(LockError::Config(format!(
+                    "the etcd URL sets `{name}` more than once"
+                )));
             }
+        }
+        if tls && ca.as_deref().is_none_or(str::is_empty) {
+            return Err(LockError::Config(
+                "an etcds:// URL needs the CA that signed the members' certificates: add \
+                 ?ca=/path/to/ca.pem"
+                    .into(),
+            ));
         }
         Ok(Self {
             endpoints,
             credentials,
             prefix,
+            ca,
         })
     }
 
@@ -88,8 +117,29 @@ impl EtcdUrl {
         if let Some(prefix) = self.prefix {
             builder = builder.key_prefix(prefix);
         }
+        if let Some(path) = &self.ca {
+            builder = builder.tls_ca_pem(read_ca(path)?);
+        }
         Ok(Arc::new(builder.build().await?))
     }
+}
+
+/// The PEM file named by the `ca` parameter. Errors name the parameter and the path, and
+/// never show what the file holds.
+fn read_ca(path: &str) -> Result<Vec<u8>, LockError> {
+    let pem = std::fs::read(path).map_err(|e| {
+        LockError::Config(format!(
+            "cannot read the CA file given by the etcd URL's `ca` parameter ({path}): {e}"
+        ))
+    })?;
+    const BEGIN: &[u8] = b"-----BEGIN CERTIFICATE-----";
+    if !pem.windows(BEGIN.len()).any(|w| w == BEGIN) {
+        return Err(LockError::Config(format!(
+            "the CA file given by the etcd URL's `ca` parameter ({path}) holds no PEM \
+             certificate (-----BEGIN CERTIFICATE-----)"
+        )));
+    }
+    Ok(pem)
 }
 
 /// `user:password`, percent-decoded.
@@ -109,8 +159,8 @@ fn credentials(userinfo: &str) -> Result<(String, String), LockError> {
     Ok((user, password))
 }
 
-/// Member `i` (`host[:port]`) as `http://host:port`.
-fn endpoint(i: usize, member: &str) -> Result<String, LockError> {
+/// Member `i` (`host[:port]`) as `http://host:port`, or `https://` for TLS.
+fn endpoint(i: usize, member: &str, tls: bool) -> Result<String, LockError> {
     let n = i + 1;
     if member.is_empty() {
         return Err(LockError::Config(format!(
@@ -129,7 +179,8 @@ fn endpoint(i: usize, member: &str) -> Result<String, LockError> {
         )));
     }
     Ok(format!(
-        "http://{host}:{}",
+        "{}://{host}:{}",
+        if tls { "https" } else { "http" },
         url.port().unwrap_or(DEFAULT_PORT)
     ))
 }
@@ -179,6 +230,7 @@ mod tests {
                 ],
                 credentials: Some(("root".into(), "p@ss".into())),
                 prefix: Some("jobs".into()),
+                ca: None,
             }
         );
         let single = EtcdUrl::parse("etcd://127.0.0.1:2379").unwrap();
@@ -202,6 +254,13 @@ mod tests {
             ),
             ("etcd://hunter2@h1:2379", "need a password"),
             ("etcd://:hunter2@h1:2379", "need a user name"),
+            ("etcds://u:hunter2@h1:2379", "needs the CA"),
+            ("etcds://u:hunter2@h1:2379?ca=", "needs the CA"),
+            (
+                "etcds://u:hunter2@h1?ca=/a&ca=/b",
+                "sets `ca` more than once",
+            ),
+            ("etcd://u:hunter2@h1:2379?ca=/etc/ca.pem", "`ca` is for TLS"),
         ] {
             let message = config_error(url);
             assert!(message.contains(says), "{url}: {message}");
@@ -209,5 +268,57 @@ mod tests {
         }
         let parsed = EtcdUrl::parse("etcd://u:hunter2@h1:2379").unwrap();
         assert!(!format!("{parsed:?}").contains("hunter2"));
+    }
+
+    #[test]
+    fn an_etcds_url_names_https_members_and_its_ca_file() {
+        let parsed =
+            EtcdUrl::parse("etcds://h1:2379,h2?ca=%2Fetc%2Fetcd%2Fca.pem&prefix=jobs").unwrap();
+        assert_eq!(parsed.endpoints, ["https://h1:2379", "https://h2:2379"]);
+        assert_eq!(parsed.ca.as_deref(), Some("/etc/etcd/ca.pem"));
+        assert_eq!(parsed.prefix.as_deref(), Some("jobs"));
+    }
+
+    /// A file of this test's own in the temp dir, removed on drop.
+    struct TempFile(std::path::PathBuf);
+
+    impl TempFile {
+        fn new(name: &str, contents: &str) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("distlock-etcd-url-{}-{name}", std::process::id()));
+            std::fs::write(&path, contents).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for TempFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    async fn open_error(url: &str) -> String {
+        match EtcdUrl::parse(url).unwrap().open().await {
+            Ok(_) => panic!("{url} opened"),
+            Err(LockError::Config(message)) => message,
+            Err(other) => panic!("{url}: expected a configuration error, got {other}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_missing_or_wrong_ca_file_is_a_config_error_that_shows_no_contents() {
+        let missing = std::env::temp_dir().join("distlock-etcd-url-no-such-ca.pem");
+        let message = open_error(&format!("etcds://127.0.0.1:1?ca={}", missing.display())).await;
+        assert!(message.contains("`ca` parameter"), "{message}");
+        assert!(message.contains("no-such-ca.pem"), "{message}");
+
+        let key = TempFile::new(
+            "key.pem",
+            "-----BEGIN PRIVATE KEY-----\nc2VjcmV0LWtleS1ieXRlcw==\n-----END PRIVATE KEY-----\n",
+        );
+        let message = open_error(&format!("etcds://127.0.0.1:1?ca={}", key.0.display())).await;
+        assert!(message.contains("`ca` parameter"), "{message}");
+        assert!(message.contains("no PEM certificate"), "{message}");
+        assert!(!message.contains("c2VjcmV0"), "{message}");
     }
 }

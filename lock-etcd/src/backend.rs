@@ -37,7 +37,8 @@ use tokio::time::Instant;
 use tracing::{debug, instrument};
 
 use crate::config::EtcdBuilder;
-use crate::error::{self, Effect, NAME};
+use crate::error::{Effect, NAME};
+use crate::members::Members;
 
 /// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
 ///
@@ -60,13 +61,11 @@ pub struct EtcdBackend {
 
 struct Inner {
     id: BackendId,
-    client: Client,
+    members: Members,
     prefix: String,
-    endpoints: Vec<String>,
     user: Option<String>,
     server_min_ttl: Duration,
     capabilities: Capabilities,
-    request_timeout: Duration,
 }
 
 /// How often renewal asks again when the key is held but the leader does not know its lease.
@@ -83,12 +82,12 @@ struct EtcdLease {
 impl fmt::Debug for EtcdBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("EtcdBackend")
-            .field("endpoints", &self.inner.endpoints)
+            .field("endpoints", &self.inner.members.endpoints())
             .field("prefix", &self.inner.prefix)
             .field("user", &self.inner.user)
             .field("min_ttl", &self.inner.capabilities.min_ttl)
             .field("max_ttl", &self.inner.capabilities.max_ttl)
-            .field("request_timeout", &self.inner.request_timeout)
+            .field("request_timeout", &self.inner.members.request_timeout())
             .finish_non_exhaustive()
     }
 }
@@ -100,26 +99,22 @@ impl EtcdBackend {
     }
 
     pub(crate) fn from_parts(
-        client: Client,
+        members: Members,
         prefix: String,
-        endpoints: Vec<String>,
         user: Option<String>,
         server_min_ttl: Duration,
         (min_ttl, max_ttl): (Duration, Duration),
-        request_timeout: Duration,
     ) -> Self {
         let capabilities =
             Capabilities::new(Duration::from_secs(1), min_ttl, max_ttl).inspect(true);
         Self {
             inner: Arc::new(Inner {
                 id: BackendId::next(),
-                client,
+                members,
                 prefix,
-                endpoints,
                 user,
                 server_min_ttl,
                 capabilities,
-                request_timeout,
             }),
         }
     }
@@ -146,21 +141,23 @@ impl EtcdBackend {
         format!("{}/tokens/{}", self.inner.prefix, key.as_str())
     }
 
-    pub(crate) fn client(&self) -> &Client {
-        &self.inner.client
+    /// Runs one etcd call, `op` on a member's client, under the request timeout, on the
+    /// next member when an attempt surely never reached the cluster (see [`Members`]).
+    pub(crate) async fn call<T, F, Fut>(&self, effect: Effect, op: F) -> Result<T, LockError>
+    where
+        F: FnMut(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        self.inner.members.call(effect, op).await
     }
 
-    /// Runs one etcd call under the request timeout and converts its error.
-    pub(crate) async fn call<T, F>(&self, effect: Effect, fut: F) -> Result<T, LockError>
-    where
-        F: Future<Output = Result<T, etcd_client::Error>>,
-    {
-        let timeout = self.inner.request_timeout;
-        match tokio::time::timeout(timeout, fut).await {
-            Ok(Ok(value)) => Ok(value),
-            Ok(Err(e)) => Err(error::convert(e, effect)),
-            Err(_) => Err(error::timed_out(effect, timeout)),
-        }
+    /// Runs one transaction (see [`EtcdBackend::call`]).
+    pub(crate) async fn txn(&self, effect: Effect, txn: Txn) -> Result<TxnResponse, LockError> {
+        self.call(effect, |client| {
+            let txn = txn.clone();
+            async move { client.kv_client().txn(txn).await }
+        })
+        .await
     }
 
     /// TTL checks with etcd-specific reasons; never rounds.
@@ -209,11 +206,17 @@ impl EtcdBackend {
     /// Revoking only ever deletes keys attached to *this* lease, so it cannot harm another
     /// holder; if the revoke is lost too, the lease lapses by itself within its TTL.
     fn revoke_in_background(&self, lease_id: i64) {
-        let mut leases = self.inner.client.lease_client();
-        let timeout = self.inner.request_timeout;
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(timeout, leases.revoke(lease_id)).await;
-        });
+        let backend = self.clone();
+        tokio::spawn(async move { backend.revoke(lease_id).await });
+    }
+
+    /// Revokes a lease, deleting the keys attached to it; errors are the caller's to ignore.
+    async fn revoke(&self, lease_id: i64) -> Result<(), LockError> {
+        self.call(Effect::Write("revoke"), |client| async move {
+            client.lease_client().revoke(lease_id).await
+        })
+        .await
+        .map(drop)
     }
 
     /// The lease a lock key is attached to: from the [`Lease`]'s handle, or, for an adopted
@@ -242,8 +245,7 @@ impl EtcdBackend {
             TxnOp::get(self.lock_key(key), None),
             TxnOp::get(self.token_key(key), None),
         ]);
-        let mut kv = self.inner.client.kv_client();
-        let resp = self.call(Effect::None, kv.txn(txn)).await?;
+        let resp = self.txn(Effect::None, txn).await?;
         let mut found = resp.op_responses().into_iter().map(|op| match op {
             TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
             _ => None,
@@ -267,9 +269,12 @@ impl EtcdBackend {
         seconds: i64,
         sent: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        let mut leases = self.inner.client.lease_client();
         // A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
-        let granted = self.call(Effect::None, leases.grant(seconds, None)).await?;
+        let granted = self
+            .call(Effect::None, |client| async move {
+                client.lease_client().grant(seconds, None).await
+            })
+            .await?;
         let lease_id = granted.id();
         if granted.ttl() != seconds {
             self.revoke_in_background(lease_id);
@@ -300,8 +305,7 @@ impl EtcdBackend {
                 TxnOp::put(self.token_key(key), owner.to_string(), None),
             ])
             .or_else([TxnOp::get(etcd_key, None)]);
-        let mut kv = self.inner.client.kv_client();
-        let resp = match self.call(Effect::Write("acquire"), kv.txn(txn)).await {
+        let resp = match self.txn(Effect::Write("acquire"), txn).await {
             Ok(resp) => resp,
             Err(e) => {
                 // If the put did happen, revoking our own lease deletes the key again.
@@ -336,10 +340,9 @@ impl EtcdBackend {
         let Some(lease_id) = self.lease_id(lease).await? else {
             return Ok(Renewal::Lost);
         };
-        let mut kv = self.inner.client.kv_client();
-        let check = kv.txn(Txn::new().when(self.held_by(lease)));
+        let check = Txn::new().when(self.held_by(lease));
         let (check, kept) = tokio::join!(
-            self.call(Effect::None, check),
+            self.txn(Effect::None, check),
             self.keep_alive_once(lease_id)
         );
         if !check?.succeeded() {
@@ -368,14 +371,14 @@ impl EtcdBackend {
 
     /// One `LeaseKeepAlive` round trip: `Ok(false)` when etcd does not know the lease.
     async fn keep_alive_once(&self, lease_id: i64) -> Result<bool, LockError> {
-        let mut leases = self.inner.client.lease_client();
-        let timeout = self.inner.request_timeout;
-        match tokio::time::timeout(timeout, leases.keep_alive(lease_id)).await {
-            Ok(Ok(_)) => Ok(true),
-            Ok(Err(e)) if is_lease_gone(&e) => Ok(false),
-            Ok(Err(e)) => Err(error::convert(e, Effect::Write("renew"))),
-            Err(_) => Err(error::timed_out(Effect::Write("renew"), timeout)),
-        }
+        self.call(Effect::Write("renew"), |client| async move {
+            match client.lease_client().keep_alive(lease_id).await {
+                Ok(_) => Ok(true),
+                Err(e) if is_lease_gone(&e) => Ok(false),
+                Err(e) => Err(e),
+            }
+        })
+        .await
     }
 
     /// Releases the leases this backend took, on the error path of a batch.
@@ -464,8 +467,7 @@ impl LockBackend for EtcdBackend {
             TxnOp::get(etcd_key.clone(), None),
             TxnOp::delete(etcd_key, None),
         ]);
-        let mut kv = self.inner.client.kv_client();
-        let resp = self.call(Effect::Write("release"), kv.txn(txn)).await?;
+        let resp = self.txn(Effect::Write("release"), txn).await?;
         if !resp.succeeded() {
             return Ok(Release::NotHeld);
         }
@@ -478,6 +480,25 @@ impl LockBackend for EtcdBackend {
             self.revoke_in_background(lease_id);
         }
         Ok(Release::Released)
+    }
+
+    /// Deletes the lock key and the token key in one transaction, then revokes the lock's
+    /// lease if it had one. The revoke is best effort and awaited, so that a process that
+    /// exits right after purging leaves no lease behind; a lease it misses holds no key
+    /// any more and lapses within its TTL.
+    #[instrument(level = "debug", skip(self), fields(backend = NAME))]
+    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let lock_key = self.lock_key(key);
+        let txn = Txn::new().and_then([
+            TxnOp::get(lock_key.clone(), None),
+            TxnOp::delete(lock_key, None),
+            TxnOp::delete(self.token_key(key), None),
+        ]);
+        let resp = self.txn(Effect::Write("purge"), txn).await?;
+        if let Some(lease_id) = first_kv(&resp).map(|kv| kv.lease()).filter(|&id| id != 0) {
+            let _ = self.revoke(lease_id).await;
+        }
+        Ok(())
     }
 
     #[instrument(level = "debug", skip(self), fields(backend = NAME))]
@@ -514,9 +535,11 @@ impl LockBackend for EtcdBackend {
         let remaining = if kv.lease() == 0 {
             None
         } else {
-            let mut leases = self.inner.client.lease_client();
+            let lease_id = kv.lease();
             let ttl = self
-                .call(Effect::None, leases.time_to_live(kv.lease(), None))
+                .call(Effect::None, |client| async move {
+                    client.lease_client().time_to_live(lease_id, None).await
+                })
                 .await?;
             u64::try_from(ttl.ttl()).ok().map(Duration::from_secs)
         };

@@ -5,11 +5,12 @@
 use std::fmt;
 use std::time::Duration;
 
-use etcd_client::{Certificate, Client, ConnectOptions, GetOptions, Identity, TlsOptions};
+use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions};
 use lock_api::LockError;
 
 use crate::backend::EtcdBackend;
-use crate::error::{self, Effect};
+use crate::error::Effect;
+use crate::members::Members;
 
 /// The longest lease etcd grants (`MaxLeaseTTL` in etcd's lessor, in seconds).
 pub const ETCD_MAX_LEASE_TTL: Duration = Duration::from_secs(9_000_000_000);
@@ -153,8 +154,10 @@ impl EtcdBuilder {
         self
     }
 
-    /// How long one request may take before it fails: `Unavailable` for a read, or
-    /// `OutcomeUnknown` for a write that may have been applied.
+    /// How long one request to one member may take before it fails: `Unavailable` for a
+    /// read, or `OutcomeUnknown` for a write that may have been applied. A call that
+    /// moves to the next member (the first could not be reached) gives each attempt this
+    /// long.
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self
@@ -173,24 +176,14 @@ impl EtcdBuilder {
     /// [`LockError::Unavailable`] when no endpoint answers within the timeouts.
     pub async fn build(self) -> Result<EtcdBackend, LockError> {
         let settings = self.validate()?;
-        let options = self.connect_options();
-        let budget = self.connect_timeout + self.request_timeout;
-        let connect = Client::connect(&settings.endpoints, Some(options));
-        let client = match tokio::time::timeout(budget, connect).await {
-            Ok(Ok(client)) => client,
-            Ok(Err(e)) => return Err(error::convert(e, Effect::None)),
-            Err(_) => {
-                return Err(LockError::unavailable(
-                    error::NAME,
-                    format!(
-                        "no endpoint of {:?} answered within {budget:?}",
-                        settings.endpoints
-                    ),
-                ));
-            }
-        };
-        probe_access(&client, &settings.prefix, self.request_timeout).await?;
-        let server_min = probe_min_lease_ttl(&client, self.request_timeout).await?;
+        let members = Members::new(
+            settings.endpoints,
+            self.connect_options(),
+            self.connect_timeout,
+            self.request_timeout,
+        );
+        probe_access(&members, &settings.prefix).await?;
+        let server_min = probe_min_lease_ttl(&members).await?;
         let (min, max) = self
             .ttl_bounds
             .unwrap_or((Duration::from_secs(1), ETCD_MAX_LEASE_TTL));
@@ -202,13 +195,11 @@ impl EtcdBuilder {
             )));
         }
         Ok(EtcdBackend::from_parts(
-            client,
+            members,
             settings.prefix,
-            settings.endpoints,
             self.user.map(|(name, _)| name),
             server_min,
             (min, max),
-            self.request_timeout,
         ))
     }
 
@@ -250,6 +241,17 @@ impl EtcdBuilder {
                 )));
             }
             endpoints.push(normalized);
+        }
+        if let Some(ca) = self.tls.as_ref().and_then(|tls| tls.ca_pem.as_deref())
+            && !is_pem_certificate(ca)
+        {
+            // Caught here: the TLS layer would only fail later, on every member, as if the
+            // cluster were unreachable.
+            return Err(LockError::Config(
+                "the TLS CA given to `tls_ca_pem` holds no PEM certificate \
+                 (-----BEGIN CERTIFICATE-----)"
+                    .into(),
+            ));
         }
         let prefix = self.key_prefix.trim_end_matches('/');
         if prefix.is_empty() {
@@ -315,6 +317,12 @@ impl EtcdBuilder {
     }
 }
 
+/// True when `pem` holds at least one PEM certificate block.
+fn is_pem_certificate(pem: &[u8]) -> bool {
+    const BEGIN: &[u8] = b"-----BEGIN CERTIFICATE-----";
+    pem.windows(BEGIN.len()).any(|w| w == BEGIN)
+}
+
 struct Validated {
     endpoints: Vec<String>,
     prefix: String,
@@ -322,27 +330,34 @@ struct Validated {
 
 /// Reads (counts) the lock keys once, so that missing or rejected credentials, and a user
 /// without access to the prefix, fail `build()` instead of the first lock call.
-async fn probe_access(client: &Client, prefix: &str, timeout: Duration) -> Result<(), LockError> {
-    let mut kv = client.kv_client();
-    let options = GetOptions::new().with_prefix().with_count_only();
-    tokio::time::timeout(timeout, kv.get(format!("{prefix}/locks/"), Some(options)))
+async fn probe_access(members: &Members, prefix: &str) -> Result<(), LockError> {
+    let locks = format!("{prefix}/locks/");
+    members
+        .call(Effect::None, |client| {
+            let locks = locks.clone();
+            let options = GetOptions::new().with_prefix().with_count_only();
+            async move { client.kv_client().get(locks, Some(options)).await }
+        })
         .await
-        .map_err(|_| error::timed_out(Effect::None, timeout))?
-        .map_err(|e| error::convert(e, Effect::None))?;
-    Ok(())
+        .map(drop)
 }
 
 /// Grants a 1-second lease and reads back the TTL the cluster actually gave it: etcd
 /// silently raises a TTL below its minimum (about 1.5 election timeouts, rounded up to whole
 /// seconds: 2 s with the default 1 s election timeout), so this is the shortest TTL it honours.
-async fn probe_min_lease_ttl(client: &Client, timeout: Duration) -> Result<Duration, LockError> {
-    let mut leases = client.lease_client();
-    let granted = tokio::time::timeout(timeout, leases.grant(1, None))
-        .await
-        .map_err(|_| error::timed_out(Effect::None, timeout))?
-        .map_err(|e| error::convert(e, Effect::None))?;
+async fn probe_min_lease_ttl(members: &Members) -> Result<Duration, LockError> {
+    let granted = members
+        .call(Effect::None, |client| async move {
+            client.lease_client().grant(1, None).await
+        })
+        .await?;
     // The probe lease holds no key; if this revoke is lost it simply expires.
-    let _ = tokio::time::timeout(timeout, leases.revoke(granted.id())).await;
+    let id = granted.id();
+    let _ = members
+        .call(Effect::None, |client| async move {
+            client.lease_client().revoke(id).await
+        })
+        .await;
     let seconds = u64::try_from(granted.ttl()).unwrap_or(0).max(1);
     Ok(Duration::from_secs(seconds))
 }
@@ -384,6 +399,9 @@ mod tests {
             EtcdBuilder::new()
                 .endpoint("127.0.0.1:2379")
                 .request_timeout(Duration::ZERO),
+            EtcdBuilder::new()
+                .endpoint("https://127.0.0.1:2379")
+                .tls_ca_pem("not a certificate"),
         ];
         for builder in cases {
             assert!(

@@ -80,7 +80,7 @@ fn from_status(code: i32, message: &str, effect: Effect) -> LockError {
     }
     let lost_reply = match code {
         CANCELLED | DEADLINE_EXCEEDED => true,
-        UNAVAILABLE => !never_sent(message),
+        UNAVAILABLE => !never_sent_message(message),
         // The client library reports a connection that broke mid-call this way.
         UNKNOWN | INTERNAL if is_broken_connection(message) => true,
         _ => return LockError::backend(NAME, format!("etcd error (code {code}): {message}")),
@@ -123,9 +123,21 @@ fn is_broken_connection(message: &str) -> bool {
     BROKEN.iter().any(|m| message.contains(m))
 }
 
+/// True when `error` proves the request never reached a member that could apply it, so it
+/// may be sent to another member even if it is a write.
+pub(crate) fn never_sent(error: &EtcdError) -> bool {
+    match error {
+        EtcdError::GRpcStatus(status) => {
+            i32::from(status.code()) == UNAVAILABLE && never_sent_message(status.message())
+        }
+        EtcdError::TransportError(_) => true,
+        _ => false,
+    }
+}
+
 /// `Unavailable` errors that prove the request was never proposed: the client could not
 /// connect, or the member it reached has no leader (etcd checks that before proposing).
-fn never_sent(message: &str) -> bool {
+fn never_sent_message(message: &str) -> bool {
     const NOT_SENT: [&str; 5] = [
         "no leader",
         "error trying to connect",

@@ -74,10 +74,13 @@ impl EtcdFencedResource {
     /// The value last written to `resource`, if any.
     pub async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
         check_resource(resource)?;
-        let mut kv = self.backend.client().kv_client();
+        let key = self.data_key(resource);
         let mut resp = self
             .backend
-            .call(Effect::None, kv.get(self.data_key(resource), None))
+            .call(Effect::None, |client| {
+                let key = key.clone();
+                async move { client.kv_client().get(key, None).await }
+            })
             .await?;
         Ok(resp
             .take_kvs()
@@ -89,10 +92,13 @@ impl EtcdFencedResource {
     /// The highest token admitted for `resource`, if any.
     pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
         check_resource(resource)?;
-        let mut kv = self.backend.client().kv_client();
+        let key = self.fence_key(resource);
         let mut resp = self
             .backend
-            .call(Effect::None, kv.get(self.fence_key(resource), None))
+            .call(Effect::None, |client| {
+                let key = key.clone();
+                async move { client.kv_client().get(key, None).await }
+            })
             .await?;
         resp.take_kvs()
             .first()
@@ -127,11 +133,7 @@ impl EtcdFencedResource {
             .when([Compare::value(fence, CompareOp::Greater, encoded)])
             .and_then(stale_ops)
             .or_else(admitted_ops);
-        let mut kv = self.backend.client().kv_client();
-        let resp = self
-            .backend
-            .call(Effect::Write("fenced write"), kv.txn(txn))
-            .await?;
+        let resp = self.backend.txn(Effect::Write("fenced write"), txn).await?;
         let seen = seen_token(&resp)?;
         Ok(decide(self.mode, resource, token, seen))
     }

@@ -29,6 +29,14 @@
 //!   `mod_revision` is the newest token, so it is known while the lock is free; one small
 //!   key per lock name, kept forever, like a fence counter), and, for the fenced resource,
 //!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`.
+//! - Members: every endpoint gets its own connection. Calls stick to the member that last
+//!   answered; a call that could not reach a member (connection refused, no leader) goes to
+//!   the next one, each at most once. A call that may have reached a member (a timeout, a
+//!   connection broken mid-call) is never repeated: its error goes to the caller (for a
+//!   write, `OutcomeUnknown`), and the next call starts at the next member.
+//! - `purge` deletes a lock's key and its token key in one transaction and revokes its
+//!   lease. Tokens are cluster-wide revisions, so the key's next token is still above
+//!   every token it had before.
 //! - Cost: an acquire is two round trips (grant the lease, then the transaction); release,
 //!   renew and fence are one. A contended acquire revokes its unused lease in the background.
 
@@ -36,6 +44,7 @@ mod backend;
 mod config;
 mod error;
 mod fenced;
+mod members;
 
 pub use backend::EtcdBackend;
 pub use config::{DEFAULT_KEY_PREFIX, ETCD_MAX_LEASE_TTL, EtcdBuilder};

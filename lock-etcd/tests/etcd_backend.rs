@@ -376,3 +376,54 @@ async fn keys_live_under_the_prefix_only() {
     assert_eq!(under.count(), 1);
     backend.release(&lease).await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_deletes_the_lock_key_the_token_key_and_the_lease() {
+    let server = shared_single().await;
+    let factory = EtcdFactory::single().await;
+    let backend = factory.etcd().await;
+    let mut etcd = raw(&server).await;
+    let (held, free, other) = (key("purge-held"), key("purge-free"), key("purge-other"));
+
+    let lease = backend
+        .acquire(&held, TTL)
+        .await
+        .unwrap()
+        .expect("free key");
+    let lease_id = etcd.get(backend.lock_key(&held), None).await.unwrap().kvs()[0].lease();
+    let released = backend
+        .acquire(&free, TTL)
+        .await
+        .unwrap()
+        .expect("free key");
+    backend.release(&released).await.unwrap();
+    let kept = backend
+        .acquire(&other, TTL)
+        .await
+        .unwrap()
+        .expect("free key");
+    for k in [&held, &free] {
+        assert!(backend.inspect(k).await.unwrap().token.is_some());
+        backend.purge(k).await.unwrap();
+        for etcd_key in [backend.lock_key(k), backend.token_key(k)] {
+            let found = etcd.get(etcd_key.clone(), None).await.unwrap();
+            assert!(found.kvs().is_empty(), "{etcd_key} is still there");
+        }
+        let info = backend.inspect(k).await.unwrap();
+        assert_eq!((info.owner, info.token), (None, None), "{k}");
+    }
+    // The purged lock's lease is revoked before purge returns.
+    let ttl = etcd.lease_time_to_live(lease_id, None).await.unwrap();
+    assert_eq!(ttl.ttl(), -1, "the purged lock's lease is gone");
+    assert_eq!(
+        backend.fence(&lease).await.unwrap(),
+        Fence::Stale {
+            current: lease.token()
+        }
+    );
+    // Purging a key that was never used, or twice, is fine; other keys are untouched.
+    backend.purge(&key("purge-never")).await.unwrap();
+    backend.purge(&held).await.unwrap();
+    assert_eq!(backend.fence(&kept).await.unwrap(), Fence::Current);
+    assert_eq!(backend.release(&kept).await.unwrap(), Release::Released);
+}

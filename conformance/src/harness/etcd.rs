@@ -2,6 +2,10 @@
 //! ([`EtcdCluster`]) on free 127.0.0.1 ports, each member with its own temp data dir.
 //! Readiness is `GET /health`; the leader is found through the v3 JSON gateway
 //! (`POST /v3/maintenance/status`), so no `etcdctl` is needed.
+//!
+//! [`EtcdServer::start_tls`] starts a single member whose client URL is `https://` with
+//! certificates the test supplies ([`EtcdTls`]); its readiness is read from a plain-HTTP
+//! metrics URL, since the client port then speaks TLS only.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,11 +30,40 @@ struct MemberPlan {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// TLS on the client URL, with the plain-HTTP metrics port that serves `/health`.
+    tls: Option<(EtcdTls, u16)>,
 }
 
 impl MemberPlan {
     fn peer_url(&self) -> String {
         format!("http://127.0.0.1:{}", self.peer_port)
+    }
+
+    fn client_url(&self) -> String {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+}
+
+/// The PEM files of a TLS client URL: the server's certificate and key, and the CA that
+/// signed it, for clients to trust. Its `Debug` never shows the key.
+#[derive(Clone)]
+pub struct EtcdTls {
+    /// The server certificate (PEM), valid for `127.0.0.1`.
+    pub cert_pem: String,
+    /// The server's private key (PEM).
+    pub key_pem: String,
+    /// The CA certificate (PEM) that signed `cert_pem`.
+    pub ca_pem: String,
+}
+
+impl std::fmt::Debug for EtcdTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdTls")
+            .field("cert_pem", &format!("<{} bytes>", self.cert_pem.len()))
+            .field("key_pem", &"<redacted>")
+            .field("ca_pem", &format!("<{} bytes>", self.ca_pem.len()))
+            .finish()
     }
 }
 
@@ -55,11 +88,34 @@ impl EtcdServer {
         }
     }
 
+    /// Starts a single-member cluster whose client URL is `https://127.0.0.1:PORT`, served
+    /// with `tls`'s certificate (clients are not asked for one). Readiness and
+    /// [`health`](Self::health) use a plain-HTTP metrics URL; [`status`](Self::status)
+    /// needs a plain client URL and fails on this server.
+    pub async fn start_tls(tls: EtcdTls) -> Result<Self, HarnessError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once_with(Some(tls.clone())).await {
+                Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
+                result => return result,
+            }
+        }
+    }
+
     async fn start_once() -> Result<Self, HarnessError> {
+        Self::start_once_with(None).await
+    }
+
+    async fn start_once_with(tls: Option<EtcdTls>) -> Result<Self, HarnessError> {
+        let tls = match tls {
+            Some(tls) => Some((tls, free_port()?)),
+            None => None,
+        };
         let plan = MemberPlan {
             name: "single".into(),
             client_port: free_port()?,
             peer_port: free_port()?,
+            tls,
         };
         let initial_cluster = format!("{}={}", plan.name, plan.peer_url());
         let server = Self::spawn(plan, &initial_cluster, &unique_token())?;
@@ -70,10 +126,10 @@ impl EtcdServer {
     fn spawn(plan: MemberPlan, initial_cluster: &str, token: &str) -> Result<Self, HarnessError> {
         let program = find_binary("etcd", &[])?;
         let dir = super::temp_dir("distlock-etcd-")?;
-        let client_url = format!("http://127.0.0.1:{}", plan.client_port);
+        let client_url = plan.client_url();
         let peer_url = plan.peer_url();
         let data_dir = dir.path().join(format!("{}.etcd", plan.name));
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             format!("--name={}", plan.name),
             format!("--data-dir={}", data_dir.display()),
             format!("--listen-client-urls={client_url}"),
@@ -86,6 +142,21 @@ impl EtcdServer {
             "--logger=zap".into(),
             "--log-outputs=stderr".into(),
         ];
+        if let Some((tls, metrics_port)) = &plan.tls {
+            let mut files = Vec::with_capacity(3);
+            // No `--trusted-ca-file`: with it etcd requires a client certificate.
+            for (name, pem) in [("server.crt", &tls.cert_pem), ("server.key", &tls.key_pem)] {
+                let path = dir.path().join(name);
+                std::fs::write(&path, pem)
+                    .map_err(|e| HarnessError::io(format!("writing {}", path.display()), e))?;
+                files.push(path.display().to_string());
+            }
+            args.extend([
+                format!("--cert-file={}", files[0]),
+                format!("--key-file={}", files[1]),
+                format!("--listen-metrics-urls=http://127.0.0.1:{metrics_port}"),
+            ]);
+        }
         let mut envs = Vec::new();
         // etcd refuses to start on architectures other than amd64/ppc64le/s390x unless told.
         let unsupported = match std::env::consts::ARCH {
@@ -112,9 +183,14 @@ impl EtcdServer {
         Ok(EtcdServer { process, plan, dir })
     }
 
-    /// `http://127.0.0.1:PORT`, the client URL.
+    /// `http://127.0.0.1:PORT`, the client URL (`https://` for a TLS member).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.plan.client_port)
+        self.plan.client_url()
+    }
+
+    /// True when the client URL is `https://` ([`start_tls`](Self::start_tls)).
+    pub fn is_tls(&self) -> bool {
+        self.plan.tls.is_some()
     }
 
     /// The client address, for example as the upstream of a [`super::proxy::FaultProxy`].
@@ -186,9 +262,14 @@ impl EtcdServer {
         self.process.log_tail()
     }
 
-    /// `GET /health` once: `Ok(true)` when the member reports `"health":"true"`.
+    /// `GET /health` once: `Ok(true)` when the member reports `"health":"true"`. A TLS
+    /// member is asked on its plain-HTTP metrics URL.
     pub async fn health(&self) -> Result<bool, HarnessError> {
-        let (_, body) = http_request(self.addr(), "GET", "/health", None, REQUEST_TIMEOUT).await?;
+        let addr = match &self.plan.tls {
+            Some((_, metrics_port)) => loopback(*metrics_port),
+            None => self.addr(),
+        };
+        let (_, body) = http_request(addr, "GET", "/health", None, REQUEST_TIMEOUT).await?;
         Ok(body.contains("\"health\":\"true\""))
     }
 
@@ -241,6 +322,11 @@ impl EtcdServer {
                         return Probe::NotYet("/health is not true (no leader yet?)".into());
                     }
                     Err(e) => return Probe::NotYet(e.to_string()),
+                }
+                if self.plan.tls.is_some() {
+                    // The client port speaks TLS only; the healthy metrics port was bound
+                    // by this process (a clash would have made it exit, seen above).
+                    return Probe::Ready(());
                 }
                 // Make sure the etcd on the port is ours (its cluster has our peer URL), not
                 // another process's that took the port first.
@@ -304,6 +390,7 @@ impl EtcdCluster {
                 name: format!("m{i}"),
                 client_port: free_port()?,
                 peer_port: free_port()?,
+                tls: None,
             });
         }
         let initial_cluster = plans
