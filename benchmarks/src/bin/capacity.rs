@@ -1,0 +1,301 @@
+//! The capacity-planning report: sweeps concurrency for every backend and its baselines
+//! against servers it starts itself, and writes `report.md`, `capacity.csv` and SVG charts.
+//!
+//! ```text
+//! cargo run --release -p benchmarks --bin capacity [-- --quick] [--out DIR] [--backends redis,etcd]
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use benchmarks::BenchError;
+use benchmarks::load::{self, Keys};
+use benchmarks::machine::Machine;
+use benchmarks::report::Report;
+use benchmarks::scenarios::{self, GuardMemory, Plan, Results};
+use benchmarks::subjects::{self, Servers, Store, SubjectId};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Measures distlock's backends beside raw-client baselines and writes a capacity report.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// Tiny sizes that only check the report still works (for CI); the numbers mean little.
+    #[arg(long)]
+    quick: bool,
+    /// Where the report, CSV and charts go.
+    #[arg(long, default_value = "target/capacity")]
+    out: PathBuf,
+    /// Backends to measure, comma-separated: memory, redis, pg-lease, pg-advisory, etcd.
+    /// The baselines of their stores are measured with them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "memory,redis,pg-lease,pg-advisory,etcd"
+    )]
+    backends: Vec<String>,
+    /// Internal: measure memory per held guard in this process and print one line.
+    #[arg(long, hide = true)]
+    guard_memory: Option<usize>,
+    /// Internal: the guards' TTL in milliseconds for `--guard-memory`.
+    #[arg(long, hide = true, default_value_t = 3_000)]
+    guard_ttl_ms: u64,
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let result = match args.guard_memory {
+        Some(count) => scenarios::guard_memory(count, Duration::from_millis(args.guard_ttl_ms))
+            .await
+            .map(|m| println!("{}", m.to_line())),
+        None => run(&args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("capacity: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn selected_backends(args: &Args) -> Result<Vec<SubjectId>, BenchError> {
+    let mut backends = Vec::new();
+    for name in &args.backends {
+        let name = name.trim();
+        match SubjectId::from_slug(name).filter(|s| s.is_backend()) {
+            Some(s) if !backends.contains(&s) => backends.push(s),
+            Some(_) => {}
+            None => {
+                return Err(BenchError::Unexpected {
+                    subject: "--backends",
+                    detail: format!(
+                        "unknown backend {name:?}; expected some of: {}",
+                        SubjectId::BACKENDS.map(SubjectId::slug).join(", ")
+                    ),
+                });
+            }
+        }
+    }
+    Ok(backends)
+}
+
+async fn run(args: &Args) -> Result<(), BenchError> {
+    let plan = if args.quick {
+        Plan::quick()
+    } else {
+        Plan::full()
+    };
+    let backends = selected_backends(args)?;
+    let stores: Vec<Store> = {
+        let mut s: Vec<Store> = backends.iter().map(|b| b.store()).collect();
+        s.sort();
+        s.dedup();
+        s
+    };
+    let subjects: Vec<SubjectId> = SubjectId::ALL
+        .into_iter()
+        .filter(|s| backends.contains(s) || (!s.is_backend() && stores.contains(&s.store())))
+        .collect();
+    let absent: Vec<String> = SubjectId::BACKENDS
+        .into_iter()
+        .filter(|b| !backends.contains(b))
+        .map(|b| {
+            format!(
+                "`{}` was not selected (`--backends`) in this run.",
+                b.slug()
+            )
+        })
+        .collect();
+
+    let machine = Machine::detect();
+    println!(
+        "capacity report ({} run) on {} cores, {} MiB RAM, kernel {}, {}",
+        if args.quick { "quick" } else { "full" },
+        machine.cores,
+        machine.ram_mib.unwrap_or(0),
+        machine.kernel,
+        machine.date
+    );
+    println!(
+        "servers: {} | {} | {}",
+        machine.redis, machine.postgres, machine.etcd
+    );
+
+    let backend_count = subjects.iter().filter(|s| s.is_backend()).count();
+    let steps =
+        subjects.len() * plan.levels.len() + backend_count * (2 + plan.batch_sizes.len()) + 2;
+    let bar = ProgressBar::new(u64::try_from(steps).unwrap_or(u64::MAX));
+    bar.set_style(
+        ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar.set_message(format!(
+        "starting servers: {}",
+        stores
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    let servers = Servers::start(&stores).await?;
+    bar.inc(1);
+
+    let mut results = Results::default();
+    let mut contended = Vec::new();
+    let mut renew = Vec::new();
+    for &id in &subjects {
+        bar.set_message(format!("{}: connecting", id.slug()));
+        let subject = subjects::open(id, &servers).await?;
+        let samples = scenarios::sweep(subject.clone(), &plan, |level| {
+            bar.set_message(format!("{}: {level} tasks", id.slug()));
+        })
+        .await;
+        bar.inc(u64::try_from(plan.levels.len()).unwrap_or(0));
+        let samples = match samples {
+            Ok(s) => s,
+            Err(e) => {
+                subject.close().await;
+                return Err(e);
+            }
+        };
+        for s in &samples {
+            // `suspend` prints even when the bar is hidden (output not a terminal).
+            bar.suspend(|| {
+                println!(
+                    "{:>24} {:>3} tasks {:>10.0} cycles/s  p50 {:>7.0} µs  p99 {:>7.0} µs",
+                    id.slug(),
+                    s.concurrency,
+                    s.ops_per_sec(),
+                    s.cycle_us(0.5),
+                    s.cycle_us(0.99)
+                );
+            });
+        }
+        results.sweep.extend(samples);
+        if let Some(backend) = subject.backend() {
+            bar.set_message(format!(
+                "{}: one key, {} tasks",
+                id.slug(),
+                plan.contended_tasks
+            ));
+            contended.push(
+                load::closed_loop(
+                    subject.clone(),
+                    plan.contended_tasks,
+                    Keys::Shared,
+                    plan.warmup,
+                    plan.duration,
+                )
+                .await?,
+            );
+            bar.inc(1);
+            bar.set_message(format!("{}: renew", id.slug()));
+            renew.push((
+                id,
+                scenarios::renew_rate(id, &backend, plan.duration).await?,
+            ));
+            bar.inc(1);
+            for &size in &plan.batch_sizes {
+                bar.set_message(format!("{}: batches of {size}", id.slug()));
+                results
+                    .batches
+                    .push(scenarios::batch(id, &backend, size, plan.batch_reps).await?);
+                bar.inc(1);
+            }
+        }
+        subject.close().await;
+    }
+    for (a, b, level) in scenarios::TARGET_PAIRS {
+        if !(subjects.contains(&a) && subjects.contains(&b)) {
+            continue;
+        }
+        bar.set_message(format!(
+            "{} vs {}: {level} tasks, alternating",
+            a.slug(),
+            b.slug()
+        ));
+        let sa = subjects::open(a, &servers).await?;
+        let sb = subjects::open(b, &servers).await?;
+        let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, &plan).await;
+        sa.close().await;
+        sb.close().await;
+        results.paired.push(pair?);
+    }
+    bar.inc(1);
+    let redis_cost = if subjects.contains(&SubjectId::Redis) {
+        bar.set_message("redis: server-side cost per command");
+        let redis = subjects::open(SubjectId::Redis, &servers).await?;
+        let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
+        let calls = if args.quick { 200 } else { 5_000 };
+        Some(scenarios::redis_server_cost(&servers, &redis, &raw, calls).await?)
+    } else {
+        None
+    };
+    drop(servers);
+
+    bar.set_message(format!("memory: holding {} guards", plan.guards));
+    bar.inc(1);
+    results.memory = Some(measure_guard_memory(&plan).await?);
+    bar.inc(1);
+    bar.finish_with_message("done");
+
+    let report = Report {
+        machine,
+        mode: if args.quick { "quick" } else { "full" }.into(),
+        plan,
+        results,
+        contended,
+        renew,
+        redis_cost,
+        absent,
+    };
+    let written = report.write_all(&args.out)?;
+    println!("\ntargets:");
+    for t in report.targets() {
+        let verdict = match t.met {
+            Some(true) => "met",
+            Some(false) => "MISSED",
+            None => "not measured",
+        };
+        println!(
+            "  {:<72} goal {:<12} measured {:<14} {verdict}",
+            t.what, t.goal, t.measured
+        );
+    }
+    println!("\nwrote:");
+    for path in written {
+        println!("  {}", path.display());
+    }
+    Ok(())
+}
+
+/// Runs the guard memory measurement in a fresh copy of this program, so that nothing
+/// measured before it (allocator caches, connection buffers) counts against the guards.
+async fn measure_guard_memory(plan: &Plan) -> Result<GuardMemory, BenchError> {
+    let err = |detail: String| BenchError::Unexpected {
+        subject: "guard memory",
+        detail,
+    };
+    let exe = std::env::current_exe().map_err(|e| err(e.to_string()))?;
+    let output = tokio::process::Command::new(exe)
+        .arg("--guard-memory")
+        .arg(plan.guards.to_string())
+        .arg("--guard-ttl-ms")
+        .arg(plan.guard_ttl.as_millis().to_string())
+        .output()
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() {
+        return Err(err(format!(
+            "the measuring process failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        )));
+    }
+    GuardMemory::parse(&stdout).ok_or_else(|| err(format!("unreadable output: {stdout:?}")))
+}

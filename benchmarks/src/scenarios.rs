@@ -1,0 +1,647 @@
+//! The measurements of the capacity report and the targets they are judged by:
+//! a concurrency sweep of every subject, one contended key per backend, batch calls, and
+//! the memory a held guard costs with the watchdog running.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use lock_api::memory::MemoryBackend;
+use lock_api::{LockBackend, LockKey, Locker, Renewal};
+
+use crate::BenchError;
+use crate::load::{self, Keys, Sample};
+use crate::subjects::{SubjectId, TTL};
+
+/// How much a run measures.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// The concurrency levels of the sweep.
+    pub levels: Vec<usize>,
+    /// Unrecorded time before each measurement.
+    pub warmup: Duration,
+    /// Recorded time of each measurement.
+    pub duration: Duration,
+    /// Tasks contending for one key.
+    pub contended_tasks: usize,
+    /// Keys per batch call.
+    pub batch_sizes: Vec<usize>,
+    /// Batch calls per size (the median is reported).
+    pub batch_reps: usize,
+    /// Alternating rounds of each target pair (each round measures both for a third of
+    /// `duration`).
+    pub pair_rounds: usize,
+    /// Guards held for the memory measurement.
+    pub guards: usize,
+    /// The TTL of those guards (the watchdog renews at a third of it).
+    pub guard_ttl: Duration,
+}
+
+impl Plan {
+    /// The full report: about five minutes with every store.
+    pub fn full() -> Self {
+        Self {
+            levels: vec![1, 4, 16, 64],
+            warmup: Duration::from_millis(500),
+            duration: Duration::from_secs(3),
+            contended_tasks: 16,
+            batch_sizes: vec![100, 1_000],
+            batch_reps: 5,
+            pair_rounds: 9,
+            guards: 100_000,
+            guard_ttl: Duration::from_secs(3),
+        }
+    }
+
+    /// Tiny sizes that only prove the report still works (CI).
+    pub fn quick() -> Self {
+        Self {
+            levels: vec![1, 4, 16, 64],
+            warmup: Duration::from_millis(20),
+            duration: Duration::from_millis(100),
+            contended_tasks: 4,
+            batch_sizes: vec![100],
+            batch_reps: 1,
+            pair_rounds: 2,
+            guards: 10_000,
+            guard_ttl: Duration::from_millis(300),
+        }
+    }
+}
+
+/// Keys per second of the batch calls of one backend at one size.
+#[derive(Clone, Debug)]
+pub struct BatchRow {
+    /// The backend.
+    pub subject: SubjectId,
+    /// Keys per call.
+    pub size: usize,
+    /// Whether the backend serves batches in one round trip (`Capabilities::native_batch`).
+    pub native: bool,
+    /// `acquire_many` keys per second (median of the repetitions), if measured.
+    pub acquire_keys_per_sec: Option<f64>,
+    /// `renew_many` keys per second, if measured.
+    pub renew_keys_per_sec: Option<f64>,
+    /// Why a size was not measured.
+    pub note: Option<String>,
+}
+
+/// Measures `acquire_many` and `renew_many` of `size` keys on `backend`, `reps` times.
+pub async fn batch(
+    subject: SubjectId,
+    backend: &Arc<dyn LockBackend>,
+    size: usize,
+    reps: usize,
+) -> Result<BatchRow, BenchError> {
+    let caps = backend.capabilities();
+    let mut row = BatchRow {
+        subject,
+        size,
+        native: caps.native_batch,
+        acquire_keys_per_sec: None,
+        renew_keys_per_sec: None,
+        note: None,
+    };
+    if let Some(max) = caps.max_held.filter(|&max| max < size) {
+        row.note = Some(format!(
+            "not measured: the backend holds at most {max} leases at once (one session each)"
+        ));
+        return Ok(row);
+    }
+    let lock_err = |source| BenchError::Lock {
+        subject: subject.slug(),
+        source,
+    };
+    let mut acquire_rates = Vec::with_capacity(reps);
+    let mut renew_rates = Vec::with_capacity(reps);
+    for rep in 0..reps.max(1) {
+        let keys = (0..size)
+            .map(|i| LockKey::new(format!("bench:{}:batch{size}:{rep}:{i}", subject.slug())))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(lock_err)?;
+        let start = Instant::now();
+        let leases = backend.acquire_many(&keys, TTL).await.map_err(lock_err)?;
+        let acquired = start.elapsed();
+        let leases: Vec<_> = leases.into_iter().flatten().collect();
+        if leases.len() != size {
+            return Err(BenchError::Unexpected {
+                subject: subject.slug(),
+                detail: format!("acquire_many took {} of {size} free keys", leases.len()),
+            });
+        }
+        let start = Instant::now();
+        let renewals = backend.renew_many(&leases).await.map_err(lock_err)?;
+        let renewed = start.elapsed();
+        let lost = renewals
+            .iter()
+            .filter(|r| !matches!(r, Renewal::Renewed { .. }))
+            .count();
+        backend.release_many(&leases).await.map_err(lock_err)?;
+        if lost > 0 {
+            return Err(BenchError::Unexpected {
+                subject: subject.slug(),
+                detail: format!("renew_many lost {lost} of {size} leases just taken"),
+            });
+        }
+        acquire_rates.push(size as f64 / acquired.as_secs_f64().max(1e-9));
+        renew_rates.push(size as f64 / renewed.as_secs_f64().max(1e-9));
+    }
+    row.acquire_keys_per_sec = Some(median(&mut acquire_rates));
+    row.renew_keys_per_sec = Some(median(&mut renew_rates));
+    Ok(row)
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Measures a renew on `backend`: one lease renewed back to back by one task for
+/// `duration`, as renewals per second.
+pub async fn renew_rate(
+    subject: SubjectId,
+    backend: &Arc<dyn LockBackend>,
+    duration: Duration,
+) -> Result<f64, BenchError> {
+    let lock_err = |source| BenchError::Lock {
+        subject: subject.slug(),
+        source,
+    };
+    let key = LockKey::new(format!("bench:{}:renew", subject.slug())).map_err(lock_err)?;
+    let lease = backend
+        .acquire(&key, TTL)
+        .await
+        .map_err(lock_err)?
+        .ok_or_else(|| BenchError::Unexpected {
+            subject: subject.slug(),
+            detail: "the renew benchmark's key was not free".into(),
+        })?;
+    let start = Instant::now();
+    let mut renewals = 0u64;
+    while start.elapsed() < duration {
+        backend.renew(&lease).await.map_err(lock_err)?;
+        renewals += 1;
+    }
+    let elapsed = start.elapsed();
+    backend.release(&lease).await.map_err(lock_err)?;
+    Ok(renewals as f64 / elapsed.as_secs_f64().max(1e-9))
+}
+
+/// What holding guards costs, measured in a process that does nothing else.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GuardMemory {
+    /// Guards held.
+    pub guards: usize,
+    /// Resident memory growth while taking them, per guard (the store's entry included).
+    pub bytes_per_guard: f64,
+    /// Resident memory growth of the same number of plain leases without guards, per lease.
+    pub bytes_per_plain_lease: f64,
+    /// Guards still held after the TTL had passed more than once (renewed by the watchdog).
+    pub held_after_renewals: usize,
+}
+
+impl GuardMemory {
+    /// The guard's own cost: growth per guard minus the store entry and lease alone.
+    pub fn bytes_beyond_store(&self) -> f64 {
+        self.bytes_per_guard - self.bytes_per_plain_lease
+    }
+
+    /// The line the measuring process prints, read back by [`GuardMemory::parse`].
+    pub fn to_line(&self) -> String {
+        format!(
+            "guard-memory guards={} bytes_per_guard={:.1} bytes_per_plain_lease={:.1} held={}",
+            self.guards, self.bytes_per_guard, self.bytes_per_plain_lease, self.held_after_renewals
+        )
+    }
+
+    /// Reads the line of [`GuardMemory::to_line`] from a process's output.
+    pub fn parse(output: &str) -> Option<Self> {
+        let line = output.lines().find(|l| l.starts_with("guard-memory "))?;
+        let field = |name: &str| {
+            line.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+        };
+        Some(Self {
+            guards: field("guards")?.parse().ok()?,
+            bytes_per_guard: field("bytes_per_guard")?.parse().ok()?,
+            bytes_per_plain_lease: field("bytes_per_plain_lease")?.parse().ok()?,
+            held_after_renewals: field("held")?.parse().ok()?,
+        })
+    }
+}
+
+/// Resident memory of this process, from `/proc/self/statm`.
+fn rss_bytes() -> usize {
+    let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: usize = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0);
+    pages * 4096
+}
+
+/// Holds `count` guards on the memory backend with the watchdog renewing them, and measures
+/// resident memory per guard; subtracts nothing, so run it in a fresh process.
+///
+/// It first takes `count` plain leases (no guards) to learn the store's own share, then
+/// `count` guards on other keys, then waits past the TTL and counts the guards still held:
+/// all of them, when one watchdog renewed them all in time.
+pub async fn guard_memory(count: usize, ttl: Duration) -> Result<GuardMemory, BenchError> {
+    let lock_err = |source| BenchError::Lock {
+        subject: "memory",
+        source,
+    };
+    let keys = |prefix: &str| {
+        (0..count)
+            .map(|i| LockKey::new(format!("{prefix}:{i:08}")))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(lock_err)
+    };
+    let backend = Arc::new(MemoryBackend::new());
+    let plain_keys = keys("plain")?;
+    let guard_keys = keys("guard")?;
+
+    let before = rss_bytes();
+    let plain: Vec<_> = backend
+        .acquire_many(&plain_keys, ttl * 100)
+        .await
+        .map_err(lock_err)?
+        .into_iter()
+        .flatten()
+        .collect();
+    let plain_growth = rss_bytes().saturating_sub(before);
+
+    let locker = Locker::builder(backend.clone())
+        .ttl(ttl)
+        .build()
+        .map_err(lock_err)?;
+    let before = rss_bytes();
+    let mut guards = Vec::with_capacity(count);
+    for key in &guard_keys {
+        if let Some(guard) = locker.try_lock(key).await.map_err(lock_err)? {
+            guards.push(guard);
+        }
+    }
+    let guard_growth = rss_bytes().saturating_sub(before);
+    tokio::time::sleep(ttl + ttl / 3).await;
+    let held = guards.iter().filter(|g| g.is_held()).count();
+    drop(plain);
+    Ok(GuardMemory {
+        guards: guards.len(),
+        bytes_per_guard: guard_growth as f64 / count.max(1) as f64,
+        bytes_per_plain_lease: plain_growth as f64 / count.max(1) as f64,
+        held_after_renewals: held,
+    })
+}
+
+/// Time the Redis server spends per call (`INFO commandstats`, `usec_per_call`): what the
+/// acquire and release scripts cost the server next to the raw commands they replace.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RedisServerCost {
+    /// Calls measured per command.
+    pub calls: usize,
+    /// µs per distlock acquire script (`SET NX PX`, `GET`, `TIME`, `SET` in Lua).
+    pub acquire_script_us: f64,
+    /// µs per distlock release script (owner-checked `DEL` of the lock).
+    pub release_script_us: f64,
+    /// µs per raw `SET key v NX PX`.
+    pub set_nx_us: f64,
+    /// µs per raw `DEL`.
+    pub del_us: f64,
+}
+
+/// Reads `usec_per_call` of `command` from an `INFO commandstats` reply.
+pub fn usec_per_call(info: &str, command: &str) -> Option<f64> {
+    let line = info
+        .lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{command}:")))?;
+    line.split([':', ','])
+        .find_map(|kv| kv.strip_prefix("usec_per_call="))?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// Measures [`RedisServerCost`] with `calls` sequential calls of each kind, resetting the
+/// server's statistics between kinds so that each number is for one command alone.
+pub async fn redis_server_cost(
+    servers: &crate::subjects::Servers,
+    redis: &Arc<dyn crate::subjects::Subject>,
+    raw_set_nx: &Arc<dyn crate::subjects::Subject>,
+    calls: usize,
+) -> Result<RedisServerCost, BenchError> {
+    let backend = redis.backend().ok_or_else(|| BenchError::Unexpected {
+        subject: "redis",
+        detail: "the Redis subject has no backend".into(),
+    })?;
+    let lock_err = |source| BenchError::Lock {
+        subject: "redis",
+        source,
+    };
+    let missing = |what: &str| BenchError::Unexpected {
+        subject: "redis",
+        detail: format!("INFO commandstats has no {what}"),
+    };
+    let keys = (0..calls)
+        .map(|i| LockKey::new(format!("bench:redis:server-cost:{i}")))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(lock_err)?;
+
+    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+    let mut leases = Vec::with_capacity(calls);
+    for key in &keys {
+        leases.extend(backend.acquire(key, TTL).await.map_err(lock_err)?);
+    }
+    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+    let acquire_script_us = usec_per_call(&info, "evalsha").ok_or_else(|| missing("evalsha"))?;
+
+    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+    for lease in &leases {
+        backend.release(lease).await.map_err(lock_err)?;
+    }
+    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+    let release_script_us = usec_per_call(&info, "evalsha").ok_or_else(|| missing("evalsha"))?;
+
+    let key = crate::subjects::BenchKey::new("bench:redis:server-cost:raw")?;
+    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+    for _ in 0..calls {
+        raw_set_nx.cycle(&key).await?;
+    }
+    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+    Ok(RedisServerCost {
+        calls,
+        acquire_script_us,
+        release_script_us,
+        set_nx_us: usec_per_call(&info, "set").ok_or_else(|| missing("set"))?,
+        del_us: usec_per_call(&info, "del").ok_or_else(|| missing("del"))?,
+    })
+}
+
+/// Two subjects measured in alternation at one concurrency, round after round, so that
+/// both see the same machine: on a shared machine the load from other processes moves
+/// within seconds, and measuring one subject minutes after the other would compare noise.
+#[derive(Clone, Debug)]
+pub struct Paired {
+    /// The subject whose ratio is reported.
+    pub a: SubjectId,
+    /// The subject it is compared with.
+    pub b: SubjectId,
+    /// Tasks running at once.
+    pub concurrency: usize,
+    /// `a`'s cycles/s over `b`'s, per round.
+    pub throughput_ratios: Vec<f64>,
+    /// `a`'s acquire p50 over `b`'s, per round.
+    pub acquire_p50_ratios: Vec<f64>,
+}
+
+impl Paired {
+    /// The median round's throughput ratio.
+    pub fn throughput_ratio(&self) -> f64 {
+        median(&mut self.throughput_ratios.clone())
+    }
+
+    /// The median round's acquire-p50 ratio.
+    pub fn acquire_p50_ratio(&self) -> f64 {
+        median(&mut self.acquire_p50_ratios.clone())
+    }
+}
+
+/// The pairs the targets are judged on: (subject, compared with, concurrency).
+pub const TARGET_PAIRS: [(SubjectId, SubjectId, usize); 6] = [
+    (SubjectId::Redis, SubjectId::RedisSetNx, 1),
+    (SubjectId::Redis, SubjectId::RedisTwoStep, 1),
+    (SubjectId::Redis, SubjectId::Rslock, 64),
+    (SubjectId::Etcd, SubjectId::EtcdRawSameOps, 1),
+    (SubjectId::PgLease, SubjectId::PgRawLease, 1),
+    (SubjectId::PgAdvisory, SubjectId::PgRawAdvisoryToken, 1),
+];
+
+/// Measures `a` then `b` (then `b` then `a`, alternating the order) for `rounds` rounds.
+pub async fn paired(
+    a: Arc<dyn crate::subjects::Subject>,
+    b: Arc<dyn crate::subjects::Subject>,
+    concurrency: usize,
+    rounds: usize,
+    plan: &Plan,
+) -> Result<Paired, BenchError> {
+    let mut out = Paired {
+        a: a.id(),
+        b: b.id(),
+        concurrency,
+        throughput_ratios: Vec::with_capacity(rounds),
+        acquire_p50_ratios: Vec::with_capacity(rounds),
+    };
+    let measure = |s: &Arc<dyn crate::subjects::Subject>| {
+        load::closed_loop(
+            s.clone(),
+            concurrency,
+            Keys::PerTask,
+            plan.warmup,
+            plan.duration / 3,
+        )
+    };
+    for round in 0..rounds.max(1) {
+        let (sa, sb) = if round % 2 == 0 {
+            let sa = measure(&a).await?;
+            (sa, measure(&b).await?)
+        } else {
+            let sb = measure(&b).await?;
+            (measure(&a).await?, sb)
+        };
+        if sb.ops_per_sec() > 0.0 && sb.acquire_us(0.5) > 0.0 {
+            out.throughput_ratios
+                .push(sa.ops_per_sec() / sb.ops_per_sec());
+            out.acquire_p50_ratios
+                .push(sa.acquire_us(0.5) / sb.acquire_us(0.5));
+        }
+    }
+    Ok(out)
+}
+
+/// One target of the issue, judged on this run.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// What is compared, e.g. `Redis acquire p50 / raw SET NX PX p50 (1 task)`.
+    pub what: String,
+    /// The goal, e.g. `<= 1.15`.
+    pub goal: String,
+    /// The measured value, formatted, or why it was not measured.
+    pub measured: String,
+    /// Met, missed, or not measured in this run.
+    pub met: Option<bool>,
+}
+
+/// Everything the targets are computed from.
+#[derive(Clone, Debug, Default)]
+pub struct Results {
+    /// The concurrency sweep.
+    pub sweep: Vec<Sample>,
+    /// The batch measurements.
+    pub batches: Vec<BatchRow>,
+    /// The guard memory measurement.
+    pub memory: Option<GuardMemory>,
+    /// The interleaved pairs of [`TARGET_PAIRS`].
+    pub paired: Vec<Paired>,
+}
+
+impl Results {
+    /// The sweep sample of `subject` at `concurrency`.
+    pub fn sample(&self, subject: SubjectId, concurrency: usize) -> Option<&Sample> {
+        self.sweep
+            .iter()
+            .find(|s| s.subject == subject && s.concurrency == concurrency)
+    }
+
+    /// Throughput of `a` over throughput of `b` at `concurrency`, in the sweep.
+    pub fn throughput_ratio(&self, a: SubjectId, b: SubjectId, concurrency: usize) -> Option<f64> {
+        let (a, b) = (self.sample(a, concurrency)?, self.sample(b, concurrency)?);
+        (b.ops_per_sec() > 0.0).then(|| a.ops_per_sec() / b.ops_per_sec())
+    }
+
+    fn pair(&self, a: SubjectId, b: SubjectId, concurrency: usize) -> Option<&Paired> {
+        self.paired
+            .iter()
+            .find(|p| p.a == a && p.b == b && p.concurrency == concurrency)
+            .filter(|p| !p.throughput_ratios.is_empty())
+    }
+
+    /// The throughput ratio a target is judged on: the interleaved pair's median when it
+    /// was measured, else the sweep's.
+    fn judged_throughput(&self, a: SubjectId, b: SubjectId, concurrency: usize) -> Option<f64> {
+        self.pair(a, b, concurrency)
+            .map(Paired::throughput_ratio)
+            .or_else(|| self.throughput_ratio(a, b, concurrency))
+    }
+
+    /// The issue's targets, each with this run's value.
+    pub fn targets(&self) -> Vec<Target> {
+        let ratio = |what: &str, goal: f64, at_least: bool, value: Option<f64>| {
+            let goal_text = format!("{} {goal:.2}x", if at_least { ">=" } else { "<=" });
+            match value {
+                Some(v) => Target {
+                    what: what.to_owned(),
+                    goal: goal_text,
+                    measured: format!("{v:.3}x"),
+                    met: Some(if at_least { v >= goal } else { v <= goal }),
+                },
+                None => Target {
+                    what: what.to_owned(),
+                    goal: goal_text,
+                    measured: "not measured in this run".into(),
+                    met: None,
+                },
+            }
+        };
+        let acquire_p50 = |s: SubjectId| self.sample(s, 1).map(|s| s.acquire_us(0.5));
+        let acquire_ratio = self
+            .pair(SubjectId::Redis, SubjectId::RedisSetNx, 1)
+            .map(Paired::acquire_p50_ratio)
+            .or_else(|| {
+                acquire_p50(SubjectId::Redis)
+                    .zip(acquire_p50(SubjectId::RedisSetNx))
+                    .map(|(a, b)| a / b)
+            });
+        let mut out = vec![
+            ratio(
+                "Redis acquire p50 / raw SET NX PX p50 (1 task)",
+                1.15,
+                false,
+                acquire_ratio,
+            ),
+            ratio(
+                "Redis acquire+release cycles/s / article two-step design (1 task)",
+                1.3,
+                true,
+                self.judged_throughput(SubjectId::Redis, SubjectId::RedisTwoStep, 1),
+            ),
+            ratio(
+                "Redis cycles/s / rslock lock+unlock (64 tasks, one client)",
+                1.0,
+                true,
+                self.judged_throughput(SubjectId::Redis, SubjectId::Rslock, 64),
+            ),
+        ];
+        let many = self
+            .batches
+            .iter()
+            .find(|b| b.subject == SubjectId::Redis && b.size == 1_000)
+            .and_then(|b| b.acquire_keys_per_sec);
+        out.push(Target {
+            what: "Redis acquire_many(1000) keys/s".into(),
+            goal: ">= 250,000".into(),
+            measured: many.map_or("not measured in this run".into(), |k| format!("{k:.0}")),
+            met: many.map(|k| k >= 250_000.0),
+        });
+        for backend in [SubjectId::Etcd, SubjectId::PgLease, SubjectId::PgAdvisory] {
+            let Some(baseline) = backend.baseline() else {
+                continue;
+            };
+            out.push(ratio(
+                &format!("{} cycles/s / {} (1 task)", backend.slug(), baseline.slug()),
+                0.9,
+                true,
+                self.judged_throughput(backend, baseline, 1),
+            ));
+        }
+        let per_guard = self.memory.as_ref().map(GuardMemory::bytes_beyond_store);
+        out.push(Target {
+            what: "memory per held guard with the watchdog (beyond the store entry)".into(),
+            goal: "< 1024 B".into(),
+            measured: per_guard.map_or("not measured in this run".into(), |b| format!("{b:.0} B")),
+            met: per_guard.map(|b| b < 1024.0),
+        });
+        out
+    }
+}
+
+/// Runs the sweep of one subject: every concurrency level of `plan`, in order.
+pub async fn sweep(
+    subject: Arc<dyn crate::subjects::Subject>,
+    plan: &Plan,
+    mut progress: impl FnMut(usize),
+) -> Result<Vec<Sample>, BenchError> {
+    let mut samples = Vec::with_capacity(plan.levels.len());
+    for &level in &plan.levels {
+        progress(level);
+        samples.push(
+            load::closed_loop(
+                subject.clone(),
+                level,
+                Keys::PerTask,
+                plan.warmup,
+                plan.duration,
+            )
+            .await?,
+        );
+    }
+    Ok(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GuardMemory;
+
+    #[test]
+    fn usec_per_call_is_read_from_commandstats() {
+        let info = "# Commandstats\r\ncmdstat_set:calls=3,usec=30,usec_per_call=10.00,\
+                    rejected_calls=0\r\ncmdstat_evalsha:calls=2,usec=9,usec_per_call=4.50\r\n";
+        assert_eq!(super::usec_per_call(info, "set"), Some(10.0));
+        assert_eq!(super::usec_per_call(info, "evalsha"), Some(4.5));
+        assert_eq!(super::usec_per_call(info, "del"), None);
+    }
+
+    #[test]
+    fn guard_memory_line_reads_back_as_written() {
+        let m = GuardMemory {
+            guards: 100_000,
+            bytes_per_guard: 612.5,
+            bytes_per_plain_lease: 301.0,
+            held_after_renewals: 100_000,
+        };
+        assert_eq!(
+            GuardMemory::parse(&format!("noise\n{}\n", m.to_line())),
+            Some(m)
+        );
+        assert_eq!(GuardMemory::parse("guard-memory guards=x"), None);
+    }
+}
