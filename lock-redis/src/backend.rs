@@ -1,5 +1,6 @@
 //! [`RedisBackend`]: the [`LockBackend`] on one Redis node or a Redis Cluster.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -13,18 +14,34 @@ use lock_api::{
 use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
-use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value};
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use crate::coalesce::Queue;
 use crate::config::{RedisBackendBuilder, redact_url};
-use crate::conn::{Call, Conn};
+use crate::conn::{Call, Conn, key_slot};
 use crate::keys::LockKeys;
-use crate::scripts::{ABANDON_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::scripts::{
+    ABANDON_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
+    RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
+};
 
 pub(crate) const NAME: &str = "redis";
 
+/// Most locks in one multi-key script call. A script runs atomically and holds the server
+/// meanwhile, so a long batch is split into several calls (pipelined together).
+const CHUNK: usize = 128;
+
 /// The Redis lock backend: one script (one round trip) per operation, one pipeline per
 /// node for batches, on a single node or a Redis Cluster.
+///
+/// Batches send one multi-key script call per hash slot (per node on a single node), of
+/// at most 128 locks each. On a single node, concurrent `acquire` (and `release`) calls
+/// coalesce: while one is in flight, the ones that arrive meanwhile wait and then go
+/// together as one multi-key call; a caller that finds nothing in flight sends at once.
+/// In a cluster single calls are sent one by one (calls on different slots could not
+/// share a script anyway).
 ///
 /// Keys: `<prefix>:{<name>}` holds the owner id with the lease's TTL;
 /// `<prefix>:{<name>}:fence` holds the newest token and never expires. Tokens are
@@ -59,6 +76,60 @@ struct Inner {
     /// The URLs with passwords hidden, for `Debug`.
     shown_urls: Vec<String>,
     cluster: bool,
+    /// Acquires waiting for the one in flight (single node only).
+    acquires: Queue<PendingAcquire>,
+    /// Releases waiting for the one in flight (single node only).
+    releases: Queue<PendingRelease>,
+}
+
+/// An acquire waiting in the coalescing queue, with the instant its caller called.
+struct PendingAcquire {
+    key: LockKey,
+    ttl: Duration,
+    called: Instant,
+    reply: oneshot::Sender<Result<Option<Lease>, LockError>>,
+}
+
+/// A release waiting in the coalescing queue.
+struct PendingRelease {
+    lease: Lease,
+    reply: oneshot::Sender<Result<Release, LockError>>,
+}
+
+/// The two kinds of coalesced calls.
+#[derive(Clone, Copy)]
+enum Kind {
+    Acquire,
+    Release,
+}
+
+/// Marks a call of `kind` in flight; when it is done (or its future is dropped), the calls
+/// queued meanwhile are sent as the next batch.
+struct InFlight<'a> {
+    backend: &'a RedisBackend,
+    kind: Kind,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.backend.hand_off(self.kind);
+    }
+}
+
+/// A single acquire on its way: if its future is dropped before the reply, whatever it
+/// may have taken is given back in the background (checked against its owner id).
+struct AbandonOnDrop<'a> {
+    backend: &'a RedisBackend,
+    attempt: Option<(LockKeys, OwnerId)>,
+    ttl: Duration,
+}
+
+impl Drop for AbandonOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(attempt) = self.attempt.take() {
+            self.backend.abandon(vec![attempt], self.ttl);
+        }
+    }
 }
 
 impl fmt::Debug for RedisBackend {
@@ -169,6 +240,8 @@ impl RedisBackend {
                 id: BackendId::next(),
                 shown_urls,
                 cluster: b.cluster,
+                acquires: Queue::default(),
+                releases: Queue::default(),
             }),
         })
     }
@@ -318,6 +391,230 @@ impl RedisBackend {
         }
     }
 
+    /// The items of a batch (given by the slots of their keys) grouped into multi-key
+    /// script calls: in a cluster a call's keys must share a hash slot; on one node any
+    /// keys go together. At most [`CHUNK`] items per call.
+    fn groups(&self, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
+        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, slot) in slots.enumerate() {
+            let slot = if self.inner.cluster { slot } else { 0 };
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot
+            .into_values()
+            .flat_map(|items| {
+                items
+                    .chunks(CHUNK)
+                    .map(<[usize]>::to_vec)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
+    /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
+    async fn send_acquires(
+        &self,
+        operation: &'static str,
+        attempts: &[(LockKeys, OwnerId, Duration)],
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
+        let calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+            let (k, owner, ttl) = &attempts[i];
+            keys.extend([k.lock.clone(), k.fence.clone()]);
+            args.extend([owner.to_string(), ttl.as_millis().to_string()]);
+        });
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, attempts.len()))
+    }
+
+    /// A renew or release batch: one multi-key call per group, one reply per lease.
+    async fn send_lease_batch(
+        &self,
+        operation: &'static str,
+        script: &'static Script,
+        leases: &[&Lease],
+        with_ttl: bool,
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
+        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
+        let calls = grouped_calls(script, &groups, |i, call_keys, args| {
+            let (k, lease) = (&keys[i], leases[i]);
+            call_keys.extend([k.lock.clone(), k.fence.clone()]);
+            args.extend([lease.owner().to_string(), lease.token().get().to_string()]);
+            if with_ttl {
+                args.push(lease.ttl().as_millis().to_string());
+            }
+        });
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, leases.len()))
+    }
+
+    /// One acquire sent directly, with the single-key script.
+    async fn acquire_one(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        called: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let keys = self.keys(key);
+        let owner = OwnerId::random();
+        let call = self.acquire_call(&keys, owner, ttl);
+        let mut pending = AbandonOnDrop {
+            backend: self,
+            attempt: Some((keys, owner)),
+            ttl,
+        };
+        let reply = self
+            .timed(
+                "acquire",
+                true,
+                self.inner.conn.invoke::<Option<u64>>(&call),
+            )
+            .await;
+        let attempt = pending.attempt.take();
+        match reply {
+            Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, ttl, called))),
+            Err(e) => {
+                if let (LockError::OutcomeUnknown { .. }, Some(attempt)) = (&e, attempt) {
+                    self.abandon(vec![attempt], ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
+        let call = self.lease_call(&RELEASE_SCRIPT, lease, false);
+        let released: i64 = self
+            .timed("release", true, self.inner.conn.invoke(&call))
+            .await?;
+        Ok(release(released))
+    }
+
+    /// Called when the call of `kind` in flight is done: sends the calls queued meanwhile
+    /// as one batch, in a task of its own (so it runs even when no caller waits any more),
+    /// or marks the queue idle.
+    fn hand_off(&self, kind: Kind) {
+        let runtime = tokio::runtime::Handle::try_current();
+        match kind {
+            Kind::Acquire => {
+                while let Some(batch) = self.inner.acquires.next() {
+                    let Ok(runtime) = &runtime else {
+                        // Nothing can be sent without a runtime: dropping the batch closes
+                        // its callers' channels, which tells them so.
+                        continue;
+                    };
+                    let backend = self.clone();
+                    runtime.spawn(async move {
+                        let _in_flight = InFlight {
+                            backend: &backend,
+                            kind,
+                        };
+                        backend.acquire_queued(batch).await;
+                    });
+                    return;
+                }
+            }
+            Kind::Release => {
+                while let Some(batch) = self.inner.releases.next() {
+                    let Ok(runtime) = &runtime else { continue };
+                    let backend = self.clone();
+                    runtime.spawn(async move {
+                        let _in_flight = InFlight {
+                            backend: &backend,
+                            kind,
+                        };
+                        backend.release_queued(batch).await;
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sends queued acquires as one batch and answers each caller. A lease whose caller
+    /// has gone (dropped its future) is released in the background, not left to expire.
+    async fn acquire_queued(&self, batch: Vec<PendingAcquire>) {
+        let attempts: Vec<(LockKeys, OwnerId, Duration)> = batch
+            .iter()
+            .map(|p| (self.keys(&p.key), OwnerId::random(), p.ttl))
+            .collect();
+        let longest = batch.iter().map(|p| p.ttl).max().unwrap_or_default();
+        let replies = match self.send_acquires("acquire", &attempts).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(
+                        attempts.into_iter().map(|(k, o, _)| (k, o)).collect(),
+                        longest,
+                    );
+                }
+                for p in batch {
+                    let _ = p.reply.send(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        let mut unknown = Vec::new();
+        let mut orphans = Vec::new();
+        for ((p, (keys, owner, _)), reply) in batch.into_iter().zip(attempts).zip(replies) {
+            let outcome = match reply
+                .map_err(|e| map_error("acquire", true, &e))
+                .and_then(|v| parse_token(Some(v)))
+            {
+                Ok(token) => Ok(token.map(|t| self.lease(&p.key, owner, t, p.ttl, p.called))),
+                Err(e) => {
+                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                        unknown.push((keys, owner));
+                    }
+                    Err(e)
+                }
+            };
+            if let Err(Ok(Some(lease))) = p.reply.send(outcome) {
+                orphans.push(lease);
+            }
+        }
+        if !unknown.is_empty() {
+            self.abandon(unknown, longest);
+        }
+        if !orphans.is_empty() {
+            let backend = self.clone();
+            tokio::spawn(async move {
+                let released = backend.release_many(&orphans).await;
+                tracing::debug!(
+                    leases = orphans.len(),
+                    done = released.is_ok(),
+                    "released the leases of acquires whose callers had gone"
+                );
+            });
+        }
+    }
+
+    /// Sends queued releases as one batch and answers each caller.
+    async fn release_queued(&self, batch: Vec<PendingRelease>) {
+        let leases: Vec<&Lease> = batch.iter().map(|p| &p.lease).collect();
+        let replies = self
+            .send_lease_batch("release", &RELEASE_MANY_SCRIPT, &leases, false)
+            .await;
+        let replies = match replies {
+            Ok(replies) => replies,
+            Err(e) => {
+                for p in batch {
+                    let _ = p.reply.send(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        for (p, reply) in batch.into_iter().zip(replies) {
+            let outcome = reply
+                .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
+                .map(release)
+                .map_err(|e| map_error("release", true, &e));
+            let _ = p.reply.send(outcome);
+        }
+    }
+
     /// Runs `script` on the fenced-resource key of `resource` with `token`.
     pub(crate) async fn run_script<T: redis::FromRedisValue>(
         &self,
@@ -428,24 +725,29 @@ impl LockBackend for RedisBackend {
         if let Some((replicas, wait)) = self.inner.replica_acks {
             return self.acquire_with_replicas(key, ttl, replicas, wait).await;
         }
-        let keys = self.keys(key);
-        let owner = OwnerId::random();
-        let call = self.acquire_call(&keys, owner, ttl);
-        let sent = Instant::now();
-        match self
-            .timed(
-                "acquire",
-                true,
-                self.inner.conn.invoke::<Option<u64>>(&call),
-            )
-            .await
-        {
-            Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, ttl, sent))),
-            Err(e) => {
-                if matches!(e, LockError::OutcomeUnknown { .. }) {
-                    self.abandon(vec![(keys, owner)], ttl);
-                }
-                Err(e)
+        let called = Instant::now();
+        if self.inner.cluster {
+            return self.acquire_one(key, ttl, called).await;
+        }
+        let mut queued = None;
+        let direct = self.inner.acquires.join(|| {
+            let (reply, rx) = oneshot::channel();
+            queued = Some(rx);
+            PendingAcquire {
+                key: key.clone(),
+                ttl,
+                called,
+                reply,
+            }
+        });
+        match queued {
+            Some(rx) if !direct => rx.await.unwrap_or_else(|_| Err(dropped("acquire"))),
+            _ => {
+                let _in_flight = InFlight {
+                    backend: self,
+                    kind: Kind::Acquire,
+                };
+                self.acquire_one(key, ttl, called).await
             }
         }
     }
@@ -462,11 +764,28 @@ impl LockBackend for RedisBackend {
 
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         lease.check_backend(self.inner.id, NAME)?;
-        let call = self.lease_call(&RELEASE_SCRIPT, lease, false);
-        let released: i64 = self
-            .timed("release", true, self.inner.conn.invoke(&call))
-            .await?;
-        Ok(release(released))
+        if self.inner.cluster {
+            return self.release_one(lease).await;
+        }
+        let mut queued = None;
+        let direct = self.inner.releases.join(|| {
+            let (reply, rx) = oneshot::channel();
+            queued = Some(rx);
+            PendingRelease {
+                lease: lease.clone(),
+                reply,
+            }
+        });
+        match queued {
+            Some(rx) if !direct => rx.await.unwrap_or_else(|_| Err(dropped("release"))),
+            _ => {
+                let _in_flight = InFlight {
+                    backend: self,
+                    kind: Kind::Release,
+                };
+                self.release_one(lease).await
+            }
+        }
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
@@ -563,16 +882,15 @@ impl LockBackend for RedisBackend {
             }
             return Ok(out);
         }
-        let attempts: Vec<(LockKeys, OwnerId)> = keys
+        let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
             .iter()
-            .map(|k| (self.keys(k), OwnerId::random()))
-            .collect();
-        let calls: Vec<Call> = attempts
-            .iter()
-            .map(|(k, owner)| self.acquire_call(k, *owner, ttl))
+            .map(|k| (self.keys(k), OwnerId::random(), ttl))
             .collect();
         let sent = Instant::now();
-        let replies = match self.timed_batch("acquire_many", &calls).await {
+        let replies = self.send_acquires("acquire_many", &with_ttl).await;
+        let attempts: Vec<(LockKeys, OwnerId)> =
+            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
+        let replies = match replies {
             Ok(r) => r,
             Err(e) => {
                 if matches!(e, LockError::OutcomeUnknown { .. }) {
@@ -633,8 +951,9 @@ impl LockBackend for RedisBackend {
         Ok(out)
     }
 
-    /// One pipeline per node. In a cluster, a lease whose node did not answer while
-    /// another node did is [`Renewal::Unreachable`] (the watchdog retries it until its
+    /// One pipeline per node, of one multi-key script call per hash slot (all leases on a
+    /// single node), 128 leases at most per call. In a cluster, a lease whose node did not
+    /// answer while another node did is [`Renewal::Unreachable`] (the watchdog retries it until its
     /// `valid_until`); when no node answers, the whole call fails, as the single form does.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         for lease in leases {
@@ -643,12 +962,11 @@ impl LockBackend for RedisBackend {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let calls: Vec<Call> = leases
-            .iter()
-            .map(|l| self.lease_call(&RENEW_SCRIPT, l, true))
-            .collect();
         let sent = Instant::now();
-        let replies = self.timed_batch("renew_many", &calls).await?;
+        let all: Vec<&Lease> = leases.iter().collect();
+        let replies = self
+            .send_lease_batch("renew_many", &RENEW_MANY_SCRIPT, &all, true)
+            .await?;
         Ok(self
             .lease_outcomes("renew_many", replies)?
             .into_iter()
@@ -660,8 +978,9 @@ impl LockBackend for RedisBackend {
             .collect())
     }
 
-    /// One pipeline per node. In a cluster, a lease whose node did not answer while
-    /// another node did is [`Release::Unreachable`] (it frees itself when its TTL runs
+    /// One pipeline per node, of one multi-key script call per hash slot (all leases on a
+    /// single node), 128 leases at most per call. In a cluster, a lease whose node did not
+    /// answer while another node did is [`Release::Unreachable`] (it frees itself when its TTL runs
     /// out); when no node answers, the whole call fails, as the single form does.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         for lease in leases {
@@ -670,16 +989,94 @@ impl LockBackend for RedisBackend {
         if leases.is_empty() {
             return Ok(Vec::new());
         }
-        let calls: Vec<Call> = leases
-            .iter()
-            .map(|l| self.lease_call(&RELEASE_SCRIPT, l, false))
-            .collect();
-        let replies = self.timed_batch("release_many", &calls).await?;
+        let all: Vec<&Lease> = leases.iter().collect();
+        let replies = self
+            .send_lease_batch("release_many", &RELEASE_MANY_SCRIPT, &all, false)
+            .await?;
         Ok(self
             .lease_outcomes("release_many", replies)?
             .into_iter()
             .map(|outcome| outcome.map_or(Release::Unreachable, release))
             .collect())
+    }
+}
+
+/// One multi-key call per group: `item(i, keys, args)` adds item `i`'s keys and arguments.
+fn grouped_calls(
+    script: &'static Script,
+    groups: &[Vec<usize>],
+    mut item: impl FnMut(usize, &mut Vec<String>, &mut Vec<String>),
+) -> Vec<Call> {
+    groups
+        .iter()
+        .map(|group| {
+            let mut keys = Vec::with_capacity(group.len() * 2);
+            let mut args = Vec::with_capacity(group.len() * 3);
+            for &i in group {
+                item(i, &mut keys, &mut args);
+            }
+            Call { script, keys, args }
+        })
+        .collect()
+}
+
+/// One reply per item from the replies of the grouped calls: a call's array is split over
+/// its items; a call's error is each of its items' error.
+fn spread(
+    groups: &[Vec<usize>],
+    replies: Vec<RedisResult<Value>>,
+    items: usize,
+) -> Vec<RedisResult<Value>> {
+    let mut out: Vec<Option<RedisResult<Value>>> = (0..items).map(|_| None).collect();
+    for (group, reply) in groups.iter().zip(replies) {
+        match reply.and_then(Value::extract_error) {
+            Ok(Value::Array(values)) if values.len() == group.len() => {
+                for (&i, value) in group.iter().zip(values) {
+                    out[i] = Some(value.extract_error());
+                }
+            }
+            other => {
+                let e = other.err().unwrap_or_else(|| {
+                    RedisError::from((ErrorKind::Client, "a batch script sent a malformed reply"))
+                });
+                for &i in group {
+                    out[i] = Some(Err(e.clone()));
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply")))))
+        .collect()
+}
+
+/// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`).
+fn duplicate(e: &LockError) -> LockError {
+    match e {
+        LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message,
+        } => LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message: message.clone(),
+        },
+        LockError::Unavailable { backend, message } => LockError::Unavailable {
+            backend,
+            message: message.clone(),
+        },
+        LockError::Config(message) => LockError::Config(message.clone()),
+        other => LockError::backend(NAME, other.to_string()),
+    }
+}
+
+/// The error of a queued call whose batch was dropped unanswered (its runtime shut down).
+fn dropped(operation: &'static str) -> LockError {
+    LockError::OutcomeUnknown {
+        backend: NAME,
+        operation,
+        message: "the batch was dropped before its reply".into(),
     }
 }
 

@@ -9,10 +9,16 @@
 //! * **Tokens that survive restarts.** Acquire sets the lock with `SET NX PX` and, only on
 //!   success, issues `max(counter + 1, server time in µs)` as the token and stores it.
 //! * **Batches.** `acquire_many`, `renew_many` and `release_many` send one pipeline per
-//!   node, so a watchdog renews thousands of leases in one round trip. In a cluster, the
+//!   node of multi-key script calls (one per hash slot in a cluster, at most 128 locks
+//!   each), so a watchdog renews thousands of leases in one round trip and a few script
+//!   calls. In a cluster, the
 //!   items of a node that does not answer (dead, or silent past the response timeout)
 //!   while another node does are `None` / [`lock_api::Renewal::Unreachable`] /
 //!   [`lock_api::Release::Unreachable`]; when no node answers, the call fails.
+//! * **Coalescing.** On a single node, `acquire` and `release` calls made while another
+//!   of the same kind is in flight wait for it and then go together as one multi-key
+//!   script call (each caller gets its own result; a lone caller sends at once). A script
+//!   call's fixed server cost is then paid once per batch, not once per lock.
 //! * **Cluster.** A lock's two keys share a hash tag, hence a slot; redirects are followed.
 //! * **Unknown outcomes.** A request without a reply within the response timeout fails with
 //!   [`lock_api::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
@@ -38,6 +44,7 @@
 //! [`RedisBackendBuilder::tls_root_ca_pem`]; see [`RedisBackendBuilder`] for `#insecure`.
 
 mod backend;
+mod coalesce;
 mod config;
 mod conn;
 mod fenced;

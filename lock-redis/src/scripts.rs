@@ -11,6 +11,9 @@ const RELEASE: &str = include_str!("scripts/release.lua");
 const ABANDON: &str = include_str!("scripts/abandon.lua");
 const FENCE: &str = include_str!("scripts/fence.lua");
 const ADMIT: &str = include_str!("scripts/admit.lua");
+const ACQUIRE_MANY: &str = include_str!("scripts/acquire_many.lua");
+const RENEW_MANY: &str = include_str!("scripts/renew_many.lua");
+const RELEASE_MANY: &str = include_str!("scripts/release_many.lua");
 
 /// `SET NX PX` and, on success, the new token `max(counter + 1, server µs)`.
 pub(crate) static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
@@ -25,8 +28,17 @@ pub(crate) static FENCE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(
 /// Highest admitted token of a fenced resource.
 pub(crate) static ADMIT_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ADMIT));
 
+/// [`ACQUIRE_SCRIPT`] for many locks of one hash slot: one call, one reply per lock.
+pub(crate) static ACQUIRE_MANY_SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(ACQUIRE_MANY));
+/// [`RENEW_SCRIPT`] for many leases of one hash slot.
+pub(crate) static RENEW_MANY_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW_MANY));
+/// [`RELEASE_SCRIPT`] for many leases of one hash slot.
+pub(crate) static RELEASE_MANY_SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(RELEASE_MANY));
+
 /// Every script, for loading them all when connecting.
-pub(crate) fn all() -> [&'static Script; 6] {
+pub(crate) fn all() -> [&'static Script; 9] {
     [
         &ACQUIRE_SCRIPT,
         &RENEW_SCRIPT,
@@ -34,6 +46,9 @@ pub(crate) fn all() -> [&'static Script; 6] {
         &ABANDON_SCRIPT,
         &FENCE_SCRIPT,
         &ADMIT_SCRIPT,
+        &ACQUIRE_MANY_SCRIPT,
+        &RENEW_MANY_SCRIPT,
+        &RELEASE_MANY_SCRIPT,
     ]
 }
 
@@ -47,6 +62,9 @@ pub(crate) fn source(script: &Script) -> &'static str {
         (&*ABANDON_SCRIPT, ABANDON),
         (&*FENCE_SCRIPT, FENCE),
         (&*ADMIT_SCRIPT, ADMIT),
+        (&*ACQUIRE_MANY_SCRIPT, ACQUIRE_MANY),
+        (&*RENEW_MANY_SCRIPT, RENEW_MANY),
+        (&*RELEASE_MANY_SCRIPT, RELEASE_MANY),
     ]
     .into_iter()
     .find(|(s, _)| s.get_hash() == script.get_hash())

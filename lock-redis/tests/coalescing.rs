@@ -1,0 +1,199 @@
+//! Concurrent single calls on one node coalesce into multi-key script calls: every caller
+//! still gets its own, correct result, and the server sees fewer script calls.
+
+mod common;
+
+use std::time::Duration;
+
+use common::RedisFactory;
+use futures::future::join_all;
+use lock_api::{LockBackend, LockError, LockKey, Release};
+use tokio::time::Instant;
+
+const TTL: Duration = Duration::from_secs(60);
+
+fn keys(prefix: &str, n: usize) -> Vec<LockKey> {
+    (0..n)
+        .map(|i| LockKey::new(format!("{prefix}-{i}")).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_on_distinct_keys_each_hold_their_key_with_fewer_script_calls() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys = keys("distinct", 200);
+    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    let before = Instant::now();
+    let leases: Vec<_> = join_all(keys.iter().map(|k| redis.acquire(k, TTL)))
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().expect("every key was free"))
+        .collect();
+    let acquire_calls = f.calls("evalsha").await;
+    assert!(
+        acquire_calls < 50,
+        "200 concurrent acquires took {acquire_calls} script calls"
+    );
+    for (key, lease) in keys.iter().zip(&leases) {
+        assert_eq!(lease.key(), key, "each caller got the lease of its own key");
+        // Validity counts from the caller's own call, never from later.
+        assert!(lease.valid_until() <= before + TTL);
+        let info = redis.inspect(key).await.unwrap();
+        assert_eq!(
+            info.owner,
+            Some(lease.owner()),
+            "{key} is held by its lease"
+        );
+        assert_eq!(info.token, Some(lease.token()));
+    }
+
+    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    let released = join_all(leases.iter().map(|l| redis.release(l))).await;
+    assert!(
+        released
+            .into_iter()
+            .all(|r| r.unwrap() == Release::Released)
+    );
+    let release_calls = f.calls("evalsha").await;
+    assert!(
+        release_calls < 50,
+        "200 concurrent releases took {release_calls} script calls"
+    );
+    for key in &keys {
+        assert_eq!(
+            redis.inspect(key).await.unwrap().owner,
+            None,
+            "{key} is free"
+        );
+    }
+    // Released again: each caller learns its own lease is no longer held.
+    let again = join_all(leases.iter().map(|l| redis.release(l))).await;
+    assert!(again.into_iter().all(|r| r.unwrap() == Release::NotHeld));
+    println!(
+        "200 concurrent acquires: {acquire_calls} EVALSHA; 200 releases: {release_calls} EVALSHA"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_acquires_of_one_key_have_exactly_one_winner() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let key = LockKey::new("contended").unwrap();
+    let results = join_all((0..50).map(|_| redis.acquire(&key, TTL))).await;
+    let winners: Vec<_> = results.into_iter().filter_map(|r| r.unwrap()).collect();
+    assert_eq!(winners.len(), 1, "exactly one caller holds the lock");
+    let info = redis.inspect(&key).await.unwrap();
+    assert_eq!(info.owner, Some(winners[0].owner()));
+    assert_eq!(info.token, Some(winners[0].token()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_concurrent_acquires_give_one_winner_per_key() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let shared = keys("shared", 10);
+    let alone = keys("alone", 50);
+    // Each shared key is asked for 8 times, interleaved with the keys asked for once.
+    let mut asked: Vec<&LockKey> = Vec::new();
+    for round in 0..8 {
+        asked.extend(shared.iter());
+        asked.extend(alone.iter().skip(round * 7).take(7));
+    }
+    assert_eq!(asked.len(), 80 + 50);
+    let results = join_all(asked.iter().map(|k| redis.acquire(k, TTL))).await;
+    let mut held = std::collections::HashMap::new();
+    for (key, result) in asked.iter().zip(results) {
+        if let Some(lease) = result.unwrap() {
+            assert_eq!(lease.key(), *key);
+            assert!(
+                held.insert((*key).clone(), lease).is_none(),
+                "{key} won twice"
+            );
+        }
+    }
+    assert_eq!(held.len(), 60, "every key has exactly one winner");
+    for (key, lease) in &held {
+        assert_eq!(redis.inspect(key).await.unwrap().owner, Some(lease.owner()));
+    }
+}
+
+// One thread: the connection's reader cannot run while the callers are polled, so the
+// first caller is in flight and every other one is queued when they all give up.
+#[tokio::test(flavor = "current_thread")]
+async fn acquires_whose_callers_left_are_given_back_in_the_background() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys = keys("dropped", 30);
+    let mut answered = Vec::new();
+    {
+        let mut pending: Vec<_> = keys.iter().map(|k| redis.acquire(k, TTL)).collect();
+        // Polled once: the first goes out, the others join the queue; then every caller
+        // gives up before any reply.
+        for fut in &mut pending {
+            if let std::task::Poll::Ready(result) = futures::poll!(fut.as_mut()) {
+                answered.extend(result.unwrap());
+            }
+        }
+    }
+    assert!(
+        answered.is_empty(),
+        "a caller was answered within its first poll"
+    );
+    for lease in &answered {
+        assert_eq!(redis.release(lease).await.unwrap(), Release::Released);
+    }
+    // The queued ones still ran (their fence counters exist), and nothing stays held
+    // anywhere near the 60 s TTL.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut held = 0;
+        let mut ran = 0;
+        for key in &keys {
+            let info = redis.inspect(key).await.unwrap();
+            held += usize::from(info.owner.is_some());
+            ran += usize::from(info.token.is_some());
+        }
+        if held == 0 && ran >= keys.len() - 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{held} locks of gone callers still held, {ran} of {} acquires ran",
+            keys.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The keys are free for everyone else.
+    for key in &keys {
+        assert!(redis.acquire(key, TTL).await.unwrap().is_some());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_reply_fails_every_caller_of_the_batch_with_an_unknown_outcome() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys = keys("cut", 20);
+    let ttl = Duration::from_secs(2);
+    f.proxy.blackhole();
+    let results = join_all(keys.iter().map(|k| redis.acquire(k, ttl))).await;
+    for result in results {
+        assert!(
+            matches!(result, Err(LockError::OutcomeUnknown { .. })),
+            "{result:?}"
+        );
+    }
+    f.proxy.heal();
+    // Whatever the lost batch took frees itself (cleanup in the background, or the TTL).
+    let deadline = Instant::now() + Duration::from_secs(15);
+    for key in &keys {
+        loop {
+            if let Ok(Some(_)) = redis.acquire(key, ttl).await {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{key} was never freed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
