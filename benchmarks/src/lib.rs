@@ -10,12 +10,14 @@
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
-//! * [`machine`]: the machine and server versions printed at the top of the report.
+//! * [`machine`]: the machine and server versions printed at the top of the report;
+//! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
 //!
 //! The criterion benches in `benches/` and the `capacity` binary are built on these.
 //! Numbers are only compared within one run: the servers share the machine's cores with
 //! the client, so absolute times move from run to run while ratios hold.
 
+pub mod deployment;
 pub mod load;
 pub mod machine;
 pub mod report;

@@ -156,6 +156,10 @@ pub async fn closed_loop(
                         result.acquire.saturating_record(nanos(cycle.acquire));
                         result.finished = end;
                     }
+                    // A backend that never waits (memory) would otherwise keep its worker
+                    // thread and starve the other tasks: the level would not run at the
+                    // concurrency it reports.
+                    tokio::task::consume_budget().await;
                 }
                 Ok::<_, BenchError>(result)
             })

@@ -60,18 +60,15 @@ impl Report {
             std::fs::write(&path, text).map_err(|e| output_err(&path, e))?;
             written.push(path);
         }
-        let throughput = dir.join("throughput.svg");
-        self.throughput_chart(&throughput)?;
-        written.push(throughput);
-        for level in [self.plan.levels.first(), self.plan.levels.last()]
+        let groups: Vec<(String, Vec<&Sample>)> = self
+            .subjects()
             .into_iter()
-            .flatten()
-            .copied()
-        {
-            let path = dir.join(format!("latency_c{level}.svg"));
-            self.latency_chart(&path, level)?;
-            written.push(path);
-        }
+            .map(|subject| {
+                let samples = self.results.sweep.iter().filter(|s| s.subject == subject);
+                (subject.slug().to_owned(), samples.collect())
+            })
+            .collect();
+        written.extend(write_charts(dir, &self.plan.levels, &groups)?);
         Ok(written)
     }
 
@@ -364,60 +361,91 @@ impl Report {
         }
         subjects
     }
+}
 
-    /// Cycles/s against concurrency, one line per subject, both axes logarithmic.
-    fn throughput_chart(&self, path: &Path) -> Result<(), BenchError> {
-        let series: Vec<(String, Vec<(f64, f64)>)> = self
-            .subjects()
-            .into_iter()
-            .map(|subject| {
-                let points = self
-                    .results
-                    .sweep
-                    .iter()
-                    .filter(|s| s.subject == subject)
-                    .map(|s| (s.concurrency as f64, s.ops_per_sec().max(1.0)))
-                    .collect();
-                (subject.slug().to_owned(), points)
-            })
-            .collect();
-        let levels: Vec<f64> = self.plan.levels.iter().map(|&l| l as f64).collect();
-        line_chart(
-            path,
-            "Cycles per second by concurrency (acquire + release)",
-            "concurrent tasks",
-            "cycles/s",
-            &series,
-            &levels,
-        )
+/// Writes `throughput.svg` (cycles/s against concurrency) and the latency percentile
+/// charts at the first and last of `levels`, one line per labelled group of samples.
+pub(crate) fn write_charts(
+    dir: &Path,
+    levels: &[usize],
+    groups: &[(String, Vec<&Sample>)],
+) -> Result<Vec<PathBuf>, BenchError> {
+    let mut written = Vec::new();
+    let throughput = dir.join("throughput.svg");
+    throughput_chart(&throughput, levels, groups)?;
+    written.push(throughput);
+    let mut charted = Vec::new();
+    for level in [levels.first(), levels.last()]
+        .into_iter()
+        .flatten()
+        .copied()
+    {
+        if charted.contains(&level) {
+            continue;
+        }
+        charted.push(level);
+        let path = dir.join(format!("latency_c{level}.svg"));
+        latency_chart(&path, level, groups)?;
+        written.push(path);
     }
+    Ok(written)
+}
 
-    /// Cycle latency at p50, p90, p99 and p99.9 for every subject at `level` tasks.
-    fn latency_chart(&self, path: &Path, level: usize) -> Result<(), BenchError> {
-        const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
-        let series: Vec<(String, Vec<(f64, f64)>)> = self
-            .results
-            .sweep
-            .iter()
-            .filter(|s| s.concurrency == level)
-            .map(|s| {
+/// Cycles/s against concurrency, one line per group, both axes logarithmic.
+fn throughput_chart(
+    path: &Path,
+    levels: &[usize],
+    groups: &[(String, Vec<&Sample>)],
+) -> Result<(), BenchError> {
+    let series: Vec<(String, Vec<(f64, f64)>)> = groups
+        .iter()
+        .map(|(label, samples)| {
+            let points = samples
+                .iter()
+                .map(|s| (s.concurrency as f64, s.ops_per_sec().max(1.0)))
+                .collect();
+            (label.clone(), points)
+        })
+        .collect();
+    let levels: Vec<f64> = levels.iter().map(|&l| l as f64).collect();
+    line_chart(
+        path,
+        "Cycles per second by concurrency (acquire + release)",
+        "concurrent tasks",
+        "cycles/s",
+        &series,
+        &levels,
+    )
+}
+
+/// Cycle latency at p50, p90, p99 and p99.9 for every group at `level` tasks.
+fn latency_chart(
+    path: &Path,
+    level: usize,
+    groups: &[(String, Vec<&Sample>)],
+) -> Result<(), BenchError> {
+    const QUANTILES: [f64; 4] = [0.5, 0.9, 0.99, 0.999];
+    let series: Vec<(String, Vec<(f64, f64)>)> = groups
+        .iter()
+        .flat_map(|(label, samples)| {
+            samples.iter().filter(|s| s.concurrency == level).map(|s| {
                 let points = QUANTILES
                     .iter()
                     .enumerate()
                     .map(|(i, &q)| (i as f64, s.cycle_us(q).max(0.1)))
                     .collect();
-                (s.subject.slug().to_owned(), points)
+                (label.clone(), points)
             })
-            .collect();
-        line_chart(
-            path,
-            &format!("Cycle latency percentiles at {level} tasks (p50, p90, p99, p99.9)"),
-            "percentile: 0 = p50, 1 = p90, 2 = p99, 3 = p99.9",
-            "latency (µs)",
-            &series,
-            &[0.0, 1.0, 2.0, 3.0],
-        )
-    }
+        })
+        .collect();
+    line_chart(
+        path,
+        &format!("Cycle latency percentiles at {level} tasks (p50, p90, p99, p99.9)"),
+        "percentile: 0 = p50, 1 = p90, 2 = p99, 3 = p99.9",
+        "latency (µs)",
+        &series,
+        &[0.0, 1.0, 2.0, 3.0],
+    )
 }
 
 /// Draws `series` as lines with points on a logarithmic y axis; the x axis is logarithmic

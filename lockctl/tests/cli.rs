@@ -250,15 +250,6 @@ fn setup_of_a_store_without_tables_does_nothing() {
 }
 
 #[test]
-fn bench_says_it_is_not_in_this_build() {
-    lockctl()
-        .args(["bench", "memory://"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("not part of this build"));
-}
-
-#[test]
 fn every_command_has_help() {
     lockctl()
         .arg("--help")
