@@ -813,55 +813,41 @@ impl LockBackend for RecordingBackend {
     ) -> Result<Vec<Option<Lease>>, LockError> {
         let invoked = Instant::now();
         let result = self.inner.acquire_many(keys, ttl).await;
-        match &result {
-            Ok(leases) => {
-                for (key, lease) in keys.iter().zip(leases) {
-                    self.record_acquire(key, ttl, invoked, Ok(lease));
-                }
-            }
-            Err(e) => {
-                for key in keys {
-                    self.record_acquire(key, ttl, invoked, Err(e));
-                }
-            }
-        }
+        each_outcome(keys, &result, |key, outcome| {
+            self.record_acquire(key, ttl, invoked, outcome);
+        });
         result
     }
 
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         let invoked = Instant::now();
         let result = self.inner.renew_many(leases).await;
-        match &result {
-            Ok(renewals) => {
-                for (lease, renewal) in leases.iter().zip(renewals) {
-                    self.record_renewal(lease, invoked, Ok(renewal));
-                }
-            }
-            Err(e) => {
-                for lease in leases {
-                    self.record_renewal(lease, invoked, Err(e));
-                }
-            }
-        }
+        each_outcome(leases, &result, |lease, outcome| {
+            self.record_renewal(lease, invoked, outcome);
+        });
         result
     }
 
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         let invoked = Instant::now();
         let result = self.inner.release_many(leases).await;
-        match &result {
-            Ok(releases) => {
-                for (lease, release) in leases.iter().zip(releases) {
-                    self.record_release(lease, invoked, Ok(release));
-                }
-            }
-            Err(e) => {
-                for lease in leases {
-                    self.record_release(lease, invoked, Err(e));
-                }
-            }
-        }
+        each_outcome(leases, &result, |lease, outcome| {
+            self.record_release(lease, invoked, outcome);
+        });
         result
+    }
+}
+
+/// Calls `record` once per input of a batch call with that input's own outcome: its
+/// item of the reply, or the error that failed the whole batch.
+fn each_outcome<I, T>(
+    inputs: &[I],
+    result: &Result<Vec<T>, LockError>,
+    mut record: impl FnMut(&I, Result<&T, &LockError>),
+) {
+    match result {
+        Ok(items) => inputs.iter().zip(items).for_each(|(i, t)| record(i, Ok(t))),
+        Err(e) => inputs.iter().for_each(|i| record(i, Err(e))),
     }
 }
 

@@ -75,6 +75,19 @@ impl Lease {
         }
     }
 
+    /// A lease rebuilt from its owner id and token by [`crate::LockBackend::adopt`]: this
+    /// process never saw the grant, so its local validity ends at once (`valid_until` is
+    /// now) and only the store's owner and token checks decide what it may do.
+    pub fn adopted(
+        backend: BackendId,
+        key: LockKey,
+        owner: OwnerId,
+        token: FencingToken,
+        ttl: Duration,
+    ) -> Self {
+        Self::new(backend, key, owner, token, ttl, Instant::now())
+    }
+
     /// Attaches a backend-private handle.
     #[must_use]
     pub fn with_handle(mut self, handle: Arc<dyn Any + Send + Sync>) -> Self {

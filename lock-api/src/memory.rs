@@ -233,14 +233,7 @@ impl LockBackend for MemoryBackend {
         ttl: Duration,
     ) -> Result<Lease, LockError> {
         self.capabilities.check_ttl(ttl)?;
-        Ok(Lease::new(
-            self.id,
-            key.clone(),
-            owner,
-            token,
-            ttl,
-            Instant::now(),
-        ))
+        Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {

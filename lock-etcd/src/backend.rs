@@ -630,13 +630,12 @@ impl LockBackend for EtcdBackend {
         self.check_ttl(ttl)?;
         // An adopted lease carries no lease id: renew and release read it from the key,
         // and only while the key still holds this owner and token.
-        Ok(Lease::new(
+        Ok(Lease::adopted(
             self.inner.id,
             key.clone(),
             owner,
             token,
             ttl,
-            Instant::now(),
         ))
     }
 }

@@ -426,14 +426,7 @@ impl LockBackend for PgLeaseBackend {
         ttl: Duration,
     ) -> Result<Lease, LockError> {
         self.capabilities().check_ttl(ttl)?;
-        Ok(Lease::new(
-            self.id,
-            key.clone(),
-            owner,
-            token,
-            ttl,
-            Instant::now(),
-        ))
+        Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
     }
 
     /// Deletes the key's row, and with it the newest token: the next grant starts from 1.

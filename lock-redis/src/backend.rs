@@ -836,13 +836,12 @@ impl LockBackend for RedisBackend {
         ttl: Duration,
     ) -> Result<Lease, LockError> {
         self.inner.caps.check_ttl(ttl)?;
-        Ok(Lease::new(
+        Ok(Lease::adopted(
             self.inner.id,
             key.clone(),
             owner,
             token,
             ttl,
-            Instant::now(),
         ))
     }
 
