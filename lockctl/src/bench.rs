@@ -3,15 +3,15 @@
 //! Every URL is connected before anything is measured, so a bad URL or a store that is
 //! down fails the command before any load is sent and before any file is written. Each
 //! store is then measured under a random key prefix and the keys used are purged
-//! afterwards (see [`benchmarks::deployment`]). Progress goes to stderr; stdout carries
+//! afterwards (see [`capacity::deployment`]). Progress goes to stderr; stdout carries
 //! the summary table, or the rows as JSON with `--json`.
 
 use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use benchmarks::deployment::{self, Cleanup, DeploymentReport, Row};
-use benchmarks::machine::Machine;
+use capacity::deployment::{self, Cleanup, DeploymentReport, Row};
+use capacity::machine::Machine;
 use distlock::LockBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 

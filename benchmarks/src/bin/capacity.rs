@@ -231,7 +231,7 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         let redis = subjects::open(SubjectId::Redis, &servers).await?;
         let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
         let calls = if args.quick { 200 } else { 5_000 };
-        Some(scenarios::redis_server_cost(&servers, &redis, &raw, calls).await?)
+        Some(benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, calls).await?)
     } else {
         None
     };

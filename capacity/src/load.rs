@@ -12,7 +12,7 @@ use hdrhistogram::Histogram;
 use tokio::time::Instant;
 
 use crate::BenchError;
-use crate::subjects::{BenchKey, Subject, SubjectId};
+use crate::subject::{BenchKey, Subject, SubjectId};
 
 /// Which keys the tasks use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use lock_api::{LockBackend, LockKey, Locker, Renewal};
 
 use crate::BenchError;
 use crate::load::{self, Keys, Sample};
-use crate::subjects::{SubjectId, TTL};
+use crate::subject::{SubjectId, TTL};
 
 /// How much a run measures.
 #[derive(Clone, Debug)]
@@ -322,61 +322,6 @@ pub fn usec_per_call(info: &str, command: &str) -> Option<f64> {
         .ok()
 }
 
-/// Measures [`RedisServerCost`] with `calls` sequential calls of each kind, resetting the
-/// server's statistics between kinds so that each number is for one command alone.
-pub async fn redis_server_cost(
-    servers: &crate::subjects::Servers,
-    redis: &Arc<dyn crate::subjects::Subject>,
-    raw_set_nx: &Arc<dyn crate::subjects::Subject>,
-    calls: usize,
-) -> Result<RedisServerCost, BenchError> {
-    let backend = redis.backend().ok_or_else(|| BenchError::Unexpected {
-        subject: "redis",
-        detail: "the Redis subject has no backend".into(),
-    })?;
-    let lock_err = |source| BenchError::Lock {
-        subject: "redis",
-        source,
-    };
-    let missing = |what: &str| BenchError::Unexpected {
-        subject: "redis",
-        detail: format!("INFO commandstats has no {what}"),
-    };
-    let keys = (0..calls)
-        .map(|i| LockKey::new(format!("bench:redis:server-cost:{i}")))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(lock_err)?;
-
-    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
-    let mut leases = Vec::with_capacity(calls);
-    for key in &keys {
-        leases.extend(backend.acquire(key, TTL).await.map_err(lock_err)?);
-    }
-    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
-    let acquire_script_us = usec_per_call(&info, "evalsha").ok_or_else(|| missing("evalsha"))?;
-
-    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
-    for lease in &leases {
-        backend.release(lease).await.map_err(lock_err)?;
-    }
-    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
-    let release_script_us = usec_per_call(&info, "evalsha").ok_or_else(|| missing("evalsha"))?;
-
-    let key = crate::subjects::BenchKey::new("bench:redis:server-cost:raw")?;
-    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
-    for _ in 0..calls {
-        raw_set_nx.cycle(&key).await?;
-    }
-    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
-    Ok(RedisServerCost {
-        calls,
-        acquire_script_us,
-        release_script_us,
-        set_nx_us: usec_per_call(&info, "set").ok_or_else(|| missing("set"))?,
-        del_us: usec_per_call(&info, "del").ok_or_else(|| missing("del"))?,
-    })
-}
-
 /// Two subjects measured in alternation at one concurrency, round after round, so that
 /// both see the same machine: on a shared machine the load from other processes moves
 /// within seconds, and measuring one subject minutes after the other would compare noise.
@@ -418,8 +363,8 @@ pub const TARGET_PAIRS: [(SubjectId, SubjectId, usize); 6] = [
 
 /// Measures `a` then `b` (then `b` then `a`, alternating the order) for `rounds` rounds.
 pub async fn paired(
-    a: Arc<dyn crate::subjects::Subject>,
-    b: Arc<dyn crate::subjects::Subject>,
+    a: Arc<dyn crate::subject::Subject>,
+    b: Arc<dyn crate::subject::Subject>,
     concurrency: usize,
     rounds: usize,
     plan: &Plan,
@@ -431,7 +376,7 @@ pub async fn paired(
         throughput_ratios: Vec::with_capacity(rounds),
         acquire_p50_ratios: Vec::with_capacity(rounds),
     };
-    let measure = |s: &Arc<dyn crate::subjects::Subject>| {
+    let measure = |s: &Arc<dyn crate::subject::Subject>| {
         load::closed_loop(
             s.clone(),
             concurrency,
@@ -596,7 +541,7 @@ impl Results {
 
 /// Runs the sweep of one subject: every concurrency level of `plan`, in order.
 pub async fn sweep(
-    subject: Arc<dyn crate::subjects::Subject>,
+    subject: Arc<dyn crate::subject::Subject>,
     plan: &Plan,
     mut progress: impl FnMut(usize),
 ) -> Result<Vec<Sample>, BenchError> {

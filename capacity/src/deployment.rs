@@ -21,7 +21,7 @@ use crate::load::Sample;
 use crate::machine::Machine;
 use crate::report;
 use crate::scenarios::{self, Plan};
-use crate::subjects::{BenchKey, Cycle, Subject, SubjectId, TTL};
+use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};
 
 /// The header of the deployments' `capacity.csv`.
 pub const CSV_HEADER: &str =

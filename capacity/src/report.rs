@@ -10,7 +10,7 @@ use crate::BenchError;
 use crate::load::Sample;
 use crate::machine::Machine;
 use crate::scenarios::{Plan, RedisServerCost, Results, Target};
-use crate::subjects::SubjectId;
+use crate::subject::SubjectId;
 
 /// The header of `capacity.csv`.
 pub const CSV_HEADER: &str = "subject,kind,store,concurrency,ops,seconds,ops_per_sec,\
@@ -111,7 +111,7 @@ impl Report {
              of a free key (one key per task); TTL {:?}.\n",
             self.plan.duration,
             self.plan.warmup,
-            crate::subjects::TTL
+            crate::subject::TTL
         );
         for note in &self.absent {
             let _ = writeln!(md, "> **Absent:** {note}\n");

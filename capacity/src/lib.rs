@@ -1,0 +1,76 @@
+//! The load generator, the concurrency sweep and the capacity report of distlock: what
+//! `lockctl bench` runs against deployments given by URL, and what the `benchmarks` crate
+//! builds its criterion benches and capacity report on, beside the raw-client baselines
+//! and peers it alone depends on.
+//!
+//! * [`subject`]: what is measured, behind one [`subject::Subject`] interface (one
+//!   acquire + release cycle per call);
+//! * [`load`]: closed-loop load at a given concurrency, with latency histograms;
+//! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
+//!   contended key, batches, memory per held guard) and the targets they are judged by;
+//! * [`report`]: the markdown report, the CSV and the SVG charts;
+//! * [`machine`]: the machine and server versions printed at the top of the report;
+//! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
+//!
+//! Numbers are only compared within one run: the servers share the machine's cores with
+//! the client, so absolute times move from run to run while ratios hold.
+
+pub mod deployment;
+pub mod load;
+pub mod machine;
+pub mod report;
+pub mod scenarios;
+pub mod subject;
+
+/// Everything that can stop a benchmark run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// A test server could not be started.
+    #[error("starting a server: {0}")]
+    Harness(#[from] conformance::harness::HarnessError),
+    /// A distlock backend failed.
+    #[error("{subject}: {source}")]
+    Lock {
+        /// The subject that failed.
+        subject: &'static str,
+        /// The backend's error.
+        #[source]
+        source: lock_api::LockError,
+    },
+    /// A raw client (baseline or peer) failed.
+    #[error("{subject}: {detail}")]
+    Client {
+        /// The subject that failed.
+        subject: &'static str,
+        /// What went wrong.
+        detail: String,
+    },
+    /// A measurement saw something that cannot happen when the subject works (an
+    /// uncontended acquire that was refused, a batch that took fewer keys than asked).
+    #[error("{subject}: {detail}")]
+    Unexpected {
+        /// The subject.
+        subject: &'static str,
+        /// What was seen.
+        detail: String,
+    },
+    /// Writing the report failed.
+    #[error("writing {path}: {detail}")]
+    Output {
+        /// The file being written.
+        path: String,
+        /// What went wrong.
+        detail: String,
+    },
+}
+
+impl BenchError {
+    /// A raw-client failure of `subject`.
+    pub fn client(subject: &'static str, e: impl std::fmt::Display) -> Self {
+        BenchError::Client {
+            subject,
+            detail: e.to_string(),
+        }
+    }
+}
