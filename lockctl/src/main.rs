@@ -9,6 +9,7 @@
 mod bench;
 mod check;
 mod demo;
+mod features;
 mod keys;
 mod used_keys;
 
@@ -124,6 +125,10 @@ struct DemoArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(message) = features::check(&cli.command.urls()) {
+        eprintln!("lockctl: {message}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -139,6 +144,21 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("lockctl: {e}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+impl Command {
+    /// The store URLs the command will open.
+    fn urls(&self) -> Vec<&str> {
+        match self {
+            Command::Demo(args) => vec![args.backend.as_str()],
+            Command::Check { url, .. }
+            | Command::Setup { url }
+            | Command::Inspect { url, .. }
+            | Command::Acquire { url, .. }
+            | Command::Release { url, .. } => vec![url.as_str()],
+            Command::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
         }
     }
 }

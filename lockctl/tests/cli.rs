@@ -158,7 +158,8 @@ fn a_store_whose_feature_is_off_names_the_feature() {
         .args(["check", "etcd://127.0.0.1:2379"])
         .assert()
         .failure()
-        .stderr(predicate::str::contains("feature `etcd` is not enabled"));
+        .stderr(predicate::str::contains("feature `etcd` is not enabled"))
+        .stderr(predicate::str::contains("--features etcd"));
 }
 
 #[test]
@@ -448,6 +449,7 @@ mod on_postgres {
     }
 }
 
+#[cfg(feature = "etcd")]
 mod on_etcd {
     use super::*;
     use conformance::harness::etcd::{EtcdCluster, EtcdServer};
