@@ -1154,15 +1154,26 @@ fn is_unreachable(e: &RedisError) -> bool {
             || e.is_timeout()
             || e.is_connection_dropped()
             || e.is_io_error()
-            || matches!(
-                e.kind(),
-                ErrorKind::Server(
-                    ServerErrorKind::ClusterDown
-                        | ServerErrorKind::TryAgain
-                        | ServerErrorKind::BusyLoading
-                        | ServerErrorKind::MasterDown
-                ) | ErrorKind::ClusterConnectionNotFound
-            ))
+            || is_refused_for_now(e))
+}
+
+/// True for the errors of a request that did not run and may succeed later: no
+/// connection to its cluster node, or a server that refuses it for now: a replica or a
+/// demoted master (READONLY), a failover or resharding under way (MASTERDOWN,
+/// CLUSTERDOWN, TRYAGAIN), a dataset being loaded (LOADING), a long script (BUSY), or
+/// memory full (OOM). A script meets READONLY and OOM at its first write, so it has
+/// changed nothing either.
+fn is_refused_for_now(e: &RedisError) -> bool {
+    matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::ClusterDown
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        ) | ErrorKind::ClusterConnectionNotFound
+    ) || e.code().is_some_and(|c| c == "BUSY" || c == "OOM")
 }
 
 fn is_auth_error(e: &RedisError) -> bool {
@@ -1195,18 +1206,10 @@ fn map_error(operation: &'static str, changes_state: bool, e: &RedisError) -> Lo
             LockError::unavailable(NAME, message)
         };
     }
-    match e.kind() {
-        ErrorKind::Server(
-            ServerErrorKind::ClusterDown
-            | ServerErrorKind::TryAgain
-            | ServerErrorKind::BusyLoading
-            | ServerErrorKind::MasterDown,
-        )
-        | ErrorKind::ClusterConnectionNotFound => {
-            LockError::unavailable(NAME, format!("{operation}: {e}"))
-        }
-        _ => LockError::backend(NAME, e.clone()),
+    if is_refused_for_now(e) {
+        return LockError::unavailable(NAME, format!("{operation}: {e}"));
     }
+    LockError::backend(NAME, e.clone())
 }
 
 trait KindName {
@@ -1220,5 +1223,37 @@ impl KindName for RedisError {
             Some(code) => format!("{}: {code}", self.category()),
             None => self.category().to_owned(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server_error(reply: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+            .and_then(Value::extract_error)
+            .expect_err("an error reply")
+    }
+
+    #[test]
+    fn transient_server_refusals_are_retryable_unavailable() {
+        for reply in [
+            "READONLY You can't write against a read only replica.",
+            "BUSY Redis is busy running a script.",
+            "LOADING Redis is loading the dataset in memory",
+            "TRYAGAIN Multiple keys request during rehashing of slot",
+            "OOM command not allowed when used memory > 'maxmemory'.",
+            "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+            "CLUSTERDOWN The cluster is down",
+        ] {
+            let err = map_error("acquire", true, &server_error(reply));
+            assert!(
+                matches!(err, LockError::Unavailable { .. }) && err.is_retryable(),
+                "{reply}: {err:?}"
+            );
+        }
+        let err = map_error("acquire", true, &server_error("ERR unknown command"));
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
     }
 }
