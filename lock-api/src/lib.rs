@@ -9,6 +9,7 @@ mod key;
 mod lease;
 mod locker;
 pub mod memory;
+mod redact;
 pub mod telemetry;
 mod watchdog;
 
@@ -23,6 +24,7 @@ pub use lease::{
     VALIDITY_MARGIN, valid_until,
 };
 pub use locker::{Locker, LockerBuilder, RetryPolicy};
+pub use redact::{redact_url, url_userinfo_is_ambiguous};
 
 /// Re-exported so backends implement [`LockBackend`] with the same macro version.
 pub use async_trait::async_trait;
