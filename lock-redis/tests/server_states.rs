@@ -40,7 +40,7 @@ async fn an_acquire_sent_to_a_replica_is_unavailable() {
     let key = LockKey::new("behind-a-failover-address").unwrap();
 
     assert_unavailable(redis.acquire(&key, TTL).await);
-    assert_unavailable(redis.acquire_many(&[key.clone()], TTL).await);
+    assert_unavailable(redis.acquire_many(std::slice::from_ref(&key), TTL).await);
     let (lock_key, _) = redis.redis_keys(&key);
     assert_eq!(
         harness::require(master.command(&["EXISTS", lock_key.as_str()]).await),
@@ -59,7 +59,7 @@ async fn an_acquire_on_a_server_out_of_memory_is_unavailable_until_memory_is_fre
     }
 
     assert_unavailable(redis.acquire(&key, TTL).await);
-    assert_unavailable(redis.acquire_many(&[key.clone()], TTL).await);
+    assert_unavailable(redis.acquire_many(std::slice::from_ref(&key), TTL).await);
     assert_eq!(
         harness::require(server.command(&["EXISTS", lock_key.as_str()]).await),
         RespValue::Integer(0),
