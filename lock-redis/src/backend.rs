@@ -33,6 +33,13 @@ pub(crate) const NAME: &str = "redis";
 /// meanwhile, so a long batch is split into several calls (pipelined together).
 const CHUNK: usize = 128;
 
+/// The longest TTL a [`RedisBackend`] accepts, whatever
+/// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
+/// count of milliseconds since 1970, so `PX` must leave room for the current time.
+/// 2^62 ms (about 146 million years) leaves plenty; a longer `max_ttl` fails `build` with
+/// [`LockError::Config`].
+pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
+
 /// The Redis lock backend: one script (one round trip) per operation, one pipeline per
 /// node for batches, on a single node or a Redis Cluster.
 ///
@@ -151,6 +158,12 @@ impl RedisBackend {
 
     pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
         let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
+        if b.max_ttl > LONGEST_TTL {
+            return Err(LockError::Config(format!(
+                "max_ttl {:?} is longer than Redis can keep an expiry; at most {LONGEST_TTL:?}",
+                b.max_ttl
+            )));
+        }
         if b.uses_tls() {
             crate::tls::ensure_crypto_provider();
         }

@@ -52,7 +52,7 @@ mod keys;
 mod scripts;
 mod tls;
 
-pub use backend::RedisBackend;
+pub use backend::{LONGEST_TTL, RedisBackend};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
     DEFAULT_RESPONSE_TIMEOUT, RedisBackendBuilder,

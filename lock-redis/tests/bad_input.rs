@@ -103,6 +103,40 @@ async fn a_server_that_is_down_is_unavailable() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_max_ttl_longer_than_redis_keeps_is_refused_and_the_longest_ttl_works() {
+    let f = RedisFactory::start().await;
+    let too_long = Duration::from_millis(u64::MAX);
+    let err = RedisBackend::builder()
+        .url(f.url())
+        .max_ttl(too_long)
+        .build()
+        .await
+        .expect_err("PX cannot hold this TTL");
+    assert!(matches!(err, LockError::Config(_)), "{err:?}");
+
+    let redis = RedisBackend::builder()
+        .url(f.url())
+        .max_ttl(lock_redis::LONGEST_TTL)
+        .build()
+        .await
+        .expect("the longest TTL is accepted");
+    let k = LockKey::new("ttl-edge").unwrap();
+    let beyond = lock_redis::LONGEST_TTL + Duration::from_millis(1);
+    let err = redis.acquire(&k, beyond).await.expect_err("too long");
+    assert!(matches!(err, LockError::InvalidTtl { .. }), "{err:?}");
+    let lease = redis
+        .acquire(&k, lock_redis::LONGEST_TTL)
+        .await
+        .expect("Redis keeps the longest TTL")
+        .expect("free key");
+    assert!(matches!(
+        redis.renew(&lease).await.unwrap(),
+        Renewal::Renewed { .. }
+    ));
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_ttls_and_foreign_leases_are_refused_before_any_io() {
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
