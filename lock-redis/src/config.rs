@@ -5,6 +5,7 @@ use std::fmt;
 use std::time::Duration;
 
 use lock_api::LockError;
+pub(crate) use lock_api::redact_url;
 
 use crate::RedisBackend;
 
@@ -36,7 +37,9 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// * `redis+cluster://...` or `rediss+cluster://...` — a Redis Cluster discovered from that
 ///   one seed node (the scheme is the plain one with `+cluster` added).
 ///
-/// A cluster has no databases: a `/db` other than 0 is refused there.
+/// A cluster has no databases: a `/db` other than 0 is refused there. A URL takes no
+/// query parameters (`build` names one it finds in a [`LockError::Config`]), and a `/`,
+/// `?`, `#` or `@` in the user or password must be escaped (`%2F`, `%3F`, `%23`, `%40`).
 ///
 /// # TLS and the process-wide crypto provider
 ///
@@ -165,8 +168,9 @@ impl RedisBackendBuilder {
 
     /// Validates the options and connects.
     ///
-    /// Fails with [`LockError::Config`] for a malformed URL, a bad prefix or bad TTL bounds,
-    /// or refused credentials, and with [`LockError::Unavailable`] when no server answers.
+    /// Fails with [`LockError::Config`] for a malformed URL or one with a query parameter,
+    /// a bad prefix or bad TTL bounds, or refused credentials, and with
+    /// [`LockError::Unavailable`] when no server answers.
     pub async fn build(self) -> Result<RedisBackend, LockError> {
         self.validate()?;
         RedisBackend::connect(self).await
@@ -175,6 +179,9 @@ impl RedisBackendBuilder {
     fn validate(&self) -> Result<(), LockError> {
         if self.urls.is_empty() {
             return Err(LockError::Config("no Redis URL was given".into()));
+        }
+        for url in &self.urls {
+            check_url(url)?;
         }
         if self.prefix.is_empty()
             || self
@@ -250,32 +257,31 @@ impl fmt::Debug for RedisBackendBuilder {
     }
 }
 
-/// The URL with any password replaced by `***`, for messages and `Debug`.
-pub(crate) fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        // Not a URL at all: it may be a password pasted in the wrong place.
-        return "<unparseable URL>".into();
+/// Refuses a URL whose userinfo may hold an unescaped delimiter (the client would read a
+/// piece of the password as the host), and any query parameter: the client reads none
+/// that distlock supports, so a parameter would be silently ignored.
+fn check_url(url: &str) -> Result<(), LockError> {
+    if lock_api::url_userinfo_is_ambiguous(url) {
+        return Err(LockError::Config(format!(
+            "the Redis URL {} has an `@` after a `/`, `?` or `#`: escape those characters \
+             in the user and password (`%2F`, `%3F`, `%23`, `%40`)",
+            redact_url(url)
+        )));
+    }
+    let after_fragment = url.split('#').next().unwrap_or_default();
+    let Some((_, query)) = after_fragment.split_once('?') else {
+        return Ok(());
     };
-    let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..authority_end];
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
-    };
-    let userinfo = &authority[..at];
-    let user = userinfo.split(':').next().unwrap_or("");
-    let hidden = if userinfo.contains(':') {
-        format!("{user}:***")
-    } else {
-        // `redis://secret@host` puts the password where the user would be.
-        "***".to_owned()
-    };
-    format!(
-        "{}{hidden}@{}{}",
-        &url[..scheme_end + 3],
-        &authority[at + 1..],
-        &rest[authority_end..]
-    )
+    match query.split('&').find(|pair| !pair.is_empty()) {
+        Some(pair) => {
+            let name = pair.split_once('=').map_or(pair, |(name, _)| name);
+            Err(LockError::Config(format!(
+                "unknown parameter `{name}` in the Redis URL: a Redis URL takes no query \
+                 parameters; the builder's methods set the options"
+            )))
+        }
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -297,24 +303,103 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
 -----END CERTIFICATE-----
 ";
 
-    #[test]
-    fn redaction_hides_passwords_and_keeps_the_rest() {
-        assert_eq!(
-            redact_url("redis://user:s3cret@127.0.0.1:6379/2"),
-            "redis://user:***@127.0.0.1:6379/2"
-        );
-        assert_eq!(redact_url("rediss://:s3cret@h:1/"), "rediss://:***@h:1/");
-        assert_eq!(redact_url("redis://s3cret@h"), "redis://***@h");
-        assert_eq!(redact_url("redis://h:1/0"), "redis://h:1/0");
-        assert_eq!(redact_url("s3cret"), "<unparseable URL>");
+    /// Passwords holding every character that ends a URL part or separates etcd members.
+    fn passwords() -> Vec<String> {
+        ['@', '#', '?', '/', ',', '%', ':', '&']
+            .iter()
+            .map(|c| format!("hun{c}ter2"))
+            .collect()
     }
 
     #[test]
     fn builder_debug_never_shows_the_password() {
-        let b = RedisBackendBuilder::default().url("redis://u:hunter2@127.0.0.1:1/");
-        let shown = format!("{b:?}");
-        assert!(!shown.contains("hunter2"), "{shown}");
-        assert!(shown.contains("u:***@127.0.0.1:1"), "{shown}");
+        for password in passwords() {
+            let b =
+                RedisBackendBuilder::default().url(format!("redis://u:{password}@127.0.0.1:1/"));
+            let shown = format!("{b:?}");
+            assert!(!shown.contains(&password), "{shown}");
+            assert!(!shown.contains("ter2"), "{shown}");
+            assert!(shown.contains("u:***@127.0.0.1:1"), "{shown}");
+            let b = RedisBackendBuilder::default().cluster_urls([
+                format!("redis://:{password}@127.0.0.1:7000"),
+                format!("rediss://{password}@127.0.0.1:7001"),
+            ]);
+            let shown = format!("{b:?}");
+            assert!(!shown.contains("ter2"), "{shown}");
+        }
+    }
+
+    #[test]
+    fn config_errors_never_show_the_password() {
+        for password in passwords() {
+            for url in [
+                format!("redis://u:{password}@127.0.0.1:1/?prefix=jobs"),
+                format!("redis://u:{password}@127.0.0.1:1/"),
+                format!("redis://{password}@127.0.0.1:1/"),
+            ] {
+                // A root CA with a redis:// URL: the message names the URL.
+                let b = RedisBackendBuilder::default()
+                    .url(&url)
+                    .tls_root_ca_pem(CA_PEM);
+                let Err(LockError::Config(message)) = b.validate() else {
+                    panic!("{url} was accepted");
+                };
+                assert!(!message.contains("ter2"), "{url}: {message}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_password_with_an_unescaped_delimiter_is_refused_before_connecting() {
+        for url in [
+            "redis://u:12/hunter2@127.0.0.1:6379",
+            "redis://u:12?hunter2@127.0.0.1:6379",
+            "redis://u:12#hunter2@127.0.0.1:6379",
+        ] {
+            let Err(LockError::Config(message)) =
+                RedisBackendBuilder::default().url(url).validate()
+            else {
+                panic!("{url} was accepted");
+            };
+            assert!(message.contains("%2F"), "{message}");
+            assert!(!message.contains("hunter2"), "{message}");
+        }
+        assert!(
+            RedisBackendBuilder::default()
+                .url("redis://u:12%2Fhunter2@127.0.0.1:6379")
+                .validate()
+                .is_ok()
+        );
+    }
+
+    #[test]
+    fn a_query_parameter_is_refused_by_name() {
+        for (url, name) in [
+            ("redis://127.0.0.1:6379/?prefix=jobs", "`prefix`"),
+            ("redis://127.0.0.1:6379/0?protocol=resp3", "`protocol`"),
+            ("rediss://127.0.0.1:6379?db=1&x=2", "`db`"),
+            ("redis://127.0.0.1:6379/?&flag", "`flag`"),
+        ] {
+            let Err(LockError::Config(message)) =
+                RedisBackendBuilder::default().url(url).validate()
+            else {
+                panic!("{url} was accepted");
+            };
+            assert!(message.contains(name), "{url}: {message}");
+        }
+        let seeds = RedisBackendBuilder::default()
+            .cluster_urls(["redis://127.0.0.1:7000", "redis://127.0.0.1:7001?timeout=1"]);
+        assert!(matches!(seeds.validate(), Err(LockError::Config(m)) if m.contains("`timeout`")));
+        for url in [
+            "redis://127.0.0.1:6379/0",
+            "redis://127.0.0.1:6379/?",
+            "rediss://127.0.0.1:6379/#insecure",
+        ] {
+            assert!(
+                RedisBackendBuilder::default().url(url).validate().is_ok(),
+                "{url}"
+            );
+        }
     }
 
     #[test]
