@@ -40,14 +40,17 @@ const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
      WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
        AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
 
-/// Unlocks and puts the session's time limits back to the server defaults, so the
-/// connection can serve the pool again.
-const UNLOCK: &str = "SELECT pg_advisory_unlock($1) AS released, \
+/// Unlocks, drops any other advisory lock the session may hold (none, by the acquire's
+/// check), and puts the session's time limits back to the server defaults, so the
+/// connection can serve the pool again. The CTE runs the unlock of this key first.
+const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
+     SELECT u.released, pg_advisory_unlock_all(), \
      set_config('idle_session_timeout', '0', false), \
      set_config('tcp_user_timeout', '0', false), \
      set_config('tcp_keepalives_idle', '0', false), \
      set_config('tcp_keepalives_interval', '0', false), \
-     set_config('tcp_keepalives_count', '0', false)";
+     set_config('tcp_keepalives_count', '0', false) \
+     FROM u";
 
 /// PostgreSQL advisory-lock backend: session-level advisory locks
 /// (`pg_try_advisory_lock`) on a connection pinned to the lease until it is released.
@@ -61,6 +64,9 @@ const UNLOCK: &str = "SELECT pg_advisory_unlock($1) AS released, \
 ///   the lock, and only if it got it bumps the name's counter in
 ///   `<schema>.distlock_advisory_tokens` and sets the session's time limits. The
 ///   connection then stays pinned to the lease (in its private handle) until release.
+///   The statement first checks that the session holds no advisory lock, so that it holds
+///   exactly this one afterwards. An acquire that fails or is cancelled after its
+///   statement was sent closes the connection instead of giving it back to the pool.
 /// - **Ownership ends with the session.** The session runs with
 ///   `idle_session_timeout = ttl`, so a holder that stops renewing (paused, partitioned,
 ///   vanished) loses its session, and so its lock, about one TTL after its last call;
@@ -69,7 +75,8 @@ const UNLOCK: &str = "SELECT pg_advisory_unlock($1) AS released, \
 /// - **renew** checks on the pinned session that it is alive and still holds the lock
 ///   (`pg_locks` for `pg_backend_pid()`), which also restarts the idle timer. A dropped
 ///   connection is [`Renewal::Lost`].
-/// - **release** runs `pg_advisory_unlock` on the pinned session and gives the connection
+/// - **release** runs `pg_advisory_unlock` (then `pg_advisory_unlock_all`, which finds
+///   nothing left) on the pinned session and gives the connection
 ///   back to the pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
 ///
@@ -121,6 +128,31 @@ struct Pinned {
     _held: Held,
 }
 
+/// A connection while an acquire runs on it, closed on drop unless the acquire finished.
+/// Once its statement is sent, an acquire may take the lock even when the caller's future
+/// is then dropped or the reply is lost, and a session lock outlives the statement: such
+/// a connection must never go back to the pool, where it would keep holding the lock.
+struct Attempt<'a> {
+    conn: &'a mut PoolConnection<Postgres>,
+    finished: bool,
+}
+
+impl Attempt<'_> {
+    /// The statement completed and its result is in hand: the connection is either about
+    /// to be pinned to the new lease or, lock not taken, clean for the pool.
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 /// Counts one held lock while it lives.
 struct Held(Arc<AtomicUsize>);
 
@@ -157,21 +189,32 @@ impl PgAdvisoryBackend {
         let max_held = usize::try_from(max_held).unwrap_or(usize::MAX);
         let s = &client.schema;
         let sql = Statements {
-            // The lock CTE holds a volatile call, so it is evaluated exactly once; the
-            // session settings and the token bump only happen when the lock was taken.
+            // The CTEs hold volatile calls, so each is evaluated exactly once, in the
+            // order they read each other: first the advisory locks this session already
+            // holds (a pooled session must hold none, so that it holds exactly one after
+            // the acquire and one unlock frees the key), then the try; the session
+            // settings and the token bump only happen when the lock was taken.
             acquire: s.sql(
-                "WITH l AS (SELECT pg_try_advisory_lock($1) AS ok), \
+                "WITH pre AS (SELECT count(*) AS held FROM pg_locks \
+                               WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
+                 l AS (SELECT pre.held, \
+                              CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) \
+                                   ELSE false END AS ok \
+                         FROM pre), \
                  cfg AS (SELECT set_config('idle_session_timeout', $3, false), \
                                 set_config('tcp_user_timeout', $3, false), \
                                 set_config('tcp_keepalives_idle', $4, false), \
                                 set_config('tcp_keepalives_interval', $4, false), \
                                 set_config('tcp_keepalives_count', $5, false) \
-                           FROM l WHERE l.ok) \
-                 INSERT INTO {s}.distlock_advisory_tokens AS t (name, token, owner, ttl_ms) \
-                 SELECT $2, 1, $6, $7 FROM l, cfg WHERE l.ok \
-                 ON CONFLICT (name) DO UPDATE \
-                    SET token = t.token + 1, owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
-                 RETURNING token",
+                           FROM l WHERE l.ok), \
+                 bumped AS (INSERT INTO {s}.distlock_advisory_tokens AS t \
+                                   (name, token, owner, ttl_ms) \
+                            SELECT $2, 1, $6, $7 FROM l, cfg WHERE l.ok \
+                            ON CONFLICT (name) DO UPDATE \
+                               SET token = t.token + 1, owner = EXCLUDED.owner, \
+                                   ttl_ms = EXCLUDED.ttl_ms \
+                            RETURNING token) \
+                 SELECT l.held, (SELECT token FROM bumped) AS token FROM l",
             ),
             token: s.sql("SELECT token FROM {s}.distlock_advisory_tokens WHERE name = $1"),
             // The holder's remaining time is its idle-session budget: the TTL minus the
@@ -264,26 +307,39 @@ impl PgAdvisoryBackend {
         let keepalive_secs = (ms / 1000 / (KEEPALIVE_PROBES + 1)).max(1);
         let owner = OwnerId::random();
         let mut conn = self.client.conn(NAME).await?;
-        let token: Option<i64> = on_conn!(
-            self.client,
-            NAME,
-            Operation::Acquire,
-            conn,
-            sqlx::query_scalar(AssertSqlSafe(self.sql.acquire.clone()))
-                .bind(id)
-                .bind(key.as_str())
-                .bind(ms.to_string())
-                .bind(keepalive_secs.to_string())
-                .bind(KEEPALIVE_PROBES.to_string())
-                .bind(owner_uuid(owner))
-                .bind(ms)
-                .fetch_optional(&mut *conn)
-        )
-        .inspect_err(|_| {
-            // A failure after the lock was taken would leave it held by a pooled session
-            // (session locks ignore rollbacks): close the session to be sure.
-            conn.close_on_drop();
-        })?;
+        let attempt = Attempt {
+            conn: &mut conn,
+            finished: false,
+        };
+        let (held_before, token): (i64, Option<i64>) = self
+            .client
+            .timed(
+                NAME,
+                Operation::Acquire,
+                sqlx::query_as(AssertSqlSafe(self.sql.acquire.clone()))
+                    .bind(id)
+                    .bind(key.as_str())
+                    .bind(ms.to_string())
+                    .bind(keepalive_secs.to_string())
+                    .bind(KEEPALIVE_PROBES.to_string())
+                    .bind(owner_uuid(owner))
+                    .bind(ms)
+                    .fetch_one(&mut **attempt.conn),
+            )
+            .await
+            .map_err(|failed| failed.error)?;
+        if held_before != 0 {
+            // Dropping the attempt closes the session, and so frees what it held.
+            return Err(LockError::unavailable(
+                NAME,
+                format!(
+                    "the pooled session already held {held_before} advisory lock(s) that this \
+                     backend did not take; it was closed. Behind a transaction-pooling proxy \
+                     (PgBouncer pool_mode=transaction or statement) advisory locks cannot work"
+                ),
+            ));
+        }
+        attempt.finish();
         let Some(token) = token else {
             return Ok(None);
         };
@@ -426,6 +482,10 @@ impl LockBackend for PgAdvisoryBackend {
             .inspect(true)
     }
 
+    /// # Cancel safety
+    /// A cancelled acquire closes the connection it was running on, so a lock it may
+    /// have taken is freed as soon as the server sees the session end; it never goes back
+    /// to the pool with the lock held.
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities().check_ttl(ttl)?;
         self.acquire_sent(key, ttl, Instant::now()).await
