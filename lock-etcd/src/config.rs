@@ -292,11 +292,15 @@ impl EtcdBuilder {
         // `require_leader` makes a member without a leader fail at once ("no leader": the
         // request was not proposed) instead of holding the request until the timeout.
         // HTTP/2 keep-alive pings notice a dead connection so the channel reconnects.
+        // Auth tokens expire (a JWT after its TTL, a simple token on each member once unused
+        // there for `--auth-token-ttl`): a call refused with "invalid auth token" (refused
+        // before it was proposed) authenticates again and is sent once more.
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_require_leader(true)
             .with_keep_alive(Duration::from_secs(2), self.request_timeout)
-            .with_keep_alive_while_idle(true);
+            .with_keep_alive_while_idle(true)
+            .with_auto_token_refresh(true);
         if let Some((user, password)) = &self.user {
             options = options.with_user(user.clone(), password.clone());
         }

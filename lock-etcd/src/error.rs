@@ -4,7 +4,8 @@
 //! A request that never left (no connection, no leader) is [`LockError::Unavailable`]. A
 //! write whose reply was lost (a timeout after sending, a connection that broke mid-call,
 //! etcd's own "request timed out") is [`LockError::OutcomeUnknown`], because etcd may still
-//! commit it. Rejected credentials are [`LockError::Config`]: retrying cannot fix them.
+//! commit it. Rejected credentials are [`LockError::Config`]: retrying cannot fix them. An
+//! expired auth token is not a rejected credential: the client authenticates again.
 
 use etcd_client::Error as EtcdError;
 use lock_api::LockError;
@@ -65,6 +66,12 @@ pub(crate) fn convert(error: EtcdError, effect: Effect) -> LockError {
 }
 
 fn from_status(code: i32, message: &str, effect: Effect) -> LockError {
+    if message.contains(INVALID_AUTH_TOKEN) {
+        // An expired token, still refused after the client authenticated again and resent
+        // the call (another call may have raced it): etcd checks the token before proposing,
+        // so nothing was applied, and the next call authenticates afresh.
+        return LockError::unavailable(NAME, format!("the auth token expired: {message}"));
+    }
     if is_auth_failure(code, message) {
         return LockError::Config(format!(
             "etcd refused the credentials (check the user name and password, and that the \
@@ -95,15 +102,18 @@ fn from_status(code: i32, message: &str, effect: Effect) -> LockError {
     }
 }
 
+/// What etcd answers to a request whose auth token it does not know (expired, or issued
+/// before the member restarted).
+const INVALID_AUTH_TOKEN: &str = "invalid auth token";
+
 /// Authentication and authorization failures. etcd reports a wrong password as
 /// `InvalidArgument`, so the message is read as well as the code.
 fn is_auth_failure(code: i32, message: &str) -> bool {
-    const AUTH_MESSAGES: [&str; 5] = [
+    const AUTH_MESSAGES: [&str; 4] = [
         "authentication failed",
         "user name is empty",
         "user name not found",
         "permission denied",
-        "invalid auth token",
     ];
     code == UNAUTHENTICATED
         || code == PERMISSION_DENIED
@@ -203,6 +213,17 @@ mod tests {
             ),
             LockError::Config(_)
         ));
+    }
+
+    #[test]
+    fn an_expired_auth_token_is_retryable_and_nothing_was_applied() {
+        let e = from_status(
+            UNAUTHENTICATED,
+            "etcdserver: invalid auth token",
+            Effect::Write("acquire"),
+        );
+        assert!(matches!(e, LockError::Unavailable { .. }), "{e:?}");
+        assert!(e.is_retryable());
     }
 
     #[test]

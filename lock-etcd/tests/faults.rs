@@ -7,11 +7,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::EtcdFactory;
+use common::{EtcdFactory, until_answered};
 use conformance::harness::require;
 use lock_api::{
-    Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockError, LockKey,
-    Locker, Release, Renewal,
+    Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockKey, Locker,
+    Release, Renewal,
 };
 use lock_etcd::{EtcdBackend, EtcdFencedResource};
 use tokio::time::{Instant, sleep, timeout_at};
@@ -22,23 +22,6 @@ fn key(name: &str) -> LockKey {
     use std::hash::{BuildHasher, RandomState};
     let random = RandomState::new().hash_one(std::time::SystemTime::now());
     LockKey::new(format!("etcd-fault:{random:016x}:{name}")).unwrap()
-}
-
-/// Runs `call` until it gives something other than a retryable error, or panics at `deadline`.
-async fn until_answered<T, F, Fut>(what: &str, deadline: Instant, mut call: F) -> T
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, LockError>>,
-{
-    loop {
-        match call().await {
-            Ok(v) => return v,
-            Err(e) if e.is_retryable() && Instant::now() < deadline => {
-                sleep(Duration::from_millis(100)).await;
-            }
-            Err(e) => panic!("{what}: {e}"),
-        }
-    }
 }
 
 /// Acquires `key` with `client`, retrying while it is held or the store is unavailable.

@@ -6,6 +6,9 @@
 //! [`EtcdServer::start_tls`] starts a single member whose client URL is `https://` with
 //! certificates the test supplies ([`EtcdTls`]); its readiness is read from a plain-HTTP
 //! metrics URL, since the client port then speaks TLS only.
+//!
+//! [`EtcdServer::start_with_auth`] and [`EtcdCluster::start_with_auth`] start members with
+//! authentication enabled ([`EtcdAuth`]): a `root` user and simple tokens with a short TTL.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -32,6 +35,8 @@ struct MemberPlan {
     peer_port: u16,
     /// TLS on the client URL, with the plain-HTTP metrics port that serves `/health`.
     tls: Option<(EtcdTls, u16)>,
+    /// `--auth-token-ttl` in seconds, for a member that will run with authentication.
+    auth_token_ttl: Option<u64>,
 }
 
 impl MemberPlan {
@@ -67,6 +72,52 @@ impl std::fmt::Debug for EtcdTls {
     }
 }
 
+/// Authentication for a test etcd: the user [`EtcdAuth::USER`] (with etcd's `root` role)
+/// and its password, and simple tokens (`--auth-token=simple`) that a member forgets once
+/// they have not been used there for `token_ttl` (`--auth-token-ttl`). Its `Debug` never
+/// shows the password.
+#[derive(Clone)]
+pub struct EtcdAuth {
+    /// The password of [`EtcdAuth::USER`].
+    pub password: String,
+    /// How long a token stays valid on a member without being used there (whole seconds,
+    /// at least 1 s).
+    pub token_ttl: Duration,
+}
+
+impl EtcdAuth {
+    /// The user that is created: etcd's superuser, which may do everything.
+    pub const USER: &'static str = "root";
+
+    /// `root` with `password`, tokens expiring after `token_ttl` unused.
+    pub fn new(password: impl Into<String>, token_ttl: Duration) -> Self {
+        Self {
+            password: password.into(),
+            token_ttl,
+        }
+    }
+
+    fn token_ttl_seconds(&self) -> Result<u64, HarnessError> {
+        if self.token_ttl.subsec_nanos() != 0 || self.token_ttl.is_zero() {
+            return Err(HarnessError::Setup(format!(
+                "the etcd token TTL {:?} must be a positive whole number of seconds",
+                self.token_ttl
+            )));
+        }
+        Ok(self.token_ttl.as_secs())
+    }
+}
+
+impl std::fmt::Debug for EtcdAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdAuth")
+            .field("user", &Self::USER)
+            .field("password", &"<redacted>")
+            .field("token_ttl", &self.token_ttl)
+            .finish()
+    }
+}
+
 /// An `etcd` member process on 127.0.0.1 with its own data dir; killed and removed on drop.
 #[derive(Debug)]
 pub struct EtcdServer {
@@ -95,7 +146,19 @@ impl EtcdServer {
     pub async fn start_tls(tls: EtcdTls) -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
-            match Self::start_once_with(Some(tls.clone())).await {
+            match Self::start_once_with(Some(tls.clone()), None).await {
+                Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
+                result => return result,
+            }
+        }
+    }
+
+    /// Starts a single-member cluster with authentication enabled as `auth` says; returns
+    /// once it is healthy and clients must authenticate.
+    pub async fn start_with_auth(auth: &EtcdAuth) -> Result<Self, HarnessError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once_with(None, Some(auth)).await {
                 Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
                 result => return result,
             }
@@ -103,10 +166,13 @@ impl EtcdServer {
     }
 
     async fn start_once() -> Result<Self, HarnessError> {
-        Self::start_once_with(None).await
+        Self::start_once_with(None, None).await
     }
 
-    async fn start_once_with(tls: Option<EtcdTls>) -> Result<Self, HarnessError> {
+    async fn start_once_with(
+        tls: Option<EtcdTls>,
+        auth: Option<&EtcdAuth>,
+    ) -> Result<Self, HarnessError> {
         let tls = match tls {
             Some(tls) => Some((tls, free_port()?)),
             None => None,
@@ -116,10 +182,14 @@ impl EtcdServer {
             client_port: free_port()?,
             peer_port: free_port()?,
             tls,
+            auth_token_ttl: auth.map(EtcdAuth::token_ttl_seconds).transpose()?,
         };
         let initial_cluster = format!("{}={}", plan.name, plan.peer_url());
         let server = Self::spawn(plan, &initial_cluster, &unique_token())?;
         server.wait_ready().await?;
+        if let Some(auth) = auth {
+            server.enable_auth(auth).await?;
+        }
         Ok(server)
     }
 
@@ -155,6 +225,12 @@ impl EtcdServer {
                 format!("--cert-file={}", files[0]),
                 format!("--key-file={}", files[1]),
                 format!("--listen-metrics-urls=http://127.0.0.1:{metrics_port}"),
+            ]);
+        }
+        if let Some(ttl) = plan.auth_token_ttl {
+            args.extend([
+                "--auth-token=simple".to_owned(),
+                format!("--auth-token-ttl={ttl}"),
             ]);
         }
         let mut envs = Vec::new();
@@ -307,6 +383,28 @@ impl EtcdServer {
         Ok((member, leader))
     }
 
+    /// Adds [`EtcdAuth::USER`] with the `root` role and enables authentication, through the
+    /// JSON gateway (health, status and the member list stay readable without a token).
+    async fn enable_auth(&self, auth: &EtcdAuth) -> Result<(), HarnessError> {
+        let user = serde_json::json!({ "name": EtcdAuth::USER, "password": auth.password });
+        let grant = serde_json::json!({ "user": EtcdAuth::USER, "role": "root" });
+        for (path, body) in [
+            ("/v3/auth/user/add", user.to_string()),
+            ("/v3/auth/user/grant", grant.to_string()),
+            ("/v3/auth/enable", "{}".to_owned()),
+        ] {
+            let (code, reply) =
+                http_request(self.addr(), "POST", path, Some(&body), REQUEST_TIMEOUT).await?;
+            if code != 200 || reply.contains("\"error\"") {
+                return Err(HarnessError::Protocol {
+                    what: format!("{path} on {}", self.process.what()),
+                    detail: format!("HTTP {code}: {reply}"),
+                });
+            }
+        }
+        Ok(())
+    }
+
     async fn wait_ready(&self) -> Result<(), HarnessError> {
         wait_until(
             self.process.what(),
@@ -374,16 +472,27 @@ pub struct EtcdCluster {
 impl EtcdCluster {
     /// Starts 3 members and waits until each reports healthy (a leader is elected).
     pub async fn start() -> Result<Self, HarnessError> {
+        Self::start_with(None).await
+    }
+
+    /// Starts 3 members with authentication enabled as `auth` says; returns once each is
+    /// healthy and clients must authenticate.
+    pub async fn start_with_auth(auth: &EtcdAuth) -> Result<Self, HarnessError> {
+        Self::start_with(Some(auth)).await
+    }
+
+    async fn start_with(auth: Option<&EtcdAuth>) -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
-            match Self::start_once().await {
+            match Self::start_once(auth).await {
                 Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
                 result => return result,
             }
         }
     }
 
-    async fn start_once() -> Result<Self, HarnessError> {
+    async fn start_once(auth: Option<&EtcdAuth>) -> Result<Self, HarnessError> {
+        let auth_token_ttl = auth.map(EtcdAuth::token_ttl_seconds).transpose()?;
         let mut plans = Vec::with_capacity(3);
         for i in 0..3 {
             plans.push(MemberPlan {
@@ -391,6 +500,7 @@ impl EtcdCluster {
                 client_port: free_port()?,
                 peer_port: free_port()?,
                 tls: None,
+                auth_token_ttl,
             });
         }
         let initial_cluster = plans
@@ -405,6 +515,10 @@ impl EtcdCluster {
         }
         for member in &members {
             member.wait_ready().await?;
+        }
+        if let Some(auth) = auth {
+            // Users and the auth switch are cluster-wide: set them through one member.
+            members[0].enable_auth(auth).await?;
         }
         Ok(EtcdCluster { members })
     }

@@ -16,9 +16,10 @@ use conformance::harness::etcd::{EtcdCluster, EtcdServer};
 use conformance::harness::proxy::FaultProxy;
 use conformance::harness::require;
 use conformance::{Factory, LinkFaults, ServerFaults};
-use lock_api::LockBackend;
+use lock_api::{LockBackend, LockError};
 use lock_etcd::EtcdBackend;
 use tokio::sync::Mutex;
+use tokio::time::{Instant, sleep};
 
 /// Request timeout of the suite's clients: shorter than the 2 s TTL, so a cut link turns
 /// into errors before a lease runs out.
@@ -47,6 +48,23 @@ pub async fn shared_cluster() -> Arc<EtcdCluster> {
     let cluster = Arc::new(require(EtcdCluster::start().await));
     *slot = Arc::downgrade(&cluster);
     cluster
+}
+
+/// Runs `call` until it gives something other than a retryable error, or panics at `deadline`.
+pub async fn until_answered<T, F, Fut>(what: &str, deadline: Instant, mut call: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
+    loop {
+        match call().await {
+            Ok(v) => return v,
+            Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
 }
 
 /// What keeps the servers of a factory alive.
