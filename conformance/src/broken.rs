@@ -1,60 +1,350 @@
-//! [`BrokenBackend`]: a deliberately wrong backend that proves the suite can fail.
+//! Deliberately wrong backends that prove the suite can fail: one [`BrokenKind`] per bug.
 //!
-//! It looks like a working lock (mutual exclusion and TTLs hold) but breaks two rules of
-//! the [`LockBackend`] contract: `release` frees the key whoever holds it (no owner
-//! check), and every grant carries token 1 (tokens do not increase), so its `fence`
-//! cannot tell an old holder from a new one. The conformance suite must fail on it;
-//! `tests/broken.rs` checks that it does. Never use it for anything else.
+//! [`BrokenBackend`] is an in-memory store that meets the [`LockBackend`] contract except
+//! for the one bug its kind names; [`BrokenFactory::control`] makes the same store with no
+//! bug, which passes the whole suite, so every failure on a variant is its bug's.
+//! [`CAUGHT_BY`] names, for each variant, the cases that must fail on it and the
+//! invariants the history checker must report; `tests/broken.rs` runs the suite against
+//! every variant and checks both. Never use these backends for anything else.
+//!
+//! The factory has the fault controls the cases need: link faults (a delay before each
+//! request reaches the store; a cut that lets requests through and holds every reply
+//! until healed, as when the network fails after the send) and server faults (a pause, a
+//! kill, and a restart that loses every lease but, except in
+//! [`BrokenKind::TokenDropsAfterRestart`], keeps the token counters, as Redis's
+//! clock-floored tokens and etcd's revisions do).
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::{
-    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockKey, OwnerId,
-    Release, Renewal, valid_until,
+    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
+    OwnerId, Release, Renewal, valid_until,
 };
 use parking_lot::Mutex;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::factory::Factory;
+use crate::factory::{Factory, LinkFaults, ServerFaults};
+use crate::history::Invariant;
 
 const NAME: &str = "broken";
 
-/// The constant token every grant carries.
-const TOKEN: FencingToken = FencingToken(1);
-
-/// A lock backend without owner checks on release and with a constant fencing token.
-#[derive(Debug)]
-pub struct BrokenBackend {
-    id: BackendId,
-    /// Key -> (owner, expiry).
-    keys: Mutex<HashMap<LockKey, (OwnerId, Instant)>>,
+/// One bug, each a way real lock backends have gone wrong.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum BrokenKind {
+    /// Every grant carries token 1: the counter is never incremented.
+    RepeatedToken,
+    /// A restart resets the token counters, so tokens start again from 1.
+    TokenDropsAfterRestart,
+    /// Acquire checks that the key is free, yields, then takes it: concurrent acquires
+    /// of one free key all win.
+    GrantedTwice,
+    /// Renew checks owner and token but not expiry: a lease nobody took since it
+    /// expired comes back.
+    RenewRevivesExpired,
+    /// Release frees the key whoever holds it.
+    ReleaseWithoutOwnerCheck,
+    /// Renew extends the key whoever holds it.
+    RenewWithoutOwnerCheck,
+    /// Grants and renewals count `valid_until` from the reply, not the send instant.
+    ValidityFromReply,
+    /// `release_many` releases correctly but reports `Released` for every lease.
+    BatchDisagrees,
+    /// Fence says `Current` for any lease of a key someone holds.
+    FenceCurrentForStale,
+    /// Renew reports `Renewed` when the store does not answer in a tenth of the TTL, so
+    /// the watchdog never sees the loss.
+    LostNeverFires,
+    /// Acquire reports `Ok(None)` (held) when the reply is lost, though the request took
+    /// the key.
+    LostReplyReportedBusy,
 }
 
-impl Default for BrokenBackend {
-    fn default() -> Self {
-        Self::new()
+impl BrokenKind {
+    /// Every variant.
+    pub const ALL: [BrokenKind; 11] = [
+        BrokenKind::RepeatedToken,
+        BrokenKind::TokenDropsAfterRestart,
+        BrokenKind::GrantedTwice,
+        BrokenKind::RenewRevivesExpired,
+        BrokenKind::ReleaseWithoutOwnerCheck,
+        BrokenKind::RenewWithoutOwnerCheck,
+        BrokenKind::ValidityFromReply,
+        BrokenKind::BatchDisagrees,
+        BrokenKind::FenceCurrentForStale,
+        BrokenKind::LostNeverFires,
+        BrokenKind::LostReplyReportedBusy,
+    ];
+
+    /// What must catch this variant: its row of [`CAUGHT_BY`].
+    pub fn caught_by(self) -> &'static Catch {
+        CAUGHT_BY
+            .iter()
+            .find(|c| c.kind == self)
+            .unwrap_or_else(|| panic!("no row in CAUGHT_BY for {self:?}"))
     }
 }
 
-impl BrokenBackend {
-    /// An empty store.
-    pub fn new() -> Self {
-        Self {
-            id: BackendId::next(),
-            keys: Mutex::new(HashMap::new()),
+/// What must catch one broken variant.
+#[derive(Debug)]
+pub struct Catch {
+    /// The variant.
+    pub kind: BrokenKind,
+    /// Cases that must fail on it (they guard the rule it breaks); others may fail too.
+    pub cases: &'static [&'static str],
+    /// Invariants the history checker must report in at least one failing case; empty
+    /// where the bug is outside what a history can show (a reply, a signal).
+    pub invariants: &'static [Invariant],
+}
+
+/// For each broken variant, the cases that must fail on it and the invariants the history
+/// checker must report.
+pub const CAUGHT_BY: &[Catch] = &[
+    Catch {
+        kind: BrokenKind::RepeatedToken,
+        cases: &[
+            "release_frees_the_key",
+            "tokens_increase_across_releases",
+            "tokens_increase_across_expiries",
+            "renew_never_resurrects",
+            "paused_holder_is_fenced",
+            "contention_loses_no_update",
+        ],
+        invariants: &[Invariant::I1],
+    },
+    Catch {
+        kind: BrokenKind::TokenDropsAfterRestart,
+        cases: &["tokens_increase_across_restarts"],
+        invariants: &[Invariant::I1],
+    },
+    Catch {
+        kind: BrokenKind::GrantedTwice,
+        cases: &["acquire_excludes_others", "contention_loses_no_update"],
+        invariants: &[Invariant::I2, Invariant::I3],
+    },
+    Catch {
+        kind: BrokenKind::RenewRevivesExpired,
+        cases: &["renew_never_resurrects"],
+        invariants: &[Invariant::I5],
+    },
+    Catch {
+        kind: BrokenKind::ReleaseWithoutOwnerCheck,
+        cases: &[
+            "release_by_non_owner_is_not_held",
+            "release_after_expiry_leaves_new_holder",
+            "second_release_is_not_held",
+            "release_many_agrees_with_release",
+        ],
+        invariants: &[Invariant::I4],
+    },
+    Catch {
+        kind: BrokenKind::RenewWithoutOwnerCheck,
+        cases: &[
+            "renew_by_non_owner_is_lost",
+            "renew_after_expiry_leaves_new_holder",
+            "renew_many_agrees_with_renew",
+        ],
+        invariants: &[Invariant::I4],
+    },
+    Catch {
+        kind: BrokenKind::ValidityFromReply,
+        cases: &["validity_counts_from_the_send_instant"],
+        invariants: &[Invariant::I3],
+    },
+    Catch {
+        kind: BrokenKind::BatchDisagrees,
+        cases: &["release_many_agrees_with_release"],
+        invariants: &[Invariant::I4],
+    },
+    Catch {
+        kind: BrokenKind::FenceCurrentForStale,
+        cases: &[
+            "renew_by_non_owner_is_lost",
+            "fence_stale_after_takeover",
+            "paused_holder_is_fenced",
+        ],
+        invariants: &[Invariant::I4],
+    },
+    Catch {
+        kind: BrokenKind::LostNeverFires,
+        cases: &["watchdog_reports_loss_by_valid_until"],
+        invariants: &[],
+    },
+    Catch {
+        kind: BrokenKind::LostReplyReportedBusy,
+        cases: &["lost_reply_is_not_a_lease"],
+        invariants: &[],
+    },
+];
+
+/// One key in the store.
+#[derive(Debug, Default)]
+struct KeyState {
+    holder: Option<Holder>,
+    last_token: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    owner: OwnerId,
+    token: FencingToken,
+    expires_at: Instant,
+}
+
+impl KeyState {
+    fn live_holder(&self, now: Instant) -> Option<&Holder> {
+        self.holder.as_ref().filter(|h| h.expires_at > now)
+    }
+
+    fn is_held_by(&self, lease: &Lease, now: Instant) -> bool {
+        self.live_holder(now)
+            .is_some_and(|h| h.owner == lease.owner() && h.token == lease.token())
+    }
+}
+
+/// The state every client of a [`BrokenFactory`] shares: the keys, and the faults.
+#[derive(Debug, Default)]
+struct Store {
+    keys: Mutex<HashMap<LockKey, KeyState>>,
+    delay_micros: AtomicU64,
+    /// Replies are held until healed.
+    cut: AtomicBool,
+    /// Requests are held until resumed.
+    paused: AtomicBool,
+    /// Requests fail until restarted.
+    killed: AtomicBool,
+    changed: Notify,
+}
+
+impl Store {
+    /// Waits until `flag` is false.
+    async fn wait_clear(&self, flag: &AtomicBool) {
+        loop {
+            let changed = self.changed.notified();
+            if !flag.load(Ordering::SeqCst) {
+                return;
+            }
+            changed.await;
         }
     }
 
-    /// The live holder of `key`, if any.
-    fn holder(&self, key: &LockKey, now: Instant) -> Option<OwnerId> {
-        self.keys
+    /// The request's way to the store: the link delay, a paused or killed server.
+    async fn reach(&self) -> Result<(), LockError> {
+        let delay = self.delay_micros.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_micros(delay)).await;
+        }
+        self.wait_clear(&self.paused).await;
+        if self.killed.load(Ordering::SeqCst) {
+            return Err(LockError::unavailable(
+                NAME,
+                "server killed (injected fault)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The reply's way back: held while the link is cut.
+    async fn reply(&self) {
+        self.wait_clear(&self.cut).await;
+    }
+
+    fn set(&self, flag: &AtomicBool, on: bool) {
+        flag.store(on, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+}
+
+/// An in-memory lock backend with at most one bug; see [`BrokenKind`].
+#[derive(Debug)]
+pub struct BrokenBackend {
+    id: BackendId,
+    kind: Option<BrokenKind>,
+    store: Arc<Store>,
+}
+
+impl BrokenBackend {
+    fn has(&self, kind: BrokenKind) -> bool {
+        self.kind == Some(kind)
+    }
+
+    /// The deadline given to a call sent at `sent`: from the reply instead, in
+    /// [`BrokenKind::ValidityFromReply`].
+    fn valid_until(&self, sent: Instant, ttl: Duration) -> Instant {
+        if self.has(BrokenKind::ValidityFromReply) {
+            valid_until(Instant::now(), ttl)
+        } else {
+            valid_until(sent, ttl)
+        }
+    }
+
+    /// Takes `key` for `owner` if it is free at `now`; the grant's token.
+    fn take(&self, key: &LockKey, ttl: Duration, owner: OwnerId) -> Option<FencingToken> {
+        let now = Instant::now();
+        let mut keys = self.store.keys.lock();
+        let state = keys.entry(key.clone()).or_default();
+        if state.live_holder(now).is_some() && !self.has(BrokenKind::GrantedTwice) {
+            return None;
+        }
+        if !self.has(BrokenKind::RepeatedToken) || state.last_token == 0 {
+            state.last_token += 1;
+        }
+        let token = FencingToken(state.last_token);
+        state.holder = Some(Holder {
+            owner,
+            token,
+            expires_at: now + ttl,
+        });
+        Some(token)
+    }
+
+    fn is_free(&self, key: &LockKey) -> bool {
+        let now = Instant::now();
+        self.store
+            .keys
             .lock()
             .get(key)
-            .filter(|(_, expiry)| *expiry > now)
-            .map(|(owner, _)| *owner)
+            .is_none_or(|s| s.live_holder(now).is_none())
+    }
+
+    /// The renewal in the store, reply included.
+    async fn renew_in_store(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
+        self.store.reach().await?;
+        let renewed = {
+            let now = Instant::now();
+            let mut keys = self.store.keys.lock();
+            let state = keys.get_mut(lease.key());
+            let holder = state.and_then(|s| {
+                let live = s.live_holder(now).is_some();
+                let h = s.holder.as_mut()?;
+                let owned = h.owner == lease.owner() && h.token == lease.token();
+                let renewable = match self.kind {
+                    Some(BrokenKind::RenewWithoutOwnerCheck) => live,
+                    Some(BrokenKind::RenewRevivesExpired) => owned,
+                    _ => live && owned,
+                };
+                renewable.then_some(h)
+            });
+            match holder {
+                Some(h) => {
+                    h.expires_at = now + lease.ttl();
+                    true
+                }
+                None => false,
+            }
+        };
+        self.store.reply().await;
+        Ok(if renewed {
+            Renewal::Renewed {
+                valid_until: self.valid_until(sent, lease.ttl()),
+            }
+        } else {
+            Renewal::Lost
+        })
     }
 }
 
@@ -70,72 +360,174 @@ impl LockBackend for BrokenBackend {
             Duration::from_millis(1),
             Duration::from_secs(24 * 3600),
         )
+        .inspect(true)
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities().check_ttl(ttl)?;
-        let now = Instant::now();
-        let mut keys = self.keys.lock();
-        if keys.get(key).is_some_and(|(_, expiry)| *expiry > now) {
+        let sent = Instant::now();
+        self.store.reach().await?;
+        let owner = OwnerId::random();
+        let token = if self.has(BrokenKind::GrantedTwice) {
+            // The bug: the check and the take are two steps.
+            if !self.is_free(key) {
+                return Ok(None);
+            }
+            tokio::task::yield_now().await;
+            self.take(key, ttl, owner)
+        } else {
+            self.take(key, ttl, owner)
+        };
+        if self.has(BrokenKind::LostReplyReportedBusy) && self.store.cut.load(Ordering::SeqCst) {
+            // The bug: a reply that does not come is taken for "held".
             return Ok(None);
         }
-        let owner = OwnerId::random();
-        keys.insert(key.clone(), (owner, now + ttl));
-        Ok(Some(Lease::new(
-            self.id,
-            key.clone(),
-            owner,
-            TOKEN,
-            ttl,
-            valid_until(now, ttl),
-        )))
+        self.store.reply().await;
+        Ok(token.map(|token| {
+            Lease::new(
+                self.id,
+                key.clone(),
+                owner,
+                token,
+                ttl,
+                self.valid_until(sent, ttl),
+            )
+        }))
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
         lease.check_backend(self.id, NAME)?;
-        let now = Instant::now();
-        let mut keys = self.keys.lock();
-        match keys.get_mut(lease.key()) {
-            Some((owner, expiry)) if *owner == lease.owner() && *expiry > now => {
-                *expiry = now + lease.ttl();
-                Ok(Renewal::Renewed {
-                    valid_until: valid_until(now, lease.ttl()),
-                })
-            }
-            _ => Ok(Renewal::Lost),
+        let sent = Instant::now();
+        if self.has(BrokenKind::LostNeverFires) {
+            // The bug: no answer in time is taken for success.
+            let answer = tokio::time::timeout(lease.ttl() / 10, self.renew_in_store(lease, sent));
+            return match answer.await {
+                Ok(result) => result,
+                Err(_) => Ok(Renewal::Renewed {
+                    valid_until: valid_until(sent, lease.ttl()),
+                }),
+            };
         }
+        self.renew_in_store(lease, sent).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         lease.check_backend(self.id, NAME)?;
-        // The bug: whoever holds the key loses it.
-        let now = Instant::now();
-        match self.keys.lock().remove(lease.key()) {
-            Some((_, expiry)) if expiry > now => Ok(Release::Released),
-            _ => Ok(Release::NotHeld),
-        }
+        self.store.reach().await?;
+        let released = {
+            let now = Instant::now();
+            let mut keys = self.store.keys.lock();
+            match keys.get_mut(lease.key()) {
+                Some(state)
+                    if state.is_held_by(lease, now)
+                        || (self.has(BrokenKind::ReleaseWithoutOwnerCheck)
+                            && state.live_holder(now).is_some()) =>
+                {
+                    state.holder = None;
+                    Release::Released
+                }
+                _ => Release::NotHeld,
+            }
+        };
+        self.store.reply().await;
+        Ok(released)
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         lease.check_backend(self.id, NAME)?;
-        // The bug: any live holder makes every lease of the key look current.
-        match self.holder(lease.key(), Instant::now()) {
-            Some(_) => Ok(Fence::Current),
-            None => Ok(Fence::Stale { current: TOKEN }),
+        self.store.reach().await?;
+        let fence = {
+            let now = Instant::now();
+            let keys = self.store.keys.lock();
+            let state = keys.get(lease.key());
+            let current = state.is_some_and(|s| {
+                s.is_held_by(lease, now)
+                    || (self.has(BrokenKind::FenceCurrentForStale) && s.live_holder(now).is_some())
+            });
+            if current {
+                Fence::Current
+            } else {
+                Fence::Stale {
+                    current: FencingToken(state.map_or(lease.token().0, |s| s.last_token)),
+                }
+            }
+        };
+        self.store.reply().await;
+        Ok(fence)
+    }
+
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.store.reach().await?;
+        let info = {
+            let now = Instant::now();
+            let keys = self.store.keys.lock();
+            let state = keys.get(key);
+            let holder = state.and_then(|s| s.live_holder(now));
+            LockInfo {
+                owner: holder.map(|h| h.owner),
+                token: state
+                    .filter(|s| s.last_token > 0)
+                    .map(|s| FencingToken(s.last_token)),
+                remaining: holder.map(|h| h.expires_at - now),
+            }
+        };
+        self.store.reply().await;
+        Ok(info)
+    }
+
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            out.push(self.release(lease).await?);
         }
+        if self.has(BrokenKind::BatchDisagrees) {
+            // The bug: the batch reports what it was asked to do, not what it did.
+            out.fill(Release::Released);
+        }
+        Ok(out)
     }
 }
 
-/// A factory whose clients all share one [`BrokenBackend`]; it has no fault controls.
-#[derive(Debug, Default, Clone)]
+/// A factory whose clients are separate [`BrokenBackend`] instances on one shared store,
+/// with link and server faults.
+#[derive(Debug, Clone)]
 pub struct BrokenFactory {
-    backend: Arc<BrokenBackend>,
+    kind: Option<BrokenKind>,
+    store: Arc<Store>,
+}
+
+impl Default for BrokenFactory {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl BrokenFactory {
-    /// A factory over a fresh broken store.
+    /// A factory with the [`BrokenKind::ReleaseWithoutOwnerCheck`] bug, for tests that
+    /// need some broken backend.
     pub fn new() -> Self {
-        Self::default()
+        Self::with_kind(BrokenKind::ReleaseWithoutOwnerCheck)
+    }
+
+    /// A factory over a fresh store with the bug `kind`.
+    pub fn with_kind(kind: BrokenKind) -> Self {
+        Self {
+            kind: Some(kind),
+            store: Arc::default(),
+        }
+    }
+
+    /// A factory over a fresh store with no bug: the control that passes the suite.
+    pub fn control() -> Self {
+        Self {
+            kind: None,
+            store: Arc::default(),
+        }
+    }
+
+    /// The bug its backends have, if any.
+    pub fn kind(&self) -> Option<BrokenKind> {
+        self.kind
     }
 }
 
@@ -146,6 +538,88 @@ impl Factory for BrokenFactory {
     }
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
-        self.backend.clone()
+        Arc::new(BrokenBackend {
+            id: BackendId::next(),
+            kind: self.kind,
+            store: self.store.clone(),
+        })
+    }
+
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        Some(Arc::new(BrokenFaults(self.clone())))
+    }
+
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        Some(Arc::new(BrokenFaults(self.clone())))
+    }
+}
+
+/// The fault controls of a [`BrokenFactory`]'s store.
+#[derive(Debug)]
+struct BrokenFaults(BrokenFactory);
+
+#[async_trait]
+impl LinkFaults for BrokenFaults {
+    async fn cut(&self) {
+        self.0.store.set(&self.0.store.cut, true);
+    }
+
+    async fn delay(&self, by: Duration) {
+        let micros = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+        self.0.store.delay_micros.store(micros, Ordering::SeqCst);
+    }
+
+    async fn heal(&self) {
+        self.0.store.delay_micros.store(0, Ordering::SeqCst);
+        self.0.store.set(&self.0.store.cut, false);
+    }
+}
+
+#[async_trait]
+impl ServerFaults for BrokenFaults {
+    async fn pause(&self) {
+        self.0.store.set(&self.0.store.paused, true);
+    }
+
+    async fn resume(&self) {
+        self.0.store.set(&self.0.store.paused, false);
+    }
+
+    async fn kill(&self) {
+        self.0.store.set(&self.0.store.killed, true);
+    }
+
+    async fn restart(&self) {
+        let store = &self.0.store;
+        for state in store.keys.lock().values_mut() {
+            state.holder = None;
+            if self.0.kind == Some(BrokenKind::TokenDropsAfterRestart) {
+                // The bug: the counters were not durable.
+                state.last_token = 0;
+            }
+        }
+        store.set(&store.killed, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_has_one_row_naming_cases_that_exist() {
+        for kind in BrokenKind::ALL {
+            let rows = CAUGHT_BY.iter().filter(|c| c.kind == kind).count();
+            assert_eq!(rows, 1, "{kind:?}");
+            let catch = kind.caught_by();
+            assert!(!catch.cases.is_empty(), "{kind:?}");
+            for case in catch.cases {
+                assert!(
+                    crate::suite::case(case).is_some(),
+                    "{kind:?}: no case {case}"
+                );
+            }
+        }
+        assert_eq!(CAUGHT_BY.len(), BrokenKind::ALL.len());
     }
 }

@@ -2,18 +2,20 @@
 //!
 //! - [`cases`]: one `pub async fn` per case, each taking a [`Factory`] of clients on the
 //!   store under test; [`CASES`] lists them all for runners such as `lockctl check`.
-//! - [`conformance_tests!`]: stamps one test per case for a backend.
+//! - [`conformance_tests!`]: stamps one test per case a backend can run, by the
+//!   capabilities its invocation declares ([`Need`]), and a test that prints the count.
 //! - [`history`]: the recorder every case writes its calls into, and the checker of the
 //!   invariants I1–I5.
-//! - [`memory`]: the factory over the in-memory reference backend; [`broken`]: a
-//!   deliberately wrong backend the suite must fail on.
+//! - [`memory`]: the factory over the in-memory reference backend; [`broken`]:
+//!   deliberately wrong backends, one bug each, the suite must fail on.
 //! - [`harness`]: real servers (redis-server, etcd, PostgreSQL) on free loopback ports,
 //!   and a fault proxy.
 //!
 //! Cases use keys under a random per-run prefix (`conformance:<random>:<case>:...`), so
 //! several cases may share a server and a live deployment is only touched under that
-//! prefix; they release what they take. A case is skipped only when the backend does not
-//! declare what it needs (inspection, link faults), never because a server is missing.
+//! prefix; they release what they take. A case that needs more than a store (link or
+//! server faults, inspection, distinct clients) is not stamped for a backend without it,
+//! and never returns early: nothing passes without having run.
 
 pub mod broken;
 pub mod cases;
@@ -25,4 +27,4 @@ pub mod memory;
 pub mod suite;
 
 pub use factory::{Factory, LinkFaults, ServerFaults};
-pub use suite::{CASES, Case, CaseReport, Failure, Outcome, run_all};
+pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};

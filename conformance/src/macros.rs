@@ -1,83 +1,191 @@
 //! The macro that stamps one test per case for a backend, and the one list of case
-//! names it and [`crate::CASES`] are both built from.
+//! names (with what each needs) it and [`crate::CASES`] are both built from.
 
-/// Calls the macro named inside the brackets with `[args] case, case, ...`: the single
-/// list of every case, so the registry and the stamped tests cannot drift apart.
+/// Calls the macro named inside the brackets with `[args] case: [needs], ...`: the single
+/// list of every case and what it needs from a factory (see [`crate::suite::Need`]), so
+/// the registry and the stamped tests cannot drift apart.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __conformance_cases {
     ([$($callback:tt)+] $($args:tt)*) => {
         $($callback)+ ! {
             [$($args)*]
-            acquire_excludes_others,
-            release_frees_the_key,
-            keys_are_independent,
-            tokens_increase_across_releases,
-            tokens_increase_across_expiries,
-            ttl_expiry_frees_the_key,
-            release_by_non_owner_is_not_held,
-            renew_by_non_owner_is_lost,
-            release_after_expiry_leaves_new_holder,
-            renew_after_expiry_leaves_new_holder,
-            second_release_is_not_held,
-            renew_extends_and_keeps_token,
-            renew_never_resurrects,
-            fence_current_while_held,
-            fence_stale_after_expiry,
-            fence_stale_after_takeover,
-            paused_holder_is_fenced,
-            inspect_reports_holder,
-            contention_loses_no_update,
-            watchdog_keeps_long_job_alive,
-            watchdog_reports_loss_by_valid_until,
-            with_lock_aborts_job_on_loss,
-            guard_release_frees_the_key,
-            locker_builder_rejects_bad_ttl,
-            acquire_many_agrees_with_acquire,
-            renew_many_agrees_with_renew,
-            release_many_agrees_with_release,
-            invalid_keys_are_rejected,
-            invalid_ttls_change_nothing,
-            foreign_lease_is_refused,
-            lost_reply_is_not_a_lease,
-            validity_counts_from_the_send_instant,
+            acquire_excludes_others: [],
+            release_frees_the_key: [],
+            keys_are_independent: [],
+            tokens_increase_across_releases: [],
+            tokens_increase_across_expiries: [],
+            tokens_increase_across_restarts: [server_faults],
+            ttl_expiry_frees_the_key: [],
+            release_by_non_owner_is_not_held: [],
+            renew_by_non_owner_is_lost: [],
+            release_after_expiry_leaves_new_holder: [],
+            renew_after_expiry_leaves_new_holder: [],
+            second_release_is_not_held: [],
+            renew_extends_and_keeps_token: [],
+            renew_never_resurrects: [],
+            fence_current_while_held: [],
+            fence_stale_after_expiry: [],
+            fence_stale_after_takeover: [],
+            paused_holder_is_fenced: [],
+            inspect_reports_holder: [inspect],
+            contention_loses_no_update: [],
+            watchdog_keeps_long_job_alive: [],
+            watchdog_reports_loss_by_valid_until: [link_faults],
+            with_lock_aborts_job_on_loss: [],
+            guard_release_frees_the_key: [],
+            locker_builder_rejects_bad_ttl: [],
+            acquire_many_agrees_with_acquire: [],
+            renew_many_agrees_with_renew: [],
+            release_many_agrees_with_release: [],
+            invalid_keys_are_rejected: [],
+            invalid_ttls_change_nothing: [],
+            foreign_lease_is_refused: [],
+            leases_stay_with_their_client: [distinct_clients],
+            lost_reply_is_not_a_lease: [link_faults],
+            validity_counts_from_the_send_instant: [link_faults],
         }
     };
 }
 
-/// Stamps one test per conformance case for a backend.
+/// The [`crate::suite::Need`] a capability name in the case list or the macro stands for.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_need {
+    (link_faults) => {
+        $crate::suite::Need::LinkFaults
+    };
+    (server_faults) => {
+        $crate::suite::Need::ServerFaults
+    };
+    (inspect) => {
+        $crate::suite::Need::Inspect
+    };
+    (distinct_clients) => {
+        $crate::suite::Need::DistinctClients
+    };
+}
+
+/// Stamps one test per conformance case the backend can run, and one test,
+/// `conformance_stamped_cases`, that prints how many cases were stamped and which were
+/// not (and why).
 ///
-/// The argument is an expression producing a future whose output implements
+/// The first argument is an expression producing a future whose output implements
 /// [`crate::Factory`] (usually an `async` block). It is evaluated afresh in every test,
-/// so each test gets its own factory. Each test runs on its own multi-threaded tokio
-/// runtime with two workers (what `#[tokio::test(flavor = "multi_thread",
-/// worker_threads = 2)]` would build); a failing case panics with its [`crate::Failure`]
-/// message, a skipped one prints why. Only `$crate::` paths are used, so a backend needs
-/// nothing but `conformance` as a dev-dependency:
+/// so each test gets its own factory. The optional `capabilities: [...]` list declares
+/// what the factory has beyond a store: `link_faults` ([`crate::Factory::link`]),
+/// `server_faults` ([`crate::Factory::server`]), `inspect` (the backend implements
+/// `inspect`), `distinct_clients` (each `backend()` call is a separate instance). A case
+/// is stamped only when every capability it needs is declared, so nothing is skipped at
+/// run time; `conformance_stamped_cases` fails if the declaration differs from what the
+/// factory has, either way.
+///
+/// Each test runs on its own multi-threaded tokio runtime with two workers (what
+/// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]` would build); a failing
+/// case panics with its [`crate::Failure`] message. Only `$crate::` paths are used, so a
+/// backend needs nothing but `conformance` as a dev-dependency:
 ///
 /// ```no_run
 /// mod suite {
-///     conformance::conformance_tests!(async { conformance::memory::MemoryFactory::new() });
+///     conformance::conformance_tests!(
+///         async { conformance::memory::MemoryFactory::new() },
+///         capabilities: [link_faults, inspect, distinct_clients],
+///     );
 /// }
 /// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! conformance_tests {
     ($factory:expr $(,)?) => {
-        $crate::__conformance_cases!([$crate::__stamp_conformance_tests] $factory);
+        $crate::conformance_tests!($factory, capabilities: []);
+    };
+    ($factory:expr, capabilities: [$($capability:ident),* $(,)?] $(,)?) => {
+        $crate::__conformance_cases!(
+            [$crate::__stamp_conformance_tests] $factory; $($capability),*
+        );
     };
 }
 
 /// Stamps the tests for [`conformance_tests`]; not a stable API.
+///
+/// The declared capabilities become four flags, `[link_faults server_faults inspect
+/// distinct_clients]`, each `yes` or `no`; a case is stamped when every need of it finds
+/// its flag `yes`.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __stamp_conformance_tests {
-    ([$factory:expr] $($case:ident),* $(,)?) => {
+    ([$factory:expr; $($capability:ident),*] $($cases:tt)*) => {
+        $crate::__stamp_conformance_tests!(
+            @flags [no no no no] [$($capability),*] [$factory] [$($capability),*] $($cases)*
+        );
+    };
+
+    (@flags [$l:tt $s:tt $i:tt $d:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes] [$($more),*] $($rest)*);
+    };
+    (@flags $flags:tt [$other:ident $(, $more:ident)*] $($rest:tt)*) => {
+        ::std::compile_error!(::std::concat!(
+            "unknown conformance capability `", ::std::stringify!($other),
+            "`; expected link_faults, server_faults, inspect or distinct_clients"
+        ));
+    };
+    (@flags $flags:tt [] [$factory:expr] [$($capability:ident),*]
+        $($case:ident: [$($need:ident),*]),* $(,)?) => {
         $(
-            #[test]
-            fn $case() {
-                $crate::suite::macro_support::run_case(::std::stringify!($case), $factory);
-            }
+            $crate::__stamp_conformance_tests!(@case $flags [$($need)*] $case $factory);
         )*
+
+        /// Prints the cases stamped for this backend; fails if the declared capabilities
+        /// are not exactly the factory's.
+        #[test]
+        fn conformance_stamped_cases() {
+            $crate::suite::macro_support::stamped_cases(
+                $factory,
+                &[$($crate::__conformance_need!($capability)),*],
+                &[$((::std::stringify!($case), $case::STAMPED)),*],
+            );
+        }
+    };
+
+    // A need whose flag is `yes`: check the next one.
+    (@case [yes $s:tt $i:tt $d:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [yes $s $i $d] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt yes $i:tt $d:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l yes $i $d] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt $s:tt yes $d:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s yes $d] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt $s:tt $i:tt yes] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i yes] [$($need)*] $($rest)*);
+    };
+    // Every need met: the test.
+    (@case $flags:tt [] $case:ident $factory:expr) => {
+        #[test]
+        fn $case() {
+            $crate::suite::macro_support::run_case(::std::stringify!($case), $factory);
+        }
+
+        #[doc(hidden)]
+        mod $case {
+            pub const STAMPED: bool = true;
+        }
+    };
+    // A need whose flag is `no`: no test.
+    (@case $flags:tt [$need:ident $($more:ident)*] $case:ident $factory:expr) => {
+        #[doc(hidden)]
+        mod $case {
+            pub const STAMPED: bool = false;
+        }
     };
 }

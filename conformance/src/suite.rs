@@ -11,17 +11,19 @@ use std::time::Duration;
 use lock_api::{Capabilities, Lease, LockBackend, LockError, LockKey};
 use tokio::time::Instant;
 
-use crate::factory::Factory;
-use crate::history::{CheckOptions, History, RecordingBackend};
+use crate::factory::{Factory, LinkFaults, ServerFaults};
+use crate::history::{CheckOptions, History, Invariant, RecordingBackend, Violation};
 
 /// How a case ended when it did not fail.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum Outcome {
     /// Every check held.
     Passed,
-    /// The backend does not declare the capability the case needs.
+    /// Not run: the factory lacks something the case [needs](Case::needs). Only runners
+    /// that take any factory ([`Case::run`], [`run_all`]) report this; the stamped tests
+    /// of [`crate::conformance_tests`] are never stamped for such a case.
     Skipped {
-        /// Which capability is missing.
+        /// Which need is missing.
         reason: String,
     },
 }
@@ -37,6 +39,8 @@ pub struct Failure {
     pub expected: String,
     /// What the backend did.
     pub got: String,
+    /// The invariants the history check found broken, when that check failed the case.
+    pub invariants: Vec<Invariant>,
 }
 
 impl fmt::Display for Failure {
@@ -54,12 +58,106 @@ impl std::error::Error for Failure {}
 /// The future a case returns.
 pub type CaseFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, Failure>> + Send + 'a>>;
 
-/// One registered case: its name and a function that runs it.
+/// What a case needs from a factory beyond a store. A case runs only where the factory
+/// has every need: [`Case::run`] checks before the case starts, and
+/// [`crate::conformance_tests`] stamps a case only for a factory declared with its needs.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Need {
+    /// Link faults: [`Factory::link`] is `Some` (`link_faults` in the macro).
+    LinkFaults,
+    /// Server faults: [`Factory::server`] is `Some` (`server_faults`).
+    ServerFaults,
+    /// [`LockBackend::inspect`] works: [`Capabilities::inspect`] (`inspect`).
+    Inspect,
+    /// Every [`Factory::backend`] call returns a separate backend instance, so a lease of
+    /// one is foreign to another (`distinct_clients`).
+    DistinctClients,
+}
+
+impl Need {
+    /// Every need, in the order the macro's flags list them.
+    pub const ALL: [Need; 4] = [
+        Need::LinkFaults,
+        Need::ServerFaults,
+        Need::Inspect,
+        Need::DistinctClients,
+    ];
+
+    /// The name the macro declares it with.
+    pub fn name(self) -> &'static str {
+        match self {
+            Need::LinkFaults => "link_faults",
+            Need::ServerFaults => "server_faults",
+            Need::Inspect => "inspect",
+            Need::DistinctClients => "distinct_clients",
+        }
+    }
+
+    /// Whether `factory` has it. For [`Need::DistinctClients`] this takes a lease on a
+    /// probe key (under a random `conformance:` prefix) from each of two clients and
+    /// compares the instances that granted them; a store error counts as "no".
+    pub async fn met_by(self, factory: &dyn Factory) -> bool {
+        match self {
+            Need::LinkFaults => factory.link().is_some(),
+            Need::ServerFaults => factory.server().is_some(),
+            Need::Inspect => factory.backend().await.capabilities().inspect,
+            Need::DistinctClients => distinct_clients(factory).await,
+        }
+    }
+}
+
+impl fmt::Display for Need {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Whether two clients of `factory` are separate instances: each takes a probe key and
+/// the leases name the instances that granted them.
+async fn distinct_clients(factory: &dyn Factory) -> bool {
+    let (a, b) = (factory.backend().await, factory.backend().await);
+    let prefix = format!("conformance:{:016x}:needs", rand::random::<u64>());
+    let ttl = fit_ttl(&a.capabilities(), Duration::from_secs(5));
+    let (Ok(key_a), Ok(key_b)) = (
+        LockKey::new(format!("{prefix}:probe-a")),
+        LockKey::new(format!("{prefix}:probe-b")),
+    ) else {
+        return false;
+    };
+    let Ok(Some(lease_a)) = a.acquire(&key_a, ttl).await else {
+        return false;
+    };
+    let lease_b = b.acquire(&key_b, ttl).await;
+    let _ = a.release(&lease_a).await;
+    match lease_b {
+        Ok(Some(lease_b)) => {
+            let _ = b.release(&lease_b).await;
+            lease_b.backend_id() != lease_a.backend_id()
+        }
+        _ => false,
+    }
+}
+
+/// The needs in `needs` that `factory` lacks.
+pub async fn missing_needs(needs: &[Need], factory: &dyn Factory) -> Vec<Need> {
+    let mut missing = Vec::new();
+    for need in needs {
+        if !need.met_by(factory).await {
+            missing.push(*need);
+        }
+    }
+    missing
+}
+
+/// One registered case: its name, its needs, and a function that runs it.
 #[derive(Clone, Copy)]
 pub struct Case {
     /// The case's name (the name of its function in [`crate::cases`]).
     pub name: &'static str,
-    /// Runs the case against a factory.
+    /// What the case needs from the factory.
+    pub needs: &'static [Need],
+    /// Runs the case against a factory; [`Outcome::Skipped`] without running it when the
+    /// factory lacks one of its needs.
     pub run: for<'a> fn(&'a dyn Factory) -> CaseFuture<'a>,
 }
 
@@ -70,20 +168,41 @@ impl fmt::Debug for Case {
 }
 
 macro_rules! registry {
-    ([] $($case:ident),* $(,)?) => {
+    ([] $($case:ident: [$($need:ident),*]),* $(,)?) => {
         /// One function per case with the [`Case::run`] signature.
         mod boxed {
-            use super::{CaseFuture, Factory};
+            use super::{CaseFuture, Factory, Need, gated};
             $(
                 pub(super) fn $case(factory: &dyn Factory) -> CaseFuture<'_> {
-                    Box::pin(crate::cases::$case(factory))
+                    let needs: &'static [Need] = &[$(crate::__conformance_need!($need)),*];
+                    Box::pin(gated(needs, factory, crate::cases::$case(factory)))
                 }
             )*
         }
 
         /// Every case, in the order the suite runs them.
-        pub const CASES: &[Case] = &[$(Case { name: stringify!($case), run: boxed::$case }),*];
+        pub const CASES: &[Case] = &[$(Case {
+            name: stringify!($case),
+            needs: &[$(crate::__conformance_need!($need)),*],
+            run: boxed::$case,
+        }),*];
     };
+}
+
+/// Runs `case` if `factory` has every need, else reports which it lacks.
+async fn gated(
+    needs: &[Need],
+    factory: &dyn Factory,
+    case: impl Future<Output = Result<Outcome, Failure>>,
+) -> Result<Outcome, Failure> {
+    let missing = missing_needs(needs, factory).await;
+    if missing.is_empty() {
+        return case.await;
+    }
+    let names: Vec<_> = missing.iter().map(|n| n.name()).collect();
+    Ok(Outcome::Skipped {
+        reason: format!("the factory lacks {}", names.join(", ")),
+    })
 }
 
 crate::__conformance_cases!([registry]);
@@ -128,11 +247,21 @@ pub mod macro_support {
     use std::future::Future;
 
     use crate::factory::Factory;
-    use crate::suite::CASES;
+    use crate::suite::{CASES, Need, Outcome, missing_needs};
 
-    /// Runs the case `name` on a fresh multi-threaded runtime (two workers, like
-    /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`) and panics with
-    /// the failure message if it fails.
+    /// A multi-threaded runtime with two workers, like
+    /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`.
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start a tokio runtime: {e}"))
+    }
+
+    /// Runs the case `name` on a fresh runtime and panics with the failure message if it
+    /// fails. A stamped case the factory cannot run fails too: the invocation declared a
+    /// capability the factory does not have.
     pub fn run_case<F, Fut>(name: &str, make_factory: Fut)
     where
         F: Factory,
@@ -141,25 +270,109 @@ pub mod macro_support {
         let Some(case) = CASES.iter().find(|c| c.name == name) else {
             panic!("no conformance case is called `{name}`");
         };
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("cannot start a tokio runtime: {e}"));
-        runtime.block_on(async {
+        runtime().block_on(async {
             let factory = make_factory.await;
             match (case.run)(&factory).await {
-                Ok(super::Outcome::Passed) => {}
-                Ok(super::Outcome::Skipped { reason }) => {
-                    println!(
-                        "conformance case `{name}` skipped on {}: {reason}",
-                        factory.name()
-                    );
-                }
+                Ok(Outcome::Passed) => {}
+                Ok(Outcome::Skipped { reason }) => panic!(
+                    "conformance case `{name}` was stamped for {} but cannot run there ({reason}): \
+                     the conformance_tests! invocation declares a capability the factory lacks",
+                    factory.name()
+                ),
                 Err(failure) => panic!("{failure}"),
             }
         });
     }
+
+    /// The stamped test `conformance_stamped_cases`: prints which cases the macro stamped
+    /// for this factory and which it did not (and why), and fails unless the declared
+    /// capabilities are exactly what the factory has and the stamped set is exactly the
+    /// cases whose needs it meets.
+    pub fn stamped_cases<F, Fut>(make_factory: Fut, declared: &[Need], stamped: &[(&str, bool)])
+    where
+        F: Factory,
+        Fut: Future<Output = F>,
+    {
+        runtime().block_on(async {
+            let factory = make_factory.await;
+            let mut errors = Vec::new();
+            let mut has = Vec::new();
+            for need in Need::ALL {
+                let met = need.met_by(&factory).await;
+                if met {
+                    has.push(need);
+                }
+                match (met, declared.contains(&need)) {
+                    (true, false) => errors.push(format!(
+                        "the factory has `{need}` but the invocation does not declare it, so \
+                         the cases that need it are not stamped"
+                    )),
+                    (false, true) => errors.push(format!(
+                        "the invocation declares `{need}` but the factory does not have it"
+                    )),
+                    _ => {}
+                }
+            }
+            let mut not_stamped = Vec::new();
+            for case in CASES {
+                let is_stamped = stamped.iter().any(|(n, s)| *n == case.name && *s);
+                let missing = missing_needs(case.needs, &factory).await;
+                if !is_stamped {
+                    let names: Vec<_> = case.needs.iter().map(|n| n.name()).collect();
+                    not_stamped.push(format!("{} (needs {})", case.name, names.join(", ")));
+                }
+                if is_stamped != missing.is_empty() && errors.is_empty() {
+                    errors.push(format!(
+                        "`{}` is {}stamped although the factory {} its needs",
+                        case.name,
+                        if is_stamped { "" } else { "not " },
+                        if missing.is_empty() {
+                            "meets"
+                        } else {
+                            "lacks some of"
+                        },
+                    ));
+                }
+            }
+            let count = stamped.iter().filter(|(_, s)| *s).count();
+            let caps: Vec<_> = has.iter().map(|n| n.name()).collect();
+            println!(
+                "conformance on {}: {count} of {} cases stamped and run (capabilities: {})",
+                factory.name(),
+                CASES.len(),
+                if caps.is_empty() {
+                    "none".to_owned()
+                } else {
+                    caps.join(", ")
+                },
+            );
+            for line in &not_stamped {
+                println!("  not stamped: {line}");
+            }
+            assert_eq!(stamped.len(), CASES.len(), "every case is listed once");
+            assert!(
+                errors.is_empty(),
+                "on {}: {}",
+                factory.name(),
+                errors.join("; ")
+            );
+        });
+    }
+}
+
+/// The first few violations, one per line: they show the pattern, and a broken backend
+/// can produce hundreds.
+fn listing(violations: &[Violation]) -> String {
+    const SHOWN: usize = 8;
+    let mut listed: Vec<String> = violations
+        .iter()
+        .take(SHOWN)
+        .map(|v| format!("    {v}"))
+        .collect();
+    if violations.len() > SHOWN {
+        listed.push(format!("    ... and {} more", violations.len() - SHOWN));
+    }
+    listed.join("\n")
 }
 
 /// TTLs and waits fitted to a backend's capabilities, so the same case runs on a store
@@ -212,6 +425,8 @@ pub struct Ctx<'f> {
     prefix: String,
     history: Arc<History>,
     faults: bool,
+    /// The expiry slack of the case's [`Timing`], once [`Ctx::timing`] was asked for it.
+    expiry_slack: std::sync::OnceLock<Duration>,
 }
 
 impl<'f> Ctx<'f> {
@@ -223,6 +438,7 @@ impl<'f> Ctx<'f> {
             prefix: format!("conformance:{:016x}:{case}", rand::random::<u64>()),
             history: Arc::new(History::new()),
             faults: false,
+            expiry_slack: std::sync::OnceLock::new(),
         }
     }
 
@@ -255,14 +471,53 @@ impl<'f> Ctx<'f> {
         ))
     }
 
-    /// A failure of this case.
+    /// A failure of this case. It also names the invariants the history recorded so far
+    /// breaks, if any: the rule behind a wrong answer.
     pub fn fail(&self, expected: impl fmt::Display, got: impl fmt::Display) -> Failure {
+        let violations = self.history.check(&self.check_options());
+        let mut got = got.to_string();
+        if !violations.is_empty() {
+            got = format!("{got}\n  and the history shows:\n{}", listing(&violations));
+        }
+        self.failure(expected.to_string(), got, &violations)
+    }
+
+    fn failure(&self, expected: String, got: String, violations: &[Violation]) -> Failure {
+        let mut invariants: Vec<Invariant> = violations.iter().map(|v| v.invariant).collect();
+        invariants.sort_unstable();
+        invariants.dedup();
         Failure {
             case: self.case,
             backend: self.factory.name().to_owned(),
-            expected: expected.to_string(),
-            got: got.to_string(),
+            expected,
+            got,
+            invariants,
         }
+    }
+
+    fn check_options(&self) -> CheckOptions {
+        CheckOptions {
+            faults: self.faults,
+            expiry_slack: self
+                .expiry_slack
+                .get()
+                .copied()
+                .unwrap_or(CheckOptions::default().expiry_slack),
+        }
+    }
+
+    /// The factory's link faults; the case must need [`Need::LinkFaults`].
+    pub fn link(&self) -> Result<Arc<dyn LinkFaults>, Failure> {
+        self.factory
+            .link()
+            .ok_or_else(|| self.fail("the factory to have link faults", "none"))
+    }
+
+    /// The factory's server faults; the case must need [`Need::ServerFaults`].
+    pub fn server(&self) -> Result<Arc<dyn ServerFaults>, Failure> {
+        self.factory
+            .server()
+            .ok_or_else(|| self.fail("the factory to have server faults", "none"))
     }
 
     /// Fails with `expected` / `got()` unless `holds`.
@@ -346,11 +601,14 @@ impl<'f> Ctx<'f> {
 
     /// The timing for `client`'s capabilities.
     pub fn timing(&self, client: &Arc<dyn LockBackend>) -> Timing {
-        Timing::for_capabilities(&client.capabilities())
+        let timing = Timing::for_capabilities(&client.capabilities());
+        let _ = self.expiry_slack.set(timing.expiry_slack);
+        timing
     }
 
     /// Checks the history against I1–I5.
     pub fn check_history(&self, timing: &Timing) -> Result<(), Failure> {
+        let _ = self.expiry_slack.set(timing.expiry_slack);
         let violations = self.history.check(&CheckOptions {
             faults: self.faults,
             expiry_slack: timing.expiry_slack,
@@ -358,19 +616,14 @@ impl<'f> Ctx<'f> {
         if violations.is_empty() {
             return Ok(());
         }
-        // The first few show the pattern; a broken backend can produce hundreds.
-        const SHOWN: usize = 8;
-        let mut listed: Vec<String> = violations
-            .iter()
-            .take(SHOWN)
-            .map(|v| format!("    {v}"))
-            .collect();
-        if violations.len() > SHOWN {
-            listed.push(format!("    ... and {} more", violations.len() - SHOWN));
-        }
-        Err(self.fail(
-            "a history that meets I1-I5",
-            format!("{} violation(s):\n{}", violations.len(), listed.join("\n")),
+        Err(self.failure(
+            "a history that meets I1-I5".to_owned(),
+            format!(
+                "{} violation(s):\n{}",
+                violations.len(),
+                listing(&violations)
+            ),
+            &violations,
         ))
     }
 
@@ -378,13 +631,6 @@ impl<'f> Ctx<'f> {
     pub fn pass(&self, timing: &Timing) -> Result<Outcome, Failure> {
         self.check_history(timing)?;
         Ok(Outcome::Passed)
-    }
-}
-
-/// A skipped outcome.
-pub fn skip(reason: impl Into<String>) -> Outcome {
-    Outcome::Skipped {
-        reason: reason.into(),
     }
 }
 

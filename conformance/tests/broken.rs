@@ -1,80 +1,120 @@
-//! Proves the suite can fail: every case runs against a deliberately broken backend (no
-//! owner check on release, a constant token), and the cases that guard those rules must
-//! fail on it while passing on the reference backend.
+//! Proves the suite can fail: every case runs against each broken variant (one bug
+//! each) and against the same store without a bug. The control passes every case; each
+//! variant fails at least the cases [`conformance::broken::CAUGHT_BY`] names, with the
+//! invariants it names in the history check. Run with `--nocapture` to see which cases
+//! caught each variant.
 
-use conformance::broken::BrokenFactory;
-use conformance::memory::MemoryFactory;
+use std::collections::BTreeSet;
+
+use conformance::broken::{BrokenFactory, BrokenKind};
+use conformance::history::Invariant;
 use conformance::{CASES, Factory, Failure, Outcome};
 use futures::future::join_all;
 
-/// The cases that must catch the broken backend, and a phrase of what each expected:
-/// they must fail for the rule they guard, not by accident.
-const MUST_FAIL: &[(&str, &str)] = &[
-    (
-        "release_by_non_owner_is_not_held",
-        "non-owner to be NotHeld",
-    ),
-    ("release_after_expiry_leaves_new_holder", "to be NotHeld"),
-    ("tokens_increase_across_releases", "a token above"),
-    ("tokens_increase_across_expiries", "a token above"),
-    ("paused_holder_is_fenced", "late write"),
-    ("fence_stale_after_takeover", "Stale"),
-    ("contention_loses_no_update", "I1-I5"),
-];
-
-/// Runs every case, each on a fresh factory from `make`, all at once (each case uses its
-/// own keys); returns the name and result of each.
-async fn run_each<F: Factory>(make: fn() -> F) -> Vec<(&'static str, Result<Outcome, Failure>)> {
-    join_all(CASES.iter().map(|case| async move {
+/// The name and result of every case, each run on a fresh factory from `make` and all at
+/// once (a case's link and server faults reach only its own factory's store).
+async fn run_each(
+    make: impl Fn() -> BrokenFactory,
+) -> Vec<(&'static str, Result<Outcome, Failure>)> {
+    let runs = CASES.iter().map(|case| {
         let factory = make();
-        (case.name, (case.run)(&factory).await)
-    }))
-    .await
+        tokio::spawn(async move { (case.name, (case.run)(&factory).await) })
+    });
+    join_all(runs)
+        .await
+        .into_iter()
+        .map(|joined| joined.unwrap_or_else(|e| panic!("a case panicked: {e}")))
+        .collect()
+}
+
+/// What caught one variant: the failing cases and the invariants their failures name.
+struct Caught {
+    cases: BTreeSet<&'static str>,
+    invariants: BTreeSet<Invariant>,
+}
+
+impl Caught {
+    fn of(results: &[(&'static str, Result<Outcome, Failure>)]) -> Self {
+        let failures = results
+            .iter()
+            .filter_map(|(name, r)| Some((*name, r.as_ref().err()?)));
+        let mut caught = Self {
+            cases: BTreeSet::new(),
+            invariants: BTreeSet::new(),
+        };
+        for (name, failure) in failures {
+            caught.cases.insert(name);
+            caught.invariants.extend(failure.invariants.iter().copied());
+        }
+        caught
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_suite_fails_on_a_broken_backend() {
-    let results = run_each(BrokenFactory::new).await;
-    let failed: Vec<&str> = results
-        .iter()
-        .filter(|(_, r)| r.is_err())
-        .map(|(name, _)| *name)
-        .collect();
-    for (name, expected) in MUST_FAIL {
-        let failure = results
-            .iter()
-            .find(|(n, _)| n == name)
-            .and_then(|(_, r)| r.as_ref().err())
-            .unwrap_or_else(|| {
-                panic!("case `{name}` should fail on the broken backend; failed: {failed:?}")
-            });
-        assert!(
-            failure.expected.contains(expected),
-            "case `{name}` failed for another reason than expected ({expected:?}): {failure}"
+async fn every_broken_variant_is_caught() {
+    let control = run_each(BrokenFactory::control).await;
+    for (name, result) in &control {
+        match result {
+            Ok(Outcome::Passed) => {}
+            Ok(skipped) => panic!("`{name}` did not run on the control: {skipped:?}"),
+            Err(failure) => panic!("the control (no bug) must pass every case:\n{failure}"),
+        }
+    }
+
+    let runs = BrokenKind::ALL
+        .map(|kind| async move { (kind, run_each(move || BrokenFactory::with_kind(kind)).await) });
+    let mut problems = Vec::new();
+    println!("broken variants and the cases that caught them:");
+    for (kind, results) in join_all(runs).await {
+        let caught = Caught::of(&results);
+        let must = kind.caught_by();
+        println!(
+            "  {kind:?}: {} of {} cases {:?}; invariants {:?}",
+            caught.cases.len(),
+            results.len(),
+            caught.cases,
+            caught.invariants,
         );
-    }
-    // Each failure names its case and says what was expected.
-    for (name, result) in &results {
-        if let Err(failure) = result {
-            println!("{failure}\n");
-            assert_eq!(failure.case, *name);
-            let text = failure.to_string();
-            assert!(text.contains(name) && text.contains("expected"), "{text}");
+        if caught.cases.is_empty() {
+            problems.push(format!("{kind:?} passes every case"));
+        }
+        for case in must.cases.iter().filter(|c| !caught.cases.contains(*c)) {
+            problems.push(format!("{kind:?} is not caught by `{case}`"));
+        }
+        for invariant in must
+            .invariants
+            .iter()
+            .filter(|i| !caught.invariants.contains(i))
+        {
+            problems.push(format!("{kind:?}: no failure names {invariant}"));
+        }
+        // Each failure names its case and says what was expected.
+        for (name, result) in &results {
+            if let Err(failure) = result {
+                assert_eq!(failure.case, *name);
+                let text = failure.to_string();
+                assert!(text.contains(name) && text.contains("expected"), "{text}");
+            }
         }
     }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_same_cases_pass_on_the_reference_backend() {
-    let results = run_each(MemoryFactory::new).await;
-    for (name, _) in MUST_FAIL {
-        let (_, result) = results
-            .iter()
-            .find(|(n, _)| n == name)
-            .unwrap_or_else(|| panic!("no case `{name}`"));
-        if let Err(failure) = result {
-            panic!("{failure}");
-        }
-        assert_eq!(result.as_ref().ok(), Some(&Outcome::Passed), "{name}");
-    }
+async fn a_failure_says_what_was_expected_and_what_the_history_shows() {
+    let factory = BrokenFactory::with_kind(BrokenKind::ReleaseWithoutOwnerCheck);
+    let case = conformance::suite::case("release_by_non_owner_is_not_held").unwrap();
+    let failure = (case.run)(&factory).await.unwrap_err();
+    assert_eq!(failure.expected, "a release by a non-owner to be NotHeld");
+    assert_eq!(failure.invariants, vec![Invariant::I4]);
+    let text = failure.to_string();
+    assert!(
+        text.contains("on broken") && text.contains("got: Released"),
+        "{text}"
+    );
+    assert!(
+        text.contains("the history shows") && text.contains("I4: "),
+        "{text}"
+    );
+    assert_eq!(factory.name(), "broken");
 }

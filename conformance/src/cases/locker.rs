@@ -16,7 +16,7 @@ use tokio::time::{Instant, sleep, timeout_at};
 use super::release_held;
 use crate::factory::Factory;
 use crate::history::FencedCounter;
-use crate::suite::{Ctx, Failure, Outcome, Timing, skip};
+use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// How long a case waits past a deadline for a local event (a timer firing, a task
 /// being scheduled) on a loaded machine.
@@ -151,9 +151,7 @@ pub async fn watchdog_reports_loss_by_valid_until(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let mut ctx = Ctx::new("watchdog_reports_loss_by_valid_until", factory);
-    let Some(link) = factory.link() else {
-        return Ok(skip("the factory has no link faults"));
-    };
+    let link = ctx.link()?;
     ctx.with_faults();
     let client = ctx.client().await;
     let t = ctx.timing(&client);
