@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use lock_api::LockError;
+use lock_api::{LockError, redact_url};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::advisory::PgAdvisoryBackend;
@@ -147,7 +147,7 @@ impl PgBuilder {
             request_timeout: self.request_timeout,
             min_ttl: self.min_ttl,
             max_ttl: self.max_ttl,
-            url: redact(&self.url),
+            url: redact_url(&self.url),
         })
     }
 
@@ -174,7 +174,7 @@ impl PgBuilder {
 impl fmt::Debug for PgBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgBuilder")
-            .field("url", &redact(&self.url))
+            .field("url", &redact_url(&self.url))
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
             .field("min_ttl", &self.min_ttl)
@@ -207,32 +207,43 @@ fn connect_options(url: &str) -> Result<PgConnectOptions, LockError> {
     Ok(options.application_name("distlock"))
 }
 
-/// The URL with its password replaced by `***`, for Debug output and messages.
-pub(crate) fn redact(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            if u.password().is_some() {
-                // Only fails for URLs that cannot have a password, which have none.
-                let _ = u.set_password(Some("***"));
-            }
-            u.to_string()
-        }
-        Err(_) => "<malformed url>".to_owned(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn redaction_hides_the_password_only() {
-        assert_eq!(
-            redact("postgres://app:s3cret@db:5432/x"),
-            "postgres://app:***@db:5432/x"
-        );
-        assert_eq!(redact("postgres://db/x"), "postgres://db/x");
-        assert_eq!(redact("::not a url s3cret"), "<malformed url>");
+    /// URLs whose password is in the userinfo, holding each character that ends a URL part,
+    /// or in a password-like query parameter.
+    fn urls_with_a_password() -> Vec<String> {
+        let mut urls: Vec<String> = ['@', '#', '?', '/', ',', '%', ':', '&']
+            .iter()
+            .map(|c| format!("postgres://app:hun{c}ter2@db:5432/jobs?sslmode=disable"))
+            .collect();
+        for name in ["password", "sslpassword", "Password"] {
+            urls.push(format!(
+                "postgres://app@db:5432/jobs?{name}=hunter2&sslmode=disable"
+            ));
+        }
+        urls
+    }
+
+    #[tokio::test]
+    async fn debug_of_the_builder_and_backends_never_shows_the_password() {
+        for url in urls_with_a_password() {
+            let builder = PgBuilder::new(&url);
+            assert!(
+                format!("{builder:?}").contains("@db:5432/jobs"),
+                "{builder:?}"
+            );
+            let lease = builder.build_lease_backend();
+            let advisory = builder.build_advisory_backend();
+            for shown in [
+                format!("{builder:?}"),
+                format!("{lease:?}"),
+                format!("{advisory:?}"),
+            ] {
+                assert!(!shown.contains("ter2"), "{url}: {shown}");
+            }
+        }
     }
 
     #[test]
@@ -247,6 +258,7 @@ mod tests {
             PgBuilder::new("postgres://u:s3cret@h/db")
                 .ttl_bounds(Duration::from_micros(1500), Duration::from_secs(1)),
             PgBuilder::new("postgres://u:s3cret@h/db").request_timeout(Duration::ZERO),
+            PgBuilder::new("postgres://u@h/db?password=s3cret").pool_size(0),
         ];
         for b in cases {
             let err = b.build_lease_backend().unwrap_err();
