@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 use crate::coalesce::Queue;
 use crate::config::{RedisBackendBuilder, redact_url};
-use crate::conn::{Call, Conn, key_slot};
+use crate::conn::{Call, Conn, key_slot, reply_error};
 use crate::keys::LockKeys;
 use crate::scripts::{
     ABANDON_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
@@ -1033,7 +1033,7 @@ fn grouped_calls(
 }
 
 /// One reply per item from the replies of the grouped calls: a call's array is split over
-/// its items; a call's error is each of its items' error.
+/// its items (an error inside it is its item's own); a call's error is each of its items' error.
 fn spread(
     groups: &[Vec<usize>],
     replies: Vec<RedisResult<Value>>,
@@ -1041,7 +1041,7 @@ fn spread(
 ) -> Vec<RedisResult<Value>> {
     let mut out: Vec<Option<RedisResult<Value>>> = (0..items).map(|_| None).collect();
     for (group, reply) in groups.iter().zip(replies) {
-        match reply.and_then(Value::extract_error) {
+        match reply.and_then(reply_error) {
             Ok(Value::Array(values)) if values.len() == group.len() => {
                 for (&i, value) in group.iter().zip(values) {
                     out[i] = Some(value.extract_error());

@@ -207,8 +207,7 @@ impl Conn {
             pipe.add_command(calls[i].cmd());
         }
         let replies = self.send(&pipe, route.clone()).await?;
-        let mut out: Vec<RedisResult<Value>> =
-            replies.into_iter().map(Value::extract_error).collect();
+        let mut out: Vec<RedisResult<Value>> = replies.into_iter().map(reply_error).collect();
         let missing: Vec<usize> = (0..out.len())
             .filter(|&j| matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)))
             .collect();
@@ -232,7 +231,7 @@ impl Conn {
         }
         let replies = self.send(&again, route).await?;
         for (j, reply) in missing.into_iter().zip(replies) {
-            out[j] = reply.extract_error();
+            out[j] = reply_error(reply);
         }
         Ok(out)
     }
@@ -341,6 +340,15 @@ fn parse_cluster_slots(reply: Value) -> SlotOwners {
         }
     }
     SlotOwners(ranges)
+}
+
+/// A reply that is an error, as an error. Errors nested in a multi-key script's array are
+/// left in place: they belong to one item each, not to the whole call.
+pub(crate) fn reply_error(reply: Value) -> RedisResult<Value> {
+    match reply {
+        Value::ServerError(e) => Err(e.into()),
+        other => Ok(other),
+    }
 }
 
 /// The error of a node that sent no reply in time: an I/O timeout, like the client's own.

@@ -2,13 +2,18 @@
 -- KEYS[1] = <prefix>:{<name>}        (owner id, expires after ARGV[2] ms)
 -- KEYS[2] = <prefix>:{<name>}:fence  (newest token, never expires)
 -- ARGV[1] = owner id (hex), ARGV[2] = ttl in milliseconds
--- Returns the new token, or nil when the lock is held by someone else.
+-- Returns the new token, or nil when the lock is held by someone else; an error, having
+-- taken nothing, when the counter is too large to count on.
+local counter = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
+-- Lua numbers are doubles: from 2^53 on, counter + 1 rounds back and repeats a token.
+if counter >= 9007199254740992 then
+  return redis.error_reply('FENCEOVERFLOW the token counter ' .. KEYS[2] .. ' is at or above 2^53')
+end
 if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return false
 end
 -- The token is max(counter + 1, server time in microseconds): even when a restart or
 -- failover lost the counter, the clock keeps new tokens above every older one.
-local counter = tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 local now = redis.call('TIME')
 local micros = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local token = math.max(counter + 1, micros)
