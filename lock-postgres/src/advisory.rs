@@ -18,7 +18,7 @@ use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, ttl_ms};
+use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, ttl_ms, with_clock};
 use crate::error::Operation;
 use crate::schema::Schema;
 
@@ -62,7 +62,9 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
 ///   hashes collide contend for one lock: a collision costs waiting, never safety.
 /// - **acquire** takes a connection from the pool and runs ONE statement on it that tries
 ///   the lock, and only if it got it bumps the name's counter in
-///   `<schema>.distlock_advisory_tokens` and sets the session's time limits. The
+///   `<schema>.distlock_advisory_tokens` to `greatest(counter + 1, server clock in µs)`
+///   (so a counter that lost its last increments, or was purged, never issues a token
+///   twice while the server's clock does not go back) and sets the session's time limits. The
 ///   connection then stays pinned to the lease (in its private handle) until release.
 ///   The statement first checks that the session holds no advisory lock, so that it holds
 ///   exactly this one afterwards. An acquire that fails or is cancelled after its
@@ -194,7 +196,7 @@ impl PgAdvisoryBackend {
             // holds (a pooled session must hold none, so that it holds exactly one after
             // the acquire and one unlock frees the key), then the try; the session
             // settings and the token bump only happen when the lock was taken.
-            acquire: s.sql(
+            acquire: s.sql(&with_clock(
                 "WITH pre AS (SELECT count(*) AS held FROM pg_locks \
                                WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
                  l AS (SELECT pre.held, \
@@ -209,13 +211,13 @@ impl PgAdvisoryBackend {
                            FROM l WHERE l.ok), \
                  bumped AS (INSERT INTO {s}.distlock_advisory_tokens AS t \
                                    (name, token, owner, ttl_ms) \
-                            SELECT $2, 1, $6, $7 FROM l, cfg WHERE l.ok \
+                            SELECT $2, {clock_us}, $6, $7 FROM l, cfg WHERE l.ok \
                             ON CONFLICT (name) DO UPDATE \
-                               SET token = t.token + 1, owner = EXCLUDED.owner, \
-                                   ttl_ms = EXCLUDED.ttl_ms \
+                               SET token = greatest(t.token + 1, {clock_us}), \
+                                   owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
                             RETURNING token) \
                  SELECT l.held, (SELECT token FROM bumped) AS token FROM l",
-            ),
+            )),
             token: s.sql("SELECT token FROM {s}.distlock_advisory_tokens WHERE name = $1"),
             // The holder's remaining time is its idle-session budget: the TTL minus the
             // time since its session's last state change.

@@ -121,6 +121,17 @@ impl PgClient {
     }
 }
 
+/// The server's clock in microseconds since the Unix epoch, as SQL. Every token is at
+/// least this (`greatest(counter + 1, clock)`), as in the Redis backend: when a counter
+/// row loses its last increments (asynchronous commit, failover to a replica that lagged)
+/// or is purged, the clock has moved past the tokens that were lost, so none is reissued.
+const CLOCK_US: &str = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint";
+
+/// SQL text with every `{clock_us}` replaced by the server clock in microseconds.
+pub(crate) fn with_clock(template: &str) -> String {
+    template.replace("{clock_us}", CLOCK_US)
+}
+
 pub(crate) fn ttl_ms(ttl: Duration) -> i64 {
     // `check_ttl` bounded it by `max_ttl`, which fits in an i32 count of milliseconds.
     i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
@@ -141,7 +152,7 @@ pub(crate) fn token_i64(token: FencingToken) -> i64 {
     i64::try_from(token.get()).unwrap_or(i64::MAX)
 }
 
-/// A token read from a bigint column that only ever counts up from 1.
+/// A token read from a bigint column that only ever counts up (from the clock, at least 1).
 pub(crate) fn token_from(v: i64) -> FencingToken {
     FencingToken(u64::try_from(v).unwrap_or(0))
 }

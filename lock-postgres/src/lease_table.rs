@@ -15,7 +15,9 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, token_i64, ttl_ms};
+use crate::client::{
+    PgClient, on_conn, owner_from, owner_uuid, token_from, token_i64, ttl_ms, with_clock,
+};
 use crate::config::PgBuilder;
 use crate::error::Operation;
 
@@ -42,6 +44,9 @@ struct Statements {
 ///
 /// - **acquire** is one upsert: it inserts the row, or takes it over only when it is free
 ///   (`owner IS NULL`) or expired (`expires_at <= now()`), bumping the token either way.
+///   The new token is `greatest(token + 1, server clock in µs)`, so a row that lost its
+///   last updates (asynchronous commit, failover to a lagging replica) or was deleted
+///   never issues a token twice, as long as the server's clock does not go back.
 /// - **renew** and **release** match name, owner *and* token, and only while
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
 /// - **release** clears the owner and keeps the row, so the next token is still higher.
@@ -69,25 +74,26 @@ impl PgLeaseBackend {
     pub(crate) fn from_client(client: PgClient) -> Self {
         let s = &client.schema;
         let sql = Statements {
-            acquire: s.sql(
+            acquire: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
-                 VALUES ($1, $2, 1, now() + $3::bigint * interval '1 millisecond') \
+                 VALUES ($1, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond') \
                  ON CONFLICT (name) DO UPDATE \
-                    SET owner = EXCLUDED.owner, token = l.token + 1, \
+                    SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
                   WHERE l.owner IS NULL OR l.expires_at <= now() \
                  RETURNING token",
-            ),
-            acquire_many: s.sql(
+            )),
+            acquire_many: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
-                 SELECT k.name, k.owner, 1, now() + $3::bigint * interval '1 millisecond' \
+                 SELECT k.name, k.owner, {clock_us}, \
+                        now() + $3::bigint * interval '1 millisecond' \
                    FROM unnest($1::text[], $2::uuid[]) AS k(name, owner) \
                  ON CONFLICT (name) DO UPDATE \
-                    SET owner = EXCLUDED.owner, token = l.token + 1, \
+                    SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
                   WHERE l.owner IS NULL OR l.expires_at <= now() \
                  RETURNING name, token",
-            ),
+            )),
             renew_many: s.sql(
                 "UPDATE {s}.distlock_leases AS l \
                     SET expires_at = now() + k.ttl_ms * interval '1 millisecond' \

@@ -10,7 +10,10 @@
 //!   as the side effect.
 //!
 //! Both backends are built from a [`PgBuilder`] and need their tables: call `setup()` once
-//! (idempotent). Tokens survive server restarts: they live in tables, never in memory.
+//! (idempotent). Tokens survive server restarts: they live in tables, never in memory,
+//! and each is at least the server's clock in microseconds (`greatest(counter + 1,
+//! clock)`), so a counter that lost its last increments (asynchronous commit, failover to
+//! a lagging replica) never issues a token twice.
 //! The two backends keep separate state: a lease-table lock and an advisory lock on the
 //! same name do not exclude each other.
 
