@@ -2,4 +2,7 @@
 
 mod common;
 
-conformance::conformance_tests!(common::RedisClusterFactory::start());
+conformance::conformance_tests!(
+    common::RedisClusterFactory::start(),
+    capabilities: [inspect, distinct_clients],
+);

@@ -3,4 +3,7 @@
 
 mod common;
 
-conformance::conformance_tests!(common::RedisFactory::start());
+conformance::conformance_tests!(
+    common::RedisFactory::start(),
+    capabilities: [link_faults, server_faults, inspect, distinct_clients],
+);
