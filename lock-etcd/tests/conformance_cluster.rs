@@ -2,4 +2,7 @@
 
 mod common;
 
-conformance::conformance_tests!(common::EtcdFactory::cluster());
+conformance::conformance_tests!(
+    common::EtcdFactory::cluster(),
+    capabilities: [link_faults, inspect, distinct_clients],
+);

@@ -2,4 +2,7 @@
 
 mod common;
 
-conformance::conformance_tests!(common::EtcdFactory::single());
+conformance::conformance_tests!(
+    common::EtcdFactory::single(),
+    capabilities: [link_faults, inspect, distinct_clients],
+);
