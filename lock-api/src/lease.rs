@@ -21,10 +21,13 @@ pub const VALIDITY_MARGIN: Duration = Duration::from_millis(2);
 /// counted from the instant the request was `sent` (not from when the reply arrived):
 /// `sent + ttl * (1 - DRIFT_FACTOR) - VALIDITY_MARGIN`.
 pub fn valid_until(sent: Instant, ttl: Duration) -> Instant {
-    let trusted = ttl
-        .mul_f64(1.0 - DRIFT_FACTOR)
-        .saturating_sub(VALIDITY_MARGIN);
-    sent + trusted
+    sent + trusted_for(ttl)
+}
+
+/// How long after its send instant a lease granted for `ttl` may be trusted.
+pub(crate) fn trusted_for(ttl: Duration) -> Duration {
+    ttl.mul_f64(1.0 - DRIFT_FACTOR)
+        .saturating_sub(VALIDITY_MARGIN)
 }
 
 /// Identifies one backend instance, so a lease cannot be used with another instance.

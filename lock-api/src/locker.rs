@@ -13,7 +13,7 @@ use crate::error::LockError;
 use crate::guard::LockGuard;
 use crate::instrumented::Instrumented;
 use crate::key::LockKey;
-use crate::watchdog::{LeaseState, Watchdog};
+use crate::watchdog::{LeaseState, Watchdog, check_schedule};
 
 /// How [`Locker::lock`] waits between attempts: exponential backoff with jitter.
 ///
@@ -73,19 +73,26 @@ impl LockerBuilder {
     }
 
     /// How long [`Locker::lock`] waits before it fails with `Timeout` (default 30 s);
-    /// `None` waits forever.
+    /// `None` waits forever. A wait too long to be a deadline on this machine's clock
+    /// (`Duration::MAX`) is refused by [`LockerBuilder::build`]: use `None` for that.
     pub fn wait_timeout(mut self, wait: Option<Duration>) -> Self {
         self.wait_timeout = wait;
         self
     }
 
-    /// How long after a grant or renewal the watchdog renews (default TTL / 3).
+    /// How long after a grant or renewal the watchdog renews (default TTL / 3). It must
+    /// leave time to retry a failed renewal before the lease runs out.
     pub fn renew_interval(mut self, every: Duration) -> Self {
         self.renew_interval = Some(every);
         self
     }
 
-    /// Checks the settings against the backend's capabilities.
+    /// Checks the settings against the backend's capabilities and against each other.
+    ///
+    /// Fails with [`LockError::InvalidTtl`] for a TTL the store cannot honour or too
+    /// short to renew a lease before it runs out, and with [`LockError::Config`] for a
+    /// retry policy with `initial` zero or above `max`, a renew interval that is zero or
+    /// leaves no time to retry a renewal, or a wait timeout too long to be a deadline.
     pub fn build(self) -> Result<Locker, LockError> {
         self.backend.capabilities().check_ttl(self.ttl)?;
         if self.retry.initial.is_zero() || self.retry.max < self.retry.initial {
@@ -93,14 +100,13 @@ impl LockerBuilder {
                 "the retry policy needs 0 < initial <= max".into(),
             ));
         }
-        if let Some(every) = self.renew_interval
-            && (every.is_zero() || every >= self.ttl)
-        {
-            return Err(LockError::Config(format!(
-                "the renew interval {every:?} must be above zero and below the TTL {:?}",
-                self.ttl
-            )));
+        if self.renew_interval.is_some_and(|every| every.is_zero()) {
+            return Err(LockError::Config(
+                "the renew interval must be above zero".into(),
+            ));
         }
+        check_schedule(self.ttl, self.renew_interval)?;
+        wait_deadline(Instant::now(), self.wait_timeout)?;
         let backend: Arc<dyn LockBackend> = Arc::new(Instrumented::new(self.backend));
         Ok(Locker {
             inner: Arc::new(Inner {
@@ -201,16 +207,29 @@ impl Locker {
     }
 
     /// Waits for the lock with jittered exponential backoff, up to the wait timeout.
-    /// Transient store errors are retried within the same deadline.
+    /// Transient store errors are retried within the same deadline, and the deadline
+    /// holds even when a single call to the store hangs: that call is abandoned and
+    /// `Timeout` returned (if the store granted it anyway, the lease frees itself when
+    /// its TTL runs out).
     ///
     /// # Cancel safety
     /// As [`Locker::try_lock`].
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
         let started = Instant::now();
-        let deadline = self.inner.wait_timeout.map(|w| started + w);
+        let deadline = wait_deadline(started, self.inner.wait_timeout)?;
+        let timed_out = || LockError::Timeout {
+            key: key.clone(),
+            waited: Instant::now() - started,
+        };
         let mut attempt = 0u32;
         loop {
-            match self.try_lock(key).await {
+            let tried = match deadline {
+                Some(deadline) => timeout_at(deadline, self.try_lock(key))
+                    .await
+                    .map_err(|_| timed_out())?,
+                None => self.try_lock(key).await,
+            };
+            match tried {
                 Ok(Some(guard)) => return Ok(guard),
                 Ok(None) => {}
                 Err(e) if e.is_retryable() => {
@@ -222,10 +241,7 @@ impl Locker {
             let mut wait = self.inner.retry.backoff(attempt);
             if let Some(deadline) = deadline {
                 if now >= deadline {
-                    return Err(LockError::Timeout {
-                        key: key.clone(),
-                        waited: now - started,
-                    });
+                    return Err(timed_out());
                 }
                 wait = wait.min(deadline - now);
             }
@@ -241,6 +257,11 @@ impl Locker {
     /// lost while the job runs, the job's future is dropped at its next await point and
     /// `Err(LockError::Lost)` is returned.
     ///
+    /// A finished job wins: when the job completes in the same poll in which the loss is
+    /// seen, its value is returned, because the work is done and running it again would
+    /// only repeat it. `Ok` therefore does not prove the lease was held to the end; the
+    /// job's writes are guarded by the fencing token, not by this result.
+    ///
     /// Neither outcome waits on an unreachable store: after a loss the release runs in the
     /// background, and after success it waits at most until the lease's `valid_until`.
     ///
@@ -254,9 +275,10 @@ impl Locker {
         let guard = self.lock(key).await?;
         let work = job(&guard);
         let outcome = tokio::select! {
+            // The job first, so a result that is ready is never thrown away.
             biased;
-            () = guard.lost() => None,
             value = work => Some(value),
+            () = guard.lost() => None,
         };
         let Some(value) = outcome else {
             // The store may be unreachable: release in the background (on drop) instead
@@ -277,4 +299,18 @@ impl Locker {
         }
         Ok(value)
     }
+}
+
+/// The instant a wait of `wait` from `start` ends; `None` for no deadline. A wait too long
+/// for the clock to represent is a configuration error, not a panic.
+fn wait_deadline(start: Instant, wait: Option<Duration>) -> Result<Option<Instant>, LockError> {
+    wait.map(|wait| {
+        start.checked_add(wait).ok_or_else(|| {
+            LockError::Config(format!(
+                "the wait timeout {wait:?} is too long to be a deadline; use `wait_timeout(None)` \
+                 to wait without one"
+            ))
+        })
+    })
+    .transpose()
 }

@@ -1,23 +1,33 @@
 //! The watchdog: ONE renewal task per [`crate::Locker`] that renews every due lease with
 //! one `renew_many` call, and the shared per-lease state that guards read.
 //!
-//! A transient renewal error is retried until the lease's local `valid_until`; a `Lost`
-//! reply, or `valid_until` passing, marks the lease lost at once and wakes every
-//! `lost()` future. The task holds only a weak reference while it sleeps, so it ends
-//! when the `Locker` and all its guards are gone.
+//! Each lease has its own deadline, its local `valid_until`: a lease already past it is
+//! given up without being sent, and a batch waits for its reply until the latest deadline
+//! among its leases, so a neighbour about to run out never cuts short the renewal of the
+//! others. Batches run side by side in the one task, so a slow batch does not hold up
+//! leases that fall due meanwhile.
+//!
+//! A transient renewal error is retried until the lease's deadline; a `Lost` reply, or
+//! the deadline passing, marks the lease lost at once and wakes every `lost()` future.
+//! The task holds only a weak reference while it sleeps, so it ends when the `Locker` and
+//! all its guards are gone. If the task's runtime shuts down, the next lease registered
+//! starts a new task on the caller's runtime, which renews every lease still held.
 
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
+use futures::stream::{FuturesUnordered, StreamExt};
 use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::{debug, warn};
 
 use crate::backend::LockBackend;
-use crate::lease::{Lease, Renewal};
+use crate::error::LockError;
+use crate::lease::{Lease, Renewal, trusted_for};
 use crate::telemetry::{HELD, LOST_TOTAL};
 
 const HELD_STATE: u8 = 0;
@@ -106,10 +116,49 @@ impl LeaseState {
     }
 }
 
+/// How long after a failed renewal attempt the watchdog tries again.
+fn retry_delay(interval: Duration) -> Duration {
+    (interval / 4).min(Duration::from_millis(500))
+}
+
+/// Checks that a lease of `ttl` is renewed, and a failed renewal retried once, while the
+/// lease is still valid: a lease that dies before its first renewal is useless.
+///
+/// A TTL too short for the default schedule is [`LockError::InvalidTtl`]; a chosen
+/// `renew_interval` too late for the TTL is [`LockError::Config`].
+pub(crate) fn check_schedule(
+    ttl: Duration,
+    renew_interval: Option<Duration>,
+) -> Result<(), LockError> {
+    let trusted = trusted_for(ttl);
+    let in_time = |interval: Duration| interval.saturating_add(retry_delay(interval)) < trusted;
+    if !in_time(interval_for(None, ttl)) {
+        return Err(LockError::invalid_ttl(
+            ttl,
+            format!("a lease of {ttl:?} is trusted for only {trusted:?}, too short to renew"),
+        ));
+    }
+    match renew_interval {
+        Some(every) if !in_time(interval_for(Some(every), ttl)) => Err(LockError::Config(format!(
+            "the renew interval {every:?} leaves no time to retry a renewal before a lease of \
+             {ttl:?} runs out (it is trusted for {trusted:?}); renew more often"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// The renew interval the watchdog uses: the chosen one or TTL / 3, at least 1 ms.
+fn interval_for(renew_interval: Option<Duration>, ttl: Duration) -> Duration {
+    renew_interval
+        .unwrap_or(ttl / 3)
+        .max(Duration::from_millis(1))
+}
+
 struct Entry {
     lease: Lease,
     state: Arc<LeaseState>,
-    due: Instant,
+    /// When the next renewal is due; `None` while a renewal of it is in flight.
+    due: Option<Instant>,
 }
 
 #[derive(Default)]
@@ -119,13 +168,46 @@ struct Registry {
     due: BTreeSet<(Instant, u64)>,
 }
 
+impl Registry {
+    fn schedule(&mut self, id: u64, at: Instant) {
+        if let Some(entry) = self.entries.get_mut(&id) {
+            if let Some(old) = entry.due.replace(at) {
+                self.due.remove(&(old, id));
+            }
+            self.due.insert((at, id));
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        if let Some(Entry { due: Some(at), .. }) = self.entries.remove(&id) {
+            self.due.remove(&(at, id));
+        }
+    }
+}
+
+/// One lease of a batch in flight.
+struct Member {
+    id: u64,
+    lease: Lease,
+    state: Arc<LeaseState>,
+}
+
+/// A batch whose `renew_many` call has ended, with its reply or why there is none.
+struct Finished {
+    members: Vec<Member>,
+    sent: Instant,
+    result: Result<Result<Vec<Renewal>, LockError>, tokio::time::error::Elapsed>,
+}
+
 /// The renewal task's shared side: the registry of held leases.
 pub(crate) struct Watchdog {
     backend: Arc<dyn LockBackend>,
     renew_interval: Option<Duration>,
     registry: Mutex<Registry>,
     wake: Arc<Notify>,
-    task: OnceLock<()>,
+    /// True while a renewal task exists; cleared when the task ends or is dropped with
+    /// its runtime.
+    running: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Watchdog {
@@ -151,7 +233,7 @@ impl Watchdog {
             renew_interval,
             registry: Mutex::new(Registry::default()),
             wake: Arc::new(Notify::new()),
-            task: OnceLock::new(),
+            running: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -161,29 +243,33 @@ impl Watchdog {
 
     /// How long after a successful grant or renewal the lease is renewed again.
     pub(crate) fn interval(&self, ttl: Duration) -> Duration {
-        self.renew_interval
-            .unwrap_or(ttl / 3)
-            .max(Duration::from_millis(1))
+        interval_for(self.renew_interval, ttl)
     }
 
-    /// Starts renewing `lease`; returns its registry id. Starts the task on first use.
+    /// Starts renewing `lease`; returns its registry id. Starts the renewal task on the
+    /// caller's runtime if none is running.
     pub(crate) fn register(
         self: &Arc<Self>,
         lease: Lease,
         state: Arc<LeaseState>,
         sent: Instant,
     ) -> u64 {
-        self.task.get_or_init(|| {
-            tokio::spawn(run(Arc::downgrade(self)));
-        });
+        self.ensure_task();
         metrics::gauge!(HELD, "backend" => state.backend).increment(1.0);
         let due = sent + self.interval(lease.ttl());
         let mut registry = self.registry.lock();
         let id = registry.next_id;
         registry.next_id += 1;
         let earliest = registry.due.first().map(|(at, _)| *at);
-        registry.due.insert((due, id));
-        registry.entries.insert(id, Entry { lease, state, due });
+        registry.entries.insert(
+            id,
+            Entry {
+                lease,
+                state,
+                due: None,
+            },
+        );
+        registry.schedule(id, due);
         drop(registry);
         if earliest.is_none_or(|at| due < at) {
             self.wake.notify_one();
@@ -191,12 +277,23 @@ impl Watchdog {
         id
     }
 
+    /// Spawns the renewal task unless one is running. A task spawned onto a runtime that
+    /// is shutting down is dropped unpolled; its `TaskAlive` then clears `running`, so
+    /// the next registration tries again.
+    fn ensure_task(self: &Arc<Self>) {
+        if self.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let alive = TaskAlive {
+            watchdog: Arc::downgrade(self),
+            running: self.running.clone(),
+        };
+        tokio::spawn(run(Arc::downgrade(self), alive));
+    }
+
     /// Stops renewing the lease `id`.
     pub(crate) fn unregister(&self, id: u64) {
-        let mut registry = self.registry.lock();
-        if let Some(entry) = registry.entries.remove(&id) {
-            registry.due.remove(&(entry.due, id));
-        }
+        self.registry.lock().remove(id);
     }
 
     /// How many leases are being renewed.
@@ -209,109 +306,154 @@ impl Watchdog {
     }
 
     /// Takes every lease due now (or within a twelfth of its TTL, to batch neighbours)
-    /// out of the schedule. Leases that have ended are dropped from the registry.
-    fn take_due(&self, now: Instant) -> Vec<(u64, Lease, Arc<LeaseState>)> {
+    /// out of the schedule. Leases that have ended are dropped from the registry, and
+    /// leases already past their deadline are marked lost instead of being sent.
+    fn take_due(&self, now: Instant) -> Vec<Member> {
         let mut registry = self.registry.lock();
-        let Registry { entries, due, .. } = &mut *registry;
-        let mut batch = Vec::new();
-        let mut ended = Vec::new();
-        for &(at, id) in due.iter() {
-            let Some(entry) = entries.get(&id) else {
-                continue;
-            };
-            if at > now + entry.lease.ttl() / 12 {
+        let mut taken = Vec::new();
+        for &(at, id) in registry.due.iter() {
+            let ttl = registry.entries.get(&id).map(|e| e.lease.ttl());
+            if ttl.is_some_and(|ttl| at > now + ttl / 12) {
                 break;
             }
-            if entry.state.state.load(Ordering::Acquire) == HELD_STATE {
-                batch.push((at, id));
+            taken.push((at, id));
+        }
+        let mut batch = Vec::new();
+        for (at, id) in taken {
+            registry.due.remove(&(at, id));
+            let Some(entry) = registry.entries.get_mut(&id) else {
+                continue;
+            };
+            entry.due = None;
+            let state = entry.state.clone();
+            if state.state.load(Ordering::Acquire) != HELD_STATE {
+                registry.entries.remove(&id);
+            } else if now >= state.valid_until() {
+                state.mark_lost();
+                registry.entries.remove(&id);
             } else {
-                ended.push((at, id));
+                let lease = entry.lease.clone();
+                batch.push(Member { id, lease, state });
             }
         }
-        for key in &ended {
-            due.remove(key);
-            entries.remove(&key.1);
-        }
         batch
-            .into_iter()
-            .filter_map(|key| {
-                due.remove(&key);
-                let entry = entries.get(&key.1)?;
-                Some((key.1, entry.lease.clone(), entry.state.clone()))
-            })
-            .collect()
     }
 
-    fn reschedule(&self, id: u64, due: Instant) {
-        let mut registry = self.registry.lock();
-        if let Some(entry) = registry.entries.get_mut(&id) {
-            entry.due = due;
-            registry.due.insert((due, id));
-        }
-    }
-
-    /// Renews every due lease with one `renew_many` call.
-    async fn renew_due(&self) {
+    /// Takes the due leases and returns their renewal call, which waits for its reply at
+    /// most until the latest deadline among them.
+    fn start_due(&self) -> Option<BoxFuture<'static, Finished>> {
         let sent = Instant::now();
-        let batch = self.take_due(sent);
-        if batch.is_empty() {
-            return;
-        }
-        let leases: Vec<Lease> = batch.iter().map(|(_, lease, _)| lease.clone()).collect();
-        let deadline = batch
-            .iter()
-            .map(|(_, _, state)| state.valid_until())
-            .min()
-            .unwrap_or(sent);
-        let result = timeout_at(deadline, self.backend.renew_many(&leases)).await;
+        let members = self.take_due(sent);
+        let deadline = members.iter().map(|m| m.state.valid_until()).max()?;
+        let leases: Vec<Lease> = members.iter().map(|m| m.lease.clone()).collect();
+        let backend = self.backend.clone();
+        Some(Box::pin(async move {
+            let result = timeout_at(deadline, backend.renew_many(&leases)).await;
+            Finished {
+                members,
+                sent,
+                result,
+            }
+        }))
+    }
+
+    /// Applies a batch's outcome to each of its leases. A lease whose deadline passed
+    /// before the reply came is lost whatever the reply says: its guard has already
+    /// reported it not held, and must not see it come back.
+    fn finish(&self, batch: Finished) {
+        let Finished {
+            members,
+            sent,
+            result,
+        } = batch;
         let now = Instant::now();
         match result {
-            Ok(Ok(renewals)) if renewals.len() == batch.len() => {
-                for ((id, lease, state), renewal) in batch.into_iter().zip(renewals) {
+            Ok(Ok(renewals)) if renewals.len() == members.len() => {
+                for (member, renewal) in members.into_iter().zip(renewals) {
                     match renewal {
+                        _ if now >= member.state.valid_until() => self.lose(&member),
                         Renewal::Renewed { valid_until } => {
-                            state.extend(valid_until);
-                            self.reschedule(id, sent + self.interval(lease.ttl()));
+                            member.state.extend(valid_until);
+                            let due = sent + self.interval(member.lease.ttl());
+                            self.registry.lock().schedule(member.id, due);
                         }
-                        Renewal::Lost => {
-                            state.mark_lost();
-                            self.unregister(id);
-                        }
-                        Renewal::Unreachable => self.retry_later(id, &lease, &state, now),
+                        Renewal::Lost => self.lose(&member),
+                        Renewal::Unreachable => self.retry_later(&member, now),
                     }
                 }
             }
             other => {
                 let why = match other {
-                    Ok(Ok(r)) => format!("{} replies for {} leases", r.len(), leases.len()),
+                    Ok(Ok(r)) => format!("{} replies for {} leases", r.len(), members.len()),
                     Ok(Err(e)) => e.to_string(),
-                    Err(_) => "no reply before the earliest lease ran out".into(),
+                    Err(_) => "no reply before the last lease ran out".into(),
                 };
-                warn!(backend = self.backend.name(), leases = leases.len(), error = %why, "renewal failed; retrying until the leases run out");
-                for (id, lease, state) in batch {
-                    self.retry_later(id, &lease, &state, now);
+                warn!(backend = self.backend.name(), leases = members.len(), error = %why, "renewal failed; retrying until the leases run out");
+                for member in &members {
+                    self.retry_later(member, now);
                 }
             }
         }
     }
 
-    /// After a transient failure: try again soon, or give the lease up once its local
-    /// deadline has passed.
-    fn retry_later(&self, id: u64, lease: &Lease, state: &LeaseState, now: Instant) {
-        let valid_until = state.valid_until();
+    fn lose(&self, member: &Member) {
+        member.state.mark_lost();
+        self.unregister(member.id);
+    }
+
+    /// After a transient failure: try again soon, or give the lease up once its deadline
+    /// has passed. A retry never falls after the deadline; one due at the deadline is
+    /// dropped by `take_due` instead of being sent.
+    fn retry_later(&self, member: &Member, now: Instant) {
+        let valid_until = member.state.valid_until();
         if now >= valid_until {
-            state.mark_lost();
-            self.unregister(id);
+            self.lose(member);
         } else {
-            let retry = (self.interval(lease.ttl()) / 4).min(Duration::from_millis(500));
-            self.reschedule(id, (now + retry).min(valid_until));
+            let retry = retry_delay(self.interval(member.lease.ttl()));
+            self.registry
+                .lock()
+                .schedule(member.id, (now + retry).min(valid_until));
+        }
+    }
+
+    /// Puts leases whose renewal was in flight when the task went away back on the
+    /// schedule, for the next task to renew.
+    fn requeue_in_flight(&self) {
+        let now = Instant::now();
+        let mut registry = self.registry.lock();
+        let in_flight: Vec<u64> = registry
+            .entries
+            .iter()
+            .filter(|(_, e)| e.due.is_none())
+            .map(|(id, _)| *id)
+            .collect();
+        for id in in_flight {
+            registry.schedule(id, now);
         }
     }
 }
 
+/// Owned by the renewal task: when the task ends, or is dropped with its runtime, it
+/// returns in-flight leases to the schedule and lets the next registration start a task.
+struct TaskAlive {
+    watchdog: Weak<Watchdog>,
+    running: Arc<AtomicBool>,
+}
+
+impl Drop for TaskAlive {
+    fn drop(&mut self) {
+        if let Some(watchdog) = self.watchdog.upgrade() {
+            watchdog.requeue_in_flight();
+        }
+        self.running.store(false, Ordering::Release);
+    }
+}
+
 /// The renewal task: sleeps until the next lease is due (or a new one is registered),
-/// renews, and ends once the watchdog is dropped.
-async fn run(watchdog: Weak<Watchdog>) {
+/// starts its batch, applies the outcomes of batches as they end, and ends once the
+/// watchdog is dropped.
+async fn run(watchdog: Weak<Watchdog>, _alive: TaskAlive) {
+    let mut in_flight = FuturesUnordered::new();
     loop {
         let (wake, next) = match watchdog.upgrade() {
             Some(w) => (w.wake.clone(), w.next_due()),
@@ -319,12 +461,17 @@ async fn run(watchdog: Weak<Watchdog>) {
         };
         let sleep_for = next.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
         tokio::select! {
-            () = wake.notified() => continue,
-            () = sleep_until(sleep_for) => {}
-        }
-        match watchdog.upgrade() {
-            Some(w) => w.renew_due().await,
-            None => return,
+            () = wake.notified() => {}
+            () = sleep_until(sleep_for) => {
+                if let Some(batch) = watchdog.upgrade().and_then(|w| w.start_due()) {
+                    in_flight.push(batch);
+                }
+            }
+            Some(finished) = in_flight.next(), if !in_flight.is_empty() => {
+                if let Some(w) = watchdog.upgrade() {
+                    w.finish(finished);
+                }
+            }
         }
     }
 }

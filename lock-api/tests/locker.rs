@@ -9,7 +9,7 @@ use lock_api::{
     Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
     RetryPolicy, async_trait,
 };
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, sleep_until};
 
 const TTL: Duration = Duration::from_secs(3);
 
@@ -61,6 +61,76 @@ impl LockBackend for Spy {
             return Ok(vec![Renewal::Unreachable; leases.len()]);
         }
         self.inner.renew_many(leases).await
+    }
+}
+
+/// A store over two nodes, where the node holding the `silent-*` keys stopped answering
+/// after granting them. Like a cluster client, `renew_many` renews the leases on the
+/// healthy node at once, and replies after the silent node's timeout with its items
+/// `Unreachable`. Counts silent leases sent when they had already run out.
+#[derive(Debug)]
+struct SilentNode {
+    inner: MemoryBackend,
+    node_timeout: Duration,
+    sent_after_deadline: AtomicUsize,
+}
+
+impl SilentNode {
+    fn new(node_timeout: Duration) -> Self {
+        Self {
+            inner: MemoryBackend::new(),
+            node_timeout,
+            sent_after_deadline: AtomicUsize::new(0),
+        }
+    }
+
+    fn on_silent_node(lease: &Lease) -> bool {
+        lease.key().as_str().starts_with("silent")
+    }
+}
+
+#[async_trait]
+impl LockBackend for SilentNode {
+    fn name(&self) -> &'static str {
+        "silent-node"
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        match self.renew_many(std::slice::from_ref(lease)).await?[0] {
+            Renewal::Unreachable => Err(LockError::unavailable("silent-node", "no reply")),
+            renewal => Ok(renewal),
+        }
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        let mut renewals = Vec::with_capacity(leases.len());
+        let mut waits_for_silent_node = false;
+        for lease in leases {
+            if Self::on_silent_node(lease) {
+                // Never renewed, so the grant's deadline is still the lease's deadline.
+                if Instant::now() >= lease.valid_until() {
+                    self.sent_after_deadline.fetch_add(1, Ordering::SeqCst);
+                }
+                waits_for_silent_node = true;
+                renewals.push(Renewal::Unreachable);
+            } else {
+                renewals.push(self.inner.renew(lease).await?);
+            }
+        }
+        if waits_for_silent_node {
+            sleep(self.node_timeout).await;
+        }
+        Ok(renewals)
     }
 }
 
@@ -140,6 +210,88 @@ async fn a_hanging_store_is_reported_no_later_than_valid_until() {
         .expect("lost() did not resolve by valid_until");
     assert!(!guard.is_held());
     backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
+async fn leases_on_a_healthy_node_stay_held_while_a_silent_nodes_leases_run_out() {
+    let store = Arc::new(SilentNode::new(Duration::from_millis(400)));
+    let locker = locker(store.clone());
+    let mut healthy = Vec::new();
+    for i in 0..3 {
+        let guard = locker.try_lock(&key(&format!("healthy-{i}"))).await;
+        healthy.push(guard.unwrap().unwrap());
+    }
+    // Workers keep taking jobs whose keys live on the silent node, so every renewal batch
+    // holds some silent lease close to its deadline.
+    let mut silent = Vec::new();
+    let end = Instant::now() + TTL * 3;
+    while Instant::now() < end {
+        let name = format!("silent-{}", silent.len());
+        silent.push(locker.try_lock(&key(&name)).await.unwrap().unwrap());
+        sleep(Duration::from_millis(100)).await;
+        for guard in &healthy {
+            assert!(guard.is_held(), "{} was lost", guard.key());
+        }
+    }
+    assert!(!silent[0].is_held(), "the silent node's leases run out");
+    assert_eq!(
+        store.sent_after_deadline.load(Ordering::SeqCst),
+        0,
+        "a lease past its deadline was sent for renewal"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lease_past_its_deadline_is_given_up_without_being_sent() {
+    // Unreachable at once: retries every 250 ms, the last one falling on the deadline.
+    let store = Arc::new(SilentNode::new(Duration::ZERO));
+    let locker = locker(store.clone());
+    let guard = locker.try_lock(&key("silent")).await.unwrap().unwrap();
+    // Nothing awaits `lost()`, so only the watchdog can notice the deadline.
+    sleep(TTL * 2).await;
+    assert!(!guard.is_held());
+    assert_eq!(locker.held(), 0);
+    assert_eq!(
+        store.sent_after_deadline.load(Ordering::SeqCst),
+        0,
+        "the lease was sent for renewal after its deadline"
+    );
+}
+
+#[test]
+fn the_watchdog_starts_again_on_a_new_runtime_after_its_runtime_shut_down() {
+    let runtime = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()
+            .unwrap()
+    };
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let first = runtime();
+    first.block_on(async {
+        let guard = locker.try_lock(&key("first")).await.unwrap().unwrap();
+        guard.release().await.unwrap();
+    });
+    drop(first);
+
+    runtime().block_on(async {
+        let guard = locker.try_lock(&key("second")).await.unwrap().unwrap();
+        sleep(TTL * 2).await;
+        assert!(
+            guard.is_held(),
+            "nothing renewed the lease on the new runtime"
+        );
+        assert!(
+            backend
+                .acquire(&key("second"), TTL)
+                .await
+                .unwrap()
+                .is_none()
+        );
+        guard.release().await.unwrap();
+    });
 }
 
 #[tokio::test(start_paused = true)]
@@ -250,6 +402,36 @@ async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn with_lock_keeps_a_result_that_is_ready_when_the_lease_is_lost() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = locker(backend.clone());
+    let deadline = Arc::new(parking_lot::Mutex::new(None));
+    let job = {
+        let backend = backend.clone();
+        let deadline = deadline.clone();
+        move |guard: &lock_api::LockGuard| {
+            // No renewal gets through: the lease runs out at its first deadline, the
+            // very instant the job finishes.
+            backend.faults().partition();
+            let until = guard.valid_until();
+            *deadline.lock() = Some(until);
+            async move {
+                sleep_until(until).await;
+                42
+            }
+        }
+    };
+    let result = locker.with_lock(&key("job"), job).await;
+    assert_eq!(
+        Some(Instant::now()),
+        *deadline.lock(),
+        "not the same instant"
+    );
+    assert_eq!(result.unwrap(), 42, "the finished job's result was dropped");
+    backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
 async fn with_lock_returns_the_job_value_and_releases() {
     let backend = Arc::new(MemoryBackend::new());
     let locker = locker(backend.clone());
@@ -301,6 +483,25 @@ async fn lock_waits_for_the_holder_and_times_out() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
+    let backend = Arc::new(MemoryBackend::new());
+    let locker = Locker::builder(backend.clone())
+        .ttl(TTL)
+        .wait_timeout(Some(Duration::from_secs(1)))
+        .build()
+        .unwrap();
+    backend.faults().hang();
+    let result = tokio::time::timeout(Duration::from_secs(60), locker.lock(&key("job")))
+        .await
+        .expect("lock() waited on the hung call past its wait timeout");
+    assert!(
+        matches!(result, Err(LockError::Timeout { .. })),
+        "{result:?}"
+    );
+    backend.faults().heal();
+}
+
+#[tokio::test(start_paused = true)]
 async fn lock_retries_transient_errors_within_its_deadline() {
     let backend = Arc::new(MemoryBackend::new());
     let locker = locker(backend.clone());
@@ -336,6 +537,59 @@ fn the_builder_validates_its_settings() {
         })),
         LockError::Config(_)
     ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_timeout_beyond_the_clock_is_a_config_error_and_a_long_one_works() {
+    let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let built = Locker::builder(backend.clone())
+        .ttl(TTL)
+        .wait_timeout(Some(Duration::MAX))
+        .build();
+    assert!(
+        matches!(&built, Err(LockError::Config(m)) if m.contains("wait_timeout(None)")),
+        "{built:?}"
+    );
+    let century = Duration::from_secs(100 * 365 * 24 * 3600);
+    let locker = Locker::builder(backend)
+        .ttl(TTL)
+        .wait_timeout(Some(century))
+        .build()
+        .unwrap();
+    let guard = locker.lock(&key("job")).await.unwrap();
+    guard.release().await.unwrap();
+}
+
+#[test]
+fn a_renew_interval_that_leaves_no_time_to_retry_is_refused() {
+    let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let with_interval = |every| {
+        Locker::builder(backend.clone())
+            .ttl(TTL)
+            .renew_interval(every)
+            .build()
+    };
+    // A 3 s lease is trusted for 2.968 s: renewing at 2.5 s leaves no room for a retry.
+    let late = with_interval(Duration::from_millis(2500));
+    assert!(
+        matches!(&late, Err(LockError::Config(m)) if m.contains("renew interval")),
+        "{late:?}"
+    );
+    assert!(with_interval(Duration::from_secs(2)).is_ok());
+}
+
+#[test]
+fn a_ttl_too_short_to_renew_is_invalid() {
+    let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let with_ttl = |ttl| Locker::builder(backend.clone()).ttl(ttl).build();
+    // The store honours 2 ms, but the lease would be trusted for no time at all.
+    let tiny = Duration::from_millis(2);
+    let built = with_ttl(tiny);
+    assert!(
+        matches!(&built, Err(LockError::InvalidTtl { ttl, .. }) if *ttl == tiny),
+        "{built:?}"
+    );
+    assert!(with_ttl(Duration::from_millis(10)).is_ok());
 }
 
 #[test]
