@@ -574,9 +574,10 @@ impl LockBackend for PgAdvisoryBackend {
         Ok(Fence::Stale { current })
     }
 
-    /// Deletes the key's token row: the next grant starts from 1. A session that still
-    /// holds the advisory lock keeps it (the lock lives in the session, not in a table);
-    /// purge only keys nobody holds.
+    /// Deletes the key's token row. Tokens still never go back: the next grant's token is
+    /// at least the server's clock in microseconds, past every token issued before. A
+    /// session that still holds the advisory lock keeps it (the lock lives in the
+    /// session, not in a table); purge only keys nobody holds.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
         let mut conn = self.client.conn(NAME).await?;
         on_conn!(

@@ -435,7 +435,10 @@ impl LockBackend for PgLeaseBackend {
         Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
     }
 
-    /// Deletes the key's row, and with it the newest token: the next grant starts from 1.
+    /// Deletes the key's row, and with it the newest token. Tokens still never go back:
+    /// the next grant's token is at least the server's clock in microseconds, past every
+    /// token issued before. Purge only keys nobody holds: a holder's row goes too, and
+    /// the key is free at once.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
         let mut conn = self.client.conn(NAME).await?;
         on_conn!(

@@ -123,6 +123,30 @@ async fn purge_deletes_the_key_and_its_token_on_both_backends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_never_lowers_tokens_on_both_backends() {
+    let server = shared_server().await;
+    for kind in [Kind::Lease, Kind::Advisory] {
+        let client = backend(&server, kind).await;
+        let k = key(&format!("purge:floor:{kind:?}"));
+        let mut last = None;
+        for _ in 0..2 {
+            let lease = client.acquire(&k, TTL).await.unwrap().unwrap();
+            assert_eq!(client.release(&lease).await.unwrap(), Release::Released);
+            last = Some(lease.token());
+        }
+
+        client.purge(&k).await.unwrap();
+        let next = client.acquire(&k, TTL).await.unwrap().unwrap();
+        assert!(
+            Some(next.token()) > last,
+            "{kind:?}: token {} after a purge that followed {last:?}",
+            next.token()
+        );
+        assert_eq!(client.release(&next).await.unwrap(), Release::Released);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purge_leaves_other_keys_alone_and_a_missing_key_is_fine() {
     let server = shared_server().await;
     let client = backend(&server, Kind::Lease).await;
