@@ -236,6 +236,13 @@ impl RedisBackend {
         probe
             .and_then(Value::extract_error)
             .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        let infos = with_timeout(b.connect_timeout, conn.server_infos())
+            .await
+            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        for info in infos {
+            crate::version::check(&info)
+                .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
+        }
         with_timeout(b.connect_timeout, conn.load_all())
             .await
             .map_err(|e| connect_error(&shown_urls.join(","), e))?;

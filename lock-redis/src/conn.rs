@@ -286,6 +286,35 @@ impl Conn {
         Ok(())
     }
 
+    /// The `INFO server` text of the node, or of every master of a cluster. A node that
+    /// refuses `INFO` (an ACL rule, a renamed command) is left out.
+    pub(crate) async fn server_infos(&self) -> RedisResult<Vec<String>> {
+        let mut cmd = redis::cmd("INFO");
+        cmd.arg("server");
+        let reply = match self {
+            Conn::Single(c) => c.clone().req_packed_command(&cmd).await?,
+            Conn::Cluster(c, _) => {
+                c.clone()
+                    .route_command(
+                        cmd,
+                        RoutingInfo::MultiNode((
+                            redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
+                            None,
+                        )),
+                    )
+                    .await?
+            }
+        };
+        let replies = match reply {
+            Value::Map(nodes) => nodes.into_iter().map(|(_, info)| info).collect(),
+            one => vec![one],
+        };
+        Ok(replies
+            .into_iter()
+            .filter_map(|info| String::from_redis_value(info).ok())
+            .collect())
+    }
+
     async fn slot_owners(&self) -> RedisResult<Arc<SlotOwners>> {
         let Conn::Cluster(c, cache) = self else {
             return Ok(Arc::new(SlotOwners(Vec::new())));

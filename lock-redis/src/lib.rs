@@ -31,6 +31,10 @@
 //!
 //! # Limits
 //!
+//! Redis 5.0 or newer is needed (older servers refuse the acquire script's write after
+//! `TIME`): [`RedisBackendBuilder::build`] checks the version of the node, or of every
+//! master of a cluster, and fails with [`lock_api::LockError::Config`] on an older one.
+//!
 //! Redis replication is asynchronous: a failover can lose a lock that was granted (the
 //! token still protects fenced writes, since the server clock keeps tokens increasing).
 //! [`RedisBackendBuilder::replica_acks`] narrows that window with `WAIT`; it does not close it.
@@ -51,6 +55,7 @@ mod fenced;
 mod keys;
 mod scripts;
 mod tls;
+mod version;
 
 pub use backend::{LONGEST_TTL, RedisBackend};
 pub use config::{
