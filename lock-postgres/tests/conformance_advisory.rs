@@ -4,4 +4,7 @@ mod common;
 
 use common::{Kind, PgFactory};
 
-conformance::conformance_tests!(async { PgFactory::shared(Kind::Advisory).await });
+conformance::conformance_tests!(
+    async { PgFactory::shared(Kind::Advisory).await },
+    capabilities: [inspect],
+);
