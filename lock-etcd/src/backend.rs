@@ -38,11 +38,13 @@ use tracing::{debug, instrument};
 
 use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
+use crate::keys::etcd_key;
 use crate::members::Members;
 
 /// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
 ///
-/// - **Keys**: `<prefix>/locks/<name>` holds the owner id and is attached to the lock's lease.
+/// - **Keys**: `<prefix>/locks/<name>` holds the owner id and is attached to the lock's lease
+///   (`%` and `/` in the name are percent-encoded, so every prefix and name has its own key).
 /// - **Token**: the key's `create_revision`, the cluster-wide revision of the write that
 ///   created it: strictly increasing across releases, expiries, leader changes and restarts.
 /// - **TTL**: whole seconds, at least the cluster's minimum lease TTL (learned when the
@@ -129,16 +131,17 @@ impl EtcdBackend {
         &self.inner.prefix
     }
 
-    /// The etcd key that holds `key`'s lock.
+    /// The etcd key that holds `key`'s lock: `<prefix>/locks/<name>`, with `%` and `/` in
+    /// the name percent-encoded, so that no prefix and name share a key with another pair.
     pub fn lock_key(&self, key: &LockKey) -> String {
-        format!("{}/locks/{}", self.inner.prefix, key.as_str())
+        etcd_key(&self.inner.prefix, "locks", key.as_str())
     }
 
     /// The etcd key whose `mod_revision` is the newest token granted for `key`. It outlives
     /// the lock key (which is deleted on release and expiry), so the newest token is still
     /// known when the lock is free.
     pub fn token_key(&self, key: &LockKey) -> String {
-        format!("{}/tokens/{}", self.inner.prefix, key.as_str())
+        etcd_key(&self.inner.prefix, "tokens", key.as_str())
     }
 
     /// Runs one etcd call, `op` on a member's client, under the request timeout, on the
@@ -219,17 +222,33 @@ impl EtcdBackend {
         .map(drop)
     }
 
-    /// The lease a lock key is attached to: from the [`Lease`]'s handle, or, for an adopted
-    /// lease, read from the key (only while the key still belongs to `lease`).
-    async fn lease_id(&self, lease: &Lease) -> Result<Option<i64>, LockError> {
+    /// The lease a lock key is attached to, and the TTL etcd granted it: from the
+    /// [`Lease`]'s handle (its TTL was checked when it was granted), or, for an adopted
+    /// lease, read from the key (only while the key still belongs to `lease`) and from
+    /// etcd's record of the lease, since the TTL given to `adopt` is only what the caller
+    /// believes.
+    async fn lease_of(&self, lease: &Lease) -> Result<Option<(i64, Duration)>, LockError> {
         if let Some(handle) = lease.handle::<EtcdLease>() {
-            return Ok(Some(handle.id));
+            return Ok(Some((handle.id, lease.ttl())));
         }
         let kv = self.get_key(lease.key()).await?;
-        Ok(kv
+        let Some(lease_id) = kv
             .filter(|kv| is_held_by(kv, lease))
             .map(|kv| kv.lease())
-            .filter(|&id| id != 0))
+            .filter(|&id| id != 0)
+        else {
+            return Ok(None);
+        };
+        let live = self
+            .call(Effect::None, |client| async move {
+                client.lease_client().time_to_live(lease_id, None).await
+            })
+            .await?;
+        // An expired lease answers TTL -1 and no granted TTL.
+        Ok(u64::try_from(live.granted_ttl())
+            .ok()
+            .filter(|&granted| granted > 0 && live.ttl() >= 0)
+            .map(|granted| (lease_id, Duration::from_secs(granted))))
     }
 
     async fn get_key(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
@@ -289,8 +308,20 @@ impl EtcdBackend {
         }
 
         let owner = OwnerId::random();
+        let resp = self
+            .txn(
+                Effect::Write("acquire"),
+                self.acquire_txn(key, owner, lease_id),
+            )
+            .await;
+        self.settle_acquire(key, ttl, owner, lease_id, sent, resp)
+    }
+
+    /// If `key` does not exist, puts it with `owner` on the lease, and touches its token key;
+    /// otherwise reads the holder.
+    fn acquire_txn(&self, key: &LockKey, owner: OwnerId, lease_id: i64) -> Txn {
         let etcd_key = self.lock_key(key);
-        let txn = Txn::new()
+        Txn::new()
             .when([Compare::create_revision(
                 etcd_key.clone(),
                 CompareOp::Equal,
@@ -304,30 +335,43 @@ impl EtcdBackend {
                 ),
                 TxnOp::put(self.token_key(key), owner.to_string(), None),
             ])
-            .or_else([TxnOp::get(etcd_key, None)]);
-        let resp = match self.txn(Effect::Write("acquire"), txn).await {
-            Ok(resp) => resp,
-            Err(e) => {
-                // If the put did happen, revoking our own lease deletes the key again.
-                self.revoke_in_background(lease_id);
-                return Err(e);
+            .or_else([TxnOp::get(etcd_key, None)])
+    }
+
+    /// The lease granted by the acquire transaction's reply, if it granted one. Every other
+    /// outcome revokes the lease: if the put did happen (a lost reply, a reply without the
+    /// revision that would be the token), revoking our own lease deletes the key again, so
+    /// no key is held for a TTL by a caller that was told it does not hold it.
+    fn settle_acquire(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        owner: OwnerId,
+        lease_id: i64,
+        sent: Instant,
+        resp: Result<TxnResponse, LockError>,
+    ) -> Result<Option<Lease>, LockError> {
+        let revision = resp.and_then(|resp| {
+            if resp.succeeded() {
+                header_revision(&resp).map(Some)
+            } else {
+                debug!(
+                    holder_token = first_kv(&resp).map(|kv| kv.create_revision()),
+                    "contended"
+                );
+                Ok(None)
             }
-        };
-        if !resp.succeeded() {
+        });
+        let Ok(Some(revision)) = revision else {
             self.revoke_in_background(lease_id);
-            debug!(
-                holder_token = first_kv(&resp).map(|kv| kv.create_revision()),
-                "contended"
-            );
-            return Ok(None);
-        }
-        let token = FencingToken(header_revision(&resp)?);
+            return revision.map(|_| None);
+        };
         Ok(Some(
             Lease::new(
                 self.inner.id,
                 key.clone(),
                 owner,
-                token,
+                FencingToken(revision),
                 ttl,
                 valid_until(sent, ttl),
             )
@@ -337,7 +381,7 @@ impl EtcdBackend {
 
     /// Checks the key and keeps its lease alive, both in flight at once (see the module docs).
     async fn renew_sent(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
-        let Some(lease_id) = self.lease_id(lease).await? else {
+        let Some((lease_id, granted_ttl)) = self.lease_of(lease).await? else {
             return Ok(Renewal::Lost);
         };
         let check = Txn::new().when(self.held_by(lease));
@@ -350,7 +394,7 @@ impl EtcdBackend {
         }
         if kept? {
             return Ok(Renewal::Renewed {
-                valid_until: valid_until(sent, lease.ttl()),
+                valid_until: valid_until(sent, granted_ttl),
             });
         }
         // The key was held at a linearizable read, yet the leader did not know its lease:
@@ -362,7 +406,7 @@ impl EtcdBackend {
             let retry_sent = Instant::now();
             if self.keep_alive_once(lease_id).await? {
                 return Ok(Renewal::Renewed {
-                    valid_until: valid_until(retry_sent, lease.ttl()),
+                    valid_until: valid_until(retry_sent, granted_ttl),
                 });
             }
         }
@@ -629,7 +673,8 @@ impl LockBackend for EtcdBackend {
     ) -> Result<Lease, LockError> {
         self.check_ttl(ttl)?;
         // An adopted lease carries no lease id: renew and release read it from the key,
-        // and only while the key still holds this owner and token.
+        // and only while the key still holds this owner and token. Renewal counts validity
+        // with the TTL etcd granted the lease, whatever `ttl` says.
         Ok(Lease::adopted(
             self.inner.id,
             key.clone(),
@@ -637,5 +682,61 @@ impl LockBackend for EtcdBackend {
             token,
             ttl,
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use conformance::harness::etcd::EtcdServer;
+    use conformance::harness::require;
+
+    use super::*;
+
+    /// A reply that says the put happened but carries no revision cannot become a lease;
+    /// the key it put must not stay held until its lease runs out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_acquire_reply_without_a_revision_revokes_the_lease_it_put_the_key_on() {
+        let server = require(EtcdServer::start().await);
+        let backend = EtcdBackend::builder()
+            .endpoint(server.endpoint())
+            .build()
+            .await
+            .unwrap();
+        let key = LockKey::new("no-revision").unwrap();
+        let ttl = Duration::from_secs(30);
+        let granted = backend
+            .call(Effect::None, |client| async move {
+                client.lease_client().grant(30, None).await
+            })
+            .await
+            .unwrap();
+        let owner = OwnerId::random();
+        let sent = Instant::now();
+        let mut resp = backend
+            .txn(
+                Effect::Write("acquire"),
+                backend.acquire_txn(&key, owner, granted.id()),
+            )
+            .await
+            .unwrap();
+        assert!(resp.succeeded(), "the key was free and is now put");
+        resp.take_header();
+
+        let settled = backend.settle_acquire(&key, ttl, owner, granted.id(), sent, Ok(resp));
+        assert!(
+            matches!(settled, Err(LockError::Backend { .. })),
+            "{settled:?}"
+        );
+        // Freed by the revoke, long before the 30 s lease would lapse.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while backend.inspect(&key).await.unwrap().owner.is_some() {
+            assert!(
+                Instant::now() < deadline,
+                "the key is still held on the unrevoked lease"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let taken = backend.acquire(&key, Duration::from_secs(2)).await.unwrap();
+        assert!(taken.is_some(), "the key is free to take");
     }
 }

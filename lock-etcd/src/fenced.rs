@@ -1,9 +1,9 @@
 //! [`EtcdFencedResource`]: downstream values stored in etcd, written only by the holder of
 //! the newest fencing token, in one transaction per write.
 //!
-//! The highest admitted token of a resource lives in `<prefix>/fenced/<resource>` as a
-//! 20-digit zero-padded decimal, so etcd's byte-wise value comparison orders tokens
-//! numerically. A write is one transaction:
+//! The highest admitted token of a resource lives in `<prefix>/fenced/<resource>` (`%` and
+//! `/` in the name percent-encoded, as in lock keys) as a 20-digit zero-padded decimal, so
+//! etcd's byte-wise value comparison orders tokens numerically. A write is one transaction:
 //!
 //! ```text
 //! if value(fence) > token           (false when the fence key does not exist yet)
@@ -23,6 +23,7 @@ use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockErr
 
 use crate::backend::EtcdBackend;
 use crate::error::{Effect, NAME};
+use crate::keys::etcd_key;
 
 /// A fenced resource whose state lives in etcd, next to the locks of an [`EtcdBackend`].
 #[derive(Debug, Clone)]
@@ -47,12 +48,12 @@ impl EtcdFencedResource {
 
     /// The etcd key holding `resource`'s highest admitted token.
     pub fn fence_key(&self, resource: &str) -> String {
-        format!("{}/fenced/{resource}", self.backend.key_prefix())
+        etcd_key(self.backend.key_prefix(), "fenced", resource)
     }
 
     /// The etcd key holding `resource`'s value written by [`EtcdFencedResource::write`].
     pub fn data_key(&self, resource: &str) -> String {
-        format!("{}/data/{resource}", self.backend.key_prefix())
+        etcd_key(self.backend.key_prefix(), "data", resource)
     }
 
     /// Writes `value` to `resource` if `token` is at least the highest admitted token, and

@@ -28,7 +28,10 @@
 //! - Keys: `<prefix>/locks/<name>` (the lock, on its lease), `<prefix>/tokens/<name>` (its
 //!   `mod_revision` is the newest token, so it is known while the lock is free; one small
 //!   key per lock name, kept forever, like a fence counter), and, for the fenced resource,
-//!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`.
+//!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`. A name's `%` and `/` are
+//!   percent-encoded (`%25`, `%2F`), so every prefix and name has keys of its own (prefix
+//!   `app` with name `x/locks/y` and prefix `app/locks/x` with name `y` would otherwise
+//!   share one); names without those characters appear as they are.
 //! - Members: every endpoint gets its own connection. Calls stick to the member that last
 //!   answered; a call that could not reach a member (connection refused, no leader) goes to
 //!   the next one, each at most once. A call that may have reached a member (a timeout, a
@@ -44,6 +47,7 @@ mod backend;
 mod config;
 mod error;
 mod fenced;
+mod keys;
 mod members;
 
 pub use backend::EtcdBackend;

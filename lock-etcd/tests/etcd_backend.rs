@@ -15,6 +15,7 @@ use lock_api::{
     LockKey, OwnerId, Release, Renewal,
 };
 use lock_etcd::{EtcdBackend, EtcdFencedResource};
+use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(2);
 
@@ -179,6 +180,82 @@ async fn an_adopted_lease_acts_only_with_the_right_owner_and_token() {
         ),
         Err(LockError::InvalidTtl { .. })
     ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adopted_lease_is_renewed_for_the_ttl_etcd_granted_not_the_one_claimed() {
+    let factory = EtcdFactory::single().await;
+    let (holder, tool) = (factory.etcd().await, factory.etcd().await);
+    let k = key("adopt-ttl");
+    let lease = holder.acquire(&k, TTL).await.unwrap().expect("free key");
+
+    // The tool believes the lock was taken for a minute; etcd granted its lease TTL.
+    let claimed = Duration::from_secs(60);
+    let adopted = tool
+        .adopt(&k, lease.owner(), lease.token(), claimed)
+        .unwrap();
+    let renewal = tool.renew(&adopted).await.unwrap();
+    let answered = Instant::now();
+    let Renewal::Renewed { valid_until } = renewal else {
+        panic!("the adopted lease is held: {renewal:?}");
+    };
+    assert!(
+        valid_until <= answered + TTL,
+        "valid for {:?} after the renewal answered, beyond the {TTL:?} etcd granted",
+        valid_until - answered
+    );
+    assert_eq!(tool.release(&adopted).await.unwrap(), Release::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_and_a_name_that_concatenate_alike_are_different_locks() {
+    let server = shared_single().await;
+    let base = format!("layout-{:016x}", rand_suffix());
+    let on = |prefix: String| {
+        EtcdBackend::builder()
+            .endpoint(server.endpoint())
+            .key_prefix(prefix)
+            .build()
+    };
+    // "<base>/app" + "/locks/" + "x/locks/y" and "<base>/app/locks/x" + "/locks/" + "y"
+    // read the same when the parts are simply joined.
+    let outer = on(format!("{base}/app")).await.unwrap();
+    let inner = on(format!("{base}/app/locks/x")).await.unwrap();
+    let (outer_key, inner_key) = (
+        LockKey::new("x/locks/y").unwrap(),
+        LockKey::new("y").unwrap(),
+    );
+    let held = outer
+        .acquire(&outer_key, TTL)
+        .await
+        .unwrap()
+        .expect("free key");
+    let other = inner
+        .acquire(&inner_key, TTL)
+        .await
+        .unwrap()
+        .expect("another prefix's lock is not this one");
+    assert_eq!(outer.fence(&held).await.unwrap(), Fence::Current);
+    assert_eq!(inner.fence(&other).await.unwrap(), Fence::Current);
+    assert_ne!(outer.lock_key(&outer_key), inner.lock_key(&inner_key));
+    assert_ne!(outer.token_key(&outer_key), inner.token_key(&inner_key));
+
+    // The fenced resource's keys are laid out the same way.
+    let outer_resource = EtcdFencedResource::new(&outer, EnforcementMode::Enforce);
+    let data_prefix = on(format!("{base}/app/data/x")).await.unwrap();
+    let inner_resource = EtcdFencedResource::new(&data_prefix, EnforcementMode::Enforce);
+    assert_eq!(
+        outer_resource
+            .write("x/data/y", held.token(), "outer")
+            .await
+            .unwrap(),
+        Admission::Admitted
+    );
+    assert_eq!(inner_resource.read("y").await.unwrap(), None);
+    assert_eq!(inner_resource.latest("y").await.unwrap(), None);
+
+    assert_eq!(outer.release(&held).await.unwrap(), Release::Released);
+    assert_eq!(inner.release(&other).await.unwrap(), Release::Released);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
