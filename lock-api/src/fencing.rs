@@ -1,6 +1,9 @@
 //! Downstream enforcement of fencing tokens: a resource admits a write only when its
 //! token is not lower than the highest token it has seen.
 //!
+//! The check protects a write only when the write is conditional on it in the same
+//! transaction or script; see [`FencedResource`].
+//!
 //! Roll it out in [`EnforcementMode::Shadow`] first (stale writes are logged and counted,
 //! and let through), then switch to [`EnforcementMode::Enforce`].
 
@@ -86,10 +89,37 @@ impl Admission {
 }
 
 /// A downstream store that gates writes on fencing tokens.
+///
+/// # The write must be conditional on the token, in the same step
+///
+/// [`FencedResource::admit`] is **check only**: it records the token and says whether a
+/// write may go ahead, but it does not write. Checking first and writing afterwards is
+/// not fencing: a holder that pauses between `Admitted` and its write (a GC pause, a slow
+/// network, a descheduled process) still writes after a newer holder has been admitted,
+/// and overwrites it. A write is fenced only when the store applies it **conditionally on
+/// the token, in the same transaction or script as the check**:
+///
+/// - PostgreSQL: `PgFencedResource::admit_in(&mut tx, ..)`, then the write in the same
+///   `tx`, committed together (the token row stays locked until the commit);
+/// - etcd: `EtcdFencedResource::write`, one transaction that compares the fence and puts
+///   the value;
+/// - in memory: [`MemoryFencedResource::admit_with`], which runs the write under the
+///   same lock as the check;
+/// - any other store: make the token part of the write's own condition
+///   (`UPDATE .. SET .., fence = $token WHERE id = $id AND fence <= $token`, a script that
+///   compares and sets), and treat "nothing changed" as stale.
+///
+/// Call `admit` on its own only where a late write is harmless: to try out
+/// [`EnforcementMode::Shadow`], to count stale workers, or in tests.
 #[async_trait]
 pub trait FencedResource: Send + Sync {
-    /// Admits a write to `resource` carrying `token` if `token` is at least the highest
-    /// admitted so far, and records it as the highest.
+    /// **Check only, not atomic with the write:** admits a write to `resource` carrying
+    /// `token` if `token` is at least the highest admitted so far, and records it as the
+    /// highest. Nothing stops this caller from writing after a newer holder is admitted;
+    /// see the trait docs for the conditional forms that do.
+    ///
+    /// # Cancel safety
+    /// A cancelled call may or may not have recorded `token`; it never writes.
     async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError>;
 }
 
@@ -136,13 +166,40 @@ impl MemoryFencedResource {
         self.latest.lock().get(resource).copied()
     }
 
-    /// Admits synchronously; see [`FencedResource::admit`].
+    /// Admits synchronously; **check only**, see [`FencedResource::admit`].
     pub fn admit_now(&self, resource: &str, token: FencingToken) -> Admission {
+        self.admit_with(resource, token, || {})
+    }
+
+    /// The atomic form: checks `token` and, if the write is admitted, runs `write` while
+    /// still holding the lock the check took, so no newer token can be admitted in
+    /// between. A stale token in enforce mode does not run `write`.
+    ///
+    /// ```
+    /// use lock_api::{EnforcementMode, FencingToken, MemoryFencedResource};
+    ///
+    /// let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
+    /// let mut balance = 0;
+    /// ledger.admit_with("account:7", FencingToken(2), || balance += 10);
+    /// // A paused older holder wakes up: its write is refused, not applied late.
+    /// let late = ledger.admit_with("account:7", FencingToken(1), || balance += 10);
+    /// assert!(!late.is_admitted());
+    /// assert_eq!(balance, 10);
+    /// ```
+    pub fn admit_with(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        write: impl FnOnce(),
+    ) -> Admission {
         let mut latest = self.latest.lock();
         let seen = latest.get(resource).copied();
         let admission = decide(self.mode, resource, token, seen);
         if seen.is_none_or(|s| token > s) {
             latest.insert(resource.to_owned(), token);
+        }
+        if admission.is_admitted() {
+            write();
         }
         admission
     }
@@ -190,6 +247,32 @@ mod tests {
         assert!(a.is_admitted() && a.was_stale());
         // A stale write never lowers the highest token.
         assert_eq!(r.latest("a"), Some(FencingToken(5)));
+    }
+
+    #[test]
+    fn admit_with_applies_a_write_only_under_an_admitted_token() {
+        let r = MemoryFencedResource::new(EnforcementMode::Enforce);
+        let mut writes = Vec::new();
+        r.admit_with("a", FencingToken(1), || writes.push(1));
+        r.admit_with("a", FencingToken(3), || writes.push(3));
+        let late = r.admit_with("a", FencingToken(2), || writes.push(2));
+        assert_eq!(
+            late,
+            Admission::Stale {
+                latest: FencingToken(3)
+            }
+        );
+        assert_eq!(writes, [1, 3], "the stale write was applied");
+
+        let shadow = MemoryFencedResource::new(EnforcementMode::Shadow);
+        shadow.admit_with("a", FencingToken(3), || {});
+        let mut applied = false;
+        assert!(
+            shadow
+                .admit_with("a", FencingToken(2), || applied = true)
+                .was_stale()
+        );
+        assert!(applied, "shadow mode lets the stale write through");
     }
 
     #[test]
