@@ -41,15 +41,16 @@ const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
        AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
 
 /// Unlocks, drops any other advisory lock the session may hold (none, by the acquire's
-/// check), and puts the session's time limits back to the server defaults, so the
+/// check), and resets the session's time limits (`set_config` with a NULL value is
+/// `RESET`), so they are again whatever the server, database or role says and the
 /// connection can serve the pool again. The CTE runs the unlock of this key first.
 const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
      SELECT u.released, pg_advisory_unlock_all(), \
-     set_config('idle_session_timeout', '0', false), \
-     set_config('tcp_user_timeout', '0', false), \
-     set_config('tcp_keepalives_idle', '0', false), \
-     set_config('tcp_keepalives_interval', '0', false), \
-     set_config('tcp_keepalives_count', '0', false) \
+     set_config('idle_session_timeout', NULL, false), \
+     set_config('tcp_user_timeout', NULL, false), \
+     set_config('tcp_keepalives_idle', NULL, false), \
+     set_config('tcp_keepalives_interval', NULL, false), \
+     set_config('tcp_keepalives_count', NULL, false) \
      FROM u";
 
 /// PostgreSQL advisory-lock backend: session-level advisory locks
@@ -78,8 +79,9 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
 ///   (`pg_locks` for `pg_backend_pid()`), which also restarts the idle timer. A dropped
 ///   connection is [`Renewal::Lost`].
 /// - **release** runs `pg_advisory_unlock` (then `pg_advisory_unlock_all`, which finds
-///   nothing left) on the pinned session and gives the connection
-///   back to the pool. A lease dropped without release closes its connection, which frees
+///   nothing left) on the pinned session, `RESET`s the time limits the acquire set (a
+///   database's or role's own defaults come back), and gives the connection back to the
+///   pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
 ///
 /// # Capacity
