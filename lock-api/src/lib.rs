@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod backend;
+mod election;
 mod error;
 mod fencing;
 mod guard;
@@ -14,6 +15,7 @@ pub mod telemetry;
 mod watchdog;
 
 pub use backend::LockBackend;
+pub use election::{ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key};
 pub use error::{BoxError, LockError};
 pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};
 pub use guard::{LeaseStatus, LockGuard};
