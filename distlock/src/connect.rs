@@ -2,7 +2,8 @@
 //! feature for that store is enabled, and hands the URL to the store's backend.
 //!
 //! Errors name what is wrong with the URL but never repeat it whole, so a password in
-//! it cannot leak into a log; use [`redact`] to show a URL to a person.
+//! it cannot leak into a log; use [`redact_url`](crate::redact_url) to show a URL to a
+//! person.
 
 use std::fmt;
 use std::sync::Arc;
@@ -177,7 +178,8 @@ fn checked(url: &str) -> Result<(Scheme, Url), LockError> {
 
 /// An etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), which no URL
 /// parser reads as one authority: the generic checks look at the first member only, and
-/// the etcd backend reads them all.
+/// the etcd backend reads them all. The members start after the userinfo, whose password
+/// may hold a comma.
 fn first_member_only(url: &str) -> std::borrow::Cow<'_, str> {
     let Some((scheme, rest)) = url.trim().split_once("://") else {
         return url.into();
@@ -190,8 +192,9 @@ fn first_member_only(url: &str) -> std::borrow::Cow<'_, str> {
     }
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(end);
-    match authority.find(',') {
-        Some(comma) => format!("{scheme}://{}{tail}", &authority[..comma]).into(),
+    let members = authority.rfind('@').map_or(0, |at| at + 1);
+    match authority[members..].find(',') {
+        Some(comma) => format!("{scheme}://{}{tail}", &authority[..members + comma]).into(),
         None => url.into(),
     }
 }
@@ -286,44 +289,10 @@ fn known_schemes() -> String {
         .join(", ")
 }
 
-/// A URL fit to show a person or a log: the password, if any, is replaced by `***`.
-/// A URL that does not parse is shown as `<malformed URL>`, since it cannot be redacted.
-///
-/// ```
-/// assert_eq!(distlock::redact("redis://:hunter2@127.0.0.1:6379"), "redis://:***@127.0.0.1:6379");
-/// assert_eq!(distlock::redact("etcd://root:hunter2@h1:2379,h2:2379"), "etcd://root:***@h1:2379,h2:2379");
-/// ```
-pub fn redact(url: &str) -> String {
-    let first = first_member_only(url);
-    if first != url {
-        // A list of etcd members: redact the first one's URL, then put the others back.
-        let shown = redact(&first);
-        let Some(start) = shown.find("://").map(|i| i + 3) else {
-            return shown;
-        };
-        let (_, rest) = url.trim().split_once("://").unwrap_or_default();
-        let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
-        let others = authority.split_once(',').map_or("", |(_, others)| others);
-        let end = shown[start..]
-            .find(['/', '?', '#'])
-            .map_or(shown.len(), |i| start + i);
-        return format!("{},{others}{}", &shown[..end], &shown[end..]);
-    }
-    match Url::parse(url.trim()) {
-        Ok(mut parsed) => {
-            if parsed.password().is_some() && parsed.set_password(Some("***")).is_err() {
-                return "<URL with a password>".into();
-            }
-            parsed.to_string()
-        }
-        Err(_) => "<malformed URL>".into(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lock_api::LockKey;
+    use lock_api::{LockKey, redact_url};
     use std::time::Duration;
 
     async fn error_of(url: &str) -> String {
@@ -455,19 +424,60 @@ mod tests {
         }
     }
 
+    /// Every scheme, with a password in the userinfo holding `c`; the digits before `c`
+    /// read as a port when a parser ends the authority at `c`.
+    fn urls_with_a_password_holding(c: char) -> Vec<String> {
+        let password = format!("12{c}hunter2");
+        let mut urls: Vec<String> = [
+            "redis://u:{}@127.0.0.1:1/",
+            "rediss://:{}@127.0.0.1:1/",
+            "redis+cluster://u:{}@127.0.0.1:1",
+            // pool_size=0 fails after the URL is read, without waiting for a connection.
+            "postgres://app:{}@127.0.0.1:1/db?mode=advisory&pool_size=0",
+            "postgresql://app:{}@127.0.0.1:1/db?pool_size=0",
+            "etcd://root:{}@127.0.0.1:1,127.0.0.1:2",
+            "etcds://root:{}@127.0.0.1:1?ca=/nonexistent/ca.pem",
+            "memory://u:{}@",
+            "unknown://u:{}@h",
+        ]
+        .iter()
+        .map(|template| template.replace("{}", &password))
+        .collect();
+        // An `&` in a query value ends it (it must be written %26).
+        if c != '&' {
+            urls.push(format!(
+                "postgres://app@127.0.0.1:1/db?password={password}&pool_size=0"
+            ));
+        }
+        urls
+    }
+
+    #[tokio::test]
+    async fn errors_never_contain_a_password_holding_special_characters() {
+        for c in ['@', '#', '?', '/', ',', '%', ':', '&'] {
+            for url in urls_with_a_password_holding(c) {
+                let shown = match connect(&url).await {
+                    Ok(backend) => format!("{backend:?}"),
+                    Err(e) => format!("{e} {e:?}"),
+                };
+                assert!(!shown.contains("hunter2"), "{url} leaked: {shown}");
+                assert!(!redact_url(&url).contains("hunter2"), "{url}");
+            }
+        }
+    }
+
     #[test]
-    fn redact_hides_the_password_and_keeps_the_rest() {
+    fn the_first_member_is_found_after_a_password_holding_a_comma() {
         assert_eq!(
-            redact("postgres://app:s3cret@127.0.0.1:5432/jobs"),
-            "postgres://app:***@127.0.0.1:5432/jobs"
+            first_member_only("etcd://root:12,hunter2@h1:2379,h2:2379?prefix=p"),
+            "etcd://root:12,hunter2@h1:2379?prefix=p"
         );
-        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        assert_eq!(redact("redis://:s3cret@[::1"), "<malformed URL>");
         assert_eq!(
-            redact("etcd://root:s3cret@h1:2379,h2:2379,h3?prefix=p"),
-            "etcd://root:***@h1:2379,h2:2379,h3?prefix=p"
+            first_member_only("etcds://h1,h2/?ca=/ca.pem"),
+            "etcds://h1/?ca=/ca.pem"
         );
-        assert_eq!(redact("etcd://h1,h2"), "etcd://h1,h2");
+        assert_eq!(first_member_only("etcd://h1"), "etcd://h1");
+        assert_eq!(first_member_only("redis://:a,b@h"), "redis://:a,b@h");
     }
 
     #[test]

@@ -47,6 +47,15 @@ impl std::fmt::Debug for EtcdUrl {
 impl EtcdUrl {
     /// Parses `url`, whose scheme `connect` has already checked (`etcd` or `etcds`).
     pub(crate) fn parse(url: &str) -> Result<Self, LockError> {
+        if lock_api::url_userinfo_is_ambiguous(url) {
+            // The members would be read from inside the password.
+            return Err(LockError::Config(
+                "the etcd URL has an `@` after a `/`, `?` or `#`: escape those characters in \
+                 the user and password, and `@` in the prefix and CA path (`%2F`, `%3F`, \
+                 `%23`, `%40`)"
+                    .into(),
+            ));
+        }
         let (scheme, rest) = url.trim().split_once("://").unwrap_or(("", ""));
         let tls = scheme.eq_ignore_ascii_case("etcds");
         let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
@@ -185,19 +194,26 @@ fn endpoint(i: usize, member: &str, tls: bool) -> Result<String, LockError> {
     ))
 }
 
-/// Decodes `%XX` escapes; `None` when the result is not UTF-8 or an escape is broken.
+/// Decodes `%XX` escapes; a `%` not followed by two hex digits stays as written (as the
+/// other stores' drivers read it). `None` when the result is not UTF-8.
 fn percent_decode(s: &str) -> Option<String> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
     while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = s.get(i + 1..i + 3)?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
+        let escape = (bytes[i] == b'%')
+            .then(|| s.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match escape {
+            Some(byte) => {
+                out.push(byte);
+                i += 3;
+            }
+            None => {
+                out.push(bytes[i]);
+                i += 1;
+            }
         }
     }
     String::from_utf8(out).ok()
@@ -236,6 +252,43 @@ mod tests {
         let single = EtcdUrl::parse("etcd://127.0.0.1:2379").unwrap();
         assert_eq!(single.endpoints, ["http://127.0.0.1:2379"]);
         assert_eq!((single.credentials, single.prefix), (None, None));
+    }
+
+    #[test]
+    fn a_password_holding_a_comma_at_or_percent_is_read_whole() {
+        for (written, password) in [
+            ("12,hunter2", "12,hunter2"),
+            ("a,b,c", "a,b,c"),
+            ("p@ss", "p@ss"),
+            ("50%off", "50%off"),
+            ("p%2Fss%3F", "p/ss?"),
+            ("pa:ss", "pa:ss"),
+        ] {
+            let url = format!("etcd://root:{written}@h1:2379,h2?prefix=jobs");
+            let parsed = EtcdUrl::parse(&url).unwrap();
+            assert_eq!(
+                parsed.credentials,
+                Some(("root".to_owned(), password.to_owned())),
+                "{url}"
+            );
+            assert_eq!(parsed.endpoints, ["http://h1:2379", "http://h2:2379"]);
+            assert!(!format!("{parsed:?}").contains(written), "{url}");
+        }
+    }
+
+    #[test]
+    fn an_unescaped_delimiter_in_the_userinfo_is_refused_without_showing_it() {
+        for url in [
+            "etcd://root:12/hunter2@h1:2379",
+            "etcd://root:12?hunter2=x@h1:2379",
+            "etcd://root:12#hunter2@h1:2379",
+            "etcd://ro/ot:hunter2@h1:2379",
+            "etcds://root:12?ca=hunter2@h1:2379",
+        ] {
+            let message = config_error(url);
+            assert!(message.contains("%2F"), "{url}: {message}");
+            assert!(!message.contains("hunter2"), "{url}: {message}");
+        }
     }
 
     #[test]

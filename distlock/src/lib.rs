@@ -8,10 +8,11 @@
 //!
 //! This facade re-exports the lock API of `lock-api` (the [`LockBackend`] trait and its
 //! contract, [`Locker`] and [`LockGuard`] with their renewal watchdog, the
-//! [`FencedResource`] gate, the in-memory backend in [`memory`]) and opens any backend
-//! from a URL with [`connect`]. Each store sits behind a cargo feature, and its crate is
-//! re-exported under the feature's name for what a URL cannot say (builders with every
-//! setting, the stores' fenced resources, PostgreSQL's SQL helpers):
+//! [`FencedResource`] gate, [`Election`] for a fenced singleton role such as a scheduler,
+//! the in-memory backend in [`memory`]) and opens any backend from a URL with
+//! [`connect`]. Each store sits behind a cargo feature, and its crate is re-exported
+//! under the feature's name for what a URL cannot say (builders with every setting, the
+//! stores' fenced resources, PostgreSQL's SQL helpers):
 //!
 //! | feature | default | adds | URL forms for [`connect`] |
 //! |---|---|---|---|
@@ -23,7 +24,7 @@
 //! A URL whose feature is off fails with a [`LockError::Config`] that names the feature.
 //! PostgreSQL needs its tables created once per database, never implicitly by
 //! [`connect`]: call [`setup`] (or run `lockctl setup URL`) when deploying.
-//! [`redact`] shows a URL without its password; no error of [`connect`] contains it.
+//! [`redact_url`] shows a URL without its password; no error of [`connect`] contains it.
 //!
 //! # Example
 //!
@@ -63,7 +64,9 @@ mod etcd_url;
 #[cfg(feature = "postgres")]
 mod pg_url;
 
-pub use connect::{SCHEMES, Scheme, connect, redact, setup};
+pub use connect::{SCHEMES, Scheme, connect, setup};
+/// The same as [`redact_url`]: a URL fit to show a person or a log.
+pub use lock_api::redact_url as redact;
 pub use lock_api::*;
 #[cfg(feature = "etcd")]
 pub use lock_etcd as etcd;

@@ -72,7 +72,7 @@ impl PgUrl {
                     passed.push((name.clone(), value.clone()));
                     continue;
                 }
-                other => return Err(unknown_param(other)),
+                other => return Err(unknown_param(other, url)),
             };
             if slot.replace(value.into_owned()).is_some() {
                 return Err(LockError::Config(format!(
@@ -133,9 +133,18 @@ fn is_driver_param(name: &str) -> bool {
     DRIVER_PARAMS.contains(&name) || (name.starts_with("options[") && name.ends_with(']'))
 }
 
-fn unknown_param(name: &str) -> LockError {
+/// The error for an unknown parameter, naming it unless it may be a piece of the password
+/// (an unescaped `?` in the password makes what follows read as the query).
+fn unknown_param(name: &str, url: &Url) -> LockError {
+    let which = if lock_api::url_userinfo_is_ambiguous(url.as_str()) {
+        "in the postgres URL (not named: an `@` after the host may mean the password holds \
+         an unescaped `/`, `?` or `#`; escape them and `@` as %2F, %3F, %23, %40)"
+            .to_owned()
+    } else {
+        format!("`{name}` in the postgres URL")
+    };
     LockError::Config(format!(
-        "unknown parameter `{name}` in the postgres URL: distlock reads {}; \
+        "unknown parameter {which}: distlock reads {}; \
          PostgreSQL connection parameters passed on are {}",
         DISTLOCK_PARAMS.join(", "),
         DRIVER_PARAMS.join(", ")
@@ -209,6 +218,30 @@ mod tests {
             parsed.builder.build_lease_backend(),
             Err(LockError::Config(_))
         ));
+    }
+
+    #[test]
+    fn debug_never_shows_a_password_given_as_a_parameter() {
+        for url in [
+            "postgres://app@h/db?password=hunter2",
+            "postgres://app@h/db?mode=advisory&password=hunter2&sslmode=disable",
+            "postgres://app:hun@ter2@h/db?sslmode=disable",
+            "postgres://app:hun,ter2@h/db",
+        ] {
+            let shown = format!("{:?}", parse(url).unwrap());
+            assert!(!shown.contains("ter2"), "{url}: {shown}");
+            assert!(shown.contains("@h/db"), "{url}: {shown}");
+        }
+    }
+
+    #[test]
+    fn a_parameter_that_may_be_part_of_the_password_is_not_named() {
+        let message = config_error("postgres://app:12?hunter2=x@h/db");
+        assert!(
+            message.contains("unknown parameter in the postgres URL (not named"),
+            "{message}"
+        );
+        assert!(!message.contains("hunter2"), "{message}");
     }
 
     #[test]
