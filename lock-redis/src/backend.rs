@@ -112,12 +112,12 @@ enum Kind {
 
 /// Marks a call of `kind` in flight; when it is done (or its future is dropped), the calls
 /// queued meanwhile are sent as the next batch.
-struct InFlight<'a> {
-    backend: &'a RedisBackend,
+struct InFlight {
+    backend: RedisBackend,
     kind: Kind,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.backend.hand_off(self.kind);
     }
@@ -515,6 +515,11 @@ impl RedisBackend {
     /// Called when the call of `kind` in flight is done: sends the calls queued meanwhile
     /// as one batch, in a task of its own (so it runs even when no caller waits any more),
     /// or marks the queue idle.
+    ///
+    /// The batch's [`InFlight`] mark is made before spawning and moves into the task: a
+    /// runtime that is shutting down drops the task unpolled, and dropping the mark then
+    /// hands off again (the batch's callers learn from their closed channels) instead of
+    /// leaving the queue busy forever.
     fn hand_off(&self, kind: Kind) {
         let runtime = tokio::runtime::Handle::try_current();
         match kind {
@@ -525,13 +530,10 @@ impl RedisBackend {
                         // its callers' channels, which tells them so.
                         continue;
                     };
-                    let backend = self.clone();
+                    let in_flight = self.in_flight(kind);
                     runtime.spawn(async move {
-                        let _in_flight = InFlight {
-                            backend: &backend,
-                            kind,
-                        };
-                        backend.acquire_queued(batch).await;
+                        in_flight.backend.acquire_queued(batch).await;
+                        drop(in_flight);
                     });
                     return;
                 }
@@ -539,17 +541,41 @@ impl RedisBackend {
             Kind::Release => {
                 while let Some(batch) = self.inner.releases.next() {
                     let Ok(runtime) = &runtime else { continue };
-                    let backend = self.clone();
+                    let in_flight = self.in_flight(kind);
                     runtime.spawn(async move {
-                        let _in_flight = InFlight {
-                            backend: &backend,
-                            kind,
-                        };
-                        backend.release_queued(batch).await;
+                        in_flight.backend.release_queued(batch).await;
+                        drop(in_flight);
                     });
                     return;
                 }
             }
+        }
+    }
+
+    fn in_flight(&self, kind: Kind) -> InFlight {
+        InFlight {
+            backend: self.clone(),
+            kind,
+        }
+    }
+
+    /// A queued caller's wait for its reply. The call in flight ahead of it and then its
+    /// own batch are each bounded by the response timeout; the third one is slack. A
+    /// caller that stops waiting loses nothing: a lease granted to it later is released
+    /// in the background.
+    async fn queued_reply<T>(
+        &self,
+        operation: &'static str,
+        rx: oneshot::Receiver<Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let limit = self.inner.response_timeout * 3;
+        match tokio::time::timeout(limit, rx).await {
+            Ok(reply) => reply.unwrap_or_else(|_| Err(dropped(operation))),
+            Err(_) => Err(LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message: format!("no reply from the coalesced batch within {limit:?}"),
+            }),
         }
     }
 
@@ -761,12 +787,9 @@ impl LockBackend for RedisBackend {
             }
         });
         match queued {
-            Some(rx) if !direct => rx.await.unwrap_or_else(|_| Err(dropped("acquire"))),
+            Some(rx) if !direct => self.queued_reply("acquire", rx).await,
             _ => {
-                let _in_flight = InFlight {
-                    backend: self,
-                    kind: Kind::Acquire,
-                };
+                let _in_flight = self.in_flight(Kind::Acquire);
                 self.acquire_one(key, ttl, called).await
             }
         }
@@ -797,12 +820,9 @@ impl LockBackend for RedisBackend {
             }
         });
         match queued {
-            Some(rx) if !direct => rx.await.unwrap_or_else(|_| Err(dropped("release"))),
+            Some(rx) if !direct => self.queued_reply("release", rx).await,
             _ => {
-                let _in_flight = InFlight {
-                    backend: self,
-                    kind: Kind::Release,
-                };
+                let _in_flight = self.in_flight(Kind::Release);
                 self.release_one(lease).await
             }
         }

@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use common::RedisFactory;
 use futures::future::join_all;
-use lock_api::{LockBackend, LockError, LockKey, Release};
+use lock_api::{Lease, LockBackend, LockError, LockKey, Release};
+use lock_redis::RedisBackend;
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -196,4 +197,78 @@ async fn a_lost_reply_fails_every_caller_of_the_batch_with_an_unknown_outcome() 
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Call {
+    Acquire,
+    Release,
+}
+
+/// An acquire of a fresh key, or a release of `lease`: `Ok(true)` when it took or freed it.
+async fn call(
+    redis: &RedisBackend,
+    kind: Call,
+    name: &str,
+    lease: &Lease,
+) -> Result<bool, LockError> {
+    match kind {
+        Call::Acquire => redis
+            .acquire(&LockKey::new(name).unwrap(), TTL)
+            .await
+            .map(|l| l.is_some()),
+        Call::Release => redis.release(lease).await.map(|r| r == Release::Released),
+    }
+}
+
+/// The call in flight belongs to a runtime that shuts down, with a caller of another
+/// runtime queued behind it: the queue must not stay busy for good.
+async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
+    let f = RedisFactory::start().await;
+    let redis = f.redis_with(Duration::from_secs(2)).await;
+    let mut held = Vec::new();
+    for key in keys("held", 3) {
+        held.push(redis.acquire(&key, TTL).await.unwrap().expect("free key"));
+    }
+    f.proxy.delay(Duration::from_millis(200));
+    let other = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (first, lease) = (redis.clone(), held[0].clone());
+    other.spawn(async move { call(&first, kind, "first", &lease).await });
+    // The other runtime's call is on its way (a round trip takes 400 ms); this one queues.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (second, lease) = (redis.clone(), held[1].clone());
+    let queued = tokio::spawn(async move { call(&second, kind, "queued", &lease).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    other.shutdown_background();
+
+    let queued = tokio::time::timeout(Duration::from_secs(30), queued)
+        .await
+        .expect("the queued caller was answered")
+        .unwrap();
+    if let Err(e) = &queued {
+        assert!(e.is_retryable(), "{e:?}");
+    }
+    // Later calls of this runtime go through.
+    f.proxy.heal();
+    let later = tokio::time::timeout(
+        Duration::from_secs(30),
+        call(&redis, kind, "later", &held[2]),
+    )
+    .await
+    .expect("a later call was wedged behind the dropped batch");
+    assert!(matches!(later, Ok(true)), "{later:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_keep_working_after_the_runtime_of_the_call_in_flight_shut_down() {
+    a_runtime_shutting_down_mid_call_leaves_the_queue_working(Call::Acquire).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_keep_working_after_the_runtime_of_the_call_in_flight_shut_down() {
+    a_runtime_shutting_down_mid_call_leaves_the_queue_working(Call::Release).await;
 }
