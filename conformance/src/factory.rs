@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::LockBackend;
+use lock_api::{FencedResource, LockBackend};
 
 /// Makes backend instances (clients) that all talk to the same store under test.
 ///
@@ -29,6 +29,57 @@ pub trait Factory: Send + Sync {
     /// Faults on the store's server process, if the factory started it.
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         None
+    }
+
+    /// The backend's own fenced resource (in enforce mode), if the factory has one: the
+    /// fenced-counter workload then writes through it instead of an in-memory one.
+    fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
+        None
+    }
+}
+
+/// A factory that adds a backend's own fenced resource to another factory.
+///
+/// ```no_run
+/// # async fn f(redis: impl conformance::Factory, resource: lock_api::MemoryFencedResource) {
+/// let factory = conformance::factory::WithFencedResource::new(redis, resource);
+/// # }
+/// ```
+pub struct WithFencedResource<F> {
+    inner: F,
+    resource: Arc<dyn FencedResource>,
+}
+
+impl<F: Factory> WithFencedResource<F> {
+    /// `inner`, whose fenced-counter workload writes through `resource`.
+    pub fn new(inner: F, resource: impl FencedResource + 'static) -> Self {
+        Self {
+            inner,
+            resource: Arc::new(resource),
+        }
+    }
+}
+
+#[async_trait]
+impl<F: Factory> Factory for WithFencedResource<F> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        self.inner.backend().await
+    }
+
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        self.inner.link()
+    }
+
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        self.inner.server()
+    }
+
+    fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
+        Some(self.resource.clone())
     }
 }
 

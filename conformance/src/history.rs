@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::{
-    Admission, Capabilities, DRIFT_FACTOR, Fence, FencingToken, Lease, LockBackend, LockError,
-    LockInfo, LockKey, MemoryFencedResource, OwnerId, Release, Renewal,
+    Admission, Capabilities, DRIFT_FACTOR, Fence, FencedResource, FencingToken, Lease, LockBackend,
+    LockError, LockInfo, LockKey, MemoryFencedResource, OwnerId, Release, Renewal,
 };
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -854,42 +854,90 @@ fn each_outcome<I, T>(
 /// A counter guarded by a fenced resource: the downstream store of the read-modify-write
 /// workload. A write is admitted (and applied) atomically with the fencing check, and
 /// recorded in the history in admission order.
-#[derive(Debug)]
+///
+/// The resource is in memory ([`FencedCounter::new`]) or a backend's own
+/// ([`FencedCounter::on`]: a Redis script, a PostgreSQL guarded row, an etcd transaction);
+/// either way the store decides the admission, and the counter's lock, held across it,
+/// makes the check and the write one step for this workload.
 pub struct FencedCounter {
-    resource: MemoryFencedResource,
-    value: Mutex<u64>,
+    resource: Gate,
+    value: tokio::sync::Mutex<u64>,
     history: Arc<History>,
 }
 
+/// Where a [`FencedCounter`]'s admissions are decided.
+enum Gate {
+    Memory(MemoryFencedResource),
+    Store(Arc<dyn FencedResource>),
+}
+
+impl fmt::Debug for FencedCounter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let gate = match self.resource {
+            Gate::Memory(_) => "memory",
+            Gate::Store(_) => "store",
+        };
+        f.debug_struct("FencedCounter")
+            .field("resource", &gate)
+            .finish_non_exhaustive()
+    }
+}
+
 impl FencedCounter {
-    /// A counter at zero, in enforce mode, recording into `history`.
+    /// A counter at zero on an in-memory resource in enforce mode, recording into
+    /// `history`.
     pub fn new(history: Arc<History>) -> Self {
+        Self::with_gate(
+            Gate::Memory(MemoryFencedResource::new(
+                lock_api::EnforcementMode::Enforce,
+            )),
+            history,
+        )
+    }
+
+    /// A counter at zero whose writes `resource` admits (it must be in enforce mode),
+    /// recording into `history`.
+    pub fn on(resource: Arc<dyn FencedResource>, history: Arc<History>) -> Self {
+        Self::with_gate(Gate::Store(resource), history)
+    }
+
+    fn with_gate(resource: Gate, history: Arc<History>) -> Self {
         Self {
-            resource: MemoryFencedResource::new(lock_api::EnforcementMode::Enforce),
-            value: Mutex::new(0),
+            resource,
+            value: tokio::sync::Mutex::new(0),
             history,
         }
     }
 
     /// The current value.
-    pub fn read(&self) -> u64 {
-        *self.value.lock()
+    pub async fn read(&self) -> u64 {
+        *self.value.lock().await
     }
 
     /// Writes `value` (computed from `read`) with `token`, if the resource admits the
-    /// token. Returns the admission.
-    pub fn write(&self, key: &LockKey, token: FencingToken, read: u64, value: u64) -> Admission {
+    /// token. Returns the admission, or the store's error (recorded, nothing written).
+    pub async fn write(
+        &self,
+        key: &LockKey,
+        token: FencingToken,
+        read: u64,
+        value: u64,
+    ) -> Result<Admission, LockError> {
         let invoked = Instant::now();
-        let mut current = self.value.lock();
-        let admission = self.resource.admit_now(key.as_str(), token);
-        let reply = match admission {
-            Admission::Stale { latest } | Admission::ShadowStale { latest } => {
-                Reply::Rejected { latest }
+        let mut current = self.value.lock().await;
+        let admission = match &self.resource {
+            Gate::Memory(resource) => Ok(resource.admit_now(key.as_str(), token)),
+            Gate::Store(resource) => resource.admit(key.as_str(), token).await,
+        };
+        let reply = match &admission {
+            Ok(Admission::Stale { latest } | Admission::ShadowStale { latest }) => {
+                Reply::Rejected { latest: *latest }
             }
-            Admission::Admitted => {
+            Ok(Admission::Admitted) => {
                 *current = value;
                 Reply::Admitted { read, wrote: value }
             }
+            Err(e) => Reply::Error(e.to_string()),
         };
         // Recorded under the value lock, so the history's order is the admission order.
         self.history.record(
@@ -1212,9 +1260,10 @@ mod tests {
         let history = Arc::new(History::new());
         let counter = FencedCounter::new(history.clone());
         let key = LockKey::new("k").unwrap();
-        assert!(counter.write(&key, FencingToken(2), 0, 1).is_admitted());
-        assert!(!counter.write(&key, FencingToken(1), 1, 2).is_admitted());
-        assert_eq!(counter.read(), 1);
+        let write = |token, read, value| counter.write(&key, FencingToken(token), read, value);
+        assert!(write(2, 0, 1).await.unwrap().is_admitted());
+        assert!(!write(1, 1, 2).await.unwrap().is_admitted());
+        assert_eq!(counter.read().await, 1);
         let events = history.events();
         assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(

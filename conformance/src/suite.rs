@@ -12,7 +12,9 @@ use lock_api::{Capabilities, Lease, LockBackend, LockError, LockKey};
 use tokio::time::Instant;
 
 use crate::factory::{Factory, LinkFaults, ServerFaults};
-use crate::history::{CheckOptions, History, Invariant, RecordingBackend, Violation};
+use crate::history::{
+    CheckOptions, FencedCounter, History, Invariant, RecordingBackend, Violation,
+};
 
 /// How a case ended when it did not fail.
 #[derive(Clone, PartialEq, Eq, Debug)]
@@ -337,13 +339,19 @@ pub mod macro_support {
             let count = stamped.iter().filter(|(_, s)| *s).count();
             let caps: Vec<_> = has.iter().map(|n| n.name()).collect();
             println!(
-                "conformance on {}: {count} of {} cases stamped and run (capabilities: {})",
+                "conformance on {}: {count} of {} cases stamped and run (capabilities: {}; \
+                 fenced counter on {})",
                 factory.name(),
                 CASES.len(),
                 if caps.is_empty() {
                     "none".to_owned()
                 } else {
                     caps.join(", ")
+                },
+                if factory.fenced_resource().is_some() {
+                    "the backend's own fenced resource"
+                } else {
+                    "an in-memory fenced resource"
                 },
             );
             for line in &not_stamped {
@@ -503,6 +511,15 @@ impl<'f> Ctx<'f> {
                 .get()
                 .copied()
                 .unwrap_or(CheckOptions::default().expiry_slack),
+        }
+    }
+
+    /// The fenced counter of the read-modify-write workload, on the factory's own fenced
+    /// resource if it has one, else in memory; its writes are recorded in the history.
+    pub fn counter(&self) -> FencedCounter {
+        match self.factory.fenced_resource() {
+            Some(resource) => FencedCounter::on(resource, self.history.clone()),
+            None => FencedCounter::new(self.history.clone()),
         }
     }
 

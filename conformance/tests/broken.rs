@@ -118,3 +118,27 @@ async fn a_failure_says_what_was_expected_and_what_the_history_shows() {
     );
     assert_eq!(factory.name(), "broken");
 }
+
+/// A fenced resource that admits every token, stale ones included.
+struct AdmitsAll;
+
+#[async_trait::async_trait]
+impl lock_api::FencedResource for AdmitsAll {
+    async fn admit(
+        &self,
+        _resource: &str,
+        _token: lock_api::FencingToken,
+    ) -> Result<lock_api::Admission, lock_api::LockError> {
+        Ok(lock_api::Admission::Admitted)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workload_writes_through_the_factorys_fenced_resource() {
+    let factory =
+        conformance::factory::WithFencedResource::new(BrokenFactory::control(), AdmitsAll);
+    let case = conformance::suite::case("paused_holder_is_fenced").unwrap();
+    let failure = (case.run)(&factory).await.unwrap_err();
+    assert!(failure.expected.contains("late write"), "{failure}");
+    assert_eq!(failure.invariants, vec![Invariant::I2], "{failure}");
+}

@@ -8,7 +8,6 @@ use tokio::time::{Instant, sleep, sleep_until};
 
 use super::{forged, release_held};
 use crate::factory::Factory;
-use crate::history::FencedCounter;
 use crate::history::SEND_INSTANT_SLACK;
 use crate::suite::{Ctx, Failure, Outcome};
 
@@ -538,30 +537,38 @@ pub async fn paused_holder_is_fenced(factory: &dyn Factory) -> Result<Outcome, F
     let (a, b) = (ctx.client().await, ctx.client().await);
     let t = ctx.timing(&a);
     let key = ctx.key("k")?;
-    let counter = FencedCounter::new(ctx.history().clone());
+    let counter = ctx.counter();
 
     let old = ctx.take(&a, &key, t.ttl).await?;
-    let first = counter.write(&key, old.token(), 0, 1);
+    let first = ctx.ok("write", counter.write(&key, old.token(), 0, 1).await)?;
     ctx.ensure(
         first.is_admitted(),
         "the holder's first write to be admitted",
         || format!("{first:?}"),
     )?;
     // The holder reads, then stalls past its TTL without renewing (a GC pause).
-    let read = counter.read();
+    let read = counter.read().await;
     let deadline = t.expired_by(Instant::now());
     let new = ctx
         .take_by(&b, &key, t.ttl, deadline, "while the old holder is paused")
         .await?;
-    let read_new = counter.read();
-    let admitted = counter.write(&key, new.token(), read_new, read_new + 1);
+    let read_new = counter.read().await;
+    let admitted = ctx.ok(
+        "write",
+        counter
+            .write(&key, new.token(), read_new, read_new + 1)
+            .await,
+    )?;
     ctx.ensure(
         admitted.is_admitted(),
         "the new holder's write to be admitted",
         || format!("{admitted:?} for token {}", new.token()),
     )?;
     // The old holder wakes up and writes what it computed before the pause.
-    let late = counter.write(&key, old.token(), read, read + 1);
+    let late = ctx.ok(
+        "write",
+        counter.write(&key, old.token(), read, read + 1).await,
+    )?;
     ctx.ensure(
         !late.is_admitted(),
         format!(
@@ -571,10 +578,11 @@ pub async fn paused_holder_is_fenced(factory: &dyn Factory) -> Result<Outcome, F
         ),
         || format!("{late:?}"),
     )?;
+    let value = counter.read().await;
     ctx.ensure(
-        counter.read() == 2,
+        value == 2,
         "the counter to hold the new holder's value 2",
-        || counter.read(),
+        || value,
     )?;
     let fence = ctx.ok("fence of the paused holder", a.fence(&old).await)?;
     ctx.ensure(

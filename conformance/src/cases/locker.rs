@@ -15,7 +15,6 @@ use tokio::time::{Instant, sleep, timeout_at};
 
 use super::release_held;
 use crate::factory::Factory;
-use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// How long a case waits past a deadline for a local event (a timer firing, a task
@@ -51,7 +50,7 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
         lockers.push(locker(&ctx, ctx.client().await, &t)?);
     }
     let key = ctx.key("counter")?;
-    let counter = Arc::new(FencedCounter::new(ctx.history().clone()));
+    let counter = Arc::new(ctx.counter());
     let tasks = (0..TASKS).map(|i| {
         let locker = lockers[i % lockers.len()].clone();
         let key = key.clone();
@@ -64,14 +63,14 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
                         let token = guard.token();
                         let (key, counter) = (key.clone(), counter.clone());
                         async move {
-                            let read = counter.read();
+                            let read = counter.read().await;
                             // Hold the lock across a suspension so overlapping holders
                             // would interleave their read and write.
                             sleep(Duration::from_millis(1)).await;
-                            counter.write(&key, token, read, read + 1)
+                            counter.write(&key, token, read, read + 1).await
                         }
                     })
-                    .await?;
+                    .await??;
                 if write.is_admitted() {
                     admitted += 1;
                 }
@@ -90,10 +89,11 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
         format!("all {total} writes admitted"),
         || format!("{admitted} admitted"),
     )?;
+    let value = counter.read().await;
     ctx.ensure(
-        counter.read() == total as u64,
+        value == total as u64,
         format!("the counter at {total} (no lost update)"),
-        || counter.read(),
+        || value,
     )?;
     let grants = ctx.history().grants(&key).len();
     ctx.ensure(grants == total, format!("{total} grants"), || grants)?;
