@@ -6,7 +6,7 @@ use std::fmt;
 use std::time::Duration;
 
 use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions};
-use lock_api::LockError;
+use lock_api::{LockError, redact_url};
 
 use crate::backend::EtcdBackend;
 use crate::error::Effect;
@@ -74,8 +74,9 @@ impl Default for EtcdBuilder {
 
 impl fmt::Debug for EtcdBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let endpoints: Vec<String> = self.endpoints.iter().map(|e| shown(e)).collect();
         f.debug_struct("EtcdBuilder")
-            .field("endpoints", &self.endpoints)
+            .field("endpoints", &endpoints)
             .field("key_prefix", &self.key_prefix)
             .field("user", &self.user.as_ref().map(|(name, _)| name))
             .field("password", &self.user.as_ref().map(|_| "<redacted>"))
@@ -217,20 +218,29 @@ impl EtcdBuilder {
                 endpoint.to_owned()
             } else if endpoint.contains("://") {
                 return Err(LockError::Config(format!(
-                    "etcd endpoint {endpoint:?} must use http:// or https://"
+                    "etcd endpoint {} must use http:// or https://",
+                    shown(endpoint)
                 )));
             } else {
                 format!("http://{endpoint}")
             };
             if normalized.ends_with("://") {
                 return Err(LockError::Config(format!(
-                    "etcd endpoint {endpoint:?} has no host"
+                    "etcd endpoint {} has no host",
+                    shown(endpoint)
+                )));
+            }
+            if normalized.contains('@') {
+                return Err(LockError::Config(format!(
+                    "etcd endpoint {} holds a user or password: give them with \
+                     `credentials(user, password)`",
+                    shown(endpoint)
                 )));
             }
             let https = normalized.starts_with("https://");
             if https != self.tls.is_some() {
                 return Err(LockError::Config(format!(
-                    "etcd endpoint {normalized:?}: TLS settings are {} but the endpoint uses {}; \
+                    "etcd endpoint {normalized}: TLS settings are {} but the endpoint uses {}; \
                      use https:// endpoints with TLS settings and http:// without",
                     if self.tls.is_some() {
                         "given"
@@ -321,6 +331,18 @@ impl EtcdBuilder {
     }
 }
 
+/// An endpoint fit for `Debug` and messages: a password written into it (which `validate`
+/// refuses) is hidden.
+fn shown(endpoint: &str) -> String {
+    if endpoint.contains("://") {
+        return redact_url(endpoint);
+    }
+    let shown = redact_url(&format!("http://{endpoint}"));
+    shown
+        .strip_prefix("http://")
+        .map_or_else(|| shown.clone(), str::to_owned)
+}
+
 /// True when `pem` holds at least one PEM certificate block.
 fn is_pem_certificate(pem: &[u8]) -> bool {
     const BEGIN: &[u8] = b"-----BEGIN CERTIFICATE-----";
@@ -379,6 +401,27 @@ mod tests {
         assert!(shown.contains("worker"), "{shown}");
         assert!(!shown.contains("hunter2-secret"), "{shown}");
         assert!(shown.contains("<redacted>"), "{shown}");
+    }
+
+    #[test]
+    fn a_password_written_into_an_endpoint_is_refused_and_never_shown() {
+        for endpoint in [
+            "http://root:hun#ter2@127.0.0.1:2379",
+            "http://root:hun,ter2@127.0.0.1:2379",
+            "root:hun?ter2@127.0.0.1:2379",
+            "https://root:hun/ter2@127.0.0.1:2379",
+            "etcd://root:hun@ter2@127.0.0.1:2379",
+        ] {
+            let builder = EtcdBuilder::new().endpoint(endpoint);
+            let shown = format!("{builder:?}");
+            assert!(!shown.contains("ter2"), "{shown}");
+            let Err(LockError::Config(message)) = builder.validate().map(drop) else {
+                panic!("{endpoint} was accepted");
+            };
+            assert!(!message.contains("ter2"), "{message}");
+        }
+        let shown = format!("{:?}", EtcdBuilder::new().endpoint("127.0.0.1:2379"));
+        assert!(shown.contains("[\"127.0.0.1:2379\"]"), "{shown}");
     }
 
     #[test]
