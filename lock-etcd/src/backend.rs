@@ -432,6 +432,33 @@ impl EtcdBackend {
     }
 }
 
+/// Folds a batch's results, one per item, as the batch contract says: an item whose call
+/// failed with a retryable error (no member answered it, or its reply was lost) becomes
+/// `unreachable`, provided another item's call answered. Second comes the error to fail the
+/// whole batch with, if any: the first error retrying cannot fix or, when no call answered,
+/// the first error.
+fn per_item<T: Clone>(
+    results: Vec<Result<T, LockError>>,
+    unreachable: T,
+) -> (Vec<T>, Option<LockError>) {
+    let answered = results.iter().any(Result::is_ok);
+    let mut failure: Option<LockError> = None;
+    let items = results
+        .into_iter()
+        .map(|result| {
+            result.unwrap_or_else(|e| {
+                let fatal = !e.is_retryable();
+                let first_fatal = fatal && failure.as_ref().is_none_or(LockError::is_retryable);
+                if first_fatal || (!answered && failure.is_none()) {
+                    failure = Some(e);
+                }
+                unreachable.clone()
+            })
+        })
+        .collect();
+    (items, failure)
+}
+
 /// Splits a batch into waves of indices in which every key appears at most once: the
 /// `n`-th lease of a key goes in wave `n`, so calls on one key keep their order.
 fn waves(leases: &[Lease]) -> Vec<Vec<usize>> {
@@ -598,6 +625,10 @@ impl LockBackend for EtcdBackend {
     /// Acquires every key concurrently (their requests share the connection), with the
     /// validity of every lease counted from the instant the batch started. A key listed
     /// twice is taken at most once: later copies get `None`, as one-by-one calls would.
+    ///
+    /// A key whose calls failed with a retryable error while another key's answered is
+    /// `None` (whatever its attempt may have put is revoked); an error retrying cannot
+    /// fix, or no key answering, fails the batch, and the keys it took are given back.
     async fn acquire_many(
         &self,
         keys: &[LockKey],
@@ -606,62 +637,69 @@ impl LockBackend for EtcdBackend {
         let seconds = self.check_ttl(ttl)?;
         let sent = Instant::now();
         let mut seen = std::collections::HashSet::with_capacity(keys.len());
-        let firsts: Vec<bool> = keys.iter().map(|k| seen.insert(k)).collect();
-        let attempts = keys.iter().zip(&firsts).map(|(key, &first)| async move {
-            if first {
-                self.acquire_sent(key, ttl, seconds, sent).await
-            } else {
-                Ok(None)
-            }
-        });
-        let results = futures::future::join_all(attempts).await;
-        let mut out = Vec::with_capacity(keys.len());
-        let mut failure = None;
-        for result in results {
-            match result {
-                Ok(lease) => out.push(lease),
-                Err(e) => failure = failure.or(Some(e)),
-            }
-        }
+        let firsts: Vec<&LockKey> = keys.iter().filter(|k| seen.insert(*k)).collect();
+        let attempts = firsts
+            .iter()
+            .map(|key| self.acquire_sent(key, ttl, seconds, sent));
+        let (taken, failure) = per_item(futures::future::join_all(attempts).await, None);
         if let Some(e) = failure {
             // A failed batch holds nothing.
-            self.give_back(out.into_iter().flatten().collect()).await;
+            self.give_back(taken.into_iter().flatten().collect()).await;
             return Err(e);
         }
-        Ok(out)
+        let mut taken: std::collections::HashMap<&LockKey, Lease> = firsts
+            .into_iter()
+            .zip(taken)
+            .filter_map(|(key, lease)| Some((key, lease?)))
+            .collect();
+        Ok(keys.iter().map(|key| taken.remove(key)).collect())
     }
 
     /// Renews every lease concurrently, each counted from the instant the batch started.
-    /// Repeated keys go in later waves, so each answers as in one-by-one calls.
+    /// Repeated keys go in later waves, so each answers as in one-by-one calls. A lease
+    /// whose calls failed with a retryable error while another lease's answered is
+    /// [`Renewal::Unreachable`]; an error retrying cannot fix, or no lease answering,
+    /// fails the batch.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         for lease in leases {
             self.check_lease(lease)?;
         }
         let sent = Instant::now();
-        let mut out = vec![Renewal::Lost; leases.len()];
+        let mut results: Vec<Result<Renewal, LockError>> =
+            leases.iter().map(|_| Ok(Renewal::Lost)).collect();
         for wave in waves(leases) {
             let renewals = wave.iter().map(|&i| self.renew_sent(&leases[i], sent));
             for (&i, renewal) in wave.iter().zip(futures::future::join_all(renewals).await) {
-                out[i] = renewal?;
+                results[i] = renewal;
             }
         }
-        Ok(out)
+        match per_item(results, Renewal::Unreachable) {
+            (_, Some(e)) => Err(e),
+            (renewals, None) => Ok(renewals),
+        }
     }
 
     /// Releases every lease concurrently. Repeated keys go in later waves, so a second
-    /// release of the same lease is `NotHeld` as in one-by-one calls.
+    /// release of the same lease is `NotHeld` as in one-by-one calls. A lease whose call
+    /// failed with a retryable error while another lease's answered is
+    /// [`Release::Unreachable`]; an error retrying cannot fix, or no lease answering,
+    /// fails the batch.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         for lease in leases {
             self.check_lease(lease)?;
         }
-        let mut out = vec![Release::NotHeld; leases.len()];
+        let mut results: Vec<Result<Release, LockError>> =
+            leases.iter().map(|_| Ok(Release::NotHeld)).collect();
         for wave in waves(leases) {
             let releases = wave.iter().map(|&i| self.release(&leases[i]));
             for (&i, release) in wave.iter().zip(futures::future::join_all(releases).await) {
-                out[i] = release?;
+                results[i] = release;
             }
         }
-        Ok(out)
+        match per_item(results, Release::Unreachable) {
+            (_, Some(e)) => Err(e),
+            (releases, None) => Ok(releases),
+        }
     }
 
     fn adopt(
@@ -691,6 +729,35 @@ mod tests {
     use conformance::harness::require;
 
     use super::*;
+
+    fn unavailable() -> LockError {
+        LockError::unavailable(NAME, "no member answered")
+    }
+
+    #[test]
+    fn batch_items_that_failed_retryably_are_unreachable_while_others_answered() {
+        let results = vec![
+            Ok(Release::Released),
+            Err(unavailable()),
+            Ok(Release::NotHeld),
+        ];
+        let (items, failure) = per_item(results, Release::Unreachable);
+        assert_eq!(
+            items,
+            [Release::Released, Release::Unreachable, Release::NotHeld]
+        );
+        assert!(failure.is_none(), "{failure:?}");
+    }
+
+    #[test]
+    fn a_batch_fails_when_no_item_answered_or_an_error_cannot_be_retried() {
+        let (_, failure) =
+            per_item::<Option<()>>(vec![Err(unavailable()), Err(unavailable())], None);
+        assert!(matches!(failure, Some(LockError::Unavailable { .. })));
+        let config = LockError::Config("refused".into());
+        let (_, failure) = per_item(vec![Ok(None), Err(unavailable()), Err(config)], None::<()>);
+        assert!(matches!(failure, Some(LockError::Config(_))), "{failure:?}");
+    }
 
     /// A reply that says the put happened but carries no revision cannot become a lease;
     /// the key it put must not stay held until its lease runs out.

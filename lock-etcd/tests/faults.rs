@@ -292,3 +292,43 @@ async fn calls_fail_over_to_a_live_member_when_one_member_is_down() {
     assert_eq!(info.token, Some(lease.token()));
     assert_eq!(before.release(&lease).await.unwrap(), Release::Released);
 }
+
+/// Batch items fail one by one: an item whose member did not answer is `Unreachable` while
+/// the others answer. Repeated keys go in later waves, which start after the first wave
+/// timed out on a silent member and moved on to the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_reports_items_whose_member_did_not_answer_as_unreachable() {
+    let factory = EtcdFactory::private_cluster()
+        .await
+        .with_request_timeout(Duration::from_secs(1));
+    let client = factory.etcd().await;
+    let k = key("batch-items");
+    let ttl = Duration::from_secs(5);
+    let released = client.acquire(&k, ttl).await.unwrap().expect("free key");
+    assert_eq!(client.release(&released).await.unwrap(), Release::Released);
+    let held = client
+        .acquire(&k, ttl)
+        .await
+        .unwrap()
+        .expect("released key");
+    let both = [released.clone(), held.clone()];
+
+    // The member the client uses goes silent: the first wave is unreachable, the second
+    // is sent to the next member and answers.
+    factory.proxies()[0].blackhole();
+    let renewals = client.renew_many(&both).await.unwrap();
+    assert_eq!(renewals[0], Renewal::Unreachable);
+    assert!(
+        matches!(renewals[1], Renewal::Renewed { .. }),
+        "{renewals:?}"
+    );
+
+    factory.proxies()[0].heal();
+    factory.proxies()[1].blackhole();
+    let releases = client.release_many(&both).await.unwrap();
+    assert_eq!(releases, [Release::Unreachable, Release::Released]);
+    factory.proxies()[1].heal();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let fence = until_answered("fence", deadline, || client.fence(&held)).await;
+    assert!(matches!(fence, Fence::Stale { .. }), "released: {fence:?}");
+}
