@@ -3,6 +3,13 @@
 mod common;
 
 conformance::conformance_tests!(
-    common::RedisClusterFactory::start(),
+    async {
+        let factory = common::RedisClusterFactory::start().await;
+        let fenced = lock_redis::RedisFencedResource::new(
+            factory.redis().await,
+            lock_api::EnforcementMode::Enforce,
+        );
+        conformance::factory::WithFencedResource::new(factory, fenced)
+    },
     capabilities: [inspect, distinct_clients],
 );

@@ -4,6 +4,13 @@
 mod common;
 
 conformance::conformance_tests!(
-    common::RedisFactory::start(),
+    async {
+        let factory = common::RedisFactory::start().await;
+        let fenced = lock_redis::RedisFencedResource::new(
+            factory.redis().await,
+            lock_api::EnforcementMode::Enforce,
+        );
+        conformance::factory::WithFencedResource::new(factory, fenced)
+    },
     capabilities: [link_faults, server_faults, inspect, distinct_clients],
 );
