@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+use crate::wake::ReleaseWatch;
 
 /// A store that grants leases with fencing tokens.
 ///
@@ -77,6 +78,18 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             operation: "inspect",
             backend: self.name(),
         })
+    }
+
+    /// Starts watching `key` for releases, when the store can announce them
+    /// ([`Capabilities::wakes_waiters`]); `None` otherwise, and callers poll.
+    ///
+    /// The watch is a hint: it may miss a release (a reconnect, a TTL that ran out) or
+    /// wake for nothing, so a waiter keeps a backoff as its fallback. Watches of one key
+    /// share one subscription per backend instance (see [`crate::wake::ReleaseHub`]);
+    /// dropping the last one unsubscribes.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        let _ = key;
+        None
     }
 
     /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by

@@ -103,6 +103,10 @@ impl LockBackend for Instrumented {
         self.inner.fence(lease).instrument(span).await
     }
 
+    fn watch_releases(&self, key: &LockKey) -> Option<crate::wake::ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+
     fn adopt(
         &self,
         key: &LockKey,

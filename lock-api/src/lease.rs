@@ -222,6 +222,9 @@ pub struct Capabilities {
     pub max_held: Option<usize>,
     /// [`crate::LockBackend::inspect`] is implemented.
     pub inspect: bool,
+    /// [`crate::LockBackend::watch_releases`] announces releases, so waiters are woken
+    /// instead of polling.
+    pub wakes_waiters: bool,
 }
 
 impl Capabilities {
@@ -236,6 +239,7 @@ impl Capabilities {
             session_bound: false,
             max_held: None,
             inspect: false,
+            wakes_waiters: false,
         }
     }
 
@@ -267,6 +271,12 @@ impl Capabilities {
     #[must_use]
     pub fn inspect(mut self, yes: bool) -> Self {
         self.inspect = yes;
+        self
+    }
+    /// Sets [`Capabilities::wakes_waiters`].
+    #[must_use]
+    pub fn wakes_waiters(mut self, yes: bool) -> Self {
+        self.wakes_waiters = yes;
         self
     }
 

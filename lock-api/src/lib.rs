@@ -12,6 +12,7 @@ mod locker;
 pub mod memory;
 mod redact;
 pub mod telemetry;
+pub mod wake;
 mod watchdog;
 
 pub use backend::LockBackend;

@@ -206,14 +206,19 @@ impl Locker {
         Ok(Some(LockGuard::new(lease, state, id, watchdog.clone())))
     }
 
-    /// Waits for the lock with jittered exponential backoff, up to the wait timeout.
+    /// Waits for the lock, up to the wait timeout. Where the backend announces releases
+    /// ([`crate::Capabilities::wakes_waiters`]) a release wakes one waiter of the key per
+    /// process at once; the jittered exponential backoff between attempts stays as the
+    /// fallback for a release that was not announced (a TTL that ran out, a lost message).
     /// Transient store errors are retried within the same deadline, and the deadline
     /// holds even when a single call to the store hangs: that call is abandoned and
     /// `Timeout` returned (if the store granted it anyway, the lease frees itself when
     /// its TTL runs out).
     ///
     /// # Cancel safety
-    /// As [`Locker::try_lock`].
+    /// As [`Locker::try_lock`]. A cancelled wait leaves no subscription behind: its
+    /// release watch is dropped with it, and a wake it had received goes to another
+    /// waiter of the key.
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
         let started = Instant::now();
         let deadline = wait_deadline(started, self.inner.wait_timeout)?;
@@ -221,6 +226,9 @@ impl Locker {
             key: key.clone(),
             waited: Instant::now() - started,
         };
+        // Watch before the first attempt, so a release between a refused attempt and the
+        // wait that follows it still wakes this waiter.
+        let mut releases = self.backend().watch_releases(key);
         let mut attempt = 0u32;
         loop {
             let tried = match deadline {
@@ -245,7 +253,14 @@ impl Locker {
                 }
                 wait = wait.min(deadline - now);
             }
-            sleep(wait).await;
+            match releases.as_mut() {
+                // The backoff stays as the fallback for a release that was not announced.
+                Some(watch) => tokio::select! {
+                    () = watch.released() => {}
+                    () = sleep(wait) => {}
+                },
+                None => sleep(wait).await,
+            }
             attempt = attempt.saturating_add(1);
         }
     }

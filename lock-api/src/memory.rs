@@ -21,6 +21,7 @@ use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::{
     BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal, valid_until,
 };
+use crate::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 
 const NAME: &str = "memory";
 
@@ -42,6 +43,9 @@ const NAME: &str = "memory";
 pub struct MemoryBackend {
     id: BackendId,
     keys: Arc<Mutex<HashMap<LockKey, KeyState>>>,
+    /// Wakes waiters of every client of the store when a key is released (not when a
+    /// TTL runs out: like Redis, the store does not announce expiries).
+    releases: ReleaseHub,
     faults: Arc<Faults>,
     capabilities: Capabilities,
 }
@@ -86,7 +90,8 @@ impl MemoryBackend {
                 Duration::from_millis(1),
                 Duration::from_secs(24 * 3600),
             )
-            .inspect(true),
+            .inspect(true)
+            .wakes_waiters(true),
         )
     }
 
@@ -95,6 +100,7 @@ impl MemoryBackend {
         Self {
             id: BackendId::next(),
             keys: Arc::new(Mutex::new(HashMap::new())),
+            releases: ReleaseHub::new(AllKeys),
             faults: Arc::new(Faults::default()),
             capabilities,
         }
@@ -107,9 +113,16 @@ impl MemoryBackend {
         Self {
             id: BackendId::next(),
             keys: self.keys.clone(),
+            releases: self.releases.clone(),
             faults: self.faults.clone(),
             capabilities: self.capabilities.clone(),
         }
+    }
+
+    /// The keys that waiters are watching for releases, on every client of this store:
+    /// empty once no one waits.
+    pub fn watched_keys(&self) -> Vec<LockKey> {
+        self.releases.watched_keys()
     }
 
     /// The fault knobs of this backend (shared by all its clients).
@@ -201,6 +214,9 @@ impl LockBackend for MemoryBackend {
                 _ => Release::NotHeld,
             }
         };
+        if release == Release::Released && !self.faults.notifications_lost() {
+            self.releases.notify(lease.key());
+        }
         self.faults.after_call("release")?;
         Ok(release)
     }
@@ -234,6 +250,12 @@ impl LockBackend for MemoryBackend {
     ) -> Result<Lease, LockError> {
         self.capabilities.check_ttl(ttl)?;
         Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
+    }
+
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.capabilities
+            .wakes_waiters
+            .then(|| self.releases.watch(key))
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
@@ -270,6 +292,7 @@ pub struct Faults {
     delay_micros: AtomicU64,
     partitioned: AtomicBool,
     hung: AtomicBool,
+    lose_notifications: AtomicBool,
     calls: AtomicU64,
     heal: tokio::sync::Notify,
 }
@@ -299,6 +322,16 @@ impl Faults {
     /// Every call hangs, never reaching the store, until [`Faults::heal`].
     pub fn hang(&self) {
         self.hung.store(true, Ordering::SeqCst);
+    }
+
+    /// Releases take effect but wake no waiter (`false` restores the wakes), as when the
+    /// store's notification is lost on the way.
+    pub fn lose_notifications(&self, lose: bool) {
+        self.lose_notifications.store(lose, Ordering::SeqCst);
+    }
+
+    fn notifications_lost(&self) -> bool {
+        self.lose_notifications.load(Ordering::SeqCst)
     }
 
     /// Ends a partition, a hang and a delay; pending failure counts are kept.
