@@ -3,6 +3,13 @@
 mod common;
 
 conformance::conformance_tests!(
-    common::EtcdFactory::cluster(),
+    async {
+        let factory = common::EtcdFactory::cluster().await;
+        let fenced = lock_etcd::EtcdFencedResource::new(
+            &factory.etcd().await,
+            lock_api::EnforcementMode::Enforce,
+        );
+        conformance::factory::WithFencedResource::new(factory, fenced)
+    },
     capabilities: [link_faults, inspect, distinct_clients],
 );
