@@ -54,7 +54,7 @@ pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
     } else {
         Box::new(UrlFactory {
             url: url.to_owned(),
-            shown: distlock::redact(url),
+            shown: distlock::redact_url(url),
             first,
         })
     };

@@ -25,7 +25,7 @@ fn note_if_memory(url: &str) {
 /// Prepares the store for use (for PostgreSQL, creates the schema and tables).
 pub async fn setup(url: &str) -> Result<ExitCode, LockError> {
     distlock::setup(url).await?;
-    let shown = distlock::redact(url);
+    let shown = distlock::redact_url(url);
     match url
         .trim()
         .split_once("://")

@@ -251,6 +251,24 @@ fn setup_of_a_store_without_tables_does_nothing() {
 }
 
 #[test]
+fn setup_never_prints_a_password() {
+    for url in [
+        "redis://app@127.0.0.1:1/?password=hunter2",
+        "redis://app:12#ter2@127.0.0.1:1/",
+        "rediss://hun?ter2@127.0.0.1:1/",
+    ] {
+        let output = lockctl().args(["setup", url]).output().unwrap();
+        let shown = format!(
+            "{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(shown.contains("127.0.0.1:1"), "{url}: {shown}");
+        assert!(!shown.contains("ter2"), "{url}: {shown}");
+    }
+}
+
+#[test]
 fn every_command_has_help() {
     lockctl()
         .arg("--help")
@@ -378,7 +396,7 @@ mod on_redis {
 
 mod on_postgres {
     use super::*;
-    use conformance::harness::postgres::PostgresServer;
+    use conformance::harness::postgres::{PASSWORD, PostgresServer};
     use conformance::harness::require;
 
     /// A server whose test role may use schema `public`, set up through `lockctl setup`.
@@ -409,6 +427,22 @@ mod on_postgres {
                 .await,
         );
         assert_eq!(rows.trim(), "0", "no row is left behind");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn setup_hides_a_password_given_as_a_parameter() {
+        let server = require(PostgresServer::start().await);
+        let url = server.url().replacen(&format!(":{PASSWORD}@"), "@", 1);
+        let url = format!("{url}?schema=public&password={PASSWORD}");
+        let output = lockctl().args(["setup", &url]).output().unwrap();
+        assert!(output.status.success(), "{output:?}");
+        let stdout = String::from_utf8(output.stdout).unwrap();
+        assert!(
+            stdout.contains("tables distlock uses are ready"),
+            "{stdout}"
+        );
+        assert!(stdout.contains("password=***"), "{stdout}");
+        assert!(!stdout.contains(PASSWORD), "{stdout}");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
