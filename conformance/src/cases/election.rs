@@ -1,0 +1,447 @@
+//! Cases on [`Election`] over the backend: one leader at a time, hand-over after a resign,
+//! loss after a pause, tokens increasing across leaders, and observation by `inspect`.
+//!
+//! Every campaigner has its own client and [`Locker`], as separate processes would, and
+//! its side effects go through a [`crate::history::FencedCounter`], so the history check sees both the
+//! leases (I1, I3: tokens increase, no two terms overlap) and the fenced writes (I2).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use lock_api::{
+    Capabilities, Election, Fence, FencingToken, Leader, Leadership, Lease, LockBackend, LockError,
+    LockInfo, LockKey, Locker, Release, Renewal, RetryPolicy,
+};
+use tokio::sync::Notify;
+use tokio::time::{Instant, sleep, timeout, timeout_at};
+
+use crate::factory::Factory;
+use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+
+/// The backoff of every campaigner: short, so hand-overs are quick.
+const RETRY: RetryPolicy = RetryPolicy {
+    initial: Duration::from_millis(1),
+    max: Duration::from_millis(20),
+};
+
+/// How often observers poll.
+const POLL: Duration = Duration::from_millis(20);
+
+/// An election for `role` on `client` with a lease of `ttl`.
+fn election(
+    ctx: &Ctx<'_>,
+    client: Arc<dyn LockBackend>,
+    ttl: Duration,
+    role: &str,
+) -> Result<Election, Failure> {
+    let locker = ctx.ok(
+        "Locker::builder(..).build()",
+        Locker::builder(client).ttl(ttl).build(),
+    )?;
+    ctx.ok(
+        "Election::builder(..).build()",
+        Election::builder(locker, role)
+            .retry(RETRY)
+            .poll_interval(POLL)
+            .build(),
+    )
+}
+
+/// A role name unique to this run, so cases sharing a store do not meet.
+fn role(ctx: &Ctx<'_>) -> Result<String, Failure> {
+    Ok(ctx.key("role")?.as_str().to_owned())
+}
+
+/// The key `role` is elected on, as the history records it.
+fn role_key(ctx: &Ctx<'_>, role: &str) -> Result<LockKey, Failure> {
+    lock_api::election_key(role).map_err(|e| ctx.fail("a valid election key", e))
+}
+
+/// Resigns `leadership`, which must still lead.
+async fn resign_leading(ctx: &Ctx<'_>, leadership: Leadership) -> Result<(), Failure> {
+    let token = leadership.token();
+    let released = ctx.ok("resign", leadership.resign().await)?;
+    ctx.ensure(
+        released == Release::Released,
+        format!("the leader with token {token} to resign with Released"),
+        || format!("{released:?}"),
+    )
+}
+
+/// Three campaigners on their own clients take turns, two terms each: while one leads no
+/// other does, each term's fenced read-modify-write is admitted and loses no update, and
+/// the tokens increase in the order of the terms.
+pub async fn election_one_leader_at_a_time(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    const CAMPAIGNERS: usize = 3;
+    const TERMS: usize = 2;
+    let ctx = Ctx::new("election_one_leader_at_a_time", factory);
+    let first = ctx.client().await;
+    let t = ctx.timing(&first);
+    let role = role(&ctx)?;
+    let key = role_key(&ctx, &role)?;
+    let mut elections = vec![election(&ctx, first, t.ttl, &role)?];
+    for _ in 1..CAMPAIGNERS {
+        elections.push(election(&ctx, ctx.client().await, t.ttl, &role)?);
+    }
+    let counter = Arc::new(ctx.counter());
+    let acting = Arc::new(AtomicUsize::new(0));
+    let most_acting = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = elections
+        .into_iter()
+        .map(|election| {
+            let (key, counter) = (key.clone(), counter.clone());
+            let (acting, most_acting) = (acting.clone(), most_acting.clone());
+            tokio::spawn(async move {
+                let mut admitted = 0;
+                for _ in 0..TERMS {
+                    let leadership = election.campaign().await?;
+                    let now = acting.fetch_add(1, Ordering::SeqCst) + 1;
+                    most_acting.fetch_max(now, Ordering::SeqCst);
+                    let read = counter.read().await;
+                    // Act across a suspension, so overlapping leaders would interleave.
+                    sleep(Duration::from_millis(5)).await;
+                    let written = counter
+                        .write(&key, leadership.token(), read, read + 1)
+                        .await?;
+                    if written.is_admitted() {
+                        admitted += 1;
+                    }
+                    acting.fetch_sub(1, Ordering::SeqCst);
+                    if leadership.resign().await? != Release::Released {
+                        return Err(LockError::Lost);
+                    }
+                }
+                Ok::<usize, LockError>(admitted)
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for task in futures::future::join_all(tasks).await {
+        let result = task.map_err(|e| ctx.fail("every campaigner task to finish", e))?;
+        admitted += ctx.ok("campaign, act and resign", result)?;
+    }
+    let total = CAMPAIGNERS * TERMS;
+    ctx.ensure(
+        most_acting.load(Ordering::SeqCst) == 1,
+        "one leader at a time",
+        || format!("{} acting at once", most_acting.load(Ordering::SeqCst)),
+    )?;
+    let value = counter.read().await;
+    ctx.ensure(
+        admitted == total && value == total as u64,
+        format!("{total} admitted writes and the counter at {total}"),
+        || format!("{admitted} admitted, counter at {value}"),
+    )?;
+    let grants = ctx.history().grants(&key).len();
+    ctx.ensure(grants == total, format!("{total} terms granted"), || grants)?;
+    ctx.pass(&t)
+}
+
+/// A standby campaigning while the leader resigns takes over well within the TTL (the
+/// resign released the lease; nothing waited for it to run out), with a higher token.
+pub async fn election_hands_over_after_resign(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("election_hands_over_after_resign", factory);
+    let (client, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&client);
+    // A long lease: taking over after it ran out would be far past the deadline below.
+    let ttl = fit_ttl(&client.capabilities(), t.ttl * 10);
+    let role = role(&ctx)?;
+    let (leader, standby) = (
+        election(&ctx, client, ttl, &role)?,
+        election(&ctx, other, ttl, &role)?,
+    );
+    let first = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
+    let first_token = first.token();
+    let waiting = tokio::spawn(async move {
+        let leadership = standby.campaign().await;
+        (Instant::now(), leadership)
+    });
+    // Long enough for the standby's backoff to reach its ceiling.
+    sleep(t.ttl / 2).await;
+    ctx.ensure(
+        !waiting.is_finished(),
+        "the standby to wait while the leader leads",
+        || "it finished its campaign",
+    )?;
+    let resigned_at = Instant::now();
+    resign_leading(&ctx, first).await?;
+    let deadline = resigned_at + ttl / 2;
+    let joined = timeout_at(deadline, waiting).await;
+    let Ok(Ok((elected_at, second))) = joined else {
+        return Err(ctx.fail(
+            format!("the standby elected within {:?} of the resign", ttl / 2),
+            format!("{joined:?}"),
+        ));
+    };
+    let second = ctx.ok("the standby's campaign", second)?;
+    ctx.ensure(
+        second.token() > first_token,
+        format!("the new leader's token above {first_token}"),
+        || second.token(),
+    )?;
+    ctx.ensure(
+        elected_at >= resigned_at,
+        "the standby elected after the resign, not before",
+        || format!("elected {:?} before it", resigned_at - elected_at),
+    )?;
+    resign_leading(&ctx, second).await?;
+    ctx.pass(&t)
+}
+
+/// A client that hangs every call while frozen, as a process stopped by the OS or a
+/// long pause would: nothing reaches the store until it thaws.
+#[derive(Debug)]
+struct Freezable {
+    inner: Arc<dyn LockBackend>,
+    frozen: AtomicBool,
+    thawed: Notify,
+}
+
+impl Freezable {
+    fn new(inner: Arc<dyn LockBackend>) -> Self {
+        Self {
+            inner,
+            frozen: AtomicBool::new(false),
+            thawed: Notify::new(),
+        }
+    }
+
+    fn freeze(&self) {
+        self.frozen.store(true, Ordering::SeqCst);
+    }
+
+    fn thaw(&self) {
+        self.frozen.store(false, Ordering::SeqCst);
+        self.thawed.notify_waiters();
+    }
+
+    async fn gate(&self) {
+        loop {
+            let thawed = self.thawed.notified();
+            if !self.frozen.load(Ordering::SeqCst) {
+                return;
+            }
+            thawed.await;
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for Freezable {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.gate().await;
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.gate().await;
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.gate().await;
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.gate().await;
+        self.inner.fence(lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.gate().await;
+        self.inner.inspect(key).await
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.gate().await;
+        self.inner.renew_many(leases).await
+    }
+}
+
+/// A leader whose process freezes past its TTL loses leadership (`lost()` fires by its
+/// validity deadline), a standby takes over with a higher token once the lease ran out in
+/// the store, and the old leader's trigger after it thaws is refused by the fenced
+/// resource while the new leader's is admitted.
+pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("election_loss_after_pause", factory);
+    let client = ctx.client().await;
+    let t = ctx.timing(&client);
+    let role = role(&ctx)?;
+    let key = role_key(&ctx, &role)?;
+    let frozen = Arc::new(Freezable::new(client));
+    let (leader, standby) = (
+        election(&ctx, frozen.clone(), t.ttl, &role)?,
+        election(&ctx, ctx.client().await, t.ttl, &role)?,
+    );
+    let counter = ctx.counter();
+    let old = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
+    let read = counter.read().await;
+    let written = ctx.ok(
+        "fenced write",
+        counter.write(&key, old.token(), read, read + 1).await,
+    )?;
+    ctx.ensure(
+        written.is_admitted(),
+        "the first leader's trigger admitted",
+        || format!("{written:?}"),
+    )?;
+    let waiting = tokio::spawn(async move { standby.campaign().await });
+
+    frozen.freeze();
+    let frozen_at = Instant::now();
+    let lost = timeout(t.ttl * 2 + Duration::from_secs(1), old.lost()).await;
+    ctx.ensure(
+        lost.is_ok() && !old.is_leader(),
+        "lost() to fire and is_leader() to turn false once the frozen leader's lease runs out",
+        || format!("still leading {:?} after the freeze", frozen_at.elapsed()),
+    )?;
+    let joined = timeout_at(t.expired_by(frozen_at) + Duration::from_secs(1), waiting).await;
+    let Ok(Ok(new)) = joined else {
+        return Err(ctx.fail(
+            "the standby elected once the frozen leader's lease ran out",
+            format!("{joined:?}"),
+        ));
+    };
+    let new = ctx.ok("the standby's campaign", new)?;
+    ctx.ensure(
+        new.token() > old.token(),
+        format!("the new leader's token above {}", old.token()),
+        || new.token(),
+    )?;
+    let read = counter.read().await;
+    let written = ctx.ok(
+        "fenced write",
+        counter.write(&key, new.token(), read, read + 1).await,
+    )?;
+    ctx.ensure(
+        written.is_admitted(),
+        "the new leader's trigger admitted",
+        || format!("{written:?}"),
+    )?;
+
+    frozen.thaw();
+    // The old leader resumes and fires once more with its old token.
+    let read = counter.read().await;
+    let late = ctx.ok(
+        "fenced write",
+        counter.write(&key, old.token(), read, read + 1).await,
+    )?;
+    ctx.ensure(
+        !late.is_admitted(),
+        "the old leader's late trigger refused by the fenced resource",
+        || format!("{late:?}"),
+    )?;
+    let released = ctx.ok("resign of the lost leadership", old.resign().await)?;
+    ctx.ensure(
+        released == Release::NotHeld,
+        "the old leader's resign to be NotHeld, leaving the new leader untouched",
+        || format!("{released:?}"),
+    )?;
+    ctx.ensure(
+        new.is_leader(),
+        "the new leader still leading",
+        || "is_leader() == false",
+    )?;
+    resign_leading(&ctx, new).await?;
+    ctx.pass(&t)
+}
+
+/// Leaders in turn, each campaigning on its own client after the last resigned or
+/// dropped its leadership: every term's token is above the one before.
+pub async fn election_tokens_increase_across_leaders(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("election_tokens_increase_across_leaders", factory);
+    let first = ctx.client().await;
+    let t = ctx.timing(&first);
+    let role = role(&ctx)?;
+    let mut elections = vec![election(&ctx, first, t.ttl, &role)?];
+    for _ in 1..3 {
+        elections.push(election(&ctx, ctx.client().await, t.ttl, &role)?);
+    }
+    let mut last = FencingToken(0);
+    for term in 0..6 {
+        let election = &elections[term % elections.len()];
+        let leadership = ctx.ok(
+            "campaign",
+            timeout(t.ttl * 4 + Duration::from_secs(2), election.campaign())
+                .await
+                .map_err(|_| LockError::Lost),
+        )?;
+        let leadership = ctx.ok("campaign", leadership)?;
+        ctx.ensure(
+            leadership.token() > last,
+            format!("term {term}'s token above {last}"),
+            || leadership.token(),
+        )?;
+        last = leadership.token();
+        resign_leading(&ctx, leadership).await?;
+    }
+    ctx.pass(&t)
+}
+
+/// An observer sees nobody, then the leader (its owner id and token), then nobody again
+/// after it resigned, then the next leader with a higher token.
+pub async fn election_observe_follows_the_leader(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("election_observe_follows_the_leader", factory);
+    let client = ctx.client().await;
+    let t = ctx.timing(&client);
+    let role = role(&ctx)?;
+    let watcher = election(&ctx, client, t.ttl, &role)?;
+    let (a, b) = (
+        election(&ctx, ctx.client().await, t.ttl, &role)?,
+        election(&ctx, ctx.client().await, t.ttl, &role)?,
+    );
+    let mut leaders = Box::pin(watcher.observe());
+    let wait = POLL * 10 + Duration::from_secs(2);
+    let mut next = async |what: &str| -> Result<Option<Leader>, Failure> {
+        let item = timeout(wait, leaders.next()).await;
+        let Ok(Some(item)) = item else {
+            return Err(ctx.fail(format!("observe() to report {what}"), format!("{item:?}")));
+        };
+        ctx.ok("observe", item)
+    };
+    let seen = next("nobody before the first campaign").await?;
+    ctx.ensure(seen.is_none(), "nobody leading at first", || {
+        format!("{seen:?}")
+    })?;
+    let first = ctx.ok("campaign", a.campaign().await)?;
+    let seen = next("the first leader").await?;
+    ctx.ensure(
+        seen.as_ref().map(|l| (l.owner, l.token)) == Some((first.owner(), first.token())),
+        format!(
+            "the first leader, owner {} with token {}",
+            first.owner(),
+            first.token()
+        ),
+        || format!("{seen:?}"),
+    )?;
+    let first_token = first.token();
+    resign_leading(&ctx, first).await?;
+    let seen = next("nobody after the resign").await?;
+    ctx.ensure(seen.is_none(), "nobody leading after the resign", || {
+        format!("{seen:?}")
+    })?;
+    let second = ctx.ok("campaign", b.campaign().await)?;
+    let seen = next("the second leader").await?;
+    ctx.ensure(
+        seen.as_ref()
+            .is_some_and(|l| l.owner == second.owner() && l.token == second.token())
+            && second.token() > first_token,
+        format!(
+            "the second leader, owner {} with token {} above {first_token}",
+            second.owner(),
+            second.token()
+        ),
+        || format!("{seen:?}"),
+    )?;
+    resign_leading(&ctx, second).await?;
+    ctx.pass(&t)
+}
