@@ -2,8 +2,9 @@
 //! explicit, idempotent [`setup`].
 //!
 //! The schema name is the only part of any SQL text this crate builds at run time, so it
-//! is validated strictly (`[a-z_][a-z0-9_]{0,62}`, no `pg_` prefix) before it is used;
-//! every value goes through bind parameters.
+//! is validated strictly (`[a-z_][a-z0-9_]{0,62}`, no `pg_` prefix) before it is used, and
+//! written as a quoted identifier, so reserved words (`user`, `select`) work too; every
+//! value goes through bind parameters.
 
 use std::fmt;
 use std::sync::Arc;
@@ -23,7 +24,9 @@ pub struct Schema(Arc<str>);
 impl Schema {
     /// Validates a schema name: 1 to 63 characters, a lowercase ASCII letter or `_` first,
     /// then lowercase ASCII letters, digits or `_`; not starting with `pg_` (reserved by
-    /// PostgreSQL). Such a name never needs quoting, so it is safe to put into SQL text.
+    /// PostgreSQL). Such a name holds no quote, so it is safe to put into SQL text as a
+    /// quoted identifier, which it always is: a reserved word such as `user` is a valid
+    /// schema name.
     pub fn new(name: &str) -> Result<Self, LockError> {
         let bytes = name.as_bytes();
         let valid_first = |b: u8| b.is_ascii_lowercase() || b == b'_';
@@ -50,9 +53,11 @@ impl Schema {
         &self.0
     }
 
-    /// SQL text with every `{s}` replaced by the schema name.
+    /// SQL text with every `{s}` replaced by the schema name as a quoted identifier.
     pub(crate) fn sql(&self, template: &str) -> Arc<str> {
-        template.replace("{s}", &self.0).into()
+        // Quoting keeps the name as it is (it is lower case already) and stops PostgreSQL
+        // from reading a reserved word as a keyword.
+        template.replace("{s}", &format!("\"{}\"", self.0)).into()
     }
 }
 
@@ -164,6 +169,6 @@ mod tests {
     #[test]
     fn sql_templates_name_the_schema() {
         let s = Schema::new("jobs").unwrap();
-        assert_eq!(&*s.sql("SELECT 1 FROM {s}.t"), "SELECT 1 FROM jobs.t");
+        assert_eq!(&*s.sql("SELECT 1 FROM {s}.t"), "SELECT 1 FROM \"jobs\".t");
     }
 }
