@@ -275,6 +275,14 @@ impl PgAdvisoryBackend {
             .filter(|s| s.owner == lease.owner() && s.token == lease.token()))
     }
 
+    /// Fails with [`LockError::ForeignLease`] if any lease of a batch is not this
+    /// backend's, before anything is sent.
+    fn check_all(&self, leases: &[Lease]) -> Result<(), LockError> {
+        leases
+            .iter()
+            .try_for_each(|lease| lease.check_backend(self.id, NAME))
+    }
+
     fn exhausted(&self) -> LockError {
         LockError::unavailable(
             NAME,
@@ -433,6 +441,25 @@ impl PgAdvisoryBackend {
     }
 }
 
+/// A batch's results from one call per item: a failed item becomes `unreachable` and the
+/// others keep their outcome, as a cluster's batch reports a node that did not answer;
+/// when every item failed, the batch fails with the first error, as a single call would.
+fn per_item<T>(results: Vec<Result<T, LockError>>, unreachable: T) -> Result<Vec<T>, LockError>
+where
+    T: Copy,
+{
+    if results.iter().all(Result::is_err) {
+        if let Some(Err(first)) = results.into_iter().next() {
+            return Err(first);
+        }
+        return Ok(Vec::new());
+    }
+    Ok(results
+        .into_iter()
+        .map(|r| r.unwrap_or(unreachable))
+        .collect())
+}
+
 /// Takes the pinned connection out of its session and closes it, which ends the server
 /// session and so frees any lock it still holds.
 fn unpin(slot: &mut Option<Pinned>) {
@@ -520,14 +547,31 @@ impl LockBackend for PgAdvisoryBackend {
     }
 
     /// One check after another, each on its lease's session; every new validity counts
-    /// from the batch's start.
+    /// from the batch's start. Every lease is checked to be this backend's before any
+    /// session is asked. An item whose session answers with an error is
+    /// [`Renewal::Unreachable`] (the watchdog retries it); only when every item fails
+    /// does the call fail, with the first error.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.check_all(leases)?;
         let sent = Instant::now();
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {
-            out.push(self.renew_sent(lease, sent).await?);
+            out.push(self.renew_sent(lease, sent).await);
         }
-        Ok(out)
+        per_item(out, Renewal::Unreachable)
+    }
+
+    /// One release after another, each on its lease's session. Every lease is checked to
+    /// be this backend's before any is released. An item whose release fails is
+    /// [`Release::Unreachable`]; only when every item fails does the call fail, with the
+    /// first error.
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        self.check_all(leases)?;
+        let mut out = Vec::with_capacity(leases.len());
+        for lease in leases {
+            out.push(self.release(lease).await);
+        }
+        per_item(out, Release::Unreachable)
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
