@@ -8,10 +8,11 @@
 //!
 //! This facade re-exports the lock API of `lock-api` (the [`LockBackend`] trait and its
 //! contract, [`Locker`] and [`LockGuard`] with their renewal watchdog, the
-//! [`FencedResource`] gate, the in-memory backend in [`memory`]) and opens any backend
-//! from a URL with [`connect`]. Each store sits behind a cargo feature, and its crate is
-//! re-exported under the feature's name for what a URL cannot say (builders with every
-//! setting, the stores' fenced resources, PostgreSQL's SQL helpers):
+//! [`FencedResource`] gate, [`Election`] for a fenced singleton role such as a scheduler,
+//! the in-memory backend in [`memory`]) and opens any backend from a URL with
+//! [`connect`]. Each store sits behind a cargo feature, and its crate is re-exported
+//! under the feature's name for what a URL cannot say (builders with every setting, the
+//! stores' fenced resources, PostgreSQL's SQL helpers):
 //!
 //! | feature | default | adds | URL forms for [`connect`] |
 //! |---|---|---|---|

@@ -4,6 +4,7 @@
 //! - `check URL`: the conformance suite against a live store;
 //! - `setup URL`: create the tables a store needs (PostgreSQL);
 //! - `inspect`, `acquire`, `release`: one lock, by hand;
+//! - `leader URL ROLE`: who leads a role elected with `distlock::Election`;
 //! - `bench URL…`: the capacity report's concurrency sweep against live stores.
 
 mod bench;
@@ -11,6 +12,7 @@ mod check;
 mod demo;
 mod features;
 mod keys;
+mod leader;
 mod used_keys;
 
 use std::path::PathBuf;
@@ -81,6 +83,17 @@ enum Command {
         /// The fencing token printed by `acquire`.
         #[arg(long)]
         token: u64,
+    },
+    /// Show who leads a role elected with `distlock::Election`: the leader's owner id,
+    /// fencing token and how long its lease still runs.
+    Leader {
+        /// The store's URL.
+        url: String,
+        /// The role's name (its lock key is `election:ROLE`).
+        role: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Measure acquire + release cycles per second and latency against live stores, at
     /// 1, 4, 16 and 64 concurrent tasks, and write report.md, capacity.csv and SVG charts.
@@ -157,7 +170,8 @@ impl Command {
             | Command::Setup { url }
             | Command::Inspect { url, .. }
             | Command::Acquire { url, .. }
-            | Command::Release { url, .. } => vec![url.as_str()],
+            | Command::Release { url, .. }
+            | Command::Leader { url, .. } => vec![url.as_str()],
             Command::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
         }
     }
@@ -192,6 +206,7 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             owner,
             token,
         } => keys::release(&url, &key, &owner, token).await,
+        Command::Leader { url, role, json } => leader::show(&url, &role, json).await,
         Command::Bench {
             urls,
             quick,
