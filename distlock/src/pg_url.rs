@@ -9,34 +9,11 @@
 use std::sync::Arc;
 
 use lock_api::{LockBackend, LockError};
-use lock_postgres::PgBuilder;
+use lock_postgres::{PgBuilder, URL_PARAMS, is_url_param};
 use url::Url;
 
 /// The query parameters distlock reads from a PostgreSQL URL.
 pub(crate) const DISTLOCK_PARAMS: &[&str] = &["mode", "schema", "pool_size"];
-
-/// PostgreSQL connection parameters passed on to the driver (libpq names, and the
-/// driver's spellings of the TLS ones). `options[NAME]` is passed on too.
-const DRIVER_PARAMS: &[&str] = &[
-    "sslmode",
-    "ssl-mode",
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
-    "statement-cache-capacity",
-    "host",
-    "hostaddr",
-    "port",
-    "dbname",
-    "user",
-    "password",
-    "application_name",
-    "options",
-];
 
 /// Which PostgreSQL backend a URL asks for (`?mode=`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,7 +45,7 @@ impl PgUrl {
                 "mode" => &mut mode,
                 "schema" => &mut schema,
                 "pool_size" => &mut pool_size,
-                other if is_driver_param(other) => {
+                other if is_url_param(other) => {
                     passed.push((name.clone(), value.clone()));
                     continue;
                 }
@@ -129,10 +106,6 @@ impl PgUrl {
     }
 }
 
-fn is_driver_param(name: &str) -> bool {
-    DRIVER_PARAMS.contains(&name) || (name.starts_with("options[") && name.ends_with(']'))
-}
-
 /// The error for an unknown parameter, naming it unless it may be a piece of the password
 /// (an unescaped `?` in the password makes what follows read as the query).
 fn unknown_param(name: &str, url: &Url) -> LockError {
@@ -147,7 +120,7 @@ fn unknown_param(name: &str, url: &Url) -> LockError {
         "unknown parameter {which}: distlock reads {}; \
          PostgreSQL connection parameters passed on are {}",
         DISTLOCK_PARAMS.join(", "),
-        DRIVER_PARAMS.join(", ")
+        URL_PARAMS.join(", ")
     ))
 }
 

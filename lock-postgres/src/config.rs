@@ -15,6 +15,35 @@ use crate::schema::{DEFAULT_SCHEMA, Schema};
 /// The largest pool a builder accepts.
 pub const MAX_POOL_SIZE: u32 = 1_000;
 
+/// The query parameters of a URL that the driver reads: libpq's names and the driver's
+/// spellings of the TLS ones; `options[NAME]` as well (see [`is_url_param`]). The driver
+/// would log any other parameter with its value, so the builder refuses them.
+pub const URL_PARAMS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// True for a query parameter the driver reads: one of [`URL_PARAMS`] or `options[NAME]`.
+pub fn is_url_param(name: &str) -> bool {
+    URL_PARAMS.contains(&name) || (name.starts_with("options[") && name.ends_with(']'))
+}
+
 /// Settings for [`PgLeaseBackend`] and [`PgAdvisoryBackend`]: URL, pool size, schema, TTL
 /// bounds and time limits.
 ///
@@ -200,6 +229,21 @@ fn connect_options(url: &str) -> Result<PgConnectOptions, LockError> {
             "malformed PostgreSQL URL: no host".into(),
         ));
     }
+    if let Some((name, _)) = parsed.query_pairs().find(|(name, _)| !is_url_param(name)) {
+        // Named unless it may be a piece of the password: an unescaped `?` in the password
+        // makes what follows read as the query.
+        let which = if lock_api::url_userinfo_is_ambiguous(url) {
+            "a parameter (not named: an `@` after the host may mean the password holds an \
+             unescaped `/`, `?` or `#`; escape them and `@` as %2F, %3F, %23, %40)"
+                .to_owned()
+        } else {
+            format!("parameter `{name}`")
+        };
+        return Err(LockError::Config(format!(
+            "the PostgreSQL URL has {which} the driver does not read; it reads {}",
+            URL_PARAMS.join(", ")
+        )));
+    }
     let options = PgConnectOptions::from_str(url).map_err(|e| {
         // sqlx's parse errors describe the offending part, never the whole URL.
         LockError::Config(format!("malformed PostgreSQL URL: {e}"))
@@ -259,12 +303,32 @@ mod tests {
                 .ttl_bounds(Duration::from_micros(1500), Duration::from_secs(1)),
             PgBuilder::new("postgres://u:s3cret@h/db").request_timeout(Duration::ZERO),
             PgBuilder::new("postgres://u@h/db?password=s3cret").pool_size(0),
+            // The driver would log a parameter it does not read, value and all.
+            PgBuilder::new("postgres://u@h/db?sslpassword=s3cret"),
+            PgBuilder::new("postgres://u:12?s3cret=x@h/db"),
         ];
         for b in cases {
-            let err = b.build_lease_backend().unwrap_err();
-            assert!(matches!(err, LockError::Config(_)), "{b:?}: {err}");
-            assert!(!err.to_string().contains("s3cret"), "{err}");
+            for built in [
+                b.build_lease_backend().map(drop),
+                b.build_advisory_backend().map(drop),
+            ] {
+                let err = built.unwrap_err();
+                assert!(matches!(err, LockError::Config(_)), "{b:?}: {err}");
+                assert!(!err.to_string().contains("s3cret"), "{err}");
+            }
             assert!(!format!("{b:?}").contains("s3cret"));
         }
+    }
+
+    #[tokio::test]
+    async fn a_parameter_the_driver_does_not_read_is_refused_by_name() {
+        let err = PgBuilder::new("postgres://u@h/db?sslmode=disable&sslpassword=hunter2")
+            .build_lease_backend()
+            .unwrap_err();
+        assert!(err.to_string().contains("`sslpassword`"), "{err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        PgBuilder::new("postgres://u@h/db?sslmode=disable&options[statement_timeout]=5s")
+            .build_lease_backend()
+            .unwrap();
     }
 }

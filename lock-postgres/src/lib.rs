@@ -26,7 +26,7 @@ mod lease_table;
 mod schema;
 
 pub use advisory::PgAdvisoryBackend;
-pub use config::{MAX_POOL_SIZE, PgBuilder};
+pub use config::{MAX_POOL_SIZE, PgBuilder, URL_PARAMS, is_url_param};
 pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;
 pub use schema::{DEFAULT_SCHEMA, Schema};
