@@ -5,6 +5,8 @@
 //!
 //! * [`subject`]: what is measured, behind one [`subject::Subject`] interface (one
 //!   acquire + release cycle per call);
+//! * [`handoff`]: one key, many waiters: release-to-grant time with and without the
+//!   backend's release notifications;
 //! * [`load`]: closed-loop load at a given concurrency, with latency histograms;
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
@@ -16,6 +18,7 @@
 //! the client, so absolute times move from run to run while ratios hold.
 
 pub mod deployment;
+pub mod handoff;
 pub mod load;
 pub mod machine;
 pub mod report;

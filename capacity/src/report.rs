@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use plotters::prelude::*;
 
 use crate::BenchError;
+use crate::handoff::HandoffRow;
 use crate::load::Sample;
 use crate::machine::Machine;
 use crate::scenarios::{Plan, RedisServerCost, Results, Target};
@@ -29,6 +30,8 @@ pub struct Report {
     pub results: Results,
     /// One contended key per backend.
     pub contended: Vec<Sample>,
+    /// Handoffs of one key among waiting tasks, per backend, notified and polling.
+    pub handoffs: Vec<HandoffRow>,
     /// Renewals per second of one lease, per backend.
     pub renew: Vec<(SubjectId, f64)>,
     /// What the Redis server spends per script and per raw command, when Redis ran.
@@ -218,6 +221,37 @@ impl Report {
                 s.cycle_us(0.5),
                 s.cycle_us(0.99)
             );
+        }
+
+        if !self.handoffs.is_empty() {
+            let _ = writeln!(
+                md,
+                "\n## Handoff: one key, {} tasks waiting in `Locker::lock`\n\n\
+                 Time from sending a release to the next grant, and the acquire calls the \
+                 store served per handoff, with the backend's release notifications and \
+                 with waiters polling (default backoff, 10 ms doubling to 1 s, jittered).\n",
+                self.plan.contended_tasks
+            );
+            let _ = writeln!(
+                md,
+                "| backend | waiters woken by | handoffs | p50 µs | p99 µs | acquires per handoff |\n|---|---|---:|---:|---:|---:|"
+            );
+            for h in &self.handoffs {
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} | {:.0} | {:.0} | {:.2} |",
+                    h.subject.slug(),
+                    if h.notified {
+                        "notification"
+                    } else {
+                        "polling"
+                    },
+                    h.handoffs,
+                    h.p50_us,
+                    h.p99_us,
+                    h.acquires_per_handoff
+                );
+            }
         }
 
         let _ = writeln!(md, "\n## Renew (one lease, one task)\n");

@@ -21,8 +21,10 @@ pub struct Plan {
     pub warmup: Duration,
     /// Recorded time of each measurement.
     pub duration: Duration,
-    /// Tasks contending for one key.
+    /// Tasks contending for one key (the contended sweep and the handoff measurement).
     pub contended_tasks: usize,
+    /// Handoffs measured per backend, with release notifications and without.
+    pub handoffs: u64,
     /// Keys per batch call.
     pub batch_sizes: Vec<usize>,
     /// Batch calls per size (the median is reported).
@@ -44,6 +46,7 @@ impl Plan {
             warmup: Duration::from_millis(500),
             duration: Duration::from_secs(3),
             contended_tasks: 16,
+            handoffs: 300,
             batch_sizes: vec![100, 1_000],
             batch_reps: 5,
             pair_rounds: 9,
@@ -59,6 +62,7 @@ impl Plan {
             warmup: Duration::from_millis(20),
             duration: Duration::from_millis(100),
             contended_tasks: 4,
+            handoffs: 20,
             batch_sizes: vec![100],
             batch_reps: 1,
             pair_rounds: 2,

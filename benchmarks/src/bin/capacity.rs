@@ -146,6 +146,7 @@ async fn run(args: &Args) -> Result<(), BenchError> {
 
     let mut results = Results::default();
     let mut contended = Vec::new();
+    let mut handoffs = Vec::new();
     let mut renew = Vec::new();
     for &id in &subjects {
         bar.set_message(format!("{}: connecting", id.slug()));
@@ -193,6 +194,27 @@ async fn run(args: &Args) -> Result<(), BenchError> {
                 .await?,
             );
             bar.inc(1);
+            for notified in [true, false] {
+                if notified && !backend.capabilities().wakes_waiters {
+                    continue;
+                }
+                bar.set_message(format!(
+                    "{}: handoff among {} waiters{}",
+                    id.slug(),
+                    plan.contended_tasks,
+                    if notified { ", notified" } else { ", polling" }
+                ));
+                handoffs.push(
+                    capacity::handoff::handoff(
+                        id,
+                        backend.clone(),
+                        plan.contended_tasks,
+                        plan.handoffs,
+                        notified,
+                    )
+                    .await?,
+                );
+            }
             bar.set_message(format!("{}: renew", id.slug()));
             renew.push((
                 id,
@@ -249,6 +271,7 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         plan,
         results,
         contended,
+        handoffs,
         renew,
         redis_cost,
         absent,

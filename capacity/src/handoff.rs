@@ -1,0 +1,231 @@
+//! Lock handoff under contention: one key, many tasks waiting in `Locker::lock`, and how
+//! long the key sits free between a release and the next grant, with the backend's
+//! release notifications and without them (backoff polling only), in one run.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use lock_api::wake::ReleaseWatch;
+use lock_api::{
+    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
+    Renewal, async_trait,
+};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use crate::BenchError;
+use crate::load::new_histogram;
+use crate::subject::{SubjectId, TTL};
+
+/// One handoff measurement.
+#[derive(Clone, Debug)]
+pub struct HandoffRow {
+    /// The backend.
+    pub subject: SubjectId,
+    /// Whether waiters were woken by the backend's release notifications (`false`: the
+    /// same backend with notifications hidden, so waiters poll with backoff).
+    pub notified: bool,
+    /// Tasks waiting for the key.
+    pub waiters: usize,
+    /// Handoffs measured.
+    pub handoffs: u64,
+    /// Time from sending a release to the next grant, p50, µs.
+    pub p50_us: f64,
+    /// The same, p99, µs.
+    pub p99_us: f64,
+    /// Acquire calls the store served per handoff (the waiters' attempts, the winning one
+    /// included).
+    pub acquires_per_handoff: f64,
+}
+
+/// Measures `handoffs` handoffs of one key among `waiters` tasks on `backend`, each task
+/// taking the key with the default `Locker` settings and releasing it at once. With
+/// `notified` false the backend's release notifications are hidden from the waiters.
+pub async fn handoff(
+    subject: SubjectId,
+    backend: Arc<dyn LockBackend>,
+    waiters: usize,
+    handoffs: u64,
+    notified: bool,
+) -> Result<HandoffRow, BenchError> {
+    let lock_err = |source| BenchError::Lock {
+        subject: subject.slug(),
+        source,
+    };
+    let counted = Arc::new(Counted {
+        inner: backend,
+        notified,
+        acquires: AtomicU64::new(0),
+    });
+    let locker = Locker::builder(counted.clone())
+        .ttl(TTL)
+        .wait_timeout(Some(Duration::from_secs(60)))
+        .build()
+        .map_err(lock_err)?;
+    let mode = if notified { "notified" } else { "polling" };
+    let key = LockKey::new(format!("bench:{}:handoff:{mode}", subject.slug())).map_err(lock_err)?;
+    let log = Arc::new(Mutex::new(HandoffLog::default()));
+    // Grants so far: a task that released waits for the next grant before it queues
+    // again, so every handoff goes to another task and about `waiters` tasks wait.
+    let (grants_tx, grants_rx) = tokio::sync::watch::channel(0u64);
+    let grants_tx = Arc::new(grants_tx);
+
+    let first = locker.lock(&key).await.map_err(lock_err)?;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..waiters {
+        let (locker, key, log) = (locker.clone(), key.clone(), log.clone());
+        let (grants_tx, mut grants_rx) = (grants_tx.clone(), grants_rx.clone());
+        tasks.spawn(async move {
+            loop {
+                if log.lock().done(handoffs) {
+                    return Ok(());
+                }
+                let guard = locker.lock(&key).await?;
+                let granted = Instant::now();
+                let (done, mine) = {
+                    let mut log = log.lock();
+                    log.granted(granted, handoffs);
+                    log.released_at = Some(Instant::now());
+                    (log.done(handoffs), log.gaps.len() as u64)
+                };
+                grants_tx.send_replace(mine);
+                guard.release().await?;
+                if done {
+                    return Ok(());
+                }
+                // Queue again only once another task has taken the key.
+                let _ = grants_rx.wait_for(|&grants| grants > mine).await;
+            }
+        });
+    }
+    // Every waiter is queued before the first release.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    counted.acquires.store(0, Ordering::SeqCst);
+    log.lock().released_at = Some(Instant::now());
+    first.release().await.map_err(lock_err)?;
+    while let Some(joined) = tasks.join_next().await {
+        joined
+            .map_err(|e| BenchError::Unexpected {
+                subject: subject.slug(),
+                detail: format!("a waiting task failed: {e}"),
+            })?
+            .map_err(lock_err)?;
+    }
+
+    let log = log.lock();
+    let mut histogram = new_histogram()?;
+    for gap in &log.gaps {
+        let micros = u64::try_from(gap.as_micros()).unwrap_or(u64::MAX).max(1);
+        histogram.saturating_record(micros);
+    }
+    let measured = log.gaps.len() as u64;
+    Ok(HandoffRow {
+        subject,
+        notified,
+        waiters,
+        handoffs: measured,
+        p50_us: histogram.value_at_quantile(0.5) as f64,
+        p99_us: histogram.value_at_quantile(0.99) as f64,
+        acquires_per_handoff: counted.acquires.load(Ordering::SeqCst) as f64
+            / measured.max(1) as f64,
+    })
+}
+
+/// When the key was last released, and the gaps measured so far.
+#[derive(Default)]
+struct HandoffLog {
+    released_at: Option<Instant>,
+    gaps: Vec<Duration>,
+}
+
+impl HandoffLog {
+    fn granted(&mut self, at: Instant, handoffs: u64) {
+        if self.done(handoffs) {
+            return;
+        }
+        if let Some(released) = self.released_at.take() {
+            self.gaps.push(at.saturating_duration_since(released));
+        }
+    }
+
+    fn done(&self, handoffs: u64) -> bool {
+        self.gaps.len() as u64 >= handoffs
+    }
+}
+
+/// The measured backend, counting acquire calls, with its release notifications shown
+/// or hidden.
+#[derive(Debug)]
+struct Counted {
+    inner: Arc<dyn LockBackend>,
+    notified: bool,
+    acquires: AtomicU64,
+}
+
+#[async_trait]
+impl LockBackend for Counted {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        let wakes = self.notified && self.inner.capabilities().wakes_waiters;
+        self.inner.capabilities().wakes_waiters(wakes)
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.acquires.fetch_add(1, Ordering::Relaxed);
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.inner.inspect(key).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        if self.notified {
+            self.inner.watch_releases(key)
+        } else {
+            None
+        }
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.inner.renew_many(leases).await
+    }
+    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        self.inner.release_many(leases).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use lock_api::memory::MemoryBackend;
+
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn notified_waiters_take_over_sooner_and_ask_the_store_less_than_polling_ones() {
+        let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+        let notified = handoff(SubjectId::Memory, backend.clone(), 16, 40, true)
+            .await
+            .unwrap();
+        let polling = handoff(SubjectId::Memory, backend, 16, 40, false)
+            .await
+            .unwrap();
+        assert_eq!(notified.handoffs, 40);
+        assert_eq!(polling.handoffs, 40);
+        // One acquire per handoff by the one woken waiter (and the odd fallback poll);
+        // polling waiters ask more, and wait for their backoff to end.
+        assert!(notified.acquires_per_handoff < 2.0, "{notified:?}");
+        assert!(
+            notified.p50_us < polling.p50_us,
+            "{notified:?} vs {polling:?}"
+        );
+    }
+}
