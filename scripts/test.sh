@@ -28,7 +28,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
 echo "== cargo test"
-cargo test --workspace --locked
+cargo test --workspace --locked --no-fail-fast
 echo "== cargo test: feature combinations"
 cargo test -p lockctl --features etcd --locked
 cargo test -p distlock --no-default-features --locked
