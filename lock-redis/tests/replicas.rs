@@ -83,3 +83,129 @@ async fn a_wait_as_long_as_the_response_timeout_is_a_config_error() {
         .expect_err("WAIT would outlive the response timeout");
     assert!(matches!(err, LockError::Config(_)), "{err:?}");
 }
+
+/// A master with one replica, and a client that needs the replica's acknowledgement
+/// (`WAIT` of up to 1 s) within a 3 s response timeout.
+async fn replicated() -> (RedisServer, RedisServer, RedisBackend) {
+    let master = harness::require(RedisServer::start().await);
+    let replica = harness::require(
+        RedisServer::builder()
+            .replica_of(master.addr())
+            .start()
+            .await,
+    );
+    let redis = RedisBackend::builder()
+        .url(master.url())
+        .response_timeout(Duration::from_secs(3))
+        .replica_acks(1, Duration::from_secs(1))
+        .build()
+        .await
+        .expect("connect");
+    (master, replica, redis)
+}
+
+async fn exists(server: &RedisServer, key: &str) -> bool {
+    harness::require(server.command(&["EXISTS", key]).await) == RespValue::Integer(1)
+}
+
+/// Waits (far less than the 60 s TTL) until none of `keys` is held on `server`.
+async fn until_freed(server: &RedisServer, keys: &[&str]) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    for key in keys {
+        while exists(server, key).await {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{key} is still held by a call whose caller left"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+const LONG_TTL: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_dropped_while_waiting_for_replicas_gives_its_key_back() {
+    let (master, replica, redis) = replicated().await;
+    let key = LockKey::new("dropped-in-wait").unwrap();
+    let (lock_key, _) = redis.redis_keys(&key);
+    harness::require(replica.pause());
+
+    let cancelled =
+        tokio::time::timeout(Duration::from_millis(300), redis.acquire(&key, LONG_TTL)).await;
+    assert!(
+        cancelled.is_err(),
+        "WAIT cannot finish while the replica is paused"
+    );
+    assert!(
+        exists(&master, &lock_key).await,
+        "the script ran before WAIT"
+    );
+    harness::require(replica.resume());
+    until_freed(&master, &[&lock_key]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_dropped_midway_gives_back_what_it_took() {
+    let (master, replica, redis) = replicated().await;
+    let (first, second) = (
+        LockKey::new("first").unwrap(),
+        LockKey::new("second").unwrap(),
+    );
+    let (first_key, second_key) = (redis.redis_keys(&first).0, redis.redis_keys(&second).0);
+    let keys = [first.clone(), second.clone()];
+    let mut batch = Box::pin(redis.acquire_many(&keys, LONG_TTL));
+
+    // One poll sends the first acquire; unpolled, the batch cannot go on to the second.
+    assert!(futures::poll!(&mut batch).is_pending());
+    while !exists(&replica, &first_key).await {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The live replica acknowledges the first lock; its reply waits for the next poll.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second acquire's WAIT cannot be answered: the batch stops midway.
+    harness::require(replica.pause());
+    let early = tokio::time::timeout(Duration::from_millis(300), &mut batch).await;
+    assert!(early.is_err(), "the batch finished early: {early:?}");
+    assert!(
+        exists(&master, &second_key).await,
+        "the second acquire was sent"
+    );
+    drop(batch);
+    harness::require(replica.resume());
+    until_freed(&master, &[&first_key, &second_key]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unacknowledged_lock_that_could_not_be_released_is_an_unknown_outcome() {
+    let (master, replica, redis) = replicated().await;
+    let key = LockKey::new("stuck").unwrap();
+    harness::require(replica.pause());
+    let acquire = tokio::spawn({
+        let (redis, key) = (redis.clone(), key.clone());
+        async move { redis.acquire(&key, LONG_TTL).await }
+    });
+    // While WAIT runs, scripts are forbidden: the release after it fails.
+    let (lock_key, _) = redis.redis_keys(&key);
+    while !exists(&master, &lock_key).await {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    harness::require(
+        master
+            .command(&["ACL", "SETUSER", "default", "-evalsha", "-eval"])
+            .await,
+    );
+    let outcome = acquire.await.unwrap();
+    harness::require(
+        master
+            .command(&["ACL", "SETUSER", "default", "+evalsha", "+eval"])
+            .await,
+    );
+    harness::require(replica.resume());
+    assert!(
+        matches!(&outcome, Err(LockError::OutcomeUnknown { message, .. })
+            if message.contains("only 0 of 1 replicas acknowledged")
+                && message.contains("releasing it failed")),
+        "{outcome:?}"
+    );
+}
