@@ -5,7 +5,9 @@
 //! [`lock_api::LockBackend`] requires at each step, checks the history against I1–I5 at
 //! the end, and releases what it took. TTLs come from the backend's capabilities
 //! ([`crate::suite::Timing`]), and every wait on the store is a deadline with slack,
-//! never a speed assertion.
+//! never a speed assertion. A case never returns early: what it needs beyond a store
+//! (link or server faults, inspection, distinct clients) is declared beside its name in
+//! the case list and checked before it runs ([`crate::suite::Need`]).
 
 mod batch;
 mod input;
