@@ -41,7 +41,8 @@ pub struct Failure {
     pub expected: String,
     /// What the backend did.
     pub got: String,
-    /// The invariants the history check found broken, when that check failed the case.
+    /// The invariants the case's history broke by the time it failed (empty when the
+    /// history was clean): the rule behind the failure, whatever check caught it first.
     pub invariants: Vec<Invariant>,
 }
 
