@@ -36,15 +36,19 @@ struct Statements {
 }
 
 /// Checks that this session holds the advisory lock `(classid, objid)` of a bigint key.
-const HOLDS: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
+/// Also returns the server session's pid, which must be the one that took the lock.
+const HOLDS: &str = "SELECT pg_backend_pid() AS pid, EXISTS (SELECT 1 FROM pg_locks \
      WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
        AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
 
 /// Unlocks, drops any other advisory lock the session may hold (none, by the acquire's
 /// check), and resets the session's time limits (`set_config` with a NULL value is
 /// `RESET`), so they are again whatever the server, database or role says and the
-/// connection can serve the pool again. The CTE runs the unlock of this key first.
-const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
+/// connection can serve the pool again. The CTE runs the unlock of this key first, and
+/// only in the server session that took the lock (pid `$2`): in any other session the
+/// statement does nothing and returns no row.
+const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
+                WHERE pg_backend_pid() = $2) \
      SELECT u.released, pg_advisory_unlock_all(), \
      set_config('idle_session_timeout', NULL, false), \
      set_config('tcp_user_timeout', NULL, false), \
@@ -96,7 +100,10 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released) \
 /// Session locks need the session: behind PgBouncer in `transaction` (or `statement`)
 /// pooling mode, consecutive statements run on different server sessions, so locks leak
 /// to other clients and checks see the wrong session. Connect directly or through a
-/// `session`-mode pool.
+/// `session`-mode pool. The backend notices: acquire refuses a server session that
+/// already holds advisory locks, and renew, fence and release compare the server
+/// session's pid with the one that took the lock, failing with [`LockError::Config`]
+/// that names the pooling mode (release then unlocks nothing in the wrong session).
 ///
 /// # No adopt
 ///
@@ -119,6 +126,8 @@ pub struct PgAdvisoryBackend {
 /// The private handle of an advisory lease: the pinned session, while it is pinned.
 struct Session {
     key: i64,
+    /// The server session (`pg_backend_pid()`) that took the lock.
+    pid: i32,
     owner: OwnerId,
     token: FencingToken,
     pinned: Mutex<Option<Pinned>>,
@@ -218,7 +227,9 @@ impl PgAdvisoryBackend {
                                SET token = greatest(t.token + 1, {clock_us}), \
                                    owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
                             RETURNING token) \
-                 SELECT l.held, (SELECT token FROM bumped) AS token FROM l",
+                 SELECT l.held, pg_backend_pid() AS pid, \
+                        (SELECT token FROM bumped) AS token \
+                   FROM l",
             )),
             token: s.sql("SELECT token FROM {s}.distlock_advisory_tokens WHERE name = $1"),
             // The holder's remaining time is its idle-session budget: the TTL minus the
@@ -323,7 +334,7 @@ impl PgAdvisoryBackend {
             conn: &mut conn,
             finished: false,
         };
-        let (held_before, token): (i64, Option<i64>) = self
+        let (held_before, pid, token): (i64, i32, Option<i64>) = self
             .client
             .timed(
                 NAME,
@@ -358,6 +369,7 @@ impl PgAdvisoryBackend {
         let token = token_from(token);
         let session = Session {
             key: id,
+            pid,
             owner,
             token,
             pinned: Mutex::new(Some(Pinned {
@@ -418,15 +430,18 @@ impl PgAdvisoryBackend {
             .timed(
                 NAME,
                 op,
-                sqlx::query_scalar::<_, bool>(HOLDS)
+                sqlx::query_as::<_, (i32, bool)>(HOLDS)
                     .bind(classid)
                     .bind(objid)
                     .fetch_one(&mut *pinned.conn),
             )
             .await;
         match result {
-            Ok(true) => Ok(true),
-            Ok(false) => {
+            // Left pinned: closing this client connection would not end the proxy's
+            // server sessions, and a lease dropped later closes it anyway.
+            Ok((pid, _)) if pid != session.pid => Err(session_moved(session.pid, Some(pid))),
+            Ok((_, true)) => Ok(true),
+            Ok((_, false)) => {
                 // Nothing else unlocks on this session; unpin it rather than trust it.
                 unpin(&mut slot);
                 Ok(false)
@@ -439,6 +454,22 @@ impl PgAdvisoryBackend {
             Err(failed) => Err(failed.error),
         }
     }
+}
+
+/// The error for a lease whose connection no longer reaches the server session that took
+/// its lock (`now`, when known): only a proxy that pools server sessions per transaction
+/// or statement does that.
+fn session_moved(took: i32, now: Option<i32>) -> LockError {
+    let now = now.map_or_else(
+        || "another server session".to_owned(),
+        |p| format!("server session {p}"),
+    );
+    LockError::Config(format!(
+        "the advisory lock was taken by server session {took}, but its connection now \
+         reaches {now}: a transaction-pooling proxy (PgBouncer pool_mode = transaction or \
+         statement) is between client and server. Advisory locks need the session: \
+         connect directly or through a session-mode pool"
+    ))
 }
 
 /// A batch's results from one call per item: a failed item becomes `unreachable` and the
@@ -593,10 +624,19 @@ impl LockBackend for PgAdvisoryBackend {
                 Operation::Release,
                 sqlx::query_scalar::<_, bool>(UNLOCK)
                     .bind(session.key)
-                    .fetch_one(&mut *pinned.conn),
+                    .bind(session.pid)
+                    .fetch_optional(&mut *pinned.conn),
             )
             .await;
-        if result.as_ref().is_ok_and(|unlocked| *unlocked) {
+        if let Ok(None) = result {
+            // Another server session answered, and nothing was done in it; the connection
+            // stays pinned, as in `holds`.
+            return Err(session_moved(session.pid, None));
+        }
+        if result
+            .as_ref()
+            .is_ok_and(|unlocked| *unlocked == Some(true))
+        {
             // Unlocked and reset: the connection goes back to the pool.
             slot.take();
             Ok(Release::Released)
@@ -693,5 +733,46 @@ mod tests {
     fn keys_split_into_classid_and_objid() {
         assert_eq!(split(0x0000_0001_0000_0002), (1, 2));
         assert_eq!(split(-1), (0xffff_ffff, 0xffff_ffff));
+    }
+
+    /// Behind a transaction-pooling proxy a lease's connection reaches whichever server
+    /// session the proxy picks. Swapping two leases' pinned connections does exactly
+    /// that, on a real server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lease_answered_by_another_server_session_names_the_pooling_proxy() {
+        use conformance::harness::{self, postgres::PostgresServer};
+
+        let server = harness::require(PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let backend = crate::PgBuilder::new(server.url())
+            .build_advisory_backend()
+            .unwrap();
+        backend.setup().await.unwrap();
+        let ttl = Duration::from_secs(30);
+        let (ka, kb) = (
+            LockKey::new("pooled:a").unwrap(),
+            LockKey::new("pooled:b").unwrap(),
+        );
+        let a = backend.acquire(&ka, ttl).await.unwrap().expect("free");
+        let b = backend.acquire(&kb, ttl).await.unwrap().expect("free");
+        let (sa, sb) = (
+            a.handle::<Session>().unwrap(),
+            b.handle::<Session>().unwrap(),
+        );
+        std::mem::swap(&mut *sa.pinned.lock().await, &mut *sb.pinned.lock().await);
+
+        let names_the_pooler = |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pool_mode = transaction"));
+        let err = backend.renew(&a).await.unwrap_err();
+        assert!(names_the_pooler(&err), "{err}");
+        let err = backend.release(&b).await.unwrap_err();
+        assert!(names_the_pooler(&err), "{err}");
+        // Nothing ran in the wrong sessions: `b`'s release did not unlock (or unlock all
+        // of) the session holding `a`, so both keys are still held.
+        assert_eq!(backend.inspect(&ka).await.unwrap().owner, Some(a.owner()));
+        assert_eq!(backend.inspect(&kb).await.unwrap().owner, Some(b.owner()));
     }
 }
