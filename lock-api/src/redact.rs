@@ -24,6 +24,9 @@ const SECRET_NAME_PARTS: &[&str] = &["pass", "pwd", "secret", "token"];
 /// query; see [`url_userinfo_is_ambiguous`]) and whatever is a secret in either reading is
 /// hidden, which may hide more than the password.
 ///
+/// A query value ends at the next `&`, so an `&` in a password given as a parameter must
+/// be escaped (`%26`) for the drivers as well as for this function.
+///
 /// A Redis URL's userinfo without a `:` (`redis://secret@host`) is hidden whole, since
 /// Redis users often put the password there; in other schemes it is a user name.
 /// Text without a `scheme://` is shown as `<not a URL>`: it may be a password pasted in
