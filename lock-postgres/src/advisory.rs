@@ -358,7 +358,7 @@ impl PgAdvisoryBackend {
                 format!(
                     "the pooled session already held {held_before} advisory lock(s) that this \
                      backend did not take; it was closed. Behind a transaction-pooling proxy \
-                     (PgBouncer pool_mode=transaction or statement) advisory locks cannot work"
+                     (PgBouncer pool_mode = transaction or statement) advisory locks cannot work"
                 ),
             ));
         }
