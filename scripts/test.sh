@@ -28,6 +28,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
 echo "== cargo test"
+# The conformance tests append, per backend, the cases they stamped and ran, and per
+# broken variant the cases that caught it; printed at the end.
+export DISTLOCK_SUMMARY_DIR="$PWD/target/conformance-summary"
+rm -rf "$DISTLOCK_SUMMARY_DIR"
 cargo test --workspace --locked --no-fail-fast
 echo "== cargo test: feature combinations"
 cargo test -p lockctl --features etcd --locked
@@ -38,3 +42,5 @@ echo "== cargo bench --no-run (the benches compile; CI never asserts a speed)"
 cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+echo "== conformance summary"
+cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"

@@ -8,6 +8,7 @@
 //!   invariants I1–I5.
 //! - [`memory`]: the factory over the in-memory reference backend; [`broken`]:
 //!   deliberately wrong backends, one bug each, the suite must fail on.
+//! - [`summary`]: the per-backend and per-variant lines a CI run prints at its end.
 //! - [`harness`]: real servers (redis-server, etcd, PostgreSQL) on free loopback ports,
 //!   and a fault proxy.
 //!
@@ -25,6 +26,7 @@ pub mod history;
 mod macros;
 pub mod memory;
 pub mod suite;
+pub mod summary;
 
 pub use factory::{Factory, LinkFaults, ServerFaults};
 pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};

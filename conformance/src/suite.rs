@@ -339,7 +339,7 @@ pub mod macro_support {
             }
             let count = stamped.iter().filter(|(_, s)| *s).count();
             let caps: Vec<_> = has.iter().map(|n| n.name()).collect();
-            println!(
+            let mut summary = format!(
                 "conformance on {}: {count} of {} cases stamped and run (capabilities: {}; \
                  fenced counter on {})",
                 factory.name(),
@@ -356,8 +356,9 @@ pub mod macro_support {
                 },
             );
             for line in &not_stamped {
-                println!("  not stamped: {line}");
+                summary.push_str(&format!("\n  not stamped: {line}"));
             }
+            crate::summary::record("backends", &summary);
             assert_eq!(stamped.len(), CASES.len(), "every case is listed once");
             assert!(
                 errors.is_empty(),

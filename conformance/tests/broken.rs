@@ -64,12 +64,12 @@ async fn every_broken_variant_is_caught() {
     let runs = BrokenKind::ALL
         .map(|kind| async move { (kind, run_each(move || BrokenFactory::with_kind(kind)).await) });
     let mut problems = Vec::new();
-    println!("broken variants and the cases that caught them:");
+    let mut summary = String::from("broken variants and the cases that caught them:");
     for (kind, results) in join_all(runs).await {
         let caught = Caught::of(&results);
         let must = kind.caught_by();
-        println!(
-            "  {kind:?}: {} of {} cases {:?}; invariants {:?}",
+        summary += &format!(
+            "\n  {kind:?}: {} of {} cases {:?}; invariants {:?}",
             caught.cases.len(),
             results.len(),
             caught.cases,
@@ -97,6 +97,7 @@ async fn every_broken_variant_is_caught() {
             }
         }
     }
+    conformance::summary::record("broken-variants", &summary);
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }
 
