@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -62,11 +63,23 @@ pub(crate) enum Conn {
 }
 
 /// Which node (`host`, `port`) serves each slot range, from `CLUSTER SLOTS`.
-pub(crate) struct SlotOwners(Vec<(u16, u16, String, u16)>);
+pub(crate) struct SlotOwners {
+    ranges: Vec<(u16, u16, String, u16)>,
+    /// A batch met a sign that the map may be out of date (a redirect, a node that could
+    /// not be reached, a demoted master): the next batch asks again.
+    stale: AtomicBool,
+}
 
 impl SlotOwners {
+    fn new(ranges: Vec<(u16, u16, String, u16)>) -> Self {
+        Self {
+            ranges,
+            stale: AtomicBool::new(false),
+        }
+    }
+
     fn node(&self, slot: u16) -> Option<(&str, u16)> {
-        self.0
+        self.ranges
             .iter()
             .find(|(start, end, _, _)| (*start..=*end).contains(&slot))
             .map(|(_, _, host, port)| (host.as_str(), *port))
@@ -139,7 +152,7 @@ impl Conn {
         calls: &[Call],
         node_timeout: Duration,
     ) -> RedisResult<Vec<RedisResult<Value>>> {
-        let owners = self.slot_owners().await?;
+        let owners = self.slot_owners(node_timeout).await?;
         let mut groups: BTreeMap<(String, u16), Vec<usize>> = BTreeMap::new();
         for (i, call) in calls.iter().enumerate() {
             let (host, port) = owners.node(call.slot()).unwrap_or(("", 0));
@@ -168,25 +181,25 @@ impl Conn {
             (idx, replies)
         });
         let mut out: Vec<Option<RedisResult<Value>>> = calls.iter().map(|_| None).collect();
-        let mut moved = false;
         for (idx, replies) in futures::future::join_all(sends).await {
             for (i, reply) in idx.into_iter().zip(replies) {
                 // A redirected command did not run: send it again through the client's
                 // routing, which follows MOVED/ASK and refreshes its slot map.
                 let reply = match reply {
                     Err(e) if is_redirect(&e) => {
-                        moved = true;
+                        owners.stale.store(true, Ordering::Relaxed);
                         tokio::time::timeout(node_timeout, self.invoke::<Value>(&calls[i]))
                             .await
                             .unwrap_or_else(|_| Err(no_reply_within(node_timeout)))
                     }
                     other => other,
                 };
+                // After a failover the map names a dead or demoted master until asked again.
+                if matches!(&reply, Err(e) if may_have_moved(e)) {
+                    owners.stale.store(true, Ordering::Relaxed);
+                }
                 out[i] = Some(reply);
             }
-        }
-        if let (true, Conn::Cluster(_, cache)) = (moved, self) {
-            *cache.lock() = None;
         }
         Ok(out
             .into_iter()
@@ -315,25 +328,39 @@ impl Conn {
             .collect())
     }
 
-    async fn slot_owners(&self) -> RedisResult<Arc<SlotOwners>> {
+    /// The cached slot map; asked for again (within `node_timeout`) when there is none or
+    /// it is stale. A stale map is still used when asking fails: most of it is usually
+    /// right, and the next batch asks again.
+    async fn slot_owners(&self, node_timeout: Duration) -> RedisResult<Arc<SlotOwners>> {
         let Conn::Cluster(c, cache) = self else {
-            return Ok(Arc::new(SlotOwners(Vec::new())));
+            return Ok(Arc::new(SlotOwners::new(Vec::new())));
         };
-        if let Some(owners) = cache.lock().clone() {
-            return Ok(owners);
+        let cached = cache.lock().clone();
+        if let Some(owners) = &cached {
+            if !owners.stale.load(Ordering::Relaxed) {
+                return Ok(owners.clone());
+            }
         }
         let mut cmd = redis::cmd("CLUSTER");
         cmd.arg("SLOTS");
-        let reply = c
-            .clone()
-            .route_command(
+        let asked = tokio::time::timeout(
+            node_timeout,
+            c.clone().route_command(
                 cmd,
                 RoutingInfo::SingleNode(SingleNodeRoutingInfo::RandomPrimary),
-            )
-            .await?;
-        let owners = Arc::new(parse_cluster_slots(reply));
-        *cache.lock() = Some(owners.clone());
-        Ok(owners)
+            ),
+        )
+        .await
+        .unwrap_or_else(|_| Err(no_reply_within(node_timeout)));
+        match (asked, cached) {
+            (Ok(reply), _) => {
+                let owners = Arc::new(parse_cluster_slots(reply));
+                *cache.lock() = Some(owners.clone());
+                Ok(owners)
+            }
+            (Err(_), Some(stale)) => Ok(stale),
+            (Err(e), None) => Err(e),
+        }
     }
 }
 
@@ -368,7 +395,7 @@ fn parse_cluster_slots(reply: Value) -> SlotOwners {
             }
         }
     }
-    SlotOwners(ranges)
+    SlotOwners::new(ranges)
 }
 
 /// A reply that is an error, as an error. Errors nested in a multi-key script's array are
@@ -390,6 +417,23 @@ fn no_reply_within(limit: Duration) -> RedisError {
 
 fn is_noscript(v: &Value) -> bool {
     matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript))
+}
+
+/// True for the errors that a node gone, demoted or not serving may cause.
+fn may_have_moved(e: &RedisError) -> bool {
+    e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_io_error()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::ReadOnly
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::TryAgain
+            ) | ErrorKind::ClusterConnectionNotFound
+        )
 }
 
 fn is_redirect(e: &RedisError) -> bool {
