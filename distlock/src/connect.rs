@@ -466,6 +466,17 @@ mod tests {
         }
     }
 
+    #[cfg(feature = "etcd")]
+    #[tokio::test]
+    async fn an_etcd_password_holding_a_comma_is_not_read_as_a_member() {
+        // Nothing listens on port 1: the URL must get as far as trying to connect.
+        match connect("etcd://root:pass,word@127.0.0.1:1").await {
+            Err(LockError::Unavailable { .. }) => {}
+            Err(other) => panic!("expected the cluster to be unreachable, got {other}"),
+            Ok(backend) => panic!("opened {backend:?}"),
+        }
+    }
+
     #[test]
     fn the_first_member_is_found_after_a_password_holding_a_comma() {
         assert_eq!(
