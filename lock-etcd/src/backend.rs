@@ -29,6 +29,7 @@ use async_trait::async_trait;
 use etcd_client::{
     Client, Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
@@ -40,6 +41,7 @@ use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
 use crate::members::Members;
+use crate::releases::ReleaseListener;
 
 /// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
 ///
@@ -54,6 +56,9 @@ use crate::members::Members;
 ///   extends every lease by up to one election timeout plus the TTL. A lock can outlive its
 ///   TTL in etcd; it never ends earlier. The client-side `valid_until` is computed from the
 ///   moment the lease was requested, so it always ends before the lease does.
+/// - **Waiters**: one watch per backend on the deletes of its lock keys wakes a waiter in
+///   [`lock_api::Locker::lock`] when the key is released, revoked or expires (see
+///   [`LockBackend::watch_releases`]); the waiter's backoff stays as the fallback.
 ///
 /// Cheap to clone: clones share one connection pool.
 #[derive(Clone)]
@@ -63,8 +68,9 @@ pub struct EtcdBackend {
 
 struct Inner {
     id: BackendId,
-    members: Members,
+    members: Arc<Members>,
     prefix: String,
+    releases: ReleaseListener,
     user: Option<String>,
     server_min_ttl: Duration,
     capabilities: Capabilities,
@@ -107,11 +113,14 @@ impl EtcdBackend {
         server_min_ttl: Duration,
         (min_ttl, max_ttl): (Duration, Duration),
     ) -> Self {
-        let capabilities =
-            Capabilities::new(Duration::from_secs(1), min_ttl, max_ttl).inspect(true);
+        let capabilities = Capabilities::new(Duration::from_secs(1), min_ttl, max_ttl)
+            .inspect(true)
+            .wakes_waiters(true);
+        let members = Arc::new(members);
         Self {
             inner: Arc::new(Inner {
                 id: BackendId::next(),
+                releases: ReleaseListener::new(members.clone(), prefix.clone()),
                 members,
                 prefix,
                 user,
@@ -142,6 +151,17 @@ impl EtcdBackend {
     /// known when the lock is free.
     pub fn token_key(&self, key: &LockKey) -> String {
         etcd_key(&self.inner.prefix, "tokens", key.as_str())
+    }
+
+    /// The keys that waiters on this backend (and its clones) are watching for releases:
+    /// empty once no one waits.
+    pub fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.releases.watched_keys()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn release_listener(&self) -> &ReleaseListener {
+        &self.inner.releases
     }
 
     /// Runs one etcd call, `op` on a member's client, under the request timeout, on the
@@ -700,6 +720,12 @@ impl LockBackend for EtcdBackend {
             (_, Some(e)) => Err(e),
             (releases, None) => Ok(releases),
         }
+    }
+
+    /// Watches `key` through the backend's one release watch, which starts with the first
+    /// watched key. `None` outside a tokio runtime.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.releases.watch(key)
     }
 
     fn adopt(

@@ -49,6 +49,7 @@ mod error;
 mod fenced;
 mod keys;
 mod members;
+mod releases;
 
 pub use backend::EtcdBackend;
 pub use config::{DEFAULT_KEY_PREFIX, ETCD_MAX_LEASE_TTL, EtcdBuilder};
