@@ -89,8 +89,8 @@ async fn main() -> ExitCode {
     };
     println!(
         "locks on {}, ledger on {}",
-        distlock::redact(&redis),
-        distlock::redact(&postgres)
+        distlock::redact_url(&redis),
+        distlock::redact_url(&postgres)
     );
     let result = scenario::run(&redis, &postgres, &args.options).await;
     drop(servers);

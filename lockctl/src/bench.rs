@@ -41,7 +41,7 @@ pub async fn run(options: &Options<'_>) -> ExitCode {
 async fn measure_and_write(options: &Options<'_>) -> Result<(), String> {
     let mut stores: Vec<(String, Arc<dyn LockBackend>)> = Vec::new();
     for url in options.urls {
-        let label = distlock::redact(url);
+        let label = distlock::redact_url(url);
         let backend = distlock::connect(url)
             .await
             .map_err(|e| format!("{label}: {e}"))?;

@@ -122,7 +122,7 @@ pub async fn run(options: &Options) -> Result<String, LockError> {
     if options.json {
         return Ok(report::json(&rows));
     }
-    let backend = distlock::redact(&options.backend);
+    let backend = distlock::redact_url(&options.backend);
     Ok(report::table(
         &Header {
             backend: &backend,
