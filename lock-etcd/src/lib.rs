@@ -42,6 +42,11 @@
 //!   every token it had before.
 //! - Cost: an acquire is two round trips (grant the lease, then the transaction); release,
 //!   renew and fence are one. A contended acquire revokes its unused lease in the background.
+//! - Waiters in `Locker::lock` are woken when the key is deleted (released, revoked, or
+//!   its lease expired), through one watch per backend on the deletes of its lock keys,
+//!   opened with the first waiter and kept until the backend is dropped. After the stream
+//!   breaks it watches again and wakes a waiter of every watched key; each waiter keeps its
+//!   backoff as the fallback.
 
 mod backend;
 mod config;
