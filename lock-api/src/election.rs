@@ -41,11 +41,19 @@ pub fn election_key(role: &str) -> Result<LockKey, LockError> {
 pub struct ElectionBuilder {
     locker: Locker,
     role: String,
+    key: Option<LockKey>,
     retry: Option<RetryPolicy>,
     poll_interval: Option<Duration>,
 }
 
 impl ElectionBuilder {
+    /// The lock key to elect on, instead of the role's [`election_key`] (for example a key
+    /// under a test run's own prefix). `lockctl leader` finds only roles on the default key.
+    pub fn key(mut self, key: LockKey) -> Self {
+        self.key = Some(key);
+        self
+    }
+
     /// The backoff between attempts in [`Election::campaign`]. The default starts at
     /// 10 ms and grows to a tenth of the locker's TTL (between 10 ms and 1 s): a standby
     /// takes over from a resigning leader within one step of it.
@@ -67,7 +75,8 @@ impl ElectionBuilder {
     /// [`election_key`]) and with [`LockError::Config`] for a retry policy with `initial`
     /// zero or above `max`, or a zero poll interval.
     pub fn build(self) -> Result<Election, LockError> {
-        let key = election_key(&self.role)?;
+        let default_key = election_key(&self.role)?;
+        let key = self.key.unwrap_or(default_key);
         let ttl = self.locker.ttl();
         let retry = self.retry.unwrap_or_else(|| {
             let initial = Duration::from_millis(10);
@@ -160,6 +169,7 @@ impl Election {
         ElectionBuilder {
             locker,
             role: role.to_owned(),
+            key: None,
             retry: None,
             poll_interval: None,
         }
@@ -170,7 +180,8 @@ impl Election {
         &self.role
     }
 
-    /// The role's lock key (`election:<role>`).
+    /// The lock key it elects on (`election:<role>` unless [`ElectionBuilder::key`] chose
+    /// another).
     pub fn key(&self) -> &LockKey {
         &self.key
     }

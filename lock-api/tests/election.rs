@@ -351,3 +351,26 @@ async fn bad_settings_are_refused_before_anything_is_sent() {
     assert!(matches!(poll, Err(LockError::Config(_))), "{poll:?}");
     assert_eq!(store.faults().calls(), 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_election_on_a_chosen_key_leads_on_that_key() {
+    let store = MemoryBackend::new();
+    let key = LockKey::new("tenant-7:election:cron").unwrap();
+    let locker = Locker::builder(Arc::new(store.client()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let election = Election::builder(locker, "cron")
+        .key(key.clone())
+        .build()
+        .unwrap();
+    assert_eq!(election.key(), &key);
+    let leadership = election.campaign().await.unwrap();
+    assert_eq!(
+        store.inspect(&key).await.unwrap().owner,
+        Some(leadership.owner())
+    );
+    let default = election_key("cron").unwrap();
+    assert_eq!(store.inspect(&default).await.unwrap().owner, None);
+    leadership.resign().await.unwrap();
+}

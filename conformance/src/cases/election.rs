@@ -30,12 +30,12 @@ const RETRY: RetryPolicy = RetryPolicy {
 /// How often observers poll.
 const POLL: Duration = Duration::from_millis(20);
 
-/// An election for `role` on `client` with a lease of `ttl`.
+/// An election on `key` (under the run's prefix) on `client` with a lease of `ttl`.
 fn election(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     ttl: Duration,
-    role: &str,
+    key: &LockKey,
 ) -> Result<Election, Failure> {
     let locker = ctx.ok(
         "Locker::builder(..).build()",
@@ -43,21 +43,12 @@ fn election(
     )?;
     ctx.ok(
         "Election::builder(..).build()",
-        Election::builder(locker, role)
+        Election::builder(locker, "conformance")
+            .key(key.clone())
             .retry(RETRY)
             .poll_interval(POLL)
             .build(),
     )
-}
-
-/// A role name unique to this run, so cases sharing a store do not meet.
-fn role(ctx: &Ctx<'_>) -> Result<String, Failure> {
-    Ok(ctx.key("role")?.as_str().to_owned())
-}
-
-/// The key `role` is elected on, as the history records it.
-fn role_key(ctx: &Ctx<'_>, role: &str) -> Result<LockKey, Failure> {
-    lock_api::election_key(role).map_err(|e| ctx.fail("a valid election key", e))
 }
 
 /// Resigns `leadership`, which must still lead.
@@ -80,11 +71,10 @@ pub async fn election_one_leader_at_a_time(factory: &dyn Factory) -> Result<Outc
     let ctx = Ctx::new("election_one_leader_at_a_time", factory);
     let first = ctx.client().await;
     let t = ctx.timing(&first);
-    let role = role(&ctx)?;
-    let key = role_key(&ctx, &role)?;
-    let mut elections = vec![election(&ctx, first, t.ttl, &role)?];
+    let key = ctx.key("role")?;
+    let mut elections = vec![election(&ctx, first, t.ttl, &key)?];
     for _ in 1..CAMPAIGNERS {
-        elections.push(election(&ctx, ctx.client().await, t.ttl, &role)?);
+        elections.push(election(&ctx, ctx.client().await, t.ttl, &key)?);
     }
     let counter = Arc::new(ctx.counter());
     let acting = Arc::new(AtomicUsize::new(0));
@@ -148,10 +138,10 @@ pub async fn election_hands_over_after_resign(factory: &dyn Factory) -> Result<O
     let t = ctx.timing(&client);
     // A long lease: taking over after it ran out would be far past the deadline below.
     let ttl = fit_ttl(&client.capabilities(), t.ttl * 10);
-    let role = role(&ctx)?;
+    let key = ctx.key("role")?;
     let (leader, standby) = (
-        election(&ctx, client, ttl, &role)?,
-        election(&ctx, other, ttl, &role)?,
+        election(&ctx, client, ttl, &key)?,
+        election(&ctx, other, ttl, &key)?,
     );
     let first = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
     let first_token = first.token();
@@ -271,12 +261,11 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
     let ctx = Ctx::new("election_loss_after_pause", factory);
     let client = ctx.client().await;
     let t = ctx.timing(&client);
-    let role = role(&ctx)?;
-    let key = role_key(&ctx, &role)?;
+    let key = ctx.key("role")?;
     let frozen = Arc::new(Freezable::new(client));
     let (leader, standby) = (
-        election(&ctx, frozen.clone(), t.ttl, &role)?,
-        election(&ctx, ctx.client().await, t.ttl, &role)?,
+        election(&ctx, frozen.clone(), t.ttl, &key)?,
+        election(&ctx, ctx.client().await, t.ttl, &key)?,
     );
     let counter = ctx.counter();
     let old = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
@@ -359,10 +348,10 @@ pub async fn election_tokens_increase_across_leaders(
     let ctx = Ctx::new("election_tokens_increase_across_leaders", factory);
     let first = ctx.client().await;
     let t = ctx.timing(&first);
-    let role = role(&ctx)?;
-    let mut elections = vec![election(&ctx, first, t.ttl, &role)?];
+    let key = ctx.key("role")?;
+    let mut elections = vec![election(&ctx, first, t.ttl, &key)?];
     for _ in 1..3 {
-        elections.push(election(&ctx, ctx.client().await, t.ttl, &role)?);
+        elections.push(election(&ctx, ctx.client().await, t.ttl, &key)?);
     }
     let mut last = FencingToken(0);
     for term in 0..6 {
@@ -393,11 +382,11 @@ pub async fn election_observe_follows_the_leader(
     let ctx = Ctx::new("election_observe_follows_the_leader", factory);
     let client = ctx.client().await;
     let t = ctx.timing(&client);
-    let role = role(&ctx)?;
-    let watcher = election(&ctx, client, t.ttl, &role)?;
+    let key = ctx.key("role")?;
+    let watcher = election(&ctx, client, t.ttl, &key)?;
     let (a, b) = (
-        election(&ctx, ctx.client().await, t.ttl, &role)?,
-        election(&ctx, ctx.client().await, t.ttl, &role)?,
+        election(&ctx, ctx.client().await, t.ttl, &key)?,
+        election(&ctx, ctx.client().await, t.ttl, &key)?,
     );
     let mut leaders = Box::pin(watcher.observe());
     let wait = POLL * 10 + Duration::from_secs(2);
