@@ -13,7 +13,6 @@
 //! with `--child`, see [`child_main`]), reads what they print, stops and resumes the
 //! leader, and audits the job table at the end.
 
-use std::collections::BTreeMap;
 use std::error::Error;
 use std::fmt;
 use std::process::Stdio;
@@ -210,7 +209,7 @@ impl fmt::Display for Report {
         for (scheduler, token, jobs, first, last) in &self.terms {
             writeln!(
                 f,
-                "  scheduler {scheduler}  token {token:>4}: {jobs:>3} jobs, intervals {first}..={last}"
+                "  scheduler {scheduler}  token {token}: {jobs:>3} jobs, intervals {first}..={last}"
             )?;
         }
         if let (Some((stopped, old)), Some((next, new))) = (self.stopped, self.successor) {
@@ -490,12 +489,8 @@ async fn audit(pool: &PgPool, run: &str) -> Result<Report, BoxError> {
     .bind(run)
     .fetch_one(pool)
     .await?;
-    let mut per_term = BTreeMap::new();
-    for term in terms {
-        per_term.insert(term.1, term);
-    }
     Ok(Report {
-        terms: per_term.into_values().collect(),
+        terms,
         stale_accepted,
         doubled,
         missed,
