@@ -44,6 +44,11 @@ macro_rules! __conformance_cases {
             leases_stay_with_their_client: [distinct_clients],
             lost_reply_is_not_a_lease: [link_faults],
             validity_counts_from_the_send_instant: [link_faults],
+            election_one_leader_at_a_time: [],
+            election_hands_over_after_resign: [],
+            election_loss_after_pause: [],
+            election_tokens_increase_across_leaders: [],
+            election_observe_follows_the_leader: [inspect],
         }
     };
 }

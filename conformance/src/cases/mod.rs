@@ -10,11 +10,13 @@
 //! the case list and checked before it runs ([`crate::suite::Need`]).
 
 mod batch;
+mod election;
 mod input;
 mod lease;
 mod locker;
 
 pub use batch::*;
+pub use election::*;
 pub use input::*;
 pub use lease::*;
 pub use locker::*;
