@@ -65,8 +65,6 @@ mod etcd_url;
 mod pg_url;
 
 pub use connect::{SCHEMES, Scheme, connect, setup};
-/// The same as [`redact_url`]: a URL fit to show a person or a log.
-pub use lock_api::redact_url as redact;
 pub use lock_api::*;
 #[cfg(feature = "etcd")]
 pub use lock_etcd as etcd;
