@@ -1,15 +1,17 @@
 //! etcd with authentication: auth tokens expire (simple tokens once unused on a member for
 //! `--auth-token-ttl`, JWTs after their TTL), and a held lock must outlive any number of
 //! them, on one member and across a failover to a member whose token expired meanwhile.
+//! The release watch, opened after the token expired, still wakes waiters.
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::until_answered;
 use conformance::harness::etcd::{EtcdAuth, EtcdCluster, EtcdServer};
 use conformance::harness::require;
-use lock_api::{Fence, LockBackend, LockKey, Release, Renewal};
+use lock_api::{Fence, LockBackend, LockKey, Locker, Release, Renewal, RetryPolicy};
 use lock_etcd::EtcdBackend;
 use tokio::time::{Instant, sleep};
 
@@ -113,5 +115,48 @@ async fn a_failover_to_a_member_whose_auth_token_expired_keeps_the_lock() {
     assert_eq!(
         until_answered("release on m0", deadline, || backend.release(&lease)).await,
         Release::Released
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_watch_opened_after_the_auth_token_expired_wakes_the_waiter() {
+    const BACKOFF: Duration = Duration::from_secs(30);
+    let server = require(EtcdServer::start_with_auth(&auth()).await);
+    let (holder, waiter) = (
+        backend(vec![server.endpoint()]).await,
+        backend(vec![server.endpoint()]).await,
+    );
+    let k = key("woken");
+    let lease = holder.acquire(&k, TTL).await.unwrap().expect("free key");
+    // The waiter's client authenticated when it was built; its token is gone by now.
+    sleep(TOKEN_GONE).await;
+    let locker = Locker::builder(Arc::new(waiter))
+        .ttl(TTL)
+        .retry(RetryPolicy {
+            initial: BACKOFF,
+            max: BACKOFF,
+        })
+        .wait_timeout(Some(Duration::from_secs(120)))
+        .build()
+        .unwrap();
+    let waiting = {
+        let k = k.clone();
+        tokio::spawn(async move {
+            let guard = locker.lock(&k).await.unwrap();
+            let granted_at = Instant::now();
+            guard.release().await.unwrap();
+            granted_at
+        })
+    };
+    sleep(Duration::from_secs(1)).await;
+
+    let released_at = Instant::now();
+    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+    let granted_at = waiting.await.unwrap();
+    // A waiter that polled would wait at least half its backoff.
+    assert!(
+        granted_at - released_at < Duration::from_secs(5),
+        "granted {:?} after the release",
+        granted_at - released_at
     );
 }
