@@ -14,13 +14,14 @@ use lock_api::{
 use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
 use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value};
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use crate::coalesce::Queue;
 use crate::config::{RedisBackendBuilder, redact_url};
-use crate::conn::{Call, Conn, key_slot, reply_error};
+use crate::conn::{Call, ClusterState, Conn, key_slot, reply_error};
 use crate::keys::LockKeys;
 use crate::scripts::{
     ABANDON_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
@@ -181,25 +182,23 @@ impl RedisBackend {
                     }
                 }
             }
-            let mut client = ClusterClientBuilder::new(
-                b.urls
-                    .iter()
-                    .map(|u| parse_url(u))
-                    .collect::<Result<Vec<_>, _>>()?,
+            let nodes = b
+                .urls
+                .iter()
+                .map(|u| parse_url(u))
+                .collect::<Result<Vec<_>, _>>()?;
+            let shown = shown_urls.join(",");
+            // Two connections: one that retries (reads, and scripts safe to run twice), one
+            // that never sends a request again (see `Conn`).
+            let c = cluster_connection(&b, nodes.clone(), certificates.clone(), 2, &shown).await?;
+            let once = cluster_connection(&b, nodes, certificates, 0, &shown).await?;
+            Conn::Cluster(
+                c,
+                Arc::new(ClusterState {
+                    once,
+                    slots: Mutex::new(None),
+                }),
             )
-            .connection_timeout(b.connect_timeout)
-            .response_timeout(b.response_timeout)
-            .retries(2);
-            if let Some(certificates) = certificates {
-                client = client.certs(certificates);
-            }
-            let client = client
-                .build()
-                .map_err(|e| config_error(&shown_urls.join(","), &e))?;
-            let c = with_timeout(b.connect_timeout, client.get_async_connection())
-                .await
-                .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-            Conn::Cluster(c, Arc::new(Mutex::new(None)))
         } else {
             let info = parse_url(&b.urls[0])?;
             let client = match certificates {
@@ -1215,6 +1214,26 @@ fn parse_token(reply: Option<Value>) -> Result<Option<u64>, LockError> {
         .extract_error()
         .map_err(|e| map_error("acquire", true, &e))?;
     redis::from_redis_value::<Option<u64>>(reply).map_err(|e| LockError::backend(NAME, e))
+}
+
+async fn cluster_connection(
+    b: &RedisBackendBuilder,
+    nodes: Vec<redis::ConnectionInfo>,
+    certificates: Option<redis::TlsCertificates>,
+    retries: u32,
+    shown_urls: &str,
+) -> Result<ClusterConnection, LockError> {
+    let mut client = ClusterClientBuilder::new(nodes)
+        .connection_timeout(b.connect_timeout)
+        .response_timeout(b.response_timeout)
+        .retries(retries);
+    if let Some(certificates) = certificates {
+        client = client.certs(certificates);
+    }
+    let client = client.build().map_err(|e| config_error(shown_urls, &e))?;
+    with_timeout(b.connect_timeout, client.get_async_connection())
+        .await
+        .map_err(|e| connect_error(shown_urls, e))
 }
 
 async fn with_timeout<T>(

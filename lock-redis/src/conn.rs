@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+
+use crate::scripts::runs_once;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
@@ -56,10 +58,22 @@ impl Call {
 }
 
 /// A connection to a single node (reconnecting on its own) or to a cluster.
+///
+/// The cluster connection follows redirects and, after a connection error, sends a request
+/// again, which may then run twice. A script whose second run reports something else than
+/// its first (see [`crate::scripts::runs_once`]) goes through [`ClusterState::once`]
+/// instead, and its redirects are followed here.
 #[derive(Clone)]
 pub(crate) enum Conn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection, Arc<Mutex<Option<Arc<SlotOwners>>>>),
+    Cluster(ClusterConnection, Arc<ClusterState>),
+}
+
+/// The rest of a cluster connection.
+pub(crate) struct ClusterState {
+    /// A connection to the same cluster that never sends a request twice.
+    pub(crate) once: ClusterConnection,
+    pub(crate) slots: Mutex<Option<Arc<SlotOwners>>>,
 }
 
 /// Which node (`host`, `port`) serves each slot range, from `CLUSTER SLOTS`.
@@ -92,7 +106,41 @@ impl Conn {
         let inv = call.invocation();
         match self {
             Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(..) if runs_once(call.script) => {
+                T::from_redis_value(self.invoke_once(call).await?).map_err(RedisError::from)
+            }
             Conn::Cluster(c, _) => inv.invoke_async(&mut c.clone()).await,
+        }
+    }
+
+    /// One call of a script that must not run twice, through the cluster connection that
+    /// never sends a request again. Redirects prove the call did not run: they are
+    /// followed here, twice at most (an ASK with `ASKING` first).
+    async fn invoke_once(&self, call: &Call) -> RedisResult<Value> {
+        let mut route =
+            SingleNodeRoutingInfo::SpecificNode(Route::new(call.slot(), SlotAddr::Master));
+        let mut asking = false;
+        let mut redirects = 0;
+        loop {
+            let reply = self
+                .node_batch(std::slice::from_ref(call), &[0], route.clone(), asking)
+                .await?
+                .pop()
+                .unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply"))));
+            let e = match reply {
+                Err(e) if is_redirect(&e) && redirects < 2 => e,
+                other => return other,
+            };
+            let Some((host, port)) = e
+                .redirect_node()
+                .and_then(|(addr, _)| addr.rsplit_once(':'))
+                .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+            else {
+                return Err(e);
+            };
+            asking = e.kind() == ErrorKind::Server(ServerErrorKind::Ask);
+            route = SingleNodeRoutingInfo::ByAddress { host, port };
+            redirects += 1;
         }
     }
 
@@ -105,15 +153,11 @@ impl Conn {
             pipe.add_command(cmd.clone());
         }
         let route = Route::new(call.slot(), SlotAddr::Master);
-        let mut replies = self
-            .send(&pipe, SingleNodeRoutingInfo::SpecificNode(route))
-            .await?;
+        let route = SingleNodeRoutingInfo::SpecificNode(route);
+        let mut replies = self.send(&pipe, route.clone(), false, false).await?;
         if is_noscript(&replies[0]) {
-            self.load(call.script, SingleNodeRoutingInfo::SpecificNode(route))
-                .await?;
-            replies = self
-                .send(&pipe, SingleNodeRoutingInfo::SpecificNode(route))
-                .await?;
+            self.load(call.script, route.clone()).await?;
+            replies = self.send(&pipe, route, false, false).await?;
         }
         Ok(replies)
     }
@@ -140,7 +184,7 @@ impl Conn {
         match self {
             Conn::Single(_) => {
                 let all: Vec<usize> = (0..calls.len()).collect();
-                self.node_batch(calls, &all, SingleNodeRoutingInfo::Random)
+                self.node_batch(calls, &all, SingleNodeRoutingInfo::Random, false)
                     .await
             }
             Conn::Cluster(..) => self.cluster_batch(calls, node_timeout).await,
@@ -168,16 +212,19 @@ impl Conn {
             } else {
                 SingleNodeRoutingInfo::ByAddress { host, port }
             };
-            let replies =
-                match tokio::time::timeout(node_timeout, self.node_batch(calls, &idx, route)).await
-                {
-                    Ok(Ok(replies)) => replies,
-                    Ok(Err(e)) => idx.iter().map(|_| Err(e.clone())).collect(),
-                    Err(_) => {
-                        let e = no_reply_within(node_timeout);
-                        idx.iter().map(|_| Err(e.clone())).collect()
-                    }
-                };
+            let replies = match tokio::time::timeout(
+                node_timeout,
+                self.node_batch(calls, &idx, route, false),
+            )
+            .await
+            {
+                Ok(Ok(replies)) => replies,
+                Ok(Err(e)) => idx.iter().map(|_| Err(e.clone())).collect(),
+                Err(_) => {
+                    let e = no_reply_within(node_timeout);
+                    idx.iter().map(|_| Err(e.clone())).collect()
+                }
+            };
             (idx, replies)
         });
         let mut out: Vec<Option<RedisResult<Value>>> = calls.iter().map(|_| None).collect();
@@ -207,19 +254,30 @@ impl Conn {
             .collect())
     }
 
-    /// One pipeline of the calls at `idx` to one node; NOSCRIPT replies are sent again once
-    /// after loading their scripts on that node.
+    /// One pipeline of the calls at `idx` to one node (after `ASKING` when `asking`);
+    /// NOSCRIPT replies are sent again once after loading their scripts on that node. In a
+    /// cluster, calls of a script that [runs once](runs_once) are never sent again after a
+    /// connection error.
     async fn node_batch(
         &self,
         calls: &[Call],
         idx: &[usize],
         route: SingleNodeRoutingInfo,
+        asking: bool,
     ) -> RedisResult<Vec<RedisResult<Value>>> {
-        let mut pipe = Pipeline::with_capacity(idx.len());
-        for &i in idx {
-            pipe.add_command(calls[i].cmd());
-        }
-        let replies = self.send(&pipe, route.clone()).await?;
+        let once = idx.iter().any(|&i| runs_once(calls[i].script));
+        let pipeline = |calls: &mut dyn Iterator<Item = &Call>| {
+            let mut pipe = Pipeline::with_capacity(idx.len() + 1);
+            if asking {
+                pipe.cmd("ASKING");
+            }
+            for call in calls {
+                pipe.add_command(call.cmd());
+            }
+            pipe
+        };
+        let pipe = pipeline(&mut idx.iter().map(|&i| &calls[i]));
+        let replies = self.send(&pipe, route.clone(), once, asking).await?;
         let mut out: Vec<RedisResult<Value>> = replies.into_iter().map(reply_error).collect();
         let missing: Vec<usize> = (0..out.len())
             .filter(|&j| matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)))
@@ -228,7 +286,6 @@ impl Conn {
             return Ok(out);
         }
         let mut scripts: Vec<&'static Script> = Vec::new();
-        let mut again = Pipeline::with_capacity(missing.len());
         for &j in &missing {
             let call = &calls[idx[j]];
             if !scripts
@@ -237,25 +294,34 @@ impl Conn {
             {
                 scripts.push(call.script);
             }
-            again.add_command(call.cmd());
         }
         for script in scripts {
             self.load(script, route.clone()).await?;
         }
-        let replies = self.send(&again, route).await?;
+        let again = pipeline(&mut missing.iter().map(|&j| &calls[idx[j]]));
+        let replies = self.send(&again, route, once, asking).await?;
         for (j, reply) in missing.into_iter().zip(replies) {
             out[j] = reply_error(reply);
         }
         Ok(out)
     }
 
-    async fn send(&self, pipe: &Pipeline, route: SingleNodeRoutingInfo) -> RedisResult<Vec<Value>> {
+    /// Sends `pipe` (through the connection that never resends when `once`); the reply of
+    /// a leading `ASKING` is left out.
+    async fn send(
+        &self,
+        pipe: &Pipeline,
+        route: SingleNodeRoutingInfo,
+        once: bool,
+        asking: bool,
+    ) -> RedisResult<Vec<Value>> {
+        let skip = usize::from(asking);
+        let count = pipe.len() - skip;
         match self {
-            Conn::Single(c) => c.clone().req_packed_commands(pipe, 0, pipe.len()).await,
-            Conn::Cluster(c, _) => {
-                c.clone()
-                    .route_pipeline(pipe.clone(), 0, pipe.len(), route)
-                    .await
+            Conn::Single(c) => c.clone().req_packed_commands(pipe, skip, count).await,
+            Conn::Cluster(c, state) => {
+                let mut c = if once { state.once.clone() } else { c.clone() };
+                c.route_pipeline(pipe.clone(), skip, count, route).await
             }
         }
     }
@@ -332,10 +398,10 @@ impl Conn {
     /// it is stale. A stale map is still used when asking fails: most of it is usually
     /// right, and the next batch asks again.
     async fn slot_owners(&self, node_timeout: Duration) -> RedisResult<Arc<SlotOwners>> {
-        let Conn::Cluster(c, cache) = self else {
+        let Conn::Cluster(c, state) = self else {
             return Ok(Arc::new(SlotOwners::new(Vec::new())));
         };
-        let cached = cache.lock().clone();
+        let cached = state.slots.lock().clone();
         if let Some(owners) = &cached {
             if !owners.stale.load(Ordering::Relaxed) {
                 return Ok(owners.clone());
@@ -355,7 +421,7 @@ impl Conn {
         match (asked, cached) {
             (Ok(reply), _) => {
                 let owners = Arc::new(parse_cluster_slots(reply));
-                *cache.lock() = Some(owners.clone());
+                *state.slots.lock() = Some(owners.clone());
                 Ok(owners)
             }
             (Err(_), Some(stale)) => Ok(stale),

@@ -20,6 +20,10 @@
 //!   script call (each caller gets its own result; a lone caller sends at once). A script
 //!   call's fixed server cost is then paid once per batch, not once per lock.
 //! * **Cluster.** A lock's two keys share a hash tag, hence a slot; redirects are followed.
+//!   The cluster client sends a request again after a connection error, so the scripts
+//!   are safe to run twice (an acquire sent again with its owner id returns its token),
+//!   except release, which goes over a second connection that never resends (a second
+//!   run would say `NotHeld`): a lost reply is then an unknown outcome.
 //! * **Unknown outcomes.** A request without a reply within the response timeout fails with
 //!   [`lock_api::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
 //!   checked against its owner id, whatever it may have taken.

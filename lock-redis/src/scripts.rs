@@ -37,6 +37,17 @@ pub(crate) static RENEW_MANY_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script:
 pub(crate) static RELEASE_MANY_SCRIPT: LazyLock<Script> =
     LazyLock::new(|| Script::new(RELEASE_MANY));
 
+/// True for the scripts whose second run reports something else than their first, so a
+/// client must never send them again after a connection error: a release sent again after
+/// it ran says "not held" (a second release is `NotHeld` by contract). The others are
+/// safe to resend: an acquire sent again with its owner id returns its token; renew,
+/// fence and abandon report the same thing twice.
+pub(crate) fn runs_once(script: &Script) -> bool {
+    [&*RELEASE_SCRIPT, &*RELEASE_MANY_SCRIPT]
+        .iter()
+        .any(|s| s.get_hash() == script.get_hash())
+}
+
 /// Every script, for loading them all when connecting.
 pub(crate) fn all() -> [&'static Script; 9] {
     [

@@ -1,14 +1,17 @@
 //! The cluster client may send a script again after a connection drop that happened after
 //! the script ran. An acquire sent twice with the same owner id must then return the
-//! lease it took, not "held by someone else" while its own attempt holds the key.
+//! lease it took, not "held by someone else" while its own attempt holds the key; a
+//! release must never be sent twice (the second run would say "not held").
 
 mod common;
 
 use std::time::Duration;
 
-use common::RedisFactory;
-use conformance::harness::{self, redis::RespValue};
-use lock_api::{LockBackend, LockKey};
+use common::{RedisClusterFactory, RedisFactory};
+use conformance::harness::{self, proxy::FaultProxy, redis::RespValue};
+use lock_api::{LockBackend, LockError, LockKey};
+use lock_redis::RedisBackend;
+use tokio::time::Instant;
 
 const ACQUIRE: &str = include_str!("../src/scripts/acquire.lua");
 const ACQUIRE_MANY: &str = include_str!("../src/scripts/acquire_many.lua");
@@ -68,4 +71,91 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
         redis.inspect(&key).await.unwrap().token,
         Some(lease.token())
     );
+}
+
+/// A cluster whose master for `key` is reached through a fault proxy (the node announces
+/// the proxy's port), and a client with room for a resend within its response timeout.
+async fn cluster_behind_a_proxy(key: &LockKey) -> (RedisClusterFactory, FaultProxy, RedisBackend) {
+    let f = RedisClusterFactory::start().await;
+    let probe = f.redis().await;
+    let (lock_key, _) = probe.redis_keys(key);
+    let master = harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await);
+    let proxy = harness::require(FaultProxy::start(master.addr()).await);
+    let proxy_port = proxy.port().to_string();
+    harness::require(
+        master
+            .command(&["CONFIG", "SET", "cluster-announce-port", &proxy_port])
+            .await,
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for node in f.cluster.nodes() {
+        loop {
+            let nodes = harness::require(node.command(&["CLUSTER", "NODES"]).await)
+                .as_text()
+                .unwrap_or_default();
+            if nodes.contains(&format!(":{proxy_port}@")) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the new port was never gossiped");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    let redis = RedisBackend::builder()
+        .cluster_urls(f.cluster.urls())
+        .response_timeout(Duration::from_secs(5))
+        .build()
+        .await
+        .expect("connect to the test cluster");
+    (f, proxy, redis)
+}
+
+/// Runs `release` while the link to the lock's master is slow, and resets the connection
+/// after the release has reached the server but before its reply is back.
+async fn release_losing_its_reply<T>(
+    proxy: &FaultProxy,
+    release: impl std::future::Future<Output = T> + Send + 'static,
+) -> T
+where
+    T: Send + 'static,
+{
+    proxy.delay(Duration::from_millis(300));
+    let release = tokio::spawn(release);
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    proxy.reset();
+    // Healing at once could let the held-back reply through before the reset.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.heal();
+    release.await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_release_whose_reply_was_lost_is_not_sent_again() {
+    let key = LockKey::new("released-once").unwrap();
+    let (_f, proxy, redis) = cluster_behind_a_proxy(&key).await;
+    let lease = redis.acquire(&key, TTL).await.unwrap().expect("free key");
+
+    let outcome = release_losing_its_reply(&proxy, {
+        let (redis, lease) = (redis.clone(), lease.clone());
+        async move { redis.release(&lease).await }
+    })
+    .await;
+    assert!(
+        matches!(outcome, Err(LockError::OutcomeUnknown { .. })),
+        "a release that ran must never be reported as not held: {outcome:?}"
+    );
+    assert_eq!(redis.inspect(&key).await.unwrap().owner, None, "it ran");
+
+    let lease = redis.acquire(&key, TTL).await.unwrap().expect("free key");
+    // Batches ask for the slot map first: have it cached before the link turns slow.
+    redis.renew_many(std::slice::from_ref(&lease)).await.unwrap();
+    let outcome = release_losing_its_reply(&proxy, {
+        let (redis, lease) = (redis.clone(), lease.clone());
+        async move { redis.release_many(&[lease]).await }
+    })
+    .await;
+    assert!(
+        matches!(outcome, Err(LockError::OutcomeUnknown { .. })),
+        "the batch form: {outcome:?}"
+    );
+    assert_eq!(redis.inspect(&key).await.unwrap().owner, None);
 }
