@@ -16,6 +16,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value};
+use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
@@ -95,12 +96,15 @@ struct PendingAcquire {
     key: LockKey,
     ttl: Duration,
     called: Instant,
+    /// The caller's runtime, where its batch runs (see [`RedisBackend::hand_off`]).
+    runtime: Option<Handle>,
     reply: oneshot::Sender<Result<Option<Lease>, LockError>>,
 }
 
 /// A release waiting in the coalescing queue.
 struct PendingRelease {
     lease: Lease,
+    runtime: Option<Handle>,
     reply: oneshot::Sender<Result<Release, LockError>>,
 }
 
@@ -515,20 +519,24 @@ impl RedisBackend {
     /// as one batch, in a task of its own (so it runs even when no caller waits any more),
     /// or marks the queue idle.
     ///
-    /// The batch's [`InFlight`] mark is made before spawning and moves into the task: a
-    /// runtime that is shutting down drops the task unpolled, and dropping the mark then
+    /// The batch runs on the runtime of one of its callers, not on the one of the call
+    /// just done: a backend may be shared by several runtimes, and the one that ends the
+    /// call may be shutting down. Its [`InFlight`] mark is made before spawning and moves
+    /// into the task: if that runtime drops the task unpolled after all, dropping the mark
     /// hands off again (the batch's callers learn from their closed channels) instead of
     /// leaving the queue busy forever.
     fn hand_off(&self, kind: Kind) {
-        let runtime = tokio::runtime::Handle::try_current();
+        let current = Handle::try_current().ok();
         match kind {
             Kind::Acquire => {
                 while let Some(batch) = self.inner.acquires.next() {
-                    let Ok(runtime) = &runtime else {
+                    let callers = batch.iter().map(|p| &p.runtime);
+                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
                         // Nothing can be sent without a runtime: dropping the batch closes
                         // its callers' channels, which tells them so.
                         continue;
                     };
+                    let runtime = runtime.clone();
                     let in_flight = self.in_flight(kind);
                     runtime.spawn(async move {
                         in_flight.backend.acquire_queued(batch).await;
@@ -539,7 +547,11 @@ impl RedisBackend {
             }
             Kind::Release => {
                 while let Some(batch) = self.inner.releases.next() {
-                    let Ok(runtime) = &runtime else { continue };
+                    let callers = batch.iter().map(|p| &p.runtime);
+                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
+                        continue;
+                    };
+                    let runtime = runtime.clone();
                     let in_flight = self.in_flight(kind);
                     runtime.spawn(async move {
                         in_flight.backend.release_queued(batch).await;
@@ -828,6 +840,7 @@ impl LockBackend for RedisBackend {
                 key: key.clone(),
                 ttl,
                 called,
+                runtime: Handle::try_current().ok(),
                 reply,
             }
         });
@@ -861,6 +874,7 @@ impl LockBackend for RedisBackend {
             queued = Some(rx);
             PendingRelease {
                 lease: lease.clone(),
+                runtime: Handle::try_current().ok(),
                 reply,
             }
         });

@@ -222,7 +222,7 @@ async fn call(
 }
 
 /// The call in flight belongs to a runtime that shuts down, with a caller of another
-/// runtime queued behind it: the queue must not stay busy for good.
+/// runtime queued behind it: that caller is served, and the queue does not stay busy.
 async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
     let f = RedisFactory::start().await;
     let redis = f.redis_with(Duration::from_secs(2)).await;
@@ -249,9 +249,11 @@ async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
         .await
         .expect("the queued caller was answered")
         .unwrap();
-    if let Err(e) = &queued {
-        assert!(e.is_retryable(), "{e:?}");
-    }
+    // Its batch runs on its own runtime, not on the one shutting down.
+    assert!(
+        matches!(queued, Ok(true)),
+        "the queued caller got {queued:?}"
+    );
     // Later calls of this runtime go through.
     f.proxy.heal();
     let later = tokio::time::timeout(
