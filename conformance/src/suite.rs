@@ -296,6 +296,20 @@ pub mod macro_support {
         F: Factory,
         Fut: Future<Output = F>,
     {
+        stamped_cases_needing(make_factory, declared, None, stamped);
+    }
+
+    /// [`stamped_cases`] for an invocation that stamps, with `only: Some(need)`, only the
+    /// cases that need `need`.
+    pub fn stamped_cases_needing<F, Fut>(
+        make_factory: Fut,
+        declared: &[Need],
+        only: Option<Need>,
+        stamped: &[(&str, bool)],
+    ) where
+        F: Factory,
+        Fut: Future<Output = F>,
+    {
         runtime().block_on(async {
             let factory = make_factory.await;
             let mut errors = Vec::new();
@@ -318,6 +332,17 @@ pub mod macro_support {
             }
             let mut not_stamped = Vec::new();
             for case in CASES {
+                if only.is_some_and(|need| !case.needs.contains(&need)) {
+                    let is_stamped = stamped.iter().any(|(n, s)| *n == case.name && *s);
+                    if is_stamped && errors.is_empty() {
+                        errors.push(format!(
+                            "`{}` is stamped although it does not need the only capability \
+                             asked for",
+                            case.name
+                        ));
+                    }
+                    continue;
+                }
                 let is_stamped = stamped.iter().any(|(n, s)| *n == case.name && *s);
                 let missing = missing_needs(case.needs, &factory).await;
                 if !is_stamped {
@@ -339,11 +364,16 @@ pub mod macro_support {
             }
             let count = stamped.iter().filter(|(_, s)| *s).count();
             let caps: Vec<_> = has.iter().map(|n| n.name()).collect();
+            let considered = CASES
+                .iter()
+                .filter(|c| only.is_none_or(|need| c.needs.contains(&need)))
+                .count();
             let mut summary = format!(
-                "conformance on {}: {count} of {} cases stamped and run (capabilities: {}; \
-                 fenced counter on {})",
+                "conformance on {}: {count} of {considered} cases{} stamped and run \
+                 (capabilities: {}; fenced counter on {})",
                 factory.name(),
-                CASES.len(),
+                only.map(|need| format!(" needing {need}"))
+                    .unwrap_or_default(),
                 if caps.is_empty() {
                     "none".to_owned()
                 } else {

@@ -13,6 +13,22 @@ mod control {
     );
 }
 
+/// `only_needing` stamps the cases that need server faults and no other.
+mod server_faults_only {
+    conformance::conformance_tests!(
+        async { conformance::broken::BrokenFactory::control() },
+        capabilities: [link_faults, server_faults, inspect, distinct_clients],
+        only_needing: server_faults,
+    );
+
+    #[test]
+    fn only_the_cases_needing_server_faults_are_stamped() {
+        assert!(restart_leaves_old_holder_fenced::STAMPED);
+        assert!(!acquire_excludes_others::STAMPED);
+        assert!(!watchdog_reports_loss_by_valid_until::STAMPED);
+    }
+}
+
 /// What the macro stamps for a factory declared with no capabilities.
 fn stamped_without_capabilities() -> Vec<(&'static str, bool)> {
     CASES.iter().map(|c| (c.name, c.needs.is_empty())).collect()

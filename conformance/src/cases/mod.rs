@@ -14,12 +14,14 @@ mod election;
 mod input;
 mod lease;
 mod locker;
+mod server_faults;
 
 pub use batch::*;
 pub use election::*;
 pub use input::*;
 pub use lease::*;
 pub use locker::*;
+pub use server_faults::*;
 
 use std::sync::Arc;
 

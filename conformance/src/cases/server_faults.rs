@@ -1,0 +1,246 @@
+//! Cases on faults of the store's server process: a restart (with or without the
+//! store's data) and a pause past the TTL. Each checks what a holder caught by the fault
+//! may still do: its late write is rejected once a newer holder wrote, its lease is never
+//! renewed over the new holder, and tokens keep increasing.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use lock_api::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
+use tokio::time::{Instant, sleep, sleep_until};
+
+use super::release_held;
+use crate::factory::Factory;
+use crate::history::FencedCounter;
+use crate::suite::{Ctx, Failure, Outcome, Timing};
+
+/// How long after a server fault ends a client may keep failing while it reconnects (and
+/// a 3-member store elects a leader).
+const RECOVERY_GRACE: Duration = Duration::from_secs(10);
+
+/// A holder whose server was killed and started again is fenced once another client
+/// takes the key, whether the restart kept the store's data or lost it: the new grant
+/// carries a higher token, the old holder's late write is rejected after the new
+/// holder's, its renewal is Lost and its fence Stale.
+pub async fn restart_leaves_old_holder_fenced(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new("restart_leaves_old_holder_fenced", factory);
+    let server = ctx.server()?;
+    // Calls that fail around the restart may have reached the store.
+    ctx.with_faults();
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let counter = ctx.counter();
+    let old = ctx.take(&a, &key, t.ttl).await?;
+    write_admitted(
+        &ctx,
+        &counter,
+        &key,
+        &old,
+        "the holder's write before the restart",
+    )
+    .await?;
+    let read = counter.read().await;
+
+    server.kill().await;
+    server.restart().await;
+
+    // A store that kept its data frees the key when the old lease runs out; one that lost
+    // it frees the key at once.
+    let deadline = Instant::now() + RECOVERY_GRACE + t.ttl;
+    let new = take_after_fault(&ctx, &b, &key, &t, deadline, "after the restart").await?;
+    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
+    release_held(&ctx, &b, &new).await?;
+    ctx.pass(&t)
+}
+
+/// A holder frozen together with its server past its TTL (the server SIGSTOPped, the
+/// holder making no call) never overlaps the next holder: a client that asks for the key
+/// during the pause is granted it only after the old lease ran out, with a higher token,
+/// and the old holder's late write, renewal and fence check all fail.
+///
+/// The history is checked without the fault allowance: no call of the old holder was in
+/// flight during the pause, so nothing can have extended its lease unseen.
+pub async fn server_paused_past_ttl_keeps_holders_apart(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("server_paused_past_ttl_keeps_holders_apart", factory);
+    let server = ctx.server()?;
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let counter = ctx.counter();
+    let old = ctx.take(&a, &key, t.ttl).await?;
+    let granted = Instant::now();
+    write_admitted(
+        &ctx,
+        &counter,
+        &key,
+        &old,
+        "the holder's write before the pause",
+    )
+    .await?;
+    let read = counter.read().await;
+
+    server.pause().await;
+    // The contender asks while the server is frozen and the old lease is still valid.
+    let contender = {
+        let (b, key, ttl) = (b.clone(), key.clone(), t.ttl);
+        tokio::spawn(async move { b.acquire(&key, ttl).await })
+    };
+    sleep_until(t.expired_by(granted)).await;
+    server.resume().await;
+    let asked_in_pause = contender
+        .await
+        .map_err(|e| ctx.fail("the contender's acquire to finish", e))?;
+
+    let new = match asked_in_pause {
+        Ok(Some(lease)) => lease,
+        // Busy (the store had not expired the old lease yet) or an error (the call timed
+        // out in the pause): ask again.
+        Ok(None) | Err(_) => {
+            let deadline = Instant::now() + RECOVERY_GRACE;
+            take_after_fault(&ctx, &b, &key, &t, deadline, "after the pause").await?
+        }
+    };
+    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
+    release_held(&ctx, &b, &new).await?;
+    ctx.pass(&t)
+}
+
+/// The first answer of `call`, retried while it fails with an error until `deadline`
+/// (clients reconnect after a server fault).
+async fn until_answered<T, F, Fut>(
+    ctx: &Ctx<'_>,
+    what: &str,
+    deadline: Instant,
+    mut call: F,
+) -> Result<T, Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, LockError>>,
+{
+    loop {
+        match call().await {
+            Ok(answer) => return Ok(answer),
+            Err(_) if Instant::now() < deadline => sleep(Duration::from_millis(50)).await,
+            Err(e) => {
+                return Err(ctx.fail(
+                    format!("{what} to be answered by {deadline:?}"),
+                    format!("error: {e}"),
+                ));
+            }
+        }
+    }
+}
+
+/// Polls until `client` is granted `key`, tolerating errors, failing at `deadline`.
+async fn take_after_fault(
+    ctx: &Ctx<'_>,
+    client: &Arc<dyn LockBackend>,
+    key: &LockKey,
+    t: &Timing,
+    deadline: Instant,
+    why: &str,
+) -> Result<Lease, Failure> {
+    let what = format!("an acquire of {key} {why}");
+    loop {
+        let got = until_answered(ctx, &what, deadline, || client.acquire(key, t.ttl)).await?;
+        if let Some(lease) = got {
+            return Ok(lease);
+        }
+        if Instant::now() >= deadline {
+            return Err(ctx.fail(
+                format!("{key} to be free {why} by {deadline:?}"),
+                "still held",
+            ));
+        }
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Writes through `counter` with `lease`'s token what it read plus one; the write must be
+/// admitted. Errors are retried: the resource may be reconnecting after a fault.
+async fn write_admitted(
+    ctx: &Ctx<'_>,
+    counter: &FencedCounter,
+    key: &LockKey,
+    lease: &Lease,
+    what: &str,
+) -> Result<(), Failure> {
+    let read = counter.read().await;
+    let deadline = Instant::now() + RECOVERY_GRACE;
+    let admission = until_answered(ctx, what, deadline, || {
+        counter.write(key, lease.token(), read, read + 1)
+    })
+    .await?;
+    ctx.ensure(
+        admission.is_admitted(),
+        format!("{what} (token {}) to be admitted", lease.token()),
+        || format!("{admission:?}"),
+    )
+}
+
+/// After `new` was granted to `b` over the faulted holder `old` of `a` (which read `read`
+/// before the fault): tokens increased, the new holder's write is admitted and the old
+/// holder's late one rejected, the old lease renews as Lost and fences as Stale, and the
+/// new holder is untouched.
+async fn old_holder_fenced(
+    ctx: &Ctx<'_>,
+    counter: &FencedCounter,
+    a: &Arc<dyn LockBackend>,
+    old: &Lease,
+    b: &Arc<dyn LockBackend>,
+    new: &Lease,
+    read: u64,
+) -> Result<(), Failure> {
+    ctx.ensure(
+        new.token() > old.token(),
+        format!("the new holder's token above the old {}", old.token()),
+        || format!("token {}", new.token()),
+    )?;
+    write_admitted(ctx, counter, new.key(), new, "the new holder's write").await?;
+    let deadline = Instant::now() + RECOVERY_GRACE;
+    let late = until_answered(ctx, "the old holder's late write", deadline, || {
+        counter.write(old.key(), old.token(), read, read + 1)
+    })
+    .await?;
+    ctx.ensure(
+        !late.is_admitted(),
+        format!(
+            "the old holder's late write (token {}) to be rejected after token {} wrote",
+            old.token(),
+            new.token()
+        ),
+        || format!("{late:?}"),
+    )?;
+    let value = counter.read().await;
+    ctx.ensure(
+        value == 2,
+        "the counter to hold the new holder's value 2",
+        || value,
+    )?;
+    let renewal =
+        until_answered(ctx, "the old holder's renewal", deadline, || a.renew(old)).await?;
+    ctx.ensure(
+        renewal == Renewal::Lost,
+        "the old holder's renewal to be Lost",
+        || format!("{renewal:?}"),
+    )?;
+    let fence = until_answered(ctx, "the old holder's fence", deadline, || a.fence(old)).await?;
+    ctx.ensure(
+        matches!(fence, Fence::Stale { current } if current >= new.token()),
+        format!(
+            "the old holder's lease to be Stale with a current token >= {}",
+            new.token()
+        ),
+        || format!("{fence:?}"),
+    )?;
+    let fence = ctx.ok("fence of the new holder", b.fence(new).await)?;
+    ctx.ensure(
+        fence == Fence::Current,
+        "the new holder to stay Current",
+        || format!("{fence:?}"),
+    )
+}
