@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
@@ -62,11 +63,13 @@ pub enum BrokenKind {
     /// Acquire reports `Ok(None)` (held) when the reply is lost, though the request took
     /// the key.
     LostReplyReportedBusy,
+    /// Claims to announce releases, but a release wakes no waiter.
+    ReleaseWakesNoOne,
 }
 
 impl BrokenKind {
     /// Every variant.
-    pub const ALL: [BrokenKind; 11] = [
+    pub const ALL: [BrokenKind; 12] = [
         BrokenKind::RepeatedToken,
         BrokenKind::TokenDropsAfterRestart,
         BrokenKind::GrantedTwice,
@@ -78,6 +81,7 @@ impl BrokenKind {
         BrokenKind::FenceCurrentForStale,
         BrokenKind::LostNeverFires,
         BrokenKind::LostReplyReportedBusy,
+        BrokenKind::ReleaseWakesNoOne,
     ];
 
     /// What must catch this variant: its row of [`CAUGHT_BY`].
@@ -179,7 +183,22 @@ pub const CAUGHT_BY: &[Catch] = &[
         cases: &["lost_reply_is_not_a_lease"],
         invariants: &[],
     },
+    Catch {
+        kind: BrokenKind::ReleaseWakesNoOne,
+        cases: &["a_release_wakes_a_waiter"],
+        invariants: &[],
+    },
 ];
+
+/// The release hub the clients of one store share.
+#[derive(Debug)]
+struct Releases(ReleaseHub);
+
+impl Default for Releases {
+    fn default() -> Self {
+        Self(ReleaseHub::new(AllKeys))
+    }
+}
 
 /// One key in the store.
 #[derive(Debug, Default)]
@@ -210,6 +229,8 @@ impl KeyState {
 #[derive(Debug, Default)]
 struct Store {
     keys: Mutex<HashMap<LockKey, KeyState>>,
+    /// Wakes the waiters of every client when a key is released.
+    releases: Releases,
     delay_micros: AtomicU64,
     /// Replies are held until healed.
     cut: AtomicBool,
@@ -361,6 +382,7 @@ impl LockBackend for BrokenBackend {
             Duration::from_secs(24 * 3600),
         )
         .inspect(true)
+        .wakes_waiters(true)
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
@@ -429,8 +451,19 @@ impl LockBackend for BrokenBackend {
                 _ => Release::NotHeld,
             }
         };
+        if released == Release::Released && !self.has(BrokenKind::ReleaseWakesNoOne) {
+            self.store.releases.0.notify(lease.key());
+        }
         self.store.reply().await;
         Ok(released)
+    }
+
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        Some(self.store.releases.0.watch(key))
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.store.releases.0.watched_keys()
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {

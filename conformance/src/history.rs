@@ -806,6 +806,14 @@ impl LockBackend for RecordingBackend {
         self.inner.inspect(key).await
     }
 
+    fn watch_releases(&self, key: &LockKey) -> Option<lock_api::wake::ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
+    }
+
     async fn acquire_many(
         &self,
         keys: &[LockKey],

@@ -51,6 +51,9 @@ macro_rules! __conformance_cases {
             election_loss_after_pause: [],
             election_tokens_increase_across_leaders: [],
             election_observe_follows_the_leader: [inspect],
+            a_release_wakes_a_waiter: [wakes_waiters],
+            a_waiter_whose_wake_is_lost_still_acquires: [wakes_waiters],
+            a_cancelled_waiter_leaves_no_subscription: [wakes_waiters],
         }
     };
 }
@@ -71,6 +74,9 @@ macro_rules! __conformance_need {
     (distinct_clients) => {
         $crate::suite::Need::DistinctClients
     };
+    (wakes_waiters) => {
+        $crate::suite::Need::WakesWaiters
+    };
 }
 
 /// Stamps one test per conformance case the backend can run, and one test,
@@ -82,7 +88,8 @@ macro_rules! __conformance_need {
 /// so each test gets its own factory. The optional `capabilities: [...]` list declares
 /// what the factory has beyond a store: `link_faults` ([`crate::Factory::link`]),
 /// `server_faults` ([`crate::Factory::server`]), `inspect` (the backend implements
-/// `inspect`), `distinct_clients` (each `backend()` call is a separate instance). A case
+/// `inspect`), `distinct_clients` (each `backend()` call is a separate instance),
+/// `wakes_waiters` (the backend announces releases to waiters). A case
 /// is stamped only when every capability it needs is declared, so nothing is skipped at
 /// run time; `conformance_stamped_cases` fails if the declaration differs from what the
 /// factory has, either way.
@@ -124,40 +131,43 @@ macro_rules! conformance_tests {
 
 /// Stamps the tests for [`conformance_tests`]; not a stable API.
 ///
-/// The declared capabilities become four flags, `[link_faults server_faults inspect
-/// distinct_clients]`, each `yes` or `no`; a case is stamped when every need of it finds
+/// The declared capabilities become five flags, `[link_faults server_faults inspect
+/// distinct_clients wakes_waiters]`, each `yes` or `no`; a case is stamped when every need of it finds
 /// its flag `yes`.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __stamp_conformance_tests {
     ([$factory:expr; $($capability:ident),*] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
+            @flags [no no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
         );
     };
     ([$factory:expr; $($capability:ident),*; only $only:ident] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
+            @flags [no no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
             $($cases)*
         );
     };
 
-    (@flags [$l:tt $s:tt $i:tt $d:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d $w] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d $w] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d $w] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes $w] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt] [wakes_waiters $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d yes] [$($more),*] $($rest)*);
     };
     (@flags $flags:tt [$other:ident $(, $more:ident)*] $($rest:tt)*) => {
         ::std::compile_error!(::std::concat!(
             "unknown conformance capability `", ::std::stringify!($other),
-            "`; expected link_faults, server_faults, inspect or distinct_clients"
+            "`; expected link_faults, server_faults, inspect, distinct_clients or wakes_waiters"
         ));
     };
     (@flags $flags:tt [] [$factory:expr] [$($capability:ident),*] $only:tt
@@ -207,6 +217,9 @@ macro_rules! __stamp_conformance_tests {
     (@only distinct_clients [distinct_clients $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@case $($rest)*);
     };
+    (@only wakes_waiters [wakes_waiters $($x:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case $($rest)*);
+    };
     (@only $only:ident [$other:ident $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@only $only [$($x)*] $($rest)*);
     };
@@ -218,17 +231,20 @@ macro_rules! __stamp_conformance_tests {
     };
 
     // A need whose flag is `yes`: check the next one.
-    (@case [yes $s:tt $i:tt $d:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [yes $s $i $d] [$($need)*] $($rest)*);
+    (@case [yes $s:tt $i:tt $d:tt $w:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [yes $s $i $d $w] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt yes $i:tt $d:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l yes $i $d] [$($need)*] $($rest)*);
+    (@case [$l:tt yes $i:tt $d:tt $w:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l yes $i $d $w] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt yes $d:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s yes $d] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt yes $d:tt $w:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s yes $d $w] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt yes] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i yes] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt yes $w:tt] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i yes $w] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt $s:tt $i:tt $d:tt yes] [wakes_waiters $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d yes] [$($need)*] $($rest)*);
     };
     // Every need met: the test.
     (@case $flags:tt [] $case:ident $factory:expr) => {

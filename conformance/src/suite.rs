@@ -75,15 +75,19 @@ pub enum Need {
     /// Every [`Factory::backend`] call returns a separate backend instance, so a lease of
     /// one is foreign to another (`distinct_clients`).
     DistinctClients,
+    /// The backend announces releases to waiters: [`Capabilities::wakes_waiters`]
+    /// (`wakes_waiters`).
+    WakesWaiters,
 }
 
 impl Need {
     /// Every need, in the order the macro's flags list them.
-    pub const ALL: [Need; 4] = [
+    pub const ALL: [Need; 5] = [
         Need::LinkFaults,
         Need::ServerFaults,
         Need::Inspect,
         Need::DistinctClients,
+        Need::WakesWaiters,
     ];
 
     /// The name the macro declares it with.
@@ -93,6 +97,7 @@ impl Need {
             Need::ServerFaults => "server_faults",
             Need::Inspect => "inspect",
             Need::DistinctClients => "distinct_clients",
+            Need::WakesWaiters => "wakes_waiters",
         }
     }
 
@@ -105,6 +110,7 @@ impl Need {
             Need::ServerFaults => factory.server().is_some(),
             Need::Inspect => factory.backend().await.capabilities().inspect,
             Need::DistinctClients => distinct_clients(factory).await,
+            Need::WakesWaiters => factory.backend().await.capabilities().wakes_waiters,
         }
     }
 }

@@ -61,11 +61,12 @@ async fn every_broken_variant_is_caught() {
         }
     }
 
-    let runs = BrokenKind::ALL
-        .map(|kind| async move { (kind, run_each(move || BrokenFactory::with_kind(kind)).await) });
     let mut problems = Vec::new();
     let mut summary = String::from("broken variants and the cases that caught them:");
-    for (kind, results) in join_all(runs).await {
+    // One variant at a time: the cases of a variant already run all at once, and their
+    // timing must hold on a loaded two-core machine.
+    for kind in BrokenKind::ALL {
+        let results = run_each(move || BrokenFactory::with_kind(kind)).await;
         let caught = Caught::of(&results);
         let must = kind.caught_by();
         summary += &format!(

@@ -5,13 +5,13 @@
 mod direct {
     conformance::conformance_tests!(
         async { conformance::memory::MemoryFactory::new() },
-        capabilities: [link_faults, inspect, distinct_clients],
+        capabilities: [link_faults, inspect, distinct_clients, wakes_waiters],
     );
 }
 
 mod instrumented {
     conformance::conformance_tests!(
         async { conformance::memory::MemoryFactory::instrumented() },
-        capabilities: [link_faults, inspect, distinct_clients],
+        capabilities: [link_faults, inspect, distinct_clients, wakes_waiters],
     );
 }

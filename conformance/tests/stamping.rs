@@ -9,7 +9,7 @@ use conformance::suite::macro_support::{run_case, stamped_cases};
 mod control {
     conformance::conformance_tests!(
         async { conformance::broken::BrokenFactory::control() },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
     );
 }
 

@@ -92,6 +92,13 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         None
     }
 
+    /// The keys this instance's waiters are watching for releases right now: what it is
+    /// subscribed to. Empty for a backend that does not announce releases, and once no
+    /// one waits (a cancelled waiter leaves nothing behind).
+    fn watched_keys(&self) -> Vec<LockKey> {
+        Vec::new()
+    }
+
     /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by
     /// another process (`lockctl release`). The result is an ordinary lease of this
     /// instance: release, renew and fence still check owner and token in the store.

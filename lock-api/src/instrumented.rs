@@ -107,6 +107,10 @@ impl LockBackend for Instrumented {
         self.inner.watch_releases(key)
     }
 
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
+    }
+
     fn adopt(
         &self,
         key: &LockKey,

@@ -119,12 +119,6 @@ impl MemoryBackend {
         }
     }
 
-    /// The keys that waiters are watching for releases, on every client of this store:
-    /// empty once no one waits.
-    pub fn watched_keys(&self) -> Vec<LockKey> {
-        self.releases.watched_keys()
-    }
-
     /// The fault knobs of this backend (shared by all its clients).
     pub fn faults(&self) -> &Faults {
         &self.faults
@@ -256,6 +250,11 @@ impl LockBackend for MemoryBackend {
         self.capabilities
             .wakes_waiters
             .then(|| self.releases.watch(key))
+    }
+
+    /// The keys waiters watch on every client of this store (they share one hub).
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.releases.watched_keys()
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {

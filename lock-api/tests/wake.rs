@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use lock_api::memory::MemoryBackend;
-use lock_api::{LockKey, Locker, RetryPolicy};
+use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(60);

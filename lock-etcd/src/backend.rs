@@ -153,12 +153,6 @@ impl EtcdBackend {
         etcd_key(&self.inner.prefix, "tokens", key.as_str())
     }
 
-    /// The keys that waiters on this backend (and its clones) are watching for releases:
-    /// empty once no one waits.
-    pub fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.releases.watched_keys()
-    }
-
     #[cfg(test)]
     pub(crate) fn release_listener(&self) -> &ReleaseListener {
         &self.inner.releases
@@ -726,6 +720,11 @@ impl LockBackend for EtcdBackend {
     /// watched key. `None` outside a tokio runtime.
     fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
         self.inner.releases.watch(key)
+    }
+
+    /// The keys waiters on this backend (and its clones) are watching for releases.
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.releases.watched_keys()
     }
 
     fn adopt(

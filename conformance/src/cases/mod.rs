@@ -15,6 +15,7 @@ mod input;
 mod lease;
 mod locker;
 mod server_faults;
+mod wake;
 
 pub use batch::*;
 pub use election::*;
@@ -22,6 +23,7 @@ pub use input::*;
 pub use lease::*;
 pub use locker::*;
 pub use server_faults::*;
+pub use wake::*;
 
 use std::sync::Arc;
 

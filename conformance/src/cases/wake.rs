@@ -1,0 +1,199 @@
+//! Cases on waiters woken by releases ([`lock_api::Capabilities::wakes_waiters`]): a
+//! release wakes a waiter long before its backoff would, a waiter whose wake is lost
+//! still takes the key by its backoff, and a cancelled waiter leaves no subscription.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use lock_api::{
+    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
+    Renewal, RetryPolicy,
+};
+use tokio::time::{Instant, sleep};
+
+use crate::factory::Factory;
+use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+
+/// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
+const LONG_BACKOFF: Duration = Duration::from_secs(8);
+/// How soon after the release a woken waiter must hold the key, on a loaded machine.
+const WOKEN_WITHIN: Duration = Duration::from_millis(1_500);
+/// How long the waiter is given to start waiting before the holder lets go.
+const SETTLE: Duration = Duration::from_millis(200);
+
+/// A locker on `client` that waits `backoff` between attempts.
+fn waiting_locker(
+    ctx: &Ctx<'_>,
+    client: Arc<dyn LockBackend>,
+    ttl: Duration,
+    backoff: Duration,
+) -> Result<Locker, Failure> {
+    ctx.ok(
+        "Locker::builder(..).build()",
+        Locker::builder(client)
+            .ttl(ttl)
+            .retry(RetryPolicy {
+                initial: backoff,
+                max: backoff,
+            })
+            .wait_timeout(Some(backoff * 4))
+            .build(),
+    )
+}
+
+/// A holder on one client, a waiter in `Locker::lock` on another with an 8 s backoff:
+/// the holder's release wakes the waiter, which holds the key within 1.5 s.
+pub async fn a_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("a_release_wakes_a_waiter", factory);
+    let holder = ctx.client().await;
+    let t = ctx.timing(&holder);
+    // The holder's lease outlives the wait, so only its release can free the key.
+    let hold = (t.ttl * 20).max(Duration::from_secs(10));
+    let key = ctx.key("woken")?;
+    let held = ctx
+        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
+        .await?;
+    let waiter = waiting_locker(&ctx, ctx.client().await, t.ttl, LONG_BACKOFF)?;
+    let waiting = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            let guard = waiter.lock(&key).await?;
+            let granted = Instant::now();
+            guard.release().await?;
+            Ok::<_, LockError>(granted)
+        })
+    };
+    sleep(SETTLE).await;
+    let released_at = Instant::now();
+    super::release_held(&ctx, &holder, &held).await?;
+    let granted = ctx.ok("the waiter's lock()", joined(&ctx, waiting).await?)?;
+    let after = granted.saturating_duration_since(released_at);
+    ctx.ensure(
+        after <= WOKEN_WITHIN,
+        format!("the waiter to hold the key within {WOKEN_WITHIN:?} of the release (its backoff is {LONG_BACKOFF:?})"),
+        || format!("it took {after:?}"),
+    )?;
+    ctx.pass(&t)
+}
+
+/// The same wait with the wake lost on the way (the waiter's watch never fires): the
+/// waiter still takes the key, at its next attempt after the backoff.
+pub async fn a_waiter_whose_wake_is_lost_still_acquires(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    const BACKOFF: Duration = Duration::from_millis(300);
+    let ctx = Ctx::new("a_waiter_whose_wake_is_lost_still_acquires", factory);
+    let holder = ctx.client().await;
+    let t = ctx.timing(&holder);
+    let hold = (t.ttl * 20).max(Duration::from_secs(10));
+    let key = ctx.key("wake-lost")?;
+    let held = ctx
+        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
+        .await?;
+    let deaf: Arc<dyn LockBackend> = Arc::new(Deaf::new(ctx.client().await));
+    let waiter = waiting_locker(&ctx, deaf, t.ttl, BACKOFF)?;
+    let waiting = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            let guard = waiter.lock(&key).await?;
+            guard.release().await?;
+            Ok::<_, LockError>(())
+        })
+    };
+    sleep(SETTLE).await;
+    super::release_held(&ctx, &holder, &held).await?;
+    ctx.ok("the deaf waiter's lock()", joined(&ctx, waiting).await?)?;
+    ctx.pass(&t)
+}
+
+/// A waiter cancelled while it waits: the backend watched the key while it waited, and
+/// watches nothing once it is gone.
+pub async fn a_cancelled_waiter_leaves_no_subscription(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("a_cancelled_waiter_leaves_no_subscription", factory);
+    let holder = ctx.client().await;
+    let t = ctx.timing(&holder);
+    let hold = (t.ttl * 20).max(Duration::from_secs(10));
+    let key = ctx.key("cancelled")?;
+    let held = ctx
+        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
+        .await?;
+    let client = ctx.client().await;
+    let waiter = waiting_locker(&ctx, client.clone(), t.ttl, LONG_BACKOFF)?;
+    let waiting = {
+        let key = key.clone();
+        tokio::spawn(async move { waiter.lock(&key).await.map(drop) })
+    };
+    sleep(SETTLE).await;
+    let watched = client.watched_keys();
+    ctx.ensure(
+        watched.contains(&key),
+        format!("the waiting client to watch {key}"),
+        || format!("it watches {watched:?}"),
+    )?;
+    waiting.abort();
+    let _ = waiting.await;
+    let watched = client.watched_keys();
+    ctx.ensure(
+        !watched.contains(&key),
+        format!("no watch of {key} once its waiter was cancelled"),
+        || format!("it still watches {watched:?}"),
+    )?;
+    super::release_held(&ctx, &holder, &held).await?;
+    ctx.pass(&t)
+}
+
+async fn joined<T>(ctx: &Ctx<'_>, task: tokio::task::JoinHandle<T>) -> Result<T, Failure> {
+    task.await
+        .map_err(|e| ctx.fail("the waiting task to finish", e))
+}
+
+/// A client whose release watches never fire, as when every notification is lost.
+#[derive(Debug)]
+struct Deaf {
+    inner: Arc<dyn LockBackend>,
+    silent: ReleaseHub,
+}
+
+impl Deaf {
+    fn new(inner: Arc<dyn LockBackend>) -> Self {
+        Self {
+            inner,
+            silent: ReleaseHub::new(AllKeys),
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for Deaf {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+        self.inner.acquire(key, ttl).await
+    }
+    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        self.inner.renew(lease).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+        self.inner.release(lease).await
+    }
+    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        self.inner.fence(lease).await
+    }
+    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.inner.inspect(key).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        Some(self.silent.watch(key))
+    }
+    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        self.inner.renew_many(leases).await
+    }
+}
