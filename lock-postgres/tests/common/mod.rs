@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::Factory;
+use conformance::factory::{Factory, ServerFaults};
 use conformance::harness::{self, postgres::PostgresServer};
 use lock_api::LockBackend;
 use lock_postgres::PgBuilder;
@@ -71,6 +71,8 @@ pub struct PgFactory {
     server: Arc<PostgresServer>,
     kind: Kind,
     backend: Arc<dyn LockBackend>,
+    /// Whether the server is this factory's own, so server faults hit no other test.
+    private: bool,
 }
 
 impl PgFactory {
@@ -81,7 +83,27 @@ impl PgFactory {
             backend: backend(&server, kind).await,
             server,
             kind,
+            private: false,
         }
+    }
+}
+
+impl PgFactory {
+    /// A factory on a server of its own, whose process the cases may pause, kill and
+    /// restart (the shared server cannot be: other tests use it).
+    pub async fn private(kind: Kind) -> Self {
+        let server = Arc::new(start_server().await);
+        Self {
+            backend: backend(&server, kind).await,
+            server,
+            kind,
+            private: true,
+        }
+    }
+
+    /// The server this factory's clients talk to.
+    pub fn server(&self) -> &Arc<PostgresServer> {
+        &self.server
     }
 }
 
@@ -113,5 +135,32 @@ impl Factory for PgFactory {
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
         self.backend.clone()
+    }
+
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        self.private
+            .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn ServerFaults>)
+    }
+}
+
+/// Process faults on a factory's private server.
+struct ServerControl(Arc<PostgresServer>);
+
+#[async_trait]
+impl ServerFaults for ServerControl {
+    async fn pause(&self) {
+        harness::require(self.0.pause());
+    }
+
+    async fn resume(&self) {
+        harness::require(self.0.resume());
+    }
+
+    async fn kill(&self) {
+        harness::require(self.0.kill());
+    }
+
+    async fn restart(&self) {
+        harness::require(self.0.restart().await);
     }
 }
