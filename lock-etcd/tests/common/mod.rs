@@ -204,6 +204,10 @@ impl Factory for EtcdFactory {
         // Faults on a shared server would hit the other tests using it.
         match &self.servers {
             Servers::Single(s) if self.private => Some(Arc::new(SingleServerFaults(s.clone()))),
+            Servers::Cluster(c) if self.private => Some(Arc::new(LeaderFaults {
+                cluster: c.clone(),
+                faulted: Mutex::new(None),
+            })),
             _ => None,
         }
     }
@@ -246,5 +250,49 @@ impl ServerFaults for SingleServerFaults {
 
     async fn restart(&self) {
         require(self.0.restart().await);
+    }
+}
+
+/// Process faults on the leader of a private cluster: `pause` and `kill` hit the member
+/// leading at that moment (the others elect a new leader), `resume` and `restart` bring
+/// back the member last faulted.
+pub struct LeaderFaults {
+    cluster: Arc<EtcdCluster>,
+    faulted: Mutex<Option<usize>>,
+}
+
+impl LeaderFaults {
+    async fn leader(&self) -> &EtcdServer {
+        let index = require(self.cluster.leader_index().await);
+        *self.faulted.lock().await = Some(index);
+        &self.cluster.members()[index]
+    }
+
+    async fn faulted(&self) -> &EtcdServer {
+        let index = self
+            .faulted
+            .lock()
+            .await
+            .expect("a member paused or killed first");
+        &self.cluster.members()[index]
+    }
+}
+
+#[async_trait]
+impl ServerFaults for LeaderFaults {
+    async fn pause(&self) {
+        require(self.leader().await.pause());
+    }
+
+    async fn resume(&self) {
+        require(self.faulted().await.resume());
+    }
+
+    async fn kill(&self) {
+        require(self.leader().await.kill());
+    }
+
+    async fn restart(&self) {
+        require(self.faulted().await.restart().await);
     }
 }
