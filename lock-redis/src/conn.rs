@@ -17,8 +17,8 @@ use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
-    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, Script, ServerErrorKind,
-    Value,
+    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, Script, ServerError,
+    ServerErrorKind, Value,
 };
 
 /// One script call in a batch.
@@ -122,11 +122,15 @@ impl Conn {
         let mut asking = false;
         let mut redirects = 0;
         loop {
+            // A single call: a redirect may come back as the error of the whole request.
             let reply = self
                 .node_batch(std::slice::from_ref(call), &[0], route.clone(), asking)
-                .await?
-                .pop()
-                .unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply"))));
+                .await
+                .and_then(|mut replies| {
+                    replies
+                        .pop()
+                        .unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply"))))
+                });
             let e = match reply {
                 Err(e) if is_redirect(&e) && redirects < 2 => e,
                 other => return other,
@@ -319,6 +323,22 @@ impl Conn {
         let count = pipe.len() - skip;
         match self {
             Conn::Single(c) => c.clone().req_packed_commands(pipe, skip, count).await,
+            Conn::Cluster(_, state) if once && !asking => {
+                // One request per call: a redirect then fails only its own call, where in
+                // a pipeline it would fail every call, though the others ran.
+                let sends = pipe.cmd_iter().map(|cmd| {
+                    let (mut c, route) =
+                        (state.once.clone(), RoutingInfo::SingleNode(route.clone()));
+                    async move { c.route_command(cmd.clone(), route).await }
+                });
+                futures::future::join_all(sends)
+                    .await
+                    .into_iter()
+                    .map(|reply| {
+                        reply.or_else(|e| ServerError::try_from(e).map(Value::ServerError))
+                    })
+                    .collect()
+            }
             Conn::Cluster(c, state) => {
                 let mut c = if once { state.once.clone() } else { c.clone() };
                 c.route_pipeline(pipe.clone(), skip, count, route).await

@@ -116,3 +116,71 @@ async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
         .expect("free key");
     assert!(again.token() > leases[0].token());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_follow_a_slot_in_the_middle_of_a_migration() {
+    let f = RedisClusterFactory::start().await;
+    let redis = f.redis().await;
+    let keys = [
+        LockKey::new("mid-migration-a").unwrap(),
+        LockKey::new("mid-migration-b").unwrap(),
+    ];
+    let leases: Vec<_> = redis
+        .acquire_many(&keys, TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect();
+    // Batches cache the slot map before the migration starts.
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+
+    for lease in &leases {
+        // The slot stays MIGRATING / IMPORTING, with the lock's keys already moved: the
+        // source answers ASK, and only `ASKING` first gets the target to run the call.
+        let (lock_key, fence_key) = redis.redis_keys(lease.key());
+        let slot = key_slot(lock_key.as_bytes());
+        let source = harness::require(f.cluster.node_for_slot(slot).await);
+        let target = f
+            .cluster
+            .nodes()
+            .iter()
+            .find(|n| n.port() != source.port())
+            .unwrap();
+        let (source_id, target_id) = (node_id(source).await, node_id(target).await);
+        let slot_text = slot.to_string();
+        ok(harness::require(
+            target
+                .command(&["CLUSTER", "SETSLOT", &slot_text, "IMPORTING", &source_id])
+                .await,
+        ));
+        ok(harness::require(
+            source
+                .command(&["CLUSTER", "SETSLOT", &slot_text, "MIGRATING", &target_id])
+                .await,
+        ));
+        let target_port = target.port().to_string();
+        ok(harness::require(
+            source
+                .command(&[
+                    "MIGRATE",
+                    "127.0.0.1",
+                    &target_port,
+                    "",
+                    "0",
+                    "5000",
+                    "KEYS",
+                    lock_key.as_str(),
+                    fence_key.as_str(),
+                ])
+                .await,
+        ));
+    }
+
+    assert_eq!(redis.release(&leases[0]).await.unwrap(), Release::Released);
+    assert_eq!(
+        redis.release_many(&leases[1..]).await.unwrap(),
+        vec![Release::Released]
+    );
+}
