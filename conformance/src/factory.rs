@@ -31,6 +31,12 @@ pub trait Factory: Send + Sync {
         None
     }
 
+    /// Faults on the store's client sessions, if the factory can end them from the
+    /// server side.
+    fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
+        None
+    }
+
     /// The backend's own fenced resource (in enforce mode), if the factory has one: the
     /// fenced-counter workload then writes through it instead of an in-memory one.
     fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
@@ -78,6 +84,10 @@ impl<F: Factory> Factory for WithFencedResource<F> {
         self.inner.server()
     }
 
+    fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
+        self.inner.sessions()
+    }
+
     fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
         Some(self.resource.clone())
     }
@@ -106,4 +116,13 @@ pub trait ServerFaults: Send + Sync {
     async fn kill(&self);
     /// Starts a killed server again on the same address and data directory.
     async fn restart(&self);
+}
+
+/// Faults on the sessions the store keeps for its clients.
+#[async_trait]
+pub trait SessionFaults: Send + Sync {
+    /// Ends every session of the factory's clients from the server side (PostgreSQL's
+    /// `pg_terminate_backend`), as an administrator or a crashed backend would; the
+    /// server keeps running.
+    async fn terminate(&self);
 }

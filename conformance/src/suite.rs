@@ -11,7 +11,7 @@ use std::time::Duration;
 use lock_api::{Capabilities, Lease, LockBackend, LockError, LockKey};
 use tokio::time::Instant;
 
-use crate::factory::{Factory, LinkFaults, ServerFaults};
+use crate::factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
     CheckOptions, FencedCounter, History, Invariant, RecordingBackend, Violation,
 };
@@ -78,16 +78,19 @@ pub enum Need {
     /// The backend announces releases to waiters: [`Capabilities::wakes_waiters`]
     /// (`wakes_waiters`).
     WakesWaiters,
+    /// Session faults: [`Factory::sessions`] is `Some` (`session_kill`).
+    SessionKill,
 }
 
 impl Need {
     /// Every need, in the order the macro's flags list them.
-    pub const ALL: [Need; 5] = [
+    pub const ALL: [Need; 6] = [
         Need::LinkFaults,
         Need::ServerFaults,
         Need::Inspect,
         Need::DistinctClients,
         Need::WakesWaiters,
+        Need::SessionKill,
     ];
 
     /// The name the macro declares it with.
@@ -98,6 +101,7 @@ impl Need {
             Need::Inspect => "inspect",
             Need::DistinctClients => "distinct_clients",
             Need::WakesWaiters => "wakes_waiters",
+            Need::SessionKill => "session_kill",
         }
     }
 
@@ -111,6 +115,7 @@ impl Need {
             Need::Inspect => factory.backend().await.capabilities().inspect,
             Need::DistinctClients => distinct_clients(factory).await,
             Need::WakesWaiters => factory.backend().await.capabilities().wakes_waiters,
+            Need::SessionKill => factory.sessions().is_some(),
         }
     }
 }
@@ -580,6 +585,13 @@ impl<'f> Ctx<'f> {
         self.factory
             .server()
             .ok_or_else(|| self.fail("the factory to have server faults", "none"))
+    }
+
+    /// The factory's session faults; the case must need [`Need::SessionKill`].
+    pub fn sessions(&self) -> Result<Arc<dyn SessionFaults>, Failure> {
+        self.factory
+            .sessions()
+            .ok_or_else(|| self.fail("the factory to have session faults", "none"))
     }
 
     /// Fails with `expected` / `got()` unless `holds`.

@@ -1,6 +1,7 @@
 //! The conformance cases that need server faults, on both backends, each test on a
 //! PostgreSQL server of its own (the shared server of the other conformance binaries
-//! cannot be killed or paused).
+//! cannot be killed or paused), with the test role's sessions also ended by
+//! `pg_terminate_backend`.
 
 mod common;
 
@@ -25,7 +26,7 @@ async fn factory(kind: Kind) -> WithFencedResource<PgFactory> {
 mod lease {
     conformance::conformance_tests!(
         super::factory(super::Kind::Lease),
-        capabilities: [server_faults, inspect],
+        capabilities: [server_faults, inspect, session_kill],
         only_needing: server_faults,
     );
 }
@@ -33,7 +34,7 @@ mod lease {
 mod advisory {
     conformance::conformance_tests!(
         super::factory(super::Kind::Advisory),
-        capabilities: [server_faults, inspect],
+        capabilities: [server_faults, inspect, session_kill],
         only_needing: server_faults,
     );
 }

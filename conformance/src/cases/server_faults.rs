@@ -1,5 +1,5 @@
-//! Cases on faults of the store's server process: a restart (with or without the
-//! store's data) and a pause past the TTL. Each checks what a holder caught by the fault
+//! Cases on faults of the store's server: a restart (with or without the store's data),
+//! a pause past the TTL, and the clients' sessions ended by the server. Each checks what a holder caught by the fault
 //! may still do: its late write is rejected once a newer holder wrote, its lease is never
 //! renewed over the new holder, and tokens keep increasing.
 
@@ -50,6 +50,42 @@ pub async fn restart_leaves_old_holder_fenced(factory: &dyn Factory) -> Result<O
     // it frees the key at once.
     let deadline = Instant::now() + RECOVERY_GRACE + t.ttl;
     let new = take_after_fault(&ctx, &b, &key, &t, deadline, "after the restart").await?;
+    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
+    release_held(&ctx, &b, &new).await?;
+    ctx.pass(&t)
+}
+
+/// A holder whose session the server ended (PostgreSQL's `pg_terminate_backend`, with
+/// every session-level lock it held) is fenced once another client takes the key: the
+/// new grant carries a higher token, the old holder's late write is rejected after the new
+/// holder's, its renewal is Lost and its fence Stale.
+pub async fn terminated_sessions_leave_old_holder_fenced(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new("terminated_sessions_leave_old_holder_fenced", factory);
+    let sessions = ctx.sessions()?;
+    // Calls that fail as their session ends may have reached the store.
+    ctx.with_faults();
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let counter = ctx.counter();
+    let old = ctx.take(&a, &key, t.ttl).await?;
+    write_admitted(
+        &ctx,
+        &counter,
+        &key,
+        &old,
+        "the holder's write before the sessions end",
+    )
+    .await?;
+    let read = counter.read().await;
+
+    sessions.terminate().await;
+
+    // A session-level lock is gone with its session; a lease row stays until it runs out.
+    let deadline = Instant::now() + RECOVERY_GRACE + t.ttl;
+    let new = take_after_fault(&ctx, &b, &key, &t, deadline, "after the sessions ended").await?;
     old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
     release_held(&ctx, &b, &new).await?;
     ctx.pass(&t)

@@ -308,6 +308,22 @@ impl PostgresServer {
         self.process.log_tail()
     }
 
+    /// Ends every session of `user` with `pg_terminate_backend`, as an administrator
+    /// would (the server keeps running); returns how many were ended.
+    pub async fn terminate_sessions(&self, user: &str) -> Result<u64, HarnessError> {
+        let user = user.replace('\'', "''");
+        let ended = self
+            .psql(&format!(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+                 WHERE usename = '{user}'"
+            ))
+            .await?;
+        ended.trim().parse().map_err(|_| HarnessError::Protocol {
+            what: "pg_terminate_backend".into(),
+            detail: format!("not a count: {ended:?}"),
+        })
+    }
+
     /// Runs `sql` with `psql` as [`SUPERUSER`] over the Unix socket (trust) in database
     /// `postgres`, stopping at the first error, and returns the unaligned, tuples-only
     /// output (`|`-separated columns, one row per line).

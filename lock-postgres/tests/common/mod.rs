@@ -7,7 +7,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, ServerFaults};
+use conformance::factory::{Factory, ServerFaults, SessionFaults};
 use conformance::harness::{self, postgres::PostgresServer};
 use lock_api::LockBackend;
 use lock_postgres::PgBuilder;
@@ -141,9 +141,23 @@ impl Factory for PgFactory {
         self.private
             .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn ServerFaults>)
     }
+
+    fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
+        self.private
+            .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn SessionFaults>)
+    }
 }
 
-/// Process faults on a factory's private server.
+#[async_trait]
+impl SessionFaults for ServerControl {
+    async fn terminate(&self) {
+        let ended = harness::require(self.0.terminate_sessions(harness::postgres::USER).await);
+        // The factory's clients hold sessions, so ending none means the fault did nothing.
+        assert!(ended > 0, "no session of the test role to end");
+    }
+}
+
+/// Process and session faults on a factory's private server.
 struct ServerControl(Arc<PostgresServer>);
 
 #[async_trait]
