@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
@@ -24,6 +25,7 @@ use crate::coalesce::Queue;
 use crate::config::{RedisBackendBuilder, redact_url};
 use crate::conn::{Call, ClusterState, Conn, key_slot, reply_error};
 use crate::keys::LockKeys;
+use crate::releases::ReleaseListener;
 use crate::scripts::{
     ABANDON_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
     RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
@@ -89,6 +91,8 @@ struct Inner {
     acquires: Queue<PendingAcquire>,
     /// Releases waiting for the one in flight (single node only).
     releases: Queue<PendingRelease>,
+    /// Hears the releases of the keys this instance's waiters watch.
+    listener: ReleaseListener,
 }
 
 /// An acquire waiting in the coalescing queue, with the instant its caller called.
@@ -176,6 +180,7 @@ impl RedisBackend {
             client_tls: None,
             root_cert: Some(pem),
         });
+        let mut listen_on = Vec::new();
         let conn = if b.cluster {
             for (url, shown) in b.urls.iter().zip(&shown_urls) {
                 if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
@@ -191,6 +196,19 @@ impl RedisBackend {
                 .iter()
                 .map(|u| parse_url(u))
                 .collect::<Result<Vec<_>, _>>()?;
+            // A PUBLISH reaches every node of a cluster: release notifications can be
+            // heard on any of them.
+            for node in &nodes {
+                listen_on.push(
+                    match certificates.clone() {
+                        Some(certificates) => {
+                            redis::Client::build_with_tls(node.clone(), certificates)
+                        }
+                        None => redis::Client::open(node.clone()),
+                    }
+                    .map_err(|e| config_error(&shown_urls.join(","), &e))?,
+                );
+            }
             let shown = shown_urls.join(",");
             // Two connections: one that retries (reads, and scripts safe to run twice), one
             // that never sends a request again (see `Conn`).
@@ -210,6 +228,7 @@ impl RedisBackend {
                 None => redis::Client::open(info),
             }
             .map_err(|e| config_error(&shown_urls[0], &e))?;
+            listen_on.push(client.clone());
             // The backend applies its own response timeout (to tell an unknown outcome
             // from an unreachable server); the manager only bounds connecting.
             let config = ConnectionManagerConfig::new()
@@ -252,10 +271,12 @@ impl RedisBackend {
         let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
             .native_batch(true)
             .server_side_ttl(true)
-            .inspect(true);
+            .inspect(true)
+            .wakes_waiters(true);
         Ok(Self {
             inner: Arc::new(Inner {
                 conn,
+                listener: ReleaseListener::new(listen_on, b.prefix.clone(), b.connect_timeout),
                 prefix: b.prefix,
                 caps,
                 response_timeout: b.response_timeout,
@@ -927,6 +948,14 @@ impl LockBackend for RedisBackend {
     /// in their scripts, so a wrong pair is [`Renewal::Lost`] / [`Release::NotHeld`] /
     /// [`Fence::Stale`] and changes nothing. Its `valid_until` is now: this process never
     /// saw the grant, so it cannot claim any validity before a renewal.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.listener.watch(key)
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.listener.watched_keys()
+    }
+
     fn adopt(
         &self,
         key: &LockKey,

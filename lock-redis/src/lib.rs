@@ -57,6 +57,7 @@ mod config;
 mod conn;
 mod fenced;
 mod keys;
+mod releases;
 mod scripts;
 mod tls;
 mod version;

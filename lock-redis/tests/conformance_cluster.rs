@@ -11,5 +11,5 @@ conformance::conformance_tests!(
         );
         conformance::factory::WithFencedResource::new(factory, fenced)
     },
-    capabilities: [inspect, distinct_clients],
+    capabilities: [inspect, distinct_clients, wakes_waiters],
 );
