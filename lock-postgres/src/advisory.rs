@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
@@ -20,6 +21,7 @@ use uuid::Uuid;
 
 use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, ttl_ms, with_clock};
 use crate::error::Operation;
+use crate::releases::{ReleaseListener, channel};
 use crate::schema::Schema;
 
 const NAME: &str = "postgres-advisory";
@@ -47,9 +49,12 @@ const HOLDS: &str = "SELECT pg_backend_pid() AS pid, EXISTS (SELECT 1 FROM pg_lo
 /// connection can serve the pool again. The CTE runs the unlock of this key first, and
 /// only in the server session that took the lock (pid `$2`): in any other session the
 /// statement does nothing and returns no row.
+/// When the key was unlocked, it notifies the backend's release channel (`$3`) with the
+/// name (`$4`), which goes out as the statement ends.
 const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
-                WHERE pg_backend_pid() = $2) \
-     SELECT u.released, pg_advisory_unlock_all(), \
+                WHERE pg_backend_pid() = $2), \
+     n AS (SELECT pg_notify($3, $4) FROM u WHERE u.released) \
+     SELECT u.released, (SELECT count(*) FROM n), pg_advisory_unlock_all(), \
      set_config('idle_session_timeout', NULL, false), \
      set_config('tcp_user_timeout', NULL, false), \
      set_config('tcp_keepalives_idle', NULL, false), \
@@ -87,6 +92,12 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 ///   database's or role's own defaults come back), and gives the connection back to the
 ///   pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
+/// - **Waiters.** The release statement also notifies the backend's channel with the
+///   name (`pg_notify`), which wakes a waiter in [`lock_api::Locker::lock`] in every
+///   process that listens (one `LISTEN` session per backend, opened with the first waiter;
+///   see [`LockBackend::watch_releases`]). A lock freed by its session ending is not
+///   announced: waiters take it at their next backoff step. A waiter blocked in
+///   `pg_advisory_lock` would instead pin a connection, and so a lock slot, per waiter.
 ///
 /// # Capacity
 ///
@@ -121,6 +132,7 @@ pub struct PgAdvisoryBackend {
     /// Locks held right now, so a full backend fails at once instead of waiting.
     held: Arc<AtomicUsize>,
     sql: Statements,
+    pub(crate) releases: ReleaseListener,
 }
 
 /// The private handle of an advisory lease: the pinned session, while it is pinned.
@@ -248,9 +260,15 @@ impl PgAdvisoryBackend {
             ),
             purge: s.sql("DELETE FROM {s}.distlock_advisory_tokens WHERE name = $1"),
         };
+        let releases = ReleaseListener::new(
+            channel("advisory", s),
+            (*client.pool.connect_options()).clone(),
+            client.connect_timeout,
+        );
         Self {
             id: BackendId::next(),
             client,
+            releases,
             max_held,
             slots: Arc::new(Semaphore::new(max_held)),
             held: Arc::new(AtomicUsize::new(0)),
@@ -542,6 +560,7 @@ impl LockBackend for PgAdvisoryBackend {
             .session_bound(true)
             .max_held(Some(self.max_held))
             .inspect(true)
+            .wakes_waiters(true)
     }
 
     /// # Cancel safety
@@ -625,6 +644,8 @@ impl LockBackend for PgAdvisoryBackend {
                 sqlx::query_scalar::<_, bool>(UNLOCK)
                     .bind(session.key)
                     .bind(session.pid)
+                    .bind(self.releases.channel())
+                    .bind(lease.key().as_str())
                     .fetch_optional(&mut *pinned.conn),
             )
             .await;
@@ -645,6 +666,18 @@ impl LockBackend for PgAdvisoryBackend {
             unpin(&mut slot);
             Ok(Release::NotHeld)
         }
+    }
+
+    /// Watches `key` through the backend's one `LISTEN` session, which starts with the
+    /// first watched key. A release announces itself; a lock freed by its session ending
+    /// does not (its waiters take it at their next backoff step). `None` outside a tokio
+    /// runtime.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.releases.watch(key)
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.releases.watched_keys()
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
@@ -20,6 +21,7 @@ use crate::client::{
 };
 use crate::config::PgBuilder;
 use crate::error::Operation;
+use crate::releases::{ReleaseListener, channel};
 
 const NAME: &str = "postgres-lease";
 
@@ -49,7 +51,12 @@ struct Statements {
 ///   never issues a token twice, as long as the server's clock does not go back.
 /// - **renew** and **release** match name, owner *and* token, and only while
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
-/// - **release** clears the owner and keeps the row, so the next token is still higher.
+/// - **release** clears the owner and keeps the row, so the next token is still higher,
+///   and in the same statement notifies the backend's channel with the name
+///   (`pg_notify`), which wakes a waiter in [`lock_api::Locker::lock`] in every process
+///   that listens (one `LISTEN` session per backend, opened with the first waiter; see
+///   [`LockBackend::watch_releases`]). A lease that runs out is not announced: waiters
+///   take it at their next backoff step.
 ///
 /// Expiry uses the server's clock only (`now()`); the client's own deadline
 /// ([`Lease::valid_until`]) is counted from the instant the request was sent, so it always
@@ -63,6 +70,7 @@ pub struct PgLeaseBackend {
     id: BackendId,
     client: PgClient,
     sql: Statements,
+    pub(crate) releases: ReleaseListener,
 }
 
 impl PgLeaseBackend {
@@ -103,12 +111,14 @@ impl PgLeaseBackend {
                     AND l.expires_at > now() \
                  RETURNING l.name, l.token",
             ),
+            // The notification goes out when the release commits, in the same statement.
             release_many: s.sql(
-                "UPDATE {s}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
+                "WITH r AS (UPDATE {s}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
                    FROM unnest($1::text[], $2::uuid[], $3::bigint[]) AS k(name, owner, token) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
                     AND l.expires_at > now() \
-                 RETURNING l.name, l.token",
+                 RETURNING l.name, l.token) \
+                 SELECT r.name, r.token FROM r, pg_notify($4, r.name)",
             ),
             renew: s.sql(
                 "UPDATE {s}.distlock_leases \
@@ -116,8 +126,10 @@ impl PgLeaseBackend {
                   WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
             ),
             release: s.sql(
-                "UPDATE {s}.distlock_leases SET owner = NULL, expires_at = NULL \
-                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
+                "WITH r AS (UPDATE {s}.distlock_leases SET owner = NULL, expires_at = NULL \
+                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now() \
+                 RETURNING name) \
+                 SELECT count(*) FROM r, pg_notify($4, r.name)",
             ),
             fence: s.sql(
                 "SELECT token, (owner = $2 AND token = $3 AND expires_at > now()) AS held \
@@ -132,10 +144,16 @@ impl PgLeaseBackend {
             ),
             purge: s.sql("DELETE FROM {s}.distlock_leases WHERE name = $1"),
         };
+        let releases = ReleaseListener::new(
+            channel("lease", s),
+            (*client.pool.connect_options()).clone(),
+            client.connect_timeout,
+        );
         Self {
             id: BackendId::next(),
             client,
             sql,
+            releases,
         }
     }
 
@@ -190,6 +208,8 @@ impl PgLeaseBackend {
             .bind(tokens);
         if op == Operation::Renew {
             query = query.bind(ttls);
+        } else {
+            query = query.bind(self.releases.channel());
         }
         let rows = on_conn!(self.client, NAME, op, conn, query.fetch_all(&mut *conn))?;
         let mut updated: HashSet<(String, i64)> = rows.into_iter().collect();
@@ -227,7 +247,11 @@ impl LockBackend for PgLeaseBackend {
     /// TTL granularity 1 ms, server-side expiry, `inspect`, one-statement batches; no pinned connections, so no
     /// `max_held`.
     fn capabilities(&self) -> Capabilities {
-        self.client.capabilities().inspect(true).native_batch(true)
+        self.client
+            .capabilities()
+            .inspect(true)
+            .native_batch(true)
+            .wakes_waiters(true)
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
@@ -371,18 +395,19 @@ impl LockBackend for PgLeaseBackend {
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check(lease)?;
         let mut conn = self.client.conn(NAME).await?;
-        let done = on_conn!(
+        let released: i64 = on_conn!(
             self.client,
             NAME,
             Operation::Release,
             conn,
-            sqlx::query(AssertSqlSafe(self.sql.release.clone()))
+            sqlx::query_scalar(AssertSqlSafe(self.sql.release.clone()))
                 .bind(lease.key().as_str())
                 .bind(owner_uuid(lease.owner()))
                 .bind(token_i64(lease.token()))
-                .execute(&mut *conn)
+                .bind(self.releases.channel())
+                .fetch_one(&mut *conn)
         )?;
-        Ok(if done.rows_affected() == 1 {
+        Ok(if released == 1 {
             Release::Released
         } else {
             Release::NotHeld
@@ -418,6 +443,17 @@ impl LockBackend for PgLeaseBackend {
                 current: token_from(token),
             }
         })
+    }
+
+    /// Watches `key` through the backend's one `LISTEN` session, which starts with the
+    /// first watched key. A release announces itself; a lease that runs out does not (its
+    /// waiters take it at their next backoff step). `None` outside a tokio runtime.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.releases.watch(key)
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.releases.watched_keys()
     }
 
     /// A lease of this instance for `owner` and `token`. No statement runs: release, renew

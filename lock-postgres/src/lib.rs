@@ -23,6 +23,7 @@ mod config;
 mod error;
 mod fencing;
 mod lease_table;
+mod releases;
 mod schema;
 
 pub use advisory::PgAdvisoryBackend;
