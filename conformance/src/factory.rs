@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::{FencedResource, LockBackend};
+use lock_api::{FencedResource, LockBackend, LockKey};
 
 /// Makes backend instances (clients) that all talk to the same store under test.
 ///
@@ -34,6 +34,12 @@ pub trait Factory: Send + Sync {
     /// Faults on the store's client sessions, if the factory can end them from the
     /// server side.
     fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
+        None
+    }
+
+    /// Fail-over of the store's nodes to their replicas, if the factory's store has
+    /// replicas it promotes (a Redis Cluster with a replica per master).
+    fn failover(&self) -> Option<Arc<dyn Failover>> {
         None
     }
 
@@ -88,6 +94,10 @@ impl<F: Factory> Factory for WithFencedResource<F> {
         self.inner.sessions()
     }
 
+    fn failover(&self) -> Option<Arc<dyn Failover>> {
+        self.inner.failover()
+    }
+
     fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
         Some(self.resource.clone())
     }
@@ -125,4 +135,13 @@ pub trait SessionFaults: Send + Sync {
     /// `pg_terminate_backend`), as an administrator or a crashed backend would; the
     /// server keeps running.
     async fn terminate(&self);
+}
+
+/// Fail-over of the store's nodes.
+#[async_trait]
+pub trait Failover: Send + Sync {
+    /// Kills the node that serves `key` and returns once the store has promoted its
+    /// replica and serves `key` again: the map of which node serves what changes under the
+    /// clients' live leases.
+    async fn fail_over(&self, key: &LockKey);
 }

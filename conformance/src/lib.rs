@@ -28,5 +28,5 @@ pub mod memory;
 pub mod suite;
 pub mod summary;
 
-pub use factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
+pub use factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};

@@ -19,6 +19,7 @@ macro_rules! __conformance_cases {
             restart_leaves_old_holder_fenced: [server_faults],
             server_paused_past_ttl_keeps_holders_apart: [server_faults],
             terminated_sessions_leave_old_holder_fenced: [server_faults, session_kill],
+            failover_keeps_live_leases: [failover],
             ttl_expiry_frees_the_key: [],
             release_by_non_owner_is_not_held: [],
             renew_by_non_owner_is_lost: [],
@@ -81,6 +82,9 @@ macro_rules! __conformance_need {
     (session_kill) => {
         $crate::suite::Need::SessionKill
     };
+    (failover) => {
+        $crate::suite::Need::Failover
+    };
 }
 
 /// Stamps one test per conformance case the backend can run, and one test,
@@ -94,7 +98,7 @@ macro_rules! __conformance_need {
 /// `server_faults` ([`crate::Factory::server`]), `inspect` (the backend implements
 /// `inspect`), `distinct_clients` (each `backend()` call is a separate instance),
 /// `wakes_waiters` (the backend announces releases to waiters), `session_kill`
-/// ([`crate::Factory::sessions`]). A case
+/// ([`crate::Factory::sessions`]), `failover` ([`crate::Factory::failover`]). A case
 /// is stamped only when every capability it needs is declared, so nothing is skipped at
 /// run time; `conformance_stamped_cases` fails if the declaration differs from what the
 /// factory has, either way.
@@ -136,46 +140,49 @@ macro_rules! conformance_tests {
 
 /// Stamps the tests for [`conformance_tests`]; not a stable API.
 ///
-/// The declared capabilities become six flags, `[link_faults server_faults inspect
-/// distinct_clients wakes_waiters session_kill]`, each `yes` or `no`; a case is stamped when every need of it finds
+/// The declared capabilities become seven flags, `[link_faults server_faults inspect
+/// distinct_clients wakes_waiters session_kill failover]`, each `yes` or `no`; a case is stamped when every need of it finds
 /// its flag `yes`.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __stamp_conformance_tests {
     ([$factory:expr; $($capability:ident),*] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
+            @flags [no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
         );
     };
     ([$factory:expr; $($capability:ident),*; only $only:ident] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
+            @flags [no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
             $($cases)*
         );
     };
 
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d $w $k] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d $w $k $f] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d $w $k] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d $w $k $f] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d $w $k] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d $w $k $f] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes $w $k] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes $w $k $f] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [wakes_waiters $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d yes $k] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [wakes_waiters $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d yes $k $f] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt] [session_kill $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w yes] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [session_kill $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w yes $f] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [failover $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w $k yes] [$($more),*] $($rest)*);
     };
     (@flags $flags:tt [$other:ident $(, $more:ident)*] $($rest:tt)*) => {
         ::std::compile_error!(::std::concat!(
             "unknown conformance capability `", ::std::stringify!($other),
-            "`; expected link_faults, server_faults, inspect, distinct_clients, wakes_waiters or session_kill"
+            "`; expected link_faults, server_faults, inspect, distinct_clients, wakes_waiters, session_kill or failover"
         ));
     };
     (@flags $flags:tt [] [$factory:expr] [$($capability:ident),*] $only:tt
@@ -231,6 +238,9 @@ macro_rules! __stamp_conformance_tests {
     (@only session_kill [session_kill $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@case $($rest)*);
     };
+    (@only failover [failover $($x:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case $($rest)*);
+    };
     (@only $only:ident [$other:ident $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@only $only [$($x)*] $($rest)*);
     };
@@ -242,23 +252,26 @@ macro_rules! __stamp_conformance_tests {
     };
 
     // A need whose flag is `yes`: check the next one.
-    (@case [yes $s:tt $i:tt $d:tt $w:tt $k:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [yes $s $i $d $w $k] [$($need)*] $($rest)*);
+    (@case [yes $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [yes $s $i $d $w $k $f] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt yes $i:tt $d:tt $w:tt $k:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l yes $i $d $w $k] [$($need)*] $($rest)*);
+    (@case [$l:tt yes $i:tt $d:tt $w:tt $k:tt $f:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l yes $i $d $w $k $f] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt yes $d:tt $w:tt $k:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s yes $d $w $k] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt yes $d:tt $w:tt $k:tt $f:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s yes $d $w $k $f] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt yes $w:tt $k:tt] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i yes $w $k] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt yes $w:tt $k:tt $f:tt] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i yes $w $k $f] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt $d:tt yes $k:tt] [wakes_waiters $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i $d yes $k] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt $d:tt yes $k:tt $f:tt] [wakes_waiters $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d yes $k $f] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt yes] [session_kill $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w yes] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt yes $f:tt] [session_kill $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w yes $f] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt yes] [failover $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w $k yes] [$($need)*] $($rest)*);
     };
     // Every need met: the test.
     (@case $flags:tt [] $case:ident $factory:expr) => {

@@ -11,7 +11,7 @@ use std::time::Duration;
 use lock_api::{Capabilities, Lease, LockBackend, LockError, LockKey};
 use tokio::time::Instant;
 
-use crate::factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
+use crate::factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
     CheckOptions, FencedCounter, History, Invariant, RecordingBackend, Violation,
 };
@@ -80,17 +80,20 @@ pub enum Need {
     WakesWaiters,
     /// Session faults: [`Factory::sessions`] is `Some` (`session_kill`).
     SessionKill,
+    /// Fail-over: [`Factory::failover`] is `Some` (`failover`).
+    Failover,
 }
 
 impl Need {
     /// Every need, in the order the macro's flags list them.
-    pub const ALL: [Need; 6] = [
+    pub const ALL: [Need; 7] = [
         Need::LinkFaults,
         Need::ServerFaults,
         Need::Inspect,
         Need::DistinctClients,
         Need::WakesWaiters,
         Need::SessionKill,
+        Need::Failover,
     ];
 
     /// The name the macro declares it with.
@@ -102,6 +105,7 @@ impl Need {
             Need::DistinctClients => "distinct_clients",
             Need::WakesWaiters => "wakes_waiters",
             Need::SessionKill => "session_kill",
+            Need::Failover => "failover",
         }
     }
 
@@ -116,6 +120,7 @@ impl Need {
             Need::DistinctClients => distinct_clients(factory).await,
             Need::WakesWaiters => factory.backend().await.capabilities().wakes_waiters,
             Need::SessionKill => factory.sessions().is_some(),
+            Need::Failover => factory.failover().is_some(),
         }
     }
 }
@@ -592,6 +597,13 @@ impl<'f> Ctx<'f> {
         self.factory
             .sessions()
             .ok_or_else(|| self.fail("the factory to have session faults", "none"))
+    }
+
+    /// The factory's fail-over; the case must need [`Need::Failover`].
+    pub fn failover(&self) -> Result<Arc<dyn Failover>, Failure> {
+        self.factory
+            .failover()
+            .ok_or_else(|| self.fail("the factory to fail over", "none"))
     }
 
     /// Fails with `expected` / `got()` unless `holds`.

@@ -1,5 +1,6 @@
 //! Cases on faults of the store's server: a restart (with or without the store's data),
-//! a pause past the TTL, and the clients' sessions ended by the server. Each checks what a holder caught by the fault
+//! a pause past the TTL, the clients' sessions ended by the server, and a node failed
+//! over to its replica. Each checks what a holder caught by the fault
 //! may still do: its late write is rejected once a newer holder wrote, its lease is never
 //! renewed over the new holder, and tokens keep increasing.
 
@@ -13,7 +14,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 use super::release_held;
 use crate::factory::Factory;
 use crate::history::FencedCounter;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
 
 /// How long after a server fault ends a client may keep failing while it reconnects (and
 /// a 3-member store elects a leader).
@@ -142,6 +143,70 @@ pub async fn server_paused_past_ttl_keeps_holders_apart(
     };
     old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
     release_held(&ctx, &b, &new).await?;
+    ctx.pass(&t)
+}
+
+/// The TTL of the fail-over case: longer than the store takes to notice a dead node and
+/// promote its replica, so the lease outlives the fail-over.
+const FAILOVER_TTL: Duration = Duration::from_secs(20);
+
+/// A lease whose node is failed over to its replica (the map of which node serves the
+/// key changes under the live lease) is renewed again, single and batched, before its
+/// validity runs out; meanwhile it excludes other clients, and after its release the next
+/// grant carries a higher token.
+pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new("failover_keeps_live_leases", factory);
+    let failover = ctx.failover()?;
+    // Renewals sent while the node is down may have reached it.
+    ctx.with_faults();
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let ttl = fit_ttl(&a.capabilities(), FAILOVER_TTL);
+    let key = ctx.key("k")?;
+    let lease = ctx.take(&a, &key, ttl).await?;
+    // The clients learn where the key lives before the fail-over.
+    ctx.expect_held(&b, &key, ttl, "just granted").await?;
+
+    failover.fail_over(&key).await;
+
+    let valid_until = lease.valid_until();
+    loop {
+        match a.renew(&lease).await {
+            Ok(Renewal::Renewed { .. }) => break,
+            Ok(other) => {
+                return Err(ctx.fail(
+                    "the live lease to renew after the fail-over",
+                    format!("{other:?}"),
+                ));
+            }
+            Err(e) if Instant::now() >= valid_until => {
+                return Err(ctx.fail(
+                    "the live lease to renew after the fail-over, within its validity",
+                    format!("still failing at its end: {e}"),
+                ));
+            }
+            Err(_) => sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let batch = ctx.ok(
+        "renew_many after the fail-over",
+        a.renew_many(std::slice::from_ref(&lease)).await,
+    )?;
+    ctx.ensure(
+        matches!(batch.as_slice(), [Renewal::Renewed { .. }]),
+        "the live lease to renew in a batch after the fail-over",
+        || format!("{batch:?}"),
+    )?;
+    ctx.expect_held(&b, &key, ttl, "renewed after the fail-over")
+        .await?;
+    release_held(&ctx, &a, &lease).await?;
+    let next = ctx.take(&b, &key, t.ttl).await?;
+    ctx.ensure(
+        next.token() > lease.token(),
+        format!("a token above {} after the fail-over", lease.token()),
+        || format!("token {}", next.token()),
+    )?;
+    release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)
 }
 

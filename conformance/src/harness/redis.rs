@@ -759,6 +759,58 @@ impl RedisCluster {
         Err(last)
     }
 
+    /// Starts a cluster node that joins as a replica of `master` (one of [`nodes`]) and
+    /// returns once it has synced with it, so the cluster can fail `master` over to it.
+    ///
+    /// [`nodes`]: Self::nodes
+    pub async fn start_replica(&self, master: &RedisServer) -> Result<RedisServer, HarnessError> {
+        let replica = RedisServer::builder().cluster(true).start().await?;
+        let master_id = master
+            .command(&["CLUSTER", "MYID"])
+            .await?
+            .as_text()
+            .unwrap_or_default();
+        let master_port = master.port().to_string();
+        replica
+            .command(&["CLUSTER", "MEET", "127.0.0.1", &master_port])
+            .await?;
+        let (replica_ref, master_id) = (&replica, master_id.as_str());
+        wait_until(
+            &format!("replica {} of {}", replica.port(), master.port()),
+            CLUSTER_TIMEOUT,
+            Duration::from_millis(100),
+            || async move {
+                // REPLICATE fails until the node has learned of the master through MEET.
+                match replica_ref
+                    .command(&["CLUSTER", "REPLICATE", master_id])
+                    .await
+                {
+                    Ok(RespValue::Simple(ok)) if ok == "OK" => Probe::Ready(()),
+                    other => Probe::NotYet(format!("CLUSTER REPLICATE: {other:?}")),
+                }
+            },
+        )
+        .await?;
+        wait_until(
+            &format!("replica {} to sync with {}", replica.port(), master.port()),
+            CLUSTER_TIMEOUT,
+            Duration::from_millis(100),
+            || async move {
+                let info = match replica_ref.command(&["INFO", "replication"]).await {
+                    Ok(reply) => reply.as_text().unwrap_or_default(),
+                    Err(e) => return Probe::NotYet(e.to_string()),
+                };
+                if info.contains("master_link_status:up") {
+                    Probe::Ready(())
+                } else {
+                    Probe::NotYet("not synced yet".into())
+                }
+            },
+        )
+        .await?;
+        Ok(replica)
+    }
+
     /// The node that serves `key` (see [`key_slot`]).
     pub async fn node_for_key(&self, key: &[u8]) -> Result<&RedisServer, HarnessError> {
         self.node_for_slot(key_slot(key)).await

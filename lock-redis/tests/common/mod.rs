@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, LinkFaults, ServerFaults};
+use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
 use conformance::harness::{
     self,
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer},
 };
-use lock_api::LockBackend;
+use lock_api::{LockBackend, LockKey};
 use lock_redis::RedisBackend;
 
 /// The response timeout the tests use: short, so blackholes are noticed quickly.
@@ -111,6 +111,96 @@ impl Factory for RedisClusterFactory {
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
         Arc::new(self.redis().await)
+    }
+}
+
+/// A 3-master Redis Cluster with a replica per master, whose masters the cases may fail
+/// over to their replicas.
+pub struct RedisFailoverFactory {
+    clients: RedisClusterFactory,
+    failover: Arc<ReplicaPromotion>,
+}
+
+impl RedisFailoverFactory {
+    pub async fn start() -> Self {
+        let clients = RedisClusterFactory::start().await;
+        let mut replicas = Vec::new();
+        for master in clients.cluster.nodes() {
+            replicas.push(harness::require(
+                clients.cluster.start_replica(master).await,
+            ));
+        }
+        let failover = Arc::new(ReplicaPromotion {
+            cluster: clients.cluster.clone(),
+            replicas,
+            keys: clients.redis().await,
+        });
+        Self { clients, failover }
+    }
+
+    pub async fn redis(&self) -> RedisBackend {
+        self.clients.redis().await
+    }
+}
+
+#[async_trait]
+impl Factory for RedisFailoverFactory {
+    fn name(&self) -> &str {
+        "redis-cluster (replicas)"
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        self.clients.backend().await
+    }
+
+    fn failover(&self) -> Option<Arc<dyn Failover>> {
+        Some(self.failover.clone())
+    }
+}
+
+/// Kills the master of a key and waits until its replica serves the key's slot.
+struct ReplicaPromotion {
+    cluster: Arc<RedisCluster>,
+    /// One per master, in the order of the cluster's nodes.
+    replicas: Vec<RedisServer>,
+    /// Names the Redis keys of a lock key.
+    keys: RedisBackend,
+}
+
+#[async_trait]
+impl Failover for ReplicaPromotion {
+    async fn fail_over(&self, key: &LockKey) {
+        let redis_key = self.keys.redis_keys(key).0;
+        let master = harness::require(self.cluster.node_for_key(redis_key.as_bytes()).await);
+        let index = self
+            .cluster
+            .nodes()
+            .iter()
+            .position(|n| n.port() == master.port())
+            .expect("the key's master is a node of the cluster");
+        let replica = &self.replicas[index];
+        // The replica has every write the master acknowledged before it dies.
+        harness::require(master.command(&["WAIT", "1", "5000"]).await);
+        harness::require(master.kill());
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let role = replica.command(&["ROLE"]).await.ok().and_then(|r| match r {
+                harness::redis::RespValue::Array(Some(items)) => {
+                    items.into_iter().next().and_then(|i| i.as_text())
+                }
+                _ => None,
+            });
+            if role.as_deref() == Some("master") {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "replica {} was not promoted within 30 s",
+                replica.port()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
     }
 }
 
