@@ -22,7 +22,11 @@ use crate::suite::{Ctx, Failure, Outcome, Timing};
 const LOCAL_SLACK: Duration = Duration::from_millis(150);
 
 /// A locker on `client` with the case TTL, fast retries and a generous wait.
-fn locker(ctx: &Ctx<'_>, client: Arc<dyn LockBackend>, t: &Timing) -> Result<Locker, Failure> {
+pub(super) fn locker(
+    ctx: &Ctx<'_>,
+    client: Arc<dyn LockBackend>,
+    t: &Timing,
+) -> Result<Locker, Failure> {
     ctx.ok(
         "Locker::builder(..).build()",
         Locker::builder(client)

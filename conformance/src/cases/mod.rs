@@ -10,6 +10,7 @@
 //! the case list and checked before it runs ([`crate::suite::Need`]).
 
 mod batch;
+mod cancel;
 mod election;
 mod input;
 mod lease;
@@ -18,6 +19,7 @@ mod server_faults;
 mod wake;
 
 pub use batch::*;
+pub use cancel::*;
 pub use election::*;
 pub use input::*;
 pub use lease::*;
