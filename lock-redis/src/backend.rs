@@ -713,6 +713,41 @@ impl RedisBackend {
             .await
     }
 
+    /// Runs `script` on `keys` (all of one hash slot) with `args` sent as bytes, so a
+    /// caller's value reaches the script unchanged.
+    pub(crate) async fn run_script_on<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        script: &'static Script,
+        keys: &[String],
+        args: &[&[u8]],
+    ) -> Result<T, LockError> {
+        let mut invocation = script.prepare_invoke();
+        for key in keys {
+            invocation.key(key);
+        }
+        for arg in args {
+            invocation.arg(*arg);
+        }
+        let request = async {
+            match &self.inner.conn {
+                Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
+                Conn::Cluster(c, _) => invocation.invoke_async(&mut c.clone()).await,
+            }
+        };
+        self.timed(operation, true, request).await
+    }
+
+    /// Runs a command that only reads (routed by its first key in a cluster).
+    pub(crate) async fn read_command<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, LockError> {
+        self.timed(operation, false, self.inner.conn.command(cmd))
+            .await
+    }
+
     fn lease(
         &self,
         key: &LockKey,

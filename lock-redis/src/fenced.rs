@@ -1,11 +1,13 @@
 //! [`RedisFencedResource`]: downstream token gating kept in Redis. One script stores the
-//! highest token admitted per resource, so concurrent writers are judged atomically.
+//! highest token admitted per resource, so concurrent writers are judged atomically; the
+//! fenced write runs the check and the write in one script.
 
 use async_trait::async_trait;
 use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
 
 use crate::backend::RedisBackend;
-use crate::scripts::ADMIT_SCRIPT;
+use crate::keys::fenced_resource_key;
+use crate::scripts::{ADMIT_SCRIPT, ADMIT_WRITE_SCRIPT};
 
 /// A [`FencedResource`] in Redis: `<prefix>:fenced:{<resource>}` holds the highest token
 /// admitted for the resource (no TTL).
@@ -13,6 +15,29 @@ use crate::scripts::ADMIT_SCRIPT;
 /// In [`EnforcementMode::Shadow`] a stale token is logged, counted in
 /// `distlock_fence_rejected_total{mode="shadow"}` and let through; in
 /// [`EnforcementMode::Enforce`] it is rejected. A stale token never lowers the stored one.
+///
+/// # Fenced writes
+///
+/// [`RedisFencedResource::write`] is the fenced form: one script compares the token, stores
+/// it as the highest and, only when admitted (or let through in shadow mode), sets a field
+/// of the hash `<prefix>:fenced:{<resource>}:data`. No newer token can be admitted between
+/// the check and the write, and both keys share the resource's hash tag, so this works on
+/// a Redis Cluster too. [`FencedResource::admit`] alone is **check only**: a holder that
+/// pauses after `Admitted` and then writes elsewhere still writes after a newer holder.
+///
+/// ```no_run
+/// # async fn run(backend: lock_redis::RedisBackend, token: lock_api::FencingToken)
+/// # -> Result<(), lock_api::LockError> {
+/// use lock_api::EnforcementMode;
+/// use lock_redis::RedisFencedResource;
+///
+/// let ledger = RedisFencedResource::new(backend, EnforcementMode::Enforce);
+/// if !ledger.write("account:7", token, "balance", b"10").await?.is_admitted() {
+///     // A newer holder has written: this worker is stale and wrote nothing.
+/// }
+/// assert!(ledger.read("account:7", "balance").await?.is_some());
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct RedisFencedResource {
     backend: RedisBackend,
@@ -29,6 +54,66 @@ impl RedisFencedResource {
     pub fn mode(&self) -> EnforcementMode {
         self.mode
     }
+
+    /// Sets `field` of `resource`'s data hash to `value` if `token` is at least the highest
+    /// admitted token, and records `token` as the highest, in one script. A stale token
+    /// writes nothing in enforce mode; in shadow mode the value is written, the stored
+    /// token is left as it was, and the write is logged and counted.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled write may or may not have been applied.
+    pub async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        field: &str,
+        value: &[u8],
+    ) -> Result<Admission, LockError> {
+        let fence = fenced_resource_key(self.backend.key_prefix(), resource);
+        let data = format!("{fence}:data");
+        let token_arg = token.get().to_string();
+        let shadow: &[u8] = match self.mode {
+            EnforcementMode::Shadow => b"1",
+            EnforcementMode::Enforce => b"0",
+        };
+        let latest: String = self
+            .backend
+            .run_script_on(
+                "fenced_write",
+                &ADMIT_WRITE_SCRIPT,
+                &[fence, data],
+                &[token_arg.as_bytes(), shadow, field.as_bytes(), value],
+            )
+            .await?;
+        Ok(decide(self.mode, resource, token, parse_latest(&latest)?))
+    }
+
+    /// The value of `field` last written to `resource` by [`RedisFencedResource::write`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    pub async fn read(&self, resource: &str, field: &str) -> Result<Option<Vec<u8>>, LockError> {
+        let data = format!(
+            "{}:data",
+            fenced_resource_key(self.backend.key_prefix(), resource)
+        );
+        let mut hget = redis::cmd("HGET");
+        hget.arg(data).arg(field);
+        self.backend.read_command("fenced_read", &hget).await
+    }
+}
+
+/// The highest admitted token as the scripts return it (`''` when none).
+fn parse_latest(latest: &str) -> Result<Option<FencingToken>, LockError> {
+    if latest.is_empty() {
+        return Ok(None);
+    }
+    latest.parse().map(|t| Some(FencingToken(t))).map_err(|_| {
+        LockError::backend(
+            "redis",
+            format!("the fenced resource holds a non-numeric token {latest:?}"),
+        )
+    })
 }
 
 #[async_trait]
@@ -38,16 +123,6 @@ impl FencedResource for RedisFencedResource {
             .backend
             .run_script("admit", &ADMIT_SCRIPT, resource, token.get())
             .await?;
-        let latest = if latest.is_empty() {
-            None
-        } else {
-            Some(FencingToken(latest.parse().map_err(|_| {
-                LockError::backend(
-                    "redis",
-                    format!("the fenced resource holds a non-numeric token {latest:?}"),
-                )
-            })?))
-        };
-        Ok(decide(self.mode, resource, token, latest))
+        Ok(decide(self.mode, resource, token, parse_latest(&latest)?))
     }
 }

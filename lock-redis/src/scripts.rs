@@ -27,6 +27,9 @@ pub(crate) static ABANDON_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::ne
 pub(crate) static FENCE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE));
 /// Highest admitted token of a fenced resource.
 pub(crate) static ADMIT_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ADMIT));
+/// [`ADMIT_SCRIPT`] and, when admitted (or let through in shadow mode), the caller's `HSET`.
+pub(crate) static ADMIT_WRITE_SCRIPT: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("scripts/admit_write.lua")));
 
 /// [`ACQUIRE_SCRIPT`] for many locks of one hash slot: one call, one reply per lock.
 pub(crate) static ACQUIRE_MANY_SCRIPT: LazyLock<Script> =

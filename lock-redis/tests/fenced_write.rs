@@ -1,0 +1,151 @@
+//! `RedisFencedResource::write` checks the token and writes in one script: a stale holder's
+//! write is refused even when it was paused between being admitted and writing.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{RedisClusterFactory, RedisFactory};
+use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockBackend, LockKey};
+use lock_redis::{RedisBackend, RedisFencedResource};
+
+const RESOURCE: &str = "account:7";
+const FIELD: &str = "balance";
+
+/// The value of [`FIELD`], as text so a failed assertion reads well.
+async fn balance(ledger: &RedisFencedResource) -> Option<String> {
+    let value = ledger.read(RESOURCE, FIELD).await.unwrap();
+    value.map(|v| String::from_utf8(v).unwrap())
+}
+
+async fn stale_write_is_refused_and_current_write_lands(redis: RedisBackend) {
+    let ledger = RedisFencedResource::new(redis, EnforcementMode::Enforce);
+    let first = ledger.write(RESOURCE, FencingToken(5), FIELD, b"50").await;
+    assert_eq!(first.unwrap(), Admission::Admitted);
+
+    let stale = ledger.write(RESOURCE, FencingToken(4), FIELD, b"40").await;
+    assert_eq!(
+        stale.unwrap(),
+        Admission::Stale {
+            latest: FencingToken(5)
+        }
+    );
+    assert_eq!(
+        balance(&ledger).await.as_deref(),
+        Some("50"),
+        "the stale write changed the value"
+    );
+
+    let same = ledger.write(RESOURCE, FencingToken(5), FIELD, b"55").await;
+    assert_eq!(same.unwrap(), Admission::Admitted);
+    let newer = ledger.write(RESOURCE, FencingToken(6), FIELD, b"60").await;
+    assert_eq!(newer.unwrap(), Admission::Admitted);
+    assert_eq!(balance(&ledger).await.as_deref(), Some("60"));
+    assert_eq!(ledger.read(RESOURCE, "other").await.unwrap(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_token_write_is_refused_and_current_token_write_lands() {
+    let f = RedisFactory::start().await;
+    stale_write_is_refused_and_current_write_lands(f.redis().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_token_write_is_refused_and_current_token_write_lands_on_a_cluster() {
+    let f = RedisClusterFactory::start().await;
+    stale_write_is_refused_and_current_write_lands(f.redis().await).await;
+}
+
+/// The old holder is admitted by `admit`, pauses past its lease, and writes after the new
+/// holder: only the fenced write keeps the new holder's value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_old_holder_writing_after_the_new_holder_leaves_the_new_value() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let ledger = RedisFencedResource::new(redis.clone(), EnforcementMode::Enforce);
+    let key = LockKey::new("payout").unwrap();
+    let ttl = Duration::from_millis(500);
+
+    let old = redis.acquire(&key, ttl).await.unwrap().expect("free lock");
+    let checked = ledger.admit(RESOURCE, old.token()).await.unwrap();
+    assert_eq!(checked, Admission::Admitted);
+    // The old holder pauses until its lease has expired; a new holder takes over.
+    tokio::time::sleep(ttl + Duration::from_millis(100)).await;
+    let new = redis
+        .acquire(&key, ttl)
+        .await
+        .unwrap()
+        .expect("expired lock");
+    assert!(new.token() > old.token());
+    let landed = ledger.write(RESOURCE, new.token(), FIELD, b"new").await;
+    assert_eq!(landed.unwrap(), Admission::Admitted);
+
+    let late = ledger.write(RESOURCE, old.token(), FIELD, b"old").await;
+    assert_eq!(
+        late.unwrap(),
+        Admission::Stale {
+            latest: new.token()
+        }
+    );
+    assert_eq!(
+        balance(&ledger).await.as_deref(),
+        Some("new"),
+        "the paused old holder overwrote the new holder"
+    );
+}
+
+/// Many writers at once: whatever the order, the value left is the highest token's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_writers_leave_the_highest_tokens_value() {
+    let f = RedisFactory::start().await;
+    let ledger = RedisFencedResource::new(f.redis().await, EnforcementMode::Enforce);
+    let writes = (1..=40u64).rev().map(|t| {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            let value = t.to_string();
+            ledger
+                .write(RESOURCE, FencingToken(t), FIELD, value.as_bytes())
+                .await
+                .unwrap()
+        })
+    });
+    for write in futures::future::join_all(writes).await {
+        write.unwrap();
+    }
+    assert_eq!(balance(&ledger).await.as_deref(), Some("40"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_lets_a_stale_write_through_and_reports_it_stale() {
+    let f = RedisFactory::start().await;
+    let ledger = RedisFencedResource::new(f.redis().await, EnforcementMode::Shadow);
+    ledger
+        .write(RESOURCE, FencingToken(5), FIELD, b"50")
+        .await
+        .unwrap();
+
+    let stale = ledger
+        .write(RESOURCE, FencingToken(3), FIELD, b"30")
+        .await
+        .unwrap();
+    assert_eq!(
+        stale,
+        Admission::ShadowStale {
+            latest: FencingToken(5)
+        }
+    );
+    assert!(stale.is_admitted() && stale.was_stale());
+    assert_eq!(
+        balance(&ledger).await.as_deref(),
+        Some("30"),
+        "shadow mode must let the stale write through"
+    );
+    // The stale write did not lower the stored token.
+    let still_stale = ledger.write(RESOURCE, FencingToken(4), FIELD, b"40").await;
+    assert_eq!(
+        still_stale.unwrap(),
+        Admission::ShadowStale {
+            latest: FencingToken(5)
+        }
+    );
+}
