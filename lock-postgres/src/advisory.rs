@@ -39,9 +39,17 @@ struct Statements {
 
 /// Checks that this session holds the advisory lock `(classid, objid)` of a bigint key.
 /// Also returns the server session's pid, which must be the one that took the lock.
+/// Reads `pg_locks`, which takes every lock-manager partition lock: `fence` only.
 const HOLDS: &str = "SELECT pg_backend_pid() AS pid, EXISTS (SELECT 1 FROM pg_locks \
      WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
        AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
+
+/// The renewal's check: the server session that took the lock still answers. A
+/// session-level advisory lock lasts until it is unlocked or its session ends, and on a
+/// pinned session nothing but `release` (which unpins it) unlocks, so the live session
+/// with the pid that took the lock is the proof. `pg_locks`, whose cost grows with every
+/// lock on the server, is not read once per held lock per renewal.
+const ALIVE: &str = "SELECT pg_backend_pid() AS pid, true";
 
 /// Unlocks, drops any other advisory lock the session may hold (none, by the acquire's
 /// check), and resets the session's time limits (`set_config` with a NULL value is
@@ -84,9 +92,11 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 ///   vanished) loses its session, and so its lock, about one TTL after its last call;
 ///   TCP keepalives and `tcp_user_timeout` (also about one TTL) end sessions whose client
 ///   machine vanished mid-request. Needs PostgreSQL 14 or newer.
-/// - **renew** checks on the pinned session that it is alive and still holds the lock
-///   (`pg_locks` for `pg_backend_pid()`), which also restarts the idle timer. A dropped
-///   connection is [`Renewal::Lost`].
+/// - **renew** checks that the pinned session is alive and is the server session that
+///   took the lock (`pg_backend_pid()`), which also restarts the idle timer: a session
+///   lock lasts as long as its session, and nothing else unlocks on a pinned session, so
+///   `pg_locks` (whose reading takes every lock-manager partition lock) is left to
+///   `fence`. A dropped connection is [`Renewal::Lost`].
 /// - **release** runs `pg_advisory_unlock` (then `pg_advisory_unlock_all`, which finds
 ///   nothing left) on the pinned session, `RESET`s the time limits the acquire set (a
 ///   database's or role's own defaults come back), and gives the connection back to the
@@ -448,10 +458,14 @@ impl PgAdvisoryBackend {
             .timed(
                 NAME,
                 op,
-                sqlx::query_as::<_, (i32, bool)>(HOLDS)
-                    .bind(classid)
-                    .bind(objid)
-                    .fetch_one(&mut *pinned.conn),
+                if op == Operation::Renew {
+                    sqlx::query_as::<_, (i32, bool)>(ALIVE)
+                } else {
+                    sqlx::query_as::<_, (i32, bool)>(HOLDS)
+                        .bind(classid)
+                        .bind(objid)
+                }
+                .fetch_one(&mut *pinned.conn),
             )
             .await;
         match result {
@@ -807,5 +821,47 @@ mod tests {
         // of) the session holding `a`, so both keys are still held.
         assert_eq!(backend.inspect(&ka).await.unwrap().owner, Some(a.owner()));
         assert_eq!(backend.inspect(&kb).await.unwrap().owner, Some(b.owner()));
+    }
+
+    /// One item of a renewal batch whose session answers with an error (here: another
+    /// server session answers, as behind a pooling proxy) is `Unreachable`; the others
+    /// are renewed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn renew_many_reports_a_failing_item_as_unreachable_and_renews_the_rest() {
+        use conformance::harness::{self, postgres::PostgresServer};
+
+        let server = harness::require(PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let backend = crate::PgBuilder::new(server.url())
+            .build_advisory_backend()
+            .unwrap();
+        backend.setup().await.unwrap();
+        let ttl = Duration::from_secs(30);
+        let [a, b, c] = ["batch:a", "batch:b", "batch:c"].map(|k| LockKey::new(k).unwrap());
+        let a = backend.acquire(&a, ttl).await.unwrap().expect("free");
+        let b = backend.acquire(&b, ttl).await.unwrap().expect("free");
+        let c = backend.acquire(&c, ttl).await.unwrap().expect("free");
+        let (sb, sc) = (
+            b.handle::<Session>().unwrap(),
+            c.handle::<Session>().unwrap(),
+        );
+        std::mem::swap(&mut *sb.pinned.lock().await, &mut *sc.pinned.lock().await);
+
+        let renewals = backend.renew_many(&[b.clone(), a.clone()]).await.unwrap();
+        assert_eq!(renewals[0], Renewal::Unreachable, "{renewals:?}");
+        assert!(
+            matches!(renewals[1], Renewal::Renewed { .. }),
+            "{renewals:?}"
+        );
+
+        std::mem::swap(&mut *sb.pinned.lock().await, &mut *sc.pinned.lock().await);
+        assert_eq!(
+            backend.release_many(&[a, b, c]).await.unwrap(),
+            [Release::Released; 3]
+        );
     }
 }
