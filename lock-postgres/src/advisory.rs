@@ -116,6 +116,18 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 /// ([`Capabilities::max_held`]); one more acquire fails at once with [`LockError::Unavailable`] saying so. The server's `max_connections` bounds
 /// all backends together.
 ///
+/// # The server can end a lock early
+///
+/// A server restart, a failover, `pg_terminate_backend`, an idle or TCP timeout, or a
+/// network reset ends the session, and with it the lock, at once; another client can
+/// then take the key (with a higher token) while this guard still says held. The client
+/// learns of it at its next statement on that session, the watchdog's next renewal: the
+/// driver reads an idle connection's socket only while a statement runs, so it sees the
+/// death no sooner. The window is at most the renew interval (TTL / 3 by default; a
+/// shorter [`lock_api::LockerBuilder::renew_interval`] narrows it, each renewal being one
+/// `SELECT pg_backend_pid()` on the pinned session). Guard writes downstream with the
+/// fencing token, which refuses the old holder once the new one has written.
+///
 /// # Not behind a transaction-pooling proxy
 ///
 /// Session locks need the session: behind PgBouncer in `transaction` (or `statement`)
