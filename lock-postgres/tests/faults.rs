@@ -174,3 +174,46 @@ async fn lease_table_holder_paused_past_its_ttl_is_fenced() {
     assert_eq!(fresh.fence(&new).await.unwrap(), Fence::Current);
     let _: Arc<dyn LockBackend> = fresh;
 }
+
+/// A killed session ends the lock at once, but the guard hears of it only at its next
+/// renewal (the driver sees an idle connection's death no sooner): with a 30 s TTL and a
+/// renewal every second, the guard reports the loss within a few seconds, long before the
+/// default renewal at TTL / 3 (10 s) would have looked, and while it says held the key is
+/// already another holder's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_killed_session_reaches_the_guard_at_the_next_renewal_of_a_short_interval() {
+    let server = start_server().await;
+    let holder = backend(&server, Kind::Advisory).await;
+    let other = backend(&server, Kind::Advisory).await;
+    let ttl = Duration::from_secs(30);
+    let locker = Locker::builder(holder)
+        .ttl(ttl)
+        .renew_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let k = key("payout:killed-early");
+    let guard = locker.try_lock(&k).await.unwrap().expect("a free key");
+    let killed = server
+        .psql(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted",
+        )
+        .await
+        .unwrap();
+    assert_eq!(killed, "1");
+    let killed_at = tokio::time::Instant::now();
+    // The server already freed the key: another client takes it with a higher token.
+    let next = loop {
+        if let Some(lease) = other.acquire(&k, ttl).await.unwrap() {
+            break lease;
+        }
+        assert!(killed_at.elapsed() < Duration::from_secs(5), "never freed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(next.token() > guard.token());
+    tokio::time::timeout(Duration::from_secs(5), guard.lost())
+        .await
+        .expect("the next renewal reports the killed session");
+    assert!(!guard.is_held());
+    assert_eq!(other.release(&next).await.unwrap(), Release::Released);
+}
