@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::factory::{Factory, LinkFaults, ServerFaults};
+use crate::factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::Invariant;
 
 const NAME: &str = "broken";
@@ -585,6 +585,14 @@ impl Factory for BrokenFactory {
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         Some(Arc::new(BrokenFaults(self.clone())))
     }
+
+    fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
+        Some(Arc::new(BrokenFaults(self.clone())))
+    }
+
+    fn failover(&self) -> Option<Arc<dyn Failover>> {
+        Some(Arc::new(BrokenFaults(self.clone())))
+    }
 }
 
 /// The fault controls of a [`BrokenFactory`]'s store.
@@ -633,6 +641,23 @@ impl ServerFaults for BrokenFaults {
         }
         store.set(&store.killed, false);
     }
+}
+
+#[async_trait]
+impl SessionFaults for BrokenFaults {
+    /// Every holder's session ends: the locks go with them, the counters stay.
+    async fn terminate(&self) {
+        for state in self.0.store.keys.lock().values_mut() {
+            state.holder = None;
+        }
+    }
+}
+
+#[async_trait]
+impl Failover for BrokenFaults {
+    /// The store is one node whose replica has every write: a fail-over changes nothing
+    /// the clients see.
+    async fn fail_over(&self, _key: &LockKey) {}
 }
 
 #[cfg(test)]

@@ -9,7 +9,10 @@ use conformance::suite::macro_support::{run_case, stamped_cases};
 mod control {
     conformance::conformance_tests!(
         async { conformance::broken::BrokenFactory::control() },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
+        capabilities: [
+            link_faults, server_faults, inspect, distinct_clients, wakes_waiters, session_kill,
+            failover,
+        ],
     );
 }
 
@@ -17,7 +20,7 @@ mod control {
 mod server_faults_only {
     conformance::conformance_tests!(
         async { conformance::broken::BrokenFactory::control() },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, session_kill],
         only_needing: server_faults,
     );
 
