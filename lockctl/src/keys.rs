@@ -81,6 +81,14 @@ pub async fn acquire(
     json: bool,
 ) -> Result<ExitCode, LockError> {
     let key = LockKey::new(key)?;
+    // What no store can honour is refused before connecting: a zero TTL, or one finer
+    // than a millisecond (the finest granularity any store keeps).
+    if ttl.is_zero() || ttl.subsec_nanos() % 1_000_000 != 0 {
+        return Err(LockError::invalid_ttl(
+            ttl,
+            "a TTL must be a whole number of milliseconds above zero",
+        ));
+    }
     let backend = distlock::connect(url).await?;
     note_if_memory(url);
     let Some(lease) = backend.acquire(&key, ttl).await? else {

@@ -163,6 +163,19 @@ fn a_store_whose_feature_is_off_names_the_feature() {
 }
 
 #[test]
+fn a_ttl_no_store_can_honour_is_refused_before_connecting() {
+    // Port 1 on loopback refuses connections: a connect attempt would say so instead.
+    for ttl in ["0s", "1500us"] {
+        lockctl()
+            .args(["acquire", "redis://127.0.0.1:1", "job:1", "--ttl", ttl])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("invalid ttl"))
+            .stderr(predicate::str::contains("unavailable").not());
+    }
+}
+
+#[test]
 fn an_unreachable_store_fails_without_leaking_the_password() {
     let output = lockctl()
         .args(["inspect", "redis://:hunter2@127.0.0.1:1", "job:1"])
