@@ -39,9 +39,19 @@ pub struct HandoffRow {
     pub acquires_per_handoff: f64,
 }
 
-/// Measures `handoffs` handoffs of one key among `waiters` tasks on `backend`, each task
-/// taking the key with the default `Locker` settings and releasing it at once. With
-/// `notified` false the backend's release notifications are hidden from the waiters.
+/// How long each holder keeps the key before it releases it: a short job.
+pub const HOLD: Duration = Duration::from_millis(2);
+
+/// How long the waiters of a round wait before the first release: long enough that
+/// polling waiters have backed off as waiters in a job system do.
+pub const QUEUED: Duration = Duration::from_millis(300);
+
+/// Measures about `handoffs` handoffs of one key on `backend`, in rounds: `waiters` tasks
+/// queue in `Locker::lock` (default settings) behind a held key for [`QUEUED`], then the
+/// key is released and passes from task to task, each holding it for [`HOLD`]. Reports
+/// the time from each release to the next grant and the acquire calls the store served
+/// from the first release of a round to its last grant, per handoff. With `notified`
+/// false the backend's release notifications are hidden from the waiters.
 pub async fn handoff(
     subject: SubjectId,
     backend: Arc<dyn LockBackend>,
@@ -66,51 +76,36 @@ pub async fn handoff(
     let mode = if notified { "notified" } else { "polling" };
     let key = LockKey::new(format!("bench:{}:handoff:{mode}", subject.slug())).map_err(lock_err)?;
     let log = Arc::new(Mutex::new(HandoffLog::default()));
-    // Grants so far: a task that released waits for the next grant before it queues
-    // again, so every handoff goes to another task and about `waiters` tasks wait.
-    let (grants_tx, grants_rx) = tokio::sync::watch::channel(0u64);
-    let grants_tx = Arc::new(grants_tx);
-
-    let first = locker.lock(&key).await.map_err(lock_err)?;
-    let mut tasks = tokio::task::JoinSet::new();
-    for _ in 0..waiters {
-        let (locker, key, log) = (locker.clone(), key.clone(), log.clone());
-        let (grants_tx, mut grants_rx) = (grants_tx.clone(), grants_rx.clone());
-        tasks.spawn(async move {
-            loop {
-                if log.lock().done(handoffs) {
-                    return Ok(());
-                }
+    let waiters = waiters.max(1);
+    let rounds = handoffs.div_ceil(waiters as u64).max(1);
+    let mut chain_acquires = 0u64;
+    for _ in 0..rounds {
+        let first = locker.lock(&key).await.map_err(lock_err)?;
+        let mut tasks = tokio::task::JoinSet::new();
+        for _ in 0..waiters {
+            let (locker, key, log) = (locker.clone(), key.clone(), log.clone());
+            tasks.spawn(async move {
                 let guard = locker.lock(&key).await?;
-                let granted = Instant::now();
-                let (done, mine) = {
-                    let mut log = log.lock();
-                    log.granted(granted, handoffs);
-                    log.released_at = Some(Instant::now());
-                    (log.done(handoffs), log.gaps.len() as u64)
-                };
-                grants_tx.send_replace(mine);
-                guard.release().await?;
-                if done {
-                    return Ok(());
-                }
-                // Queue again only once another task has taken the key.
-                let _ = grants_rx.wait_for(|&grants| grants > mine).await;
-            }
-        });
-    }
-    // Every waiter is queued before the first release.
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    counted.acquires.store(0, Ordering::SeqCst);
-    log.lock().released_at = Some(Instant::now());
-    first.release().await.map_err(lock_err)?;
-    while let Some(joined) = tasks.join_next().await {
-        joined
-            .map_err(|e| BenchError::Unexpected {
-                subject: subject.slug(),
-                detail: format!("a waiting task failed: {e}"),
-            })?
-            .map_err(lock_err)?;
+                log.lock().granted(Instant::now());
+                tokio::time::sleep(HOLD).await;
+                log.lock().released_at = Some(Instant::now());
+                guard.release().await.map(drop)
+            });
+        }
+        tokio::time::sleep(QUEUED).await;
+        let before = counted.acquires.load(Ordering::SeqCst);
+        log.lock().released_at = Some(Instant::now());
+        first.release().await.map_err(lock_err)?;
+        while let Some(joined) = tasks.join_next().await {
+            joined
+                .map_err(|e| BenchError::Unexpected {
+                    subject: subject.slug(),
+                    detail: format!("a waiting task failed: {e}"),
+                })?
+                .map_err(lock_err)?;
+        }
+        chain_acquires += counted.acquires.load(Ordering::SeqCst) - before;
+        log.lock().released_at = None;
     }
 
     let log = log.lock();
@@ -127,8 +122,7 @@ pub async fn handoff(
         handoffs: measured,
         p50_us: histogram.value_at_quantile(0.5) as f64,
         p99_us: histogram.value_at_quantile(0.99) as f64,
-        acquires_per_handoff: counted.acquires.load(Ordering::SeqCst) as f64
-            / measured.max(1) as f64,
+        acquires_per_handoff: chain_acquires as f64 / measured.max(1) as f64,
     })
 }
 
@@ -140,17 +134,10 @@ struct HandoffLog {
 }
 
 impl HandoffLog {
-    fn granted(&mut self, at: Instant, handoffs: u64) {
-        if self.done(handoffs) {
-            return;
-        }
+    fn granted(&mut self, at: Instant) {
         if let Some(released) = self.released_at.take() {
             self.gaps.push(at.saturating_duration_since(released));
         }
-    }
-
-    fn done(&self, handoffs: u64) -> bool {
-        self.gaps.len() as u64 >= handoffs
     }
 }
 
@@ -218,8 +205,9 @@ mod tests {
         let polling = handoff(SubjectId::Memory, backend, 16, 40, false)
             .await
             .unwrap();
-        assert_eq!(notified.handoffs, 40);
-        assert_eq!(polling.handoffs, 40);
+        // Rounds of 16: 40 asked, 48 measured.
+        assert_eq!(notified.handoffs, 48);
+        assert_eq!(polling.handoffs, 48);
         // One acquire per handoff by the one woken waiter (and the odd fallback poll);
         // polling waiters ask more, and wait for their backoff to end.
         assert!(notified.acquires_per_handoff < 2.0, "{notified:?}");

@@ -227,10 +227,14 @@ impl Report {
             let _ = writeln!(
                 md,
                 "\n## Handoff: one key, {} tasks waiting in `Locker::lock`\n\n\
-                 Time from sending a release to the next grant, and the acquire calls the \
-                 store served per handoff, with the backend's release notifications and \
-                 with waiters polling (default backoff, 10 ms doubling to 1 s, jittered).\n",
-                self.plan.contended_tasks
+                 In rounds: the tasks queue behind a held key for {:?}, then the key passes \
+                 from task to task, each holding it {:?}. Time from sending a release to \
+                 the next grant, and the acquire calls the store served per handoff, with \
+                 the backend's release notifications and with waiters polling (default \
+                 backoff, 10 ms doubling to 1 s, jittered).\n",
+                self.plan.contended_tasks,
+                crate::handoff::QUEUED,
+                crate::handoff::HOLD,
             );
             let _ = writeln!(
                 md,

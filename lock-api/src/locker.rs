@@ -208,8 +208,10 @@ impl Locker {
 
     /// Waits for the lock, up to the wait timeout. Where the backend announces releases
     /// ([`crate::Capabilities::wakes_waiters`]) a release wakes one waiter of the key per
-    /// process at once; the jittered exponential backoff between attempts stays as the
-    /// fallback for a release that was not announced (a TTL that ran out, a lost message).
+    /// process at once, and between announcements a waiter asks the store again only
+    /// after the policy's longest backoff (the fallback for a release that was not
+    /// announced: a TTL that ran out, a lost message). Elsewhere it polls with jittered
+    /// exponential backoff.
     /// Transient store errors are retried within the same deadline, and the deadline
     /// holds even when a single call to the store hangs: that call is abandoned and
     /// `Timeout` returned (if the store granted it anyway, the lease frees itself when
@@ -237,16 +239,23 @@ impl Locker {
                     .map_err(|_| timed_out())?,
                 None => self.try_lock(key).await,
             };
-            match tried {
+            let held_by_another = match tried {
                 Ok(Some(guard)) => return Ok(guard),
-                Ok(None) => {}
+                Ok(None) => true,
                 Err(e) if e.is_retryable() => {
                     debug!(%key, error = %e, "acquire failed, retrying");
+                    false
                 }
                 Err(e) => return Err(e),
-            }
+            };
             let now = Instant::now();
-            let mut wait = self.inner.retry.backoff(attempt);
+            // A key held by another waits for its release to be announced; the longest
+            // backoff is then only the fallback for a release that was not (an expiry, a
+            // lost message). Errors keep the growing backoff.
+            let mut wait = match (&releases, held_by_another) {
+                (Some(_), true) => self.inner.retry.backoff(u32::MAX),
+                _ => self.inner.retry.backoff(attempt),
+            };
             if let Some(deadline) = deadline {
                 if now >= deadline {
                     return Err(timed_out());

@@ -36,6 +36,10 @@ struct Args {
         default_value = "memory,redis,pg-lease,pg-advisory,etcd"
     )]
     backends: Vec<String>,
+    /// Only the handoff measurement (one key, waiting tasks, with and without release
+    /// notifications), printed as a table; no report is written.
+    #[arg(long)]
+    handoff_only: bool,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     guard_memory: Option<usize>,
@@ -51,6 +55,7 @@ async fn main() -> ExitCode {
         Some(count) => scenarios::guard_memory(count, Duration::from_millis(args.guard_ttl_ms))
             .await
             .map(|m| println!("{}", m.to_line())),
+        None if args.handoff_only => handoff_only(&args).await,
         None => run(&args).await,
     };
     match result {
@@ -81,6 +86,54 @@ fn selected_backends(args: &Args) -> Result<Vec<SubjectId>, BenchError> {
         }
     }
     Ok(backends)
+}
+
+/// The handoff measurement alone, for every selected backend, notified and polling.
+async fn handoff_only(args: &Args) -> Result<(), BenchError> {
+    let plan = if args.quick {
+        Plan::quick()
+    } else {
+        Plan::full()
+    };
+    let backends = selected_backends(args)?;
+    let mut stores: Vec<Store> = backends.iter().map(|b| b.store()).collect();
+    stores.sort();
+    stores.dedup();
+    let servers = Servers::start(&stores).await?;
+    println!(
+        "{:>12} {:>12} {:>8} {:>9} {:>9} {:>20}",
+        "backend", "woken by", "handoffs", "p50 µs", "p99 µs", "acquires per handoff"
+    );
+    for id in backends {
+        let subject = subjects::open(id, &servers).await?;
+        let Some(backend) = subject.backend() else {
+            continue;
+        };
+        for notified in [true, false] {
+            if notified && !backend.capabilities().wakes_waiters {
+                continue;
+            }
+            let row = capacity::handoff::handoff(
+                id,
+                backend.clone(),
+                plan.contended_tasks,
+                plan.handoffs,
+                notified,
+            )
+            .await?;
+            println!(
+                "{:>12} {:>12} {:>8} {:>9.0} {:>9.0} {:>20.2}",
+                id.slug(),
+                if notified { "notification" } else { "polling" },
+                row.handoffs,
+                row.p50_us,
+                row.p99_us,
+                row.acquires_per_handoff
+            );
+        }
+        subject.close().await;
+    }
+    Ok(())
 }
 
 async fn run(args: &Args) -> Result<(), BenchError> {
