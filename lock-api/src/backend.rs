@@ -164,6 +164,11 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     }
 
     /// [`LockBackend::release`] for many leases; one result per lease, in order.
+    ///
+    /// A batch holding a lease of another instance fails with
+    /// [`LockError::ForeignLease`] and releases nothing: implementations check every
+    /// lease before acting on any (this default cannot, having no instance id to compare;
+    /// every backend overrides it).
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {

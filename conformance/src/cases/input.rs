@@ -119,8 +119,24 @@ pub async fn foreign_lease_is_refused(factory: &dyn Factory) -> Result<Outcome, 
     let batch = std::slice::from_ref(&foreign);
     refused("release_many", a.release_many(batch).await.err().as_ref())?;
     refused("renew_many", a.renew_many(batch).await.err().as_ref())?;
-    ctx.expect_held(&b, &key, t.ttl, "only a foreign lease was released")
-        .await?;
+    // A batch is checked whole before anything is done: the own lease before the foreign
+    // one is neither released nor renewed.
+    let mixed = [lease.clone(), foreign.clone()];
+    refused(
+        "release_many of [own, foreign]",
+        a.release_many(&mixed).await.err().as_ref(),
+    )?;
+    refused(
+        "renew_many of [own, foreign]",
+        a.renew_many(&mixed).await.err().as_ref(),
+    )?;
+    ctx.expect_held(
+        &b,
+        &key,
+        t.ttl,
+        "only batches holding a foreign lease were sent",
+    )
+    .await?;
 
     release_held(&ctx, &a, &lease).await?;
     ctx.pass(&t)
