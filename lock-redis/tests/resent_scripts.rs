@@ -147,7 +147,10 @@ async fn a_cluster_release_whose_reply_was_lost_is_not_sent_again() {
 
     let lease = redis.acquire(&key, TTL).await.unwrap().expect("free key");
     // Batches ask for the slot map first: have it cached before the link turns slow.
-    redis.renew_many(std::slice::from_ref(&lease)).await.unwrap();
+    redis
+        .renew_many(std::slice::from_ref(&lease))
+        .await
+        .unwrap();
     let outcome = release_losing_its_reply(&proxy, {
         let (redis, lease) = (redis.clone(), lease.clone());
         async move { redis.release_many(&[lease]).await }
