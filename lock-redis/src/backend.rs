@@ -20,6 +20,7 @@ use redis::{ErrorKind, RedisError, RedisResult, Script, ServerErrorKind, Value};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tracing::debug;
 
 use crate::coalesce::Queue;
 use crate::config::{RedisBackendBuilder, redact_url};
@@ -509,12 +510,21 @@ impl RedisBackend {
             attempt: Some((keys, owner)),
             ttl,
         };
+        // A single node's connection that dropped is sent the same call once more, on the
+        // connection it makes again: the script answers a resent attempt with the token it
+        // already granted, so the call cannot take the key twice, and a restart or a
+        // network blip costs one round trip instead of an unknown outcome. (A cluster
+        // connection resends on its own.)
         let reply = self
-            .timed(
-                "acquire",
-                true,
-                self.inner.conn.invoke::<Option<u64>>(&call),
-            )
+            .timed("acquire", true, async {
+                match self.inner.conn.invoke::<Option<u64>>(&call).await {
+                    Err(e) if !self.inner.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
+                        debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
+                        self.inner.conn.invoke::<Option<u64>>(&call).await
+                    }
+                    reply => reply,
+                }
+            })
             .await;
         let attempt = pending.attempt.take();
         match reply {

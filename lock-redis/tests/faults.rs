@@ -189,6 +189,28 @@ async fn tokens_keep_increasing_after_a_restart_that_lost_every_key() {
     assert!(after > highest_before, "{after} <= {highest_before}");
 }
 
+/// The connection a restart broke is found broken by the next acquire, which sends its
+/// attempt again on the new connection (the script hands a resent attempt its own token)
+/// instead of failing with an unknown outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_acquire_after_a_restart_takes_the_key() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let ttl = Duration::from_secs(10);
+    let warm = redis.acquire(&key("warm"), ttl).await.unwrap().unwrap();
+    redis.release(&warm).await.unwrap();
+
+    harness::require(f.server.restart().await);
+    let k = key("first-after-restart");
+    let lease = redis
+        .acquire(&k, ttl)
+        .await
+        .expect("the acquire is sent again on the new connection")
+        .expect("nobody holds the key");
+    assert_eq!(redis.fence(&lease).await.unwrap(), Fence::Current);
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_cluster_master_fails_its_keys_cleanly_and_the_others_keep_working() {
     let f = RedisClusterFactory::start().await;
