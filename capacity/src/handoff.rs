@@ -182,6 +182,9 @@ impl LockBackend for Counted {
             None
         }
     }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
+    }
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         self.inner.renew_many(leases).await
     }

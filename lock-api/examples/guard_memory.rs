@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lock_api::memory::MemoryBackend;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
     async_trait,
@@ -41,6 +42,12 @@ impl LockBackend for Counting {
     }
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.inner.fence(lease).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
     }
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         self.renew_many_calls.fetch_add(1, Ordering::SeqCst);

@@ -87,17 +87,16 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// wake for nothing, so a waiter keeps a backoff as its fallback. Watches of one key
     /// share one subscription per backend instance (see [`crate::wake::ReleaseHub`]);
     /// dropping the last one unsubscribes.
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        let _ = key;
-        None
-    }
+    ///
+    /// A backend whose capabilities say it wakes waiters returns `Some`. This method has
+    /// no default on purpose: a wrapper that forwards [`Self::capabilities`] must forward
+    /// this and [`Self::watched_keys`] too, or its waiters silently fall back to polling.
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch>;
 
     /// The keys this instance's waiters are watching for releases right now: what it is
     /// subscribed to. Empty for a backend that does not announce releases, and once no
     /// one waits (a cancelled waiter leaves nothing behind).
-    fn watched_keys(&self) -> Vec<LockKey> {
-        Vec::new()
-    }
+    fn watched_keys(&self) -> Vec<LockKey>;
 
     /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by
     /// another process (`lockctl release`). The result is an ordinary lease of this

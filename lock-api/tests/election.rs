@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lock_api::memory::MemoryBackend;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     Admission, Capabilities, Election, EnforcementMode, Fence, FencedResource, FencingToken, Lease,
     LockBackend, LockError, LockInfo, LockKey, Locker, MemoryFencedResource, Release, Renewal,
@@ -295,6 +296,12 @@ impl LockBackend for Shim {
     }
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.inner.fence(lease).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
     }
 }
 

@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{Factory, LinkFaults, ServerFaults};
+use distlock::wake::ReleaseWatch;
 use distlock::{
     Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
     Release, Renewal, async_trait,
@@ -187,6 +188,12 @@ impl LockBackend for KeyRecorder {
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.used.note(lease.key());
         self.inner.fence(lease).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {

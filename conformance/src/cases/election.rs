@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     Capabilities, Election, Fence, FencingToken, Leader, Leadership, Lease, LockBackend, LockError,
     LockInfo, LockKey, Locker, Release, Renewal, RetryPolicy,
@@ -242,6 +243,12 @@ impl LockBackend for Freezable {
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.gate().await;
         self.inner.fence(lease).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
     }
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         self.gate().await;

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::join_all;
+use lock_api::wake::ReleaseWatch;
 use lock_api::{
     Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
     Renewal, RetryPolicy,
@@ -243,6 +244,12 @@ impl LockBackend for StalledRenewals {
     }
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.inner.fence(lease).await
+    }
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.inner.watch_releases(key)
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched_keys()
     }
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         self.inner.inspect(key).await

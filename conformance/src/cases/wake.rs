@@ -55,7 +55,15 @@ pub async fn a_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Outcome, 
     let held = ctx
         .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
         .await?;
-    let waiter = waiting_locker(&ctx, ctx.client().await, t.ttl, LONG_BACKOFF)?;
+    let client = ctx.client().await;
+    // A wrapper that forwards the capabilities but not the watch claims to wake waiters
+    // while they poll: say so plainly rather than by the slow handoff alone.
+    ctx.ensure(
+        client.watch_releases(&key).is_some(),
+        "a backend whose capabilities say it wakes waiters to return a watch of the key",
+        || "watch_releases returned None".to_owned(),
+    )?;
+    let waiter = waiting_locker(&ctx, client, t.ttl, LONG_BACKOFF)?;
     let waiting = {
         let key = key.clone();
         tokio::spawn(async move {
@@ -192,6 +200,9 @@ impl LockBackend for Deaf {
     }
     fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
         Some(self.silent.watch(key))
+    }
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.silent.watched_keys()
     }
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         self.inner.renew_many(leases).await

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use distlock::wake::ReleaseWatch;
 use distlock::{
     Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal,
     async_trait,
@@ -89,6 +90,14 @@ impl LockBackend for ProcessLink {
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.gate().await?;
         self.store.fence(lease).await
+    }
+
+    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.store.watch_releases(key)
+    }
+
+    fn watched_keys(&self) -> Vec<LockKey> {
+        self.store.watched_keys()
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
