@@ -538,10 +538,28 @@ impl RedisBackend {
         }
     }
 
+    /// One release. A release whose connection dropped either ran before the drop or
+    /// never will: if the store still shows the lease as the holder afterwards (asked on
+    /// the connection made again), it did not run and is sent once more. Sending it again
+    /// blindly could report `NotHeld` for a release that did run.
     async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
         let call = self.lease_call(&RELEASE_SCRIPT, lease, false);
         let released: i64 = self
-            .timed("release", true, self.inner.conn.invoke(&call))
+            .timed("release", true, async {
+                match self.inner.conn.invoke(&call).await {
+                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                        let fence = self.lease_call(&FENCE_SCRIPT, lease, false);
+                        match self.inner.conn.invoke::<(i64, u64)>(&fence).await {
+                            Ok((1, _)) => {
+                                debug!(error = %e.kind_name(), "release: connection lost before it ran; sending it again");
+                                self.inner.conn.invoke(&call).await
+                            }
+                            _ => Err(e),
+                        }
+                    }
+                    reply => reply,
+                }
+            })
             .await?;
         Ok(release(released))
     }

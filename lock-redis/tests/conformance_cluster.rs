@@ -1,4 +1,5 @@
-//! The whole conformance suite on a real 3-master Redis Cluster (one per case).
+//! The whole conformance suite on a real 3-master Redis Cluster (one per case), with server
+//! faults on every node at once (paused, killed, restarted).
 
 mod common;
 
@@ -11,5 +12,5 @@ conformance::conformance_tests!(
         );
         conformance::factory::WithFencedResource::new(factory, fenced)
     },
-    capabilities: [inspect, distinct_clients, wakes_waiters],
+    capabilities: [server_faults, inspect, distinct_clients, wakes_waiters],
 );

@@ -112,6 +112,39 @@ impl Factory for RedisClusterFactory {
     async fn backend(&self) -> Arc<dyn LockBackend> {
         Arc::new(self.redis().await)
     }
+
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        Some(Arc::new(ClusterControl(self.cluster.clone())))
+    }
+}
+
+/// Server faults on every node of a cluster at once: the whole store paused, killed or
+/// restarted (each node keeps its `nodes.conf`, so the cluster forms again).
+struct ClusterControl(Arc<RedisCluster>);
+
+#[async_trait]
+impl ServerFaults for ClusterControl {
+    async fn pause(&self) {
+        for node in self.0.nodes() {
+            harness::require(node.pause());
+        }
+    }
+    async fn resume(&self) {
+        for node in self.0.nodes() {
+            harness::require(node.resume());
+        }
+    }
+    async fn kill(&self) {
+        for node in self.0.nodes() {
+            harness::require(node.kill());
+        }
+    }
+    async fn restart(&self) {
+        for node in self.0.nodes() {
+            harness::require(node.restart().await);
+        }
+        harness::require(self.0.wait_healthy(Duration::from_secs(30)).await);
+    }
 }
 
 /// A 3-master Redis Cluster with a replica per master, whose masters the cases may fail
