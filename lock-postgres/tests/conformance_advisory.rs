@@ -23,5 +23,5 @@ conformance::conformance_tests!(
         let fenced = fenced_resource().await;
         conformance::factory::WithFencedResource::new(factory, fenced)
     },
-    capabilities: [inspect, wakes_waiters],
+    capabilities: [link_faults, inspect, wakes_waiters],
 );

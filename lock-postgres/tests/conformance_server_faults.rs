@@ -26,7 +26,7 @@ async fn factory(kind: Kind) -> WithFencedResource<PgFactory> {
 mod lease {
     conformance::conformance_tests!(
         super::factory(super::Kind::Lease),
-        capabilities: [server_faults, inspect, session_kill],
+        capabilities: [link_faults, server_faults, inspect, session_kill],
         only_needing: server_faults,
     );
 }
@@ -34,7 +34,7 @@ mod lease {
 mod advisory {
     conformance::conformance_tests!(
         super::factory(super::Kind::Advisory),
-        capabilities: [server_faults, inspect, session_kill],
+        capabilities: [link_faults, server_faults, inspect, session_kill],
         only_needing: server_faults,
     );
 }

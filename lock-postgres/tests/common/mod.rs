@@ -7,8 +7,8 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, ServerFaults, SessionFaults};
-use conformance::harness::{self, postgres::PostgresServer};
+use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
+use conformance::harness::{self, postgres::PostgresServer, proxy::FaultProxy};
 use lock_api::LockBackend;
 use lock_postgres::PgBuilder;
 
@@ -49,7 +49,12 @@ pub async fn start_server() -> PostgresServer {
 
 /// Settings for the test role on `server`, with short time limits.
 pub fn builder(server: &PostgresServer) -> PgBuilder {
-    PgBuilder::new(server.url())
+    builder_at(&server.url())
+}
+
+/// The same settings for a server reached at `url` (through a fault proxy, say).
+pub fn builder_at(url: &str) -> PgBuilder {
+    PgBuilder::new(url)
         .pool_size(4)
         .connect_timeout(Duration::from_secs(5))
         .request_timeout(Duration::from_secs(5))
@@ -64,11 +69,13 @@ pub enum Kind {
     Advisory,
 }
 
-/// A conformance factory on one server. Its clients are one backend instance, as the
+/// A conformance factory on one server, reached through a fault proxy of the factory's
+/// own (so link faults hit only its case). Its clients are one backend instance, as the
 /// memory factory's are, because some cases release a lease through another client than
 /// the one that took it; the crate's own tests cover distinct instances.
 pub struct PgFactory {
     server: Arc<PostgresServer>,
+    proxy: Arc<FaultProxy>,
     kind: Kind,
     backend: Arc<dyn LockBackend>,
     /// Whether the server is this factory's own, so server faults hit no other test.
@@ -78,12 +85,23 @@ pub struct PgFactory {
 impl PgFactory {
     /// A factory on the shared server.
     pub async fn shared(kind: Kind) -> Self {
-        let server = shared_server().await;
+        Self::on(shared_server().await, kind, false).await
+    }
+
+    async fn on(server: Arc<PostgresServer>, kind: Kind, private: bool) -> Self {
+        let proxy = harness::require(FaultProxy::start(server.addr()).await);
+        let url = format!(
+            "postgres://{}:{}@{}/postgres",
+            harness::postgres::USER,
+            harness::postgres::PASSWORD,
+            proxy.addr()
+        );
         Self {
-            backend: backend(&server, kind).await,
+            backend: backend_at(&url, kind).await,
             server,
+            proxy: Arc::new(proxy),
             kind,
-            private: false,
+            private,
         }
     }
 }
@@ -92,13 +110,7 @@ impl PgFactory {
     /// A factory on a server of its own, whose process the cases may pause, kill and
     /// restart (the shared server cannot be: other tests use it).
     pub async fn private(kind: Kind) -> Self {
-        let server = Arc::new(start_server().await);
-        Self {
-            backend: backend(&server, kind).await,
-            server,
-            kind,
-            private: true,
-        }
+        Self::on(Arc::new(start_server().await), kind, true).await
     }
 
     /// The server this factory's clients talk to.
@@ -109,7 +121,12 @@ impl PgFactory {
 
 /// A backend of `kind` on `server` with its connections open, as a trait object.
 pub async fn backend(server: &PostgresServer, kind: Kind) -> Arc<dyn LockBackend> {
-    let b = builder(server);
+    backend_at(&server.url(), kind).await
+}
+
+/// The same for a server reached at `url`.
+pub async fn backend_at(url: &str, kind: Kind) -> Arc<dyn LockBackend> {
+    let b = builder_at(url);
     match kind {
         Kind::Lease => {
             let backend = b.build_lease_backend().expect("valid settings");
@@ -137,6 +154,10 @@ impl Factory for PgFactory {
         self.backend.clone()
     }
 
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        Some(Arc::new(ProxyLink(self.proxy.clone())))
+    }
+
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         self.private
             .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn ServerFaults>)
@@ -154,6 +175,24 @@ impl SessionFaults for ServerControl {
         let ended = harness::require(self.0.terminate_sessions(harness::postgres::USER).await);
         // The factory's clients hold sessions, so ending none means the fault did nothing.
         assert!(ended > 0, "no session of the test role to end");
+    }
+}
+
+/// Link faults through the factory's proxy.
+struct ProxyLink(Arc<FaultProxy>);
+
+#[async_trait]
+impl LinkFaults for ProxyLink {
+    async fn cut(&self) {
+        self.0.blackhole();
+    }
+
+    async fn delay(&self, by: Duration) {
+        self.0.delay(by);
+    }
+
+    async fn heal(&self) {
+        self.0.heal();
     }
 }
 

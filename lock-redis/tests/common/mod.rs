@@ -81,21 +81,76 @@ impl Factory for RedisFactory {
     }
 }
 
-/// A 3-master Redis Cluster (no proxy: the client talks to every node directly).
+/// A 3-master Redis Cluster. Without proxies the client talks to every node directly;
+/// [`Self::behind_proxies`] puts a fault proxy in front of each node.
 pub struct RedisClusterFactory {
     pub cluster: Arc<RedisCluster>,
+    /// One per node, in the order of the cluster's nodes; empty when there are none.
+    pub proxies: Vec<Arc<FaultProxy>>,
 }
 
 impl RedisClusterFactory {
     pub async fn start() -> Self {
         Self {
             cluster: Arc::new(harness::require(RedisCluster::start().await)),
+            proxies: Vec::new(),
+        }
+    }
+
+    /// A cluster whose nodes clients reach only through a fault proxy each: every node
+    /// announces its proxy's port (`cluster-announce-port`), so the slot map sends clients
+    /// there, while the cluster bus stays direct. Link faults then hit every client
+    /// connection and none between the nodes.
+    pub async fn behind_proxies() -> Self {
+        let cluster = Arc::new(harness::require(RedisCluster::start().await));
+        let mut proxies = Vec::new();
+        for node in cluster.nodes() {
+            let proxy = harness::require(FaultProxy::start(node.addr()).await);
+            let port = proxy.port().to_string();
+            harness::require(
+                node.command(&["CONFIG", "SET", "cluster-announce-port", &port])
+                    .await,
+            );
+            proxies.push(Arc::new(proxy));
+        }
+        // Every node must have heard every new port before a client asks for the map.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        for node in cluster.nodes() {
+            loop {
+                let nodes = harness::require(node.command(&["CLUSTER", "NODES"]).await)
+                    .as_text()
+                    .unwrap_or_default();
+                if proxies
+                    .iter()
+                    .all(|p| nodes.contains(&format!(":{}@", p.port())))
+                {
+                    break;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the proxies' ports were not gossiped within 30 s"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        Self { cluster, proxies }
+    }
+
+    /// The URLs clients start from: the proxies', or the nodes' when there are none.
+    fn seeds(&self) -> Vec<String> {
+        if self.proxies.is_empty() {
+            self.cluster.urls()
+        } else {
+            self.proxies
+                .iter()
+                .map(|p| format!("redis://{}/", p.addr()))
+                .collect()
         }
     }
 
     pub async fn redis(&self) -> RedisBackend {
         RedisBackend::builder()
-            .cluster_urls(self.cluster.urls())
+            .cluster_urls(self.seeds())
             .response_timeout(Duration::from_secs(1))
             .build()
             .await
@@ -113,8 +168,35 @@ impl Factory for RedisClusterFactory {
         Arc::new(self.redis().await)
     }
 
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        (!self.proxies.is_empty())
+            .then(|| Arc::new(ProxiesLink(self.proxies.clone())) as Arc<dyn LinkFaults>)
+    }
+
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         Some(Arc::new(ClusterControl(self.cluster.clone())))
+    }
+}
+
+/// Link faults on every proxy of a cluster at once.
+struct ProxiesLink(Vec<Arc<FaultProxy>>);
+
+#[async_trait]
+impl LinkFaults for ProxiesLink {
+    async fn cut(&self) {
+        for proxy in &self.0 {
+            proxy.blackhole();
+        }
+    }
+    async fn delay(&self, by: Duration) {
+        for proxy in &self.0 {
+            proxy.delay(by);
+        }
+    }
+    async fn heal(&self) {
+        for proxy in &self.0 {
+            proxy.heal();
+        }
     }
 }
 
