@@ -10,10 +10,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use conformance::harness::etcd::EtcdServer;
-use conformance::harness::postgres::PostgresServer;
-use conformance::harness::redis::RedisServer;
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use harness::etcd::EtcdServer;
+use harness::postgres::PostgresServer;
+use harness::redis::RedisServer;
 use lock_api::memory::MemoryBackend;
 use lock_api::{LockBackend, Release};
 use sqlx::PgPool;

@@ -29,9 +29,11 @@ pub mod subject;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
-    /// A test server could not be started.
+    /// A test server could not be started (with the feature `harness`, which the
+    /// `benchmarks` crate turns on; `lockctl bench` measures deployments it is given).
+    #[cfg(feature = "harness")]
     #[error("starting a server: {0}")]
-    Harness(#[from] conformance::harness::HarnessError),
+    Harness(#[from] harness::HarnessError),
     /// A distlock backend failed.
     #[error("{subject}: {source}")]
     Lock {

@@ -29,9 +29,7 @@ pub struct Machine {
 impl Machine {
     /// Looks at this machine; a part that cannot be read is reported as `unknown`.
     pub fn detect() -> Self {
-        let pg_bin: Vec<PathBuf> = conformance::harness::postgres::pg_bin_dir()
-            .into_iter()
-            .collect();
+        let pg_bin: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         Self {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             ram_mib: mem_total_mib(),
@@ -70,9 +68,45 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The directory the test harness takes PostgreSQL from (`harness::postgres::pg_bin_dir`,
+/// not a dependency here so that `lockctl bench` builds without the harness):
+/// `$DISTLOCK_PG_BINDIR` if set, else the newest `/usr/lib/postgresql/N/bin` holding
+/// `postgres`.
+fn pg_bin_dir() -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("DISTLOCK_PG_BINDIR") {
+        return Some(PathBuf::from(dir));
+    }
+    std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
+            let bin = e.path().join("bin");
+            bin.join("postgres").is_file().then_some((version, bin))
+        })
+        .max_by_key(|(version, _)| *version)
+        .map(|(_, bin)| bin)
+}
+
+/// The first executable file named `binary` in `extra_dirs`, then on `PATH`.
+fn find_binary(binary: &str, extra_dirs: &[PathBuf]) -> Option<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    extra_dirs
+        .iter()
+        .cloned()
+        .chain(std::env::split_paths(&path))
+        .map(|dir| dir.join(binary))
+        .find(|candidate| {
+            candidate
+                .metadata()
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+}
+
 /// The first line of `<binary> --version`, or `not installed`.
 fn version(binary: &str, extra_dirs: &[PathBuf]) -> String {
-    let Ok(path) = conformance::harness::find_binary(binary, extra_dirs) else {
+    let Some(path) = find_binary(binary, extra_dirs) else {
         return "not installed".into();
     };
     Command::new(path)

@@ -9,8 +9,10 @@
 //! - [`memory`]: the factory over the in-memory reference backend; [`broken`]:
 //!   deliberately wrong backends, one bug each, the suite must fail on.
 //! - [`summary`]: the per-backend and per-variant lines a CI run prints at its end.
-//! - [`harness`]: real servers (redis-server, etcd, PostgreSQL) on free loopback ports,
-//!   and a fault proxy.
+//!
+//! The real servers the backends run it against (redis-server, etcd, PostgreSQL) and the
+//! fault proxy live in the separate `harness` crate, a dev-dependency of the backends: this
+//! crate needs no server and no client library.
 //!
 //! Cases use keys under a random per-run prefix (`conformance:<random>:<case>:...`), so
 //! several cases may share a server and a live deployment is only touched under that
@@ -21,7 +23,6 @@
 pub mod broken;
 pub mod cases;
 pub mod factory;
-pub mod harness;
 pub mod history;
 mod macros;
 pub mod memory;

@@ -19,8 +19,8 @@ mod scenario;
 
 use std::process::ExitCode;
 
-use conformance::harness::postgres::PostgresServer;
-use conformance::harness::redis::RedisServer;
+use harness::postgres::PostgresServer;
+use harness::redis::RedisServer;
 
 /// `--redis URL` and `--postgres URL`, both or neither; `--payouts N`, `--workers N`.
 struct Args {

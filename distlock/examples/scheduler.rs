@@ -22,7 +22,7 @@ mod scenario;
 
 use std::process::ExitCode;
 
-use conformance::harness::postgres::PostgresServer;
+use harness::postgres::PostgresServer;
 
 #[tokio::main]
 async fn main() -> ExitCode {

@@ -5,9 +5,9 @@
 #[path = "../examples/payout/scenario.rs"]
 mod scenario;
 
-use conformance::harness::postgres::PostgresServer;
-use conformance::harness::redis::RedisServer;
-use conformance::harness::require;
+use harness::postgres::PostgresServer;
+use harness::redis::RedisServer;
+use harness::require;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_payout_is_applied_once_despite_duplicates_and_a_frozen_worker() {

@@ -8,8 +8,8 @@
 #[path = "../examples/scheduler/scenario.rs"]
 mod scenario;
 
-use conformance::harness::postgres::PostgresServer;
-use conformance::harness::require;
+use harness::postgres::PostgresServer;
+use harness::require;
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();

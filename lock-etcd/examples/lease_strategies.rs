@@ -14,9 +14,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use conformance::harness::etcd::EtcdServer;
-use conformance::harness::require;
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
+use harness::etcd::EtcdServer;
+use harness::require;
 use lock_api::{LockBackend, LockKey};
 use lock_etcd::EtcdBackend;
 use tokio::time::Instant;

@@ -750,8 +750,8 @@ impl LockBackend for EtcdBackend {
 
 #[cfg(test)]
 mod tests {
-    use conformance::harness::etcd::EtcdServer;
-    use conformance::harness::require;
+    use harness::etcd::EtcdServer;
+    use harness::require;
 
     use super::*;
 

@@ -226,8 +226,8 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
-    use conformance::harness::etcd::EtcdServer;
-    use conformance::harness::require;
+    use harness::etcd::EtcdServer;
+    use harness::require;
     use lock_api::{LockBackend, Locker, RetryPolicy};
     use tokio::time::Instant;
 

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::until_answered;
-use conformance::harness::etcd::{EtcdAuth, EtcdCluster, EtcdServer};
-use conformance::harness::require;
+use harness::etcd::{EtcdAuth, EtcdCluster, EtcdServer};
+use harness::require;
 use lock_api::{Fence, LockBackend, LockKey, Locker, Release, Renewal, RetryPolicy};
 use lock_etcd::EtcdBackend;
 use tokio::time::{Instant, sleep};

@@ -7,9 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::{EtcdFactory, shared_single};
-use conformance::harness::etcd::EtcdServer;
-use conformance::harness::{free_port, require};
 use etcd_client::{Client, GetOptions};
+use harness::etcd::EtcdServer;
+use harness::{free_port, require};
 use lock_api::{
     Admission, EnforcementMode, Fence, FencedResource, FencingToken, LockBackend, LockError,
     LockKey, OwnerId, Release, Renewal,

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{EtcdFactory, until_answered};
-use conformance::harness::require;
+use harness::require;
 use lock_api::{
     Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockKey, Locker,
     Release, Renewal,
@@ -230,7 +230,7 @@ async fn lock_cycle(client: &EtcdBackend, k: &LockKey) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_fail_over_to_a_live_member_when_one_member_is_down() {
-    let cluster = require(conformance::harness::etcd::EtcdCluster::start().await);
+    let cluster = require(harness::etcd::EtcdCluster::start().await);
     let leader = require(cluster.leader_index().await);
     let dead = (leader + 1) % 3;
     let endpoints = cluster.endpoints();

@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use conformance::harness::etcd::{EtcdServer, EtcdTls};
-use conformance::harness::require;
+use harness::etcd::{EtcdServer, EtcdTls};
+use harness::require;
 use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_etcd::EtcdBackend;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};

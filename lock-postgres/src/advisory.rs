@@ -799,7 +799,7 @@ mod tests {
     /// that, on a real server.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lease_answered_by_another_server_session_names_the_pooling_proxy() {
-        use conformance::harness::{self, postgres::PostgresServer};
+        use harness::postgres::PostgresServer;
 
         let server = harness::require(PostgresServer::start().await);
         harness::require(
@@ -840,7 +840,7 @@ mod tests {
     /// are renewed.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn renew_many_reports_a_failing_item_as_unreachable_and_renews_the_rest() {
-        use conformance::harness::{self, postgres::PostgresServer};
+        use harness::postgres::PostgresServer;
 
         let server = harness::require(PostgresServer::start().await);
         harness::require(

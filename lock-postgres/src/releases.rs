@@ -236,7 +236,7 @@ impl Shared {
 mod tests {
     use std::sync::Arc;
 
-    use conformance::harness::{self, postgres::PostgresServer};
+    use harness::postgres::PostgresServer;
     use lock_api::{LockBackend, Locker, RetryPolicy};
     use tokio::time::Instant;
 

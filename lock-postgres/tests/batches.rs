@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Kind, backend, builder, shared_server};
-use conformance::harness::postgres::PostgresServer;
+use harness::postgres::PostgresServer;
 use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_postgres::PgAdvisoryBackend;
 

@@ -9,7 +9,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use common::{Kind, backend, builder, shared_server};
-use conformance::harness::postgres::PostgresServer;
+use harness::postgres::PostgresServer;
 use lock_api::{LockBackend, LockKey, Release};
 use tokio::time::Instant;
 

@@ -7,10 +7,7 @@ use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockErr
 use lock_postgres::{Idempotency, IdempotencyKeys, PgFencedResource};
 use sqlx::PgPool;
 
-async fn pool() -> (
-    std::sync::Arc<conformance::harness::postgres::PostgresServer>,
-    PgPool,
-) {
+async fn pool() -> (std::sync::Arc<harness::postgres::PostgresServer>, PgPool) {
     let server = shared_server().await;
     let pool = common::builder(&server)
         .build_lease_backend()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{builder, shared_server, start_server};
-use conformance::harness::postgres::PostgresServer;
+use harness::postgres::PostgresServer;
 use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::Instant;
 

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
-use conformance::harness::{self, redis::RespValue};
+use harness::redis::RespValue;
 use lock_api::{Fence, FencingToken, LockBackend, LockError, LockKey, OwnerId, Release, Renewal};
 
 const TTL: Duration = Duration::from_secs(10);

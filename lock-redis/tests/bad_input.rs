@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory, command_calls};
-use conformance::harness::{self, redis::RedisServer};
+use harness::redis::RedisServer;
 use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_redis::RedisBackend;
 

@@ -24,7 +24,7 @@ async fn concurrent_acquires_on_distinct_keys_each_hold_their_key_with_fewer_scr
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
     let keys = keys("distinct", 200);
-    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
     let before = Instant::now();
     let leases: Vec<_> = join_all(keys.iter().map(|k| redis.acquire(k, TTL)))
         .await
@@ -49,7 +49,7 @@ async fn concurrent_acquires_on_distinct_keys_each_hold_their_key_with_fewer_scr
         assert_eq!(info.token, Some(lease.token()));
     }
 
-    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
     let released = join_all(leases.iter().map(|l| redis.release(l))).await;
     assert!(
         released

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::RedisClusterFactory;
-use conformance::harness::{self, redis::RedisServer, redis::RespValue};
+use harness::{redis::RedisServer, redis::RespValue};
 use lock_api::{LockBackend, LockKey, Renewal};
 use tokio::time::Instant;
 

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
-use conformance::harness;
 use lock_api::{
     Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockError, LockKey, Locker,
     Release, Renewal,

@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::RedisFactory;
-use conformance::harness::{self, redis::RespValue};
 use futures::future::join_all;
+use harness::redis::RespValue;
 use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_redis::RedisBackend;
 

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::RedisClusterFactory;
-use conformance::harness::{self, redis::RedisServer, redis::RespValue, redis::key_slot};
+use harness::{redis::RedisServer, redis::RespValue, redis::key_slot};
 use lock_api::{LockBackend, LockKey, Release, Renewal};
 
 const TTL: Duration = Duration::from_secs(20);

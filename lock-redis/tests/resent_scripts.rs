@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
-use conformance::harness::{self, proxy::FaultProxy, redis::RespValue};
+use harness::{proxy::FaultProxy, redis::RespValue};
 use lock_api::{LockBackend, LockError, LockKey};
 use lock_redis::RedisBackend;
 use tokio::time::Instant;

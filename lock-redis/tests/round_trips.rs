@@ -79,7 +79,7 @@ async fn renew_many_of_a_thousand_leases_is_one_pipeline() {
 }
 
 async fn harness_reset(f: &RedisFactory) {
-    conformance::harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

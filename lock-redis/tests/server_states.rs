@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use conformance::harness::{self, redis::RedisServer, redis::RespValue};
+use harness::{redis::RedisServer, redis::RespValue};
 use lock_api::{LockBackend, LockError, LockKey};
 use lock_redis::RedisBackend;
 

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use conformance::harness::{self, redis::RedisServer};
+use harness::redis::RedisServer;
 use lock_api::LockError;
 use lock_redis::RedisBackend;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};

@@ -7,10 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use conformance::harness::{
-    self,
-    redis::{RedisServer, RedisTls, RespValue, resp_command},
-};
+use harness::redis::{RedisServer, RedisTls, RespValue, resp_command};
 use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_redis::RedisBackend;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};

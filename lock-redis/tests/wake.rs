@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::RedisFactory;
-use conformance::harness::redis::RespValue;
+use harness::redis::RespValue;
 use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::{Instant, sleep};
 

@@ -133,8 +133,8 @@ fn bench_needs_at_least_one_url() {
 
 mod on_redis {
     use super::*;
-    use conformance::harness::redis::RedisServer;
-    use conformance::harness::require;
+    use harness::redis::RedisServer;
+    use harness::require;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bench_measures_a_redis_server_and_leaves_no_key_behind() {

@@ -338,8 +338,8 @@ fn check_passes(url: &str) -> String {
 
 mod on_redis {
     use super::*;
-    use conformance::harness::redis::{RedisServer, RespValue};
-    use conformance::harness::require;
+    use harness::redis::{RedisServer, RespValue};
+    use harness::require;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn check_and_demo_pass_on_a_redis_server_the_test_starts() {
@@ -409,8 +409,8 @@ mod on_redis {
 
 mod on_postgres {
     use super::*;
-    use conformance::harness::postgres::{PASSWORD, PostgresServer};
-    use conformance::harness::require;
+    use harness::postgres::{PASSWORD, PostgresServer};
+    use harness::require;
 
     /// A server whose test role may use schema `public`, set up through `lockctl setup`.
     async fn server_with_tables() -> (PostgresServer, String) {
@@ -499,8 +499,8 @@ mod on_postgres {
 #[cfg(feature = "etcd")]
 mod on_etcd {
     use super::*;
-    use conformance::harness::etcd::{EtcdCluster, EtcdServer};
-    use conformance::harness::require;
+    use harness::etcd::{EtcdCluster, EtcdServer};
+    use harness::require;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn check_passes_on_an_etcd_server_the_test_starts() {

@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use assert_cmd::Command;
-use conformance::harness::redis::RedisServer;
-use conformance::harness::require;
 use distlock::{Election, Locker};
+use harness::redis::RedisServer;
+use harness::require;
 use predicates::prelude::*;
 use serde_json::Value;
 

@@ -12,10 +12,10 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::harness::etcd::{EtcdCluster, EtcdServer};
-use conformance::harness::proxy::FaultProxy;
-use conformance::harness::require;
 use conformance::{Factory, LinkFaults, ServerFaults};
+use harness::etcd::{EtcdCluster, EtcdServer};
+use harness::proxy::FaultProxy;
+use harness::require;
 use lock_api::{LockBackend, LockError};
 use lock_etcd::EtcdBackend;
 use tokio::sync::Mutex;

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
-use conformance::harness::{self, postgres::PostgresServer, proxy::FaultProxy};
+use harness::{postgres::PostgresServer, proxy::FaultProxy};
 use lock_api::LockBackend;
 use lock_postgres::PgBuilder;
 

@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
-use conformance::harness::{
-    self,
+use harness::{
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer},
 };

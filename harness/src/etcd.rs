@@ -591,7 +591,7 @@ impl EtcdCluster {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::require;
+    use crate::require;
 
     // base64("distlock-key") and base64("v1"): the JSON gateway takes bytes as base64.
     const KEY_B64: &str = "ZGlzdGxvY2sta2V5";

@@ -849,7 +849,7 @@ fn slot_owner_port(reply: &RespValue, slot: u16) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::require;
+    use crate::require;
 
     fn text(v: RespValue) -> Option<String> {
         v.as_text()

@@ -293,7 +293,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::require;
+    use crate::require;
 
     /// An echo server on 127.0.0.1; the task ends with the test's runtime.
     async fn echo_server() -> SocketAddr {
@@ -427,7 +427,7 @@ mod tests {
     #[tokio::test]
     async fn refused_upstream_and_drop_close_connections() {
         // An upstream port with nothing listening.
-        let dead = crate::harness::loopback(require(crate::harness::free_port()));
+        let dead = crate::loopback(require(crate::free_port()));
         let proxy = require(FaultProxy::start(dead).await);
         let mut sock = TcpStream::connect(proxy.addr()).await.unwrap();
         let mut buf = [0u8; 1];

@@ -404,7 +404,7 @@ impl PostgresServer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::require;
+    use crate::require;
 
     #[tokio::test]
     async fn starts_authenticates_pauses_and_survives_restart() {

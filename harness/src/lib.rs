@@ -26,7 +26,7 @@
 //!
 //! ```no_run
 //! # async fn demo() {
-//! use conformance::harness::{self, redis::RedisServer};
+//! use harness::redis::RedisServer;
 //! let redis = harness::require(RedisServer::start().await);
 //! println!("{}", redis.url());
 //! # }
