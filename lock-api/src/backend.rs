@@ -100,7 +100,9 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
 
     /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by
     /// another process (`lockctl release`). The result is an ordinary lease of this
-    /// instance: release, renew and fence still check owner and token in the store.
+    /// instance: release, renew and fence still check it in the store (its owner id,
+    /// which is random per acquisition, and its token where the store compares it; Redis
+    /// renews and releases by owner id alone and fences by both).
     /// Backends whose leases carry a private handle (a pinned session) cannot do this.
     fn adopt(
         &self,

@@ -56,9 +56,11 @@ pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 /// share a script anyway).
 ///
 /// Keys: `<prefix>:{<name>}` holds the owner id with the lease's TTL;
-/// `<prefix>:{<name>}:fence` holds the newest token and never expires. Tokens are
-/// `max(previous + 1, server time in µs)`, so they keep increasing even after a restart or
-/// failover that lost the counter (as long as the server clock does not go back).
+/// `<prefix>:{<name>}:fence` holds the newest token, kept for the fence retention
+/// ([`RedisBackendBuilder::fence_retention`], default 24 h) from when it is made. A token
+/// is the counter plus one, or the server's time in µs when the counter is new, expired or
+/// was lost in a restart or failover, so tokens keep increasing across all of these (as
+/// long as the server clock does not go back).
 ///
 /// Cheap to clone: clones share the connection.
 ///
@@ -84,6 +86,8 @@ struct Inner {
     caps: Capabilities,
     response_timeout: Duration,
     replica_acks: Option<(usize, Duration)>,
+    /// How long a new token counter is kept (at least the lease's TTL).
+    fence_retention: Duration,
     id: BackendId,
     /// The URLs with passwords hidden, for `Debug`.
     shown_urls: Vec<String>,
@@ -282,6 +286,7 @@ impl RedisBackend {
                 caps,
                 response_timeout: b.response_timeout,
                 replica_acks: b.replica_acks,
+                fence_retention: b.fence_retention,
                 id: BackendId::next(),
                 shown_urls,
                 cluster: b.cluster,
@@ -419,20 +424,40 @@ impl RedisBackend {
         Call {
             script: &ACQUIRE_SCRIPT,
             keys: vec![keys.lock.clone(), keys.fence.clone()],
-            args: vec![owner.to_string(), ttl.as_millis().to_string()],
+            args: vec![
+                owner.to_string(),
+                ttl.as_millis().to_string(),
+                self.retention_ms(ttl),
+            ],
         }
     }
 
-    fn lease_call(&self, script: &'static redis::Script, lease: &Lease, ttl: bool) -> Call {
-        let keys = self.keys(lease.key());
-        let mut args = vec![lease.owner().to_string(), lease.token().get().to_string()];
+    /// How long a new token counter is kept, in milliseconds: the configured retention,
+    /// never shorter than the lease it is made for.
+    fn retention_ms(&self, ttl: Duration) -> String {
+        self.inner.fence_retention.max(ttl).as_millis().to_string()
+    }
+
+    /// A release or renew call: the lock key and the owner id (with the TTL for a renew).
+    fn owner_call(&self, script: &'static redis::Script, lease: &Lease, ttl: bool) -> Call {
+        let mut args = vec![lease.owner().to_string()];
         if ttl {
             args.push(lease.ttl().as_millis().to_string());
         }
         Call {
             script,
-            keys: vec![keys.lock, keys.fence],
+            keys: vec![self.keys(lease.key()).lock],
             args,
+        }
+    }
+
+    /// A fence call: both keys (the counter names the newest token of a stale lease).
+    fn fence_call(&self, lease: &Lease) -> Call {
+        let keys = self.keys(lease.key());
+        Call {
+            script: &FENCE_SCRIPT,
+            keys: vec![keys.lock, keys.fence],
+            args: vec![lease.owner().to_string(), lease.token().get().to_string()],
         }
     }
 
@@ -464,11 +489,20 @@ impl RedisBackend {
         attempts: &[(LockKeys, OwnerId, Duration)],
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
         let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
-        let calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+        let longest = attempts
+            .iter()
+            .map(|(.., ttl)| *ttl)
+            .max()
+            .unwrap_or_default();
+        let retention = self.retention_ms(longest);
+        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
             let (k, owner, ttl) = &attempts[i];
             keys.extend([k.lock.clone(), k.fence.clone()]);
             args.extend([owner.to_string(), ttl.as_millis().to_string()]);
         });
+        for call in &mut calls {
+            call.args.push(retention.clone());
+        }
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, attempts.len()))
     }
@@ -485,8 +519,8 @@ impl RedisBackend {
         let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
         let calls = grouped_calls(script, &groups, |i, call_keys, args| {
             let (k, lease) = (&keys[i], leases[i]);
-            call_keys.extend([k.lock.clone(), k.fence.clone()]);
-            args.extend([lease.owner().to_string(), lease.token().get().to_string()]);
+            call_keys.push(k.lock.clone());
+            args.push(lease.owner().to_string());
             if with_ttl {
                 args.push(lease.ttl().as_millis().to_string());
             }
@@ -543,12 +577,12 @@ impl RedisBackend {
     /// the connection made again), it did not run and is sent once more. Sending it again
     /// blindly could report `NotHeld` for a release that did run.
     async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
-        let call = self.lease_call(&RELEASE_SCRIPT, lease, false);
+        let call = self.owner_call(&RELEASE_SCRIPT, lease, false);
         let released: i64 = self
             .timed("release", true, async {
                 match self.inner.conn.invoke(&call).await {
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        let fence = self.lease_call(&FENCE_SCRIPT, lease, false);
+                        let fence = self.fence_call(lease);
                         match self.inner.conn.invoke::<(i64, u64)>(&fence).await {
                             Ok((1, _)) => {
                                 debug!(error = %e.kind_name(), "release: connection lost before it ran; sending it again");
@@ -939,7 +973,7 @@ impl LockBackend for RedisBackend {
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
         lease.check_backend(self.inner.id, NAME)?;
-        let call = self.lease_call(&RENEW_SCRIPT, lease, true);
+        let call = self.owner_call(&RENEW_SCRIPT, lease, true);
         let sent = Instant::now();
         let renewed: i64 = self
             .timed("renew", true, self.inner.conn.invoke(&call))
@@ -973,7 +1007,7 @@ impl LockBackend for RedisBackend {
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         lease.check_backend(self.inner.id, NAME)?;
-        let call = self.lease_call(&FENCE_SCRIPT, lease, false);
+        let call = self.fence_call(lease);
         let (current, newest): (i64, u64) = self
             .timed("fence", false, self.inner.conn.invoke(&call))
             .await?;

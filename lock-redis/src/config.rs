@@ -20,6 +20,9 @@ pub const DEFAULT_MAX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long establishing a connection may take by default.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a key's token counter is kept after it is made (see
+/// [`RedisBackendBuilder::fence_retention`]).
+pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// Options for a [`RedisBackend`]; made by [`RedisBackend::builder`].
 ///
@@ -59,6 +62,7 @@ pub struct RedisBackendBuilder {
     pub(crate) connect_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
     pub(crate) tls_root_ca: Option<Vec<u8>>,
+    pub(crate) fence_retention: Duration,
 }
 
 impl Default for RedisBackendBuilder {
@@ -73,6 +77,7 @@ impl Default for RedisBackendBuilder {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             replica_acks: None,
             tls_root_ca: None,
+            fence_retention: DEFAULT_FENCE_RETENTION,
         }
     }
 }
@@ -121,6 +126,17 @@ impl RedisBackendBuilder {
     /// renewal interval (a third of the TTL).
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
+        self
+    }
+
+    /// How long a key's token counter (`<prefix>:{<name>}:fence`) is kept after it is made
+    /// (default 24 h; never shorter than the TTL of the lease that makes it). Without it,
+    /// Redis would keep one counter per key ever locked: with a lock per job id, one per
+    /// job ever run. When a counter has expired, the next token of its key is the
+    /// server's clock in microseconds, still above every token granted before (see the
+    /// acquire script), so fencing holds across the expiry.
+    pub fn fence_retention(mut self, retention: Duration) -> Self {
+        self.fence_retention = retention;
         self
     }
 
@@ -205,6 +221,13 @@ impl RedisBackendBuilder {
                 "TTL bounds must be whole milliseconds".into(),
             ));
         }
+        if self.fence_retention.as_millis() == 0 || self.fence_retention.as_nanos() % 1_000_000 != 0
+        {
+            return Err(LockError::Config(format!(
+                "invalid fence retention {:?}: it must be a positive whole number of milliseconds",
+                self.fence_retention
+            )));
+        }
         if self.response_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(LockError::Config(
                 "timeouts must be greater than zero".into(),
@@ -243,6 +266,7 @@ impl fmt::Debug for RedisBackendBuilder {
             .field("prefix", &self.prefix)
             .field("min_ttl", &self.min_ttl)
             .field("max_ttl", &self.max_ttl)
+            .field("fence_retention", &self.fence_retention)
             .field("response_timeout", &self.response_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("replica_acks", &self.replica_acks)

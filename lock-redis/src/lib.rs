@@ -64,7 +64,7 @@ mod version;
 
 pub use backend::{LONGEST_TTL, RedisBackend};
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
-    DEFAULT_RESPONSE_TIMEOUT, RedisBackendBuilder,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL,
+    DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, RedisBackendBuilder,
 };
 pub use fenced::RedisFencedResource;

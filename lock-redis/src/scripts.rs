@@ -15,15 +15,16 @@ const ACQUIRE_MANY: &str = include_str!("scripts/acquire_many.lua");
 const RENEW_MANY: &str = include_str!("scripts/renew_many.lua");
 const RELEASE_MANY: &str = include_str!("scripts/release_many.lua");
 
-/// `SET NX PX` and, on success, the new token `max(counter + 1, server µs)`.
+/// `SET NX PX` and, on success, the new token: `INCR` of the counter, or the server's µs
+/// clock when the counter is new (made with the fence retention as TTL).
 pub(crate) static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE));
-/// Owner- and token-checked `PEXPIRE`.
+/// Owner-checked `PEXPIRE` (the owner id is unique per acquisition).
 pub(crate) static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW));
-/// Owner- and token-checked `DEL`.
+/// Owner-checked `DEL` and `PUBLISH` to waiters.
 pub(crate) static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE));
 /// Owner-checked `DEL` for an acquire whose reply was lost.
 pub(crate) static ABANDON_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ABANDON));
-/// Owner and token check.
+/// Owner check, and token check while the counter is kept.
 pub(crate) static FENCE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(FENCE));
 /// Highest admitted token of a fenced resource.
 pub(crate) static ADMIT_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ADMIT));

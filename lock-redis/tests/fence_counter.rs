@@ -1,6 +1,6 @@
-//! The token counter is counted in Lua numbers (doubles): from 2^53 on, `counter + 1`
-//! would round back and repeat a token. Such an acquire fails clearly and takes nothing;
-//! it never hands out the same token twice.
+//! Tokens pass through Lua numbers (doubles), exact only below 2^53: an acquire whose
+//! token would reach 2^53 fails clearly and takes nothing (the counter is put back); it
+//! never hands out a rounded token twice.
 
 mod common;
 
@@ -42,16 +42,23 @@ async fn the_last_exact_token_is_issued_once_and_the_next_acquire_fails_clearly(
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
     let key = LockKey::new("nearly-full").unwrap();
-    set_counter(&f, &redis, &key, TWO_POW_53 - 1).await;
+    set_counter(&f, &redis, &key, TWO_POW_53 - 2).await;
 
     let lease = redis.acquire(&key, TTL).await.unwrap().expect("free key");
-    assert_eq!(lease.token().get(), TWO_POW_53);
+    assert_eq!(lease.token().get(), TWO_POW_53 - 1);
     assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
 
     assert_overflow(redis.acquire(&key, TTL).await);
     assert!(
         !is_taken(&f, &redis, &key).await,
         "a failed acquire took the key"
+    );
+    let (_, fence_key) = redis.redis_keys(&key);
+    let counter = harness::require(f.server.command(&["GET", fence_key.as_str()]).await);
+    assert_eq!(
+        counter.as_text(),
+        Some((TWO_POW_53 - 1).to_string()),
+        "the failed acquire left the counter moved"
     );
 }
 
@@ -95,4 +102,96 @@ async fn a_full_counter_fails_only_its_own_caller_in_a_coalesced_batch() {
         }
     }
     assert!(!is_taken(&f, &redis, &full).await);
+}
+
+/// A backend whose counters are kept `retention` after they are made.
+async fn with_retention(f: &RedisFactory, retention: Duration) -> RedisBackend {
+    RedisBackend::builder()
+        .url(f.url())
+        .fence_retention(retention)
+        .build()
+        .await
+        .expect("connect to the test server")
+}
+
+/// Waits until `key`'s counter has expired (at most 5 s).
+async fn counter_gone(f: &RedisFactory, redis: &RedisBackend, key: &LockKey) {
+    let (_, fence_key) = redis.redis_keys(key);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while harness::require(f.server.command(&["EXISTS", fence_key.as_str()]).await)
+        != RespValue::Integer(0)
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the counter never expired"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_its_counter_expires_a_key_still_gets_a_higher_token() {
+    let f = RedisFactory::start().await;
+    let retention = Duration::from_millis(300);
+    let redis = with_retention(&f, retention).await;
+    let key = LockKey::new("retained").unwrap();
+    let ttl = Duration::from_millis(100);
+    let mut tokens = Vec::new();
+    for _ in 0..3 {
+        let lease = redis.acquire(&key, ttl).await.unwrap().expect("free key");
+        tokens.push(lease.token().get());
+        assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+    }
+    assert!(tokens.windows(2).all(|w| w[1] > w[0]), "{tokens:?}");
+    let (_, fence_key) = redis.redis_keys(&key);
+    let pttl = harness::require(f.server.command(&["PTTL", fence_key.as_str()]).await);
+    match pttl {
+        RespValue::Integer(ms) => assert!(
+            ms > 0 && ms <= 300,
+            "the counter's PTTL is {ms} ms, not within the 300 ms retention"
+        ),
+        other => panic!("PTTL: {other:?}"),
+    }
+
+    counter_gone(&f, &redis, &key).await;
+    let next = redis.acquire(&key, ttl).await.unwrap().expect("free key");
+    assert!(
+        next.token().get() > *tokens.last().unwrap(),
+        "token {} after the counter expired, not above {tokens:?}",
+        next.token()
+    );
+    assert_eq!(redis.release(&next).await.unwrap(), Release::Released);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_renewed_past_its_counters_retention_stays_current() {
+    let f = RedisFactory::start().await;
+    let redis = with_retention(&f, Duration::from_millis(300)).await;
+    let key = LockKey::new("long-job").unwrap();
+    let ttl = Duration::from_millis(200);
+    let lease = redis.acquire(&key, ttl).await.unwrap().expect("free key");
+    let renewing = async {
+        loop {
+            assert!(matches!(
+                redis.renew(&lease).await.unwrap(),
+                lock_api::Renewal::Renewed { .. }
+            ));
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        () = counter_gone(&f, &redis, &key) => {}
+        () = renewing => unreachable!(),
+    }
+    assert_eq!(redis.fence(&lease).await.unwrap(), lock_api::Fence::Current);
+    let other = redis.acquire(&key, ttl).await.unwrap();
+    assert!(other.is_none(), "the key was granted twice: {other:?}");
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+    let next = redis.acquire(&key, ttl).await.unwrap().expect("free key");
+    assert!(
+        next.token() > lease.token(),
+        "{} <= {}",
+        next.token(),
+        lease.token()
+    );
 }

@@ -29,7 +29,9 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
 
     let again = harness::require(
         f.server
-            .command(&["EVAL", ACQUIRE, "2", &lock_key, &fence_key, &owner, "10000"])
+            .command(&[
+                "EVAL", ACQUIRE, "2", &lock_key, &fence_key, &owner, "10000", "86400000",
+            ])
             .await,
     );
     assert_eq!(again, token, "the single-key script");
@@ -43,6 +45,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
                 &fence_key,
                 &owner,
                 "10000",
+                "86400000",
             ])
             .await,
     );
@@ -63,6 +66,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
                 &fence_key,
                 "someone-else",
                 "10000",
+                "86400000",
             ])
             .await,
     );
