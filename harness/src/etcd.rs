@@ -1,31 +1,37 @@
 //! `etcd` for tests: a single member ([`EtcdServer`]) or a 3-member cluster
 //! ([`EtcdCluster`]) on free 127.0.0.1 ports, each member with its own temp data dir.
-//! Readiness is `GET /health`; the leader is found through the v3 JSON gateway
-//! (`POST /v3/maintenance/status`), so no `etcdctl` is needed.
+//! The harness asks a member with `etcd-client`, connected to that member alone: health and
+//! the leader come from the maintenance `Status` call, readiness also checks the member
+//! list, so no `etcdctl` is needed.
 //!
 //! [`EtcdServer::start_tls`] starts a single member whose client URL is `https://` with
-//! certificates the test supplies ([`EtcdTls`]); its readiness is read from a plain-HTTP
-//! metrics URL, since the client port then speaks TLS only.
+//! certificates the test supplies ([`EtcdTls`]); the harness reaches it over TLS, trusting
+//! the test's CA.
 //!
 //! [`EtcdServer::start_with_auth`] and [`EtcdCluster::start_with_auth`] start members with
 //! authentication enabled ([`EtcdAuth`]): a `root` user and simple tokens with a short TTL.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use etcd_client::{Certificate, Client, ConnectOptions, TlsOptions};
+
 use super::process::{ManagedProcess, Spec};
 use super::{
-    HarnessError, Probe, START_ATTEMPTS, find_binary, free_port, http_request, is_port_clash,
-    loopback, wait_until,
+    HarnessError, Probe, START_ATTEMPTS, find_binary, free_port, is_port_clash, loopback,
+    wait_until,
 };
 
 /// How long a member may take to report healthy after start or restart.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
-/// Time limit for one HTTP request to a member.
+/// Time limit for one request to a member, connecting included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// Time limit for setting up authentication (three requests that each write to raft).
+const AUTH_SETUP_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The ports and name of one member, known before any member is spawned.
 #[derive(Debug, Clone)]
@@ -33,8 +39,8 @@ struct MemberPlan {
     name: String,
     client_port: u16,
     peer_port: u16,
-    /// TLS on the client URL, with the plain-HTTP metrics port that serves `/health`.
-    tls: Option<(EtcdTls, u16)>,
+    /// TLS on the client URL.
+    tls: Option<EtcdTls>,
     /// `--auth-token-ttl` in seconds, for a member that will run with authentication.
     auth_token_ttl: Option<u64>,
 }
@@ -128,7 +134,7 @@ pub struct EtcdServer {
 }
 
 impl EtcdServer {
-    /// Starts a single-member cluster and waits until `/health` reports `"health":"true"`.
+    /// Starts a single-member cluster and waits until it is [healthy](Self::health).
     pub async fn start() -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
@@ -140,9 +146,8 @@ impl EtcdServer {
     }
 
     /// Starts a single-member cluster whose client URL is `https://127.0.0.1:PORT`, served
-    /// with `tls`'s certificate (clients are not asked for one). Readiness and
-    /// [`health`](Self::health) use a plain-HTTP metrics URL; [`status`](Self::status)
-    /// needs a plain client URL and fails on this server.
+    /// with `tls`'s certificate (clients are not asked for one). The harness's own requests
+    /// go over TLS too, trusting [`EtcdTls::ca_pem`].
     pub async fn start_tls(tls: EtcdTls) -> Result<Self, HarnessError> {
         let mut attempt = 1;
         loop {
@@ -173,10 +178,6 @@ impl EtcdServer {
         tls: Option<EtcdTls>,
         auth: Option<&EtcdAuth>,
     ) -> Result<Self, HarnessError> {
-        let tls = match tls {
-            Some(tls) => Some((tls, free_port()?)),
-            None => None,
-        };
         let plan = MemberPlan {
             name: "single".into(),
             client_port: free_port()?,
@@ -212,7 +213,7 @@ impl EtcdServer {
             "--logger=zap".into(),
             "--log-outputs=stderr".into(),
         ];
-        if let Some((tls, metrics_port)) = &plan.tls {
+        if let Some(tls) = &plan.tls {
             let mut files = Vec::with_capacity(3);
             // No `--trusted-ca-file`: with it etcd requires a client certificate.
             for (name, pem) in [("server.crt", &tls.cert_pem), ("server.key", &tls.key_pem)] {
@@ -224,7 +225,6 @@ impl EtcdServer {
             args.extend([
                 format!("--cert-file={}", files[0]),
                 format!("--key-file={}", files[1]),
-                format!("--listen-metrics-urls=http://127.0.0.1:{metrics_port}"),
             ]);
         }
         if let Some(ttl) = plan.auth_token_ttl {
@@ -316,7 +316,7 @@ impl EtcdServer {
     }
 
     /// Starts the member again with the same ports and data dir (killing it first if it
-    /// still runs) and waits until `/health` is true. In a cluster, health needs a leader,
+    /// still runs) and waits until it is [healthy](Self::health). In a cluster, health needs a leader,
     /// so this returns only once the member is back in a cluster that has a quorum.
     pub async fn restart(&self) -> Result<(), HarnessError> {
         self.process.respawn().await?;
@@ -338,71 +338,87 @@ impl EtcdServer {
         self.process.log_tail()
     }
 
-    /// `GET /health` once: `Ok(true)` when the member reports `"health":"true"`. A TLS
-    /// member is asked on its plain-HTTP metrics URL.
+    /// Runs `request` with an `etcd-client` connected to this member alone (over TLS,
+    /// trusting the test CA, for a TLS member), cut off after `timeout`.
+    async fn request<T, F, Fut>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        request: F,
+    ) -> Result<T, HarnessError>
+    where
+        F: FnOnce(Client) -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let what = format!("{what} on {}", self.process.what());
+        // The client's own limits stay off: `timeout` covers connecting and the reply.
+        let mut options = ConnectOptions::new();
+        if let Some(tls) = &self.plan.tls {
+            options = options.with_tls(
+                TlsOptions::new().ca_certificate(Certificate::from_pem(tls.ca_pem.as_bytes())),
+            );
+        }
+        let fut = async {
+            let client = Client::connect([self.endpoint()], Some(options))
+                .await
+                .map_err(|e| HarnessError::client(format!("connecting for {what}"), e))?;
+            request(client)
+                .await
+                .map_err(|e| HarnessError::client(what.clone(), e))
+        };
+        match tokio::time::timeout(timeout, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(HarnessError::Timeout {
+                what,
+                after: timeout,
+            }),
+        }
+    }
+
+    /// Asks the member's status once: `Ok(true)` when it knows a leader and reports no
+    /// alarm (what etcd's `/health` checks).
     pub async fn health(&self) -> Result<bool, HarnessError> {
-        let addr = match &self.plan.tls {
-            Some((_, metrics_port)) => loopback(*metrics_port),
-            None => self.addr(),
-        };
-        let (_, body) = http_request(addr, "GET", "/health", None, REQUEST_TIMEOUT).await?;
-        Ok(body.contains("\"health\":\"true\""))
+        let status = self
+            .request("status", REQUEST_TIMEOUT, |mut client| async move {
+                client.status().await
+            })
+            .await?;
+        Ok(status.leader() != 0 && status.errors().is_empty())
     }
 
-    /// `(member_id, leader_id)` from `POST /v3/maintenance/status`.
+    /// `(member_id, leader_id)` from the member's status; the leader is 0 while it knows
+    /// none.
     pub async fn status(&self) -> Result<(u64, u64), HarnessError> {
-        let (code, body) = http_request(
-            self.addr(),
-            "POST",
-            "/v3/maintenance/status",
-            Some("{}"),
-            REQUEST_TIMEOUT,
-        )
-        .await?;
-        let what = format!("status of {}", self.process.what());
-        let protocol = |detail: String| HarnessError::Protocol {
-            what: what.clone(),
-            detail,
-        };
-        if code != 200 {
-            return Err(protocol(format!("HTTP {code}: {body}")));
-        }
-        let json: serde_json::Value =
-            serde_json::from_str(&body).map_err(|e| protocol(format!("{e}: {body}")))?;
-        // The gateway encodes uint64 as JSON strings.
-        let id = |v: &serde_json::Value| -> Option<u64> {
-            match v {
-                serde_json::Value::String(s) => s.parse().ok(),
-                serde_json::Value::Number(n) => n.as_u64(),
-                _ => None,
-            }
-        };
-        let member = id(&json["header"]["member_id"])
-            .ok_or_else(|| protocol(format!("no header.member_id in {body}")))?;
-        let leader = id(&json["leader"]).unwrap_or(0);
-        Ok((member, leader))
+        let status = self
+            .request("status", REQUEST_TIMEOUT, |mut client| async move {
+                client.status().await
+            })
+            .await?;
+        let member = status
+            .header()
+            .map(|header| header.member_id())
+            .ok_or_else(|| HarnessError::Protocol {
+                what: format!("status of {}", self.process.what()),
+                detail: "no response header".into(),
+            })?;
+        Ok((member, status.leader()))
     }
 
-    /// Adds [`EtcdAuth::USER`] with the `root` role and enables authentication, through the
-    /// JSON gateway (health, status and the member list stay readable without a token).
+    /// Adds [`EtcdAuth::USER`] with the `root` role and enables authentication (status and
+    /// the member list stay readable without a token).
     async fn enable_auth(&self, auth: &EtcdAuth) -> Result<(), HarnessError> {
-        let user = serde_json::json!({ "name": EtcdAuth::USER, "password": auth.password });
-        let grant = serde_json::json!({ "user": EtcdAuth::USER, "role": "root" });
-        for (path, body) in [
-            ("/v3/auth/user/add", user.to_string()),
-            ("/v3/auth/user/grant", grant.to_string()),
-            ("/v3/auth/enable", "{}".to_owned()),
-        ] {
-            let (code, reply) =
-                http_request(self.addr(), "POST", path, Some(&body), REQUEST_TIMEOUT).await?;
-            if code != 200 || reply.contains("\"error\"") {
-                return Err(HarnessError::Protocol {
-                    what: format!("{path} on {}", self.process.what()),
-                    detail: format!("HTTP {code}: {reply}"),
-                });
-            }
-        }
-        Ok(())
+        let password = auth.password.clone();
+        self.request(
+            "enabling authentication",
+            AUTH_SETUP_TIMEOUT,
+            |mut client| async move {
+                client.user_add(EtcdAuth::USER, password, None).await?;
+                client.user_grant_role(EtcdAuth::USER, "root").await?;
+                client.auth_enable().await?;
+                Ok(())
+            },
+        )
+        .await
     }
 
     async fn wait_ready(&self) -> Result<(), HarnessError> {
@@ -414,34 +430,35 @@ impl EtcdServer {
                 if let Some(fatal) = self.process.check_alive() {
                     return fatal;
                 }
+                // Until the port is bound a request would wait out its whole time limit.
+                if let Err(e) = tokio::net::TcpStream::connect(self.addr()).await {
+                    return Probe::NotYet(format!("TCP connect: {e}"));
+                }
                 match self.health().await {
                     Ok(true) => {}
-                    Ok(false) => {
-                        return Probe::NotYet("/health is not true (no leader yet?)".into());
-                    }
+                    Ok(false) => return Probe::NotYet("no leader yet, or an alarm".into()),
                     Err(e) => return Probe::NotYet(e.to_string()),
-                }
-                if self.plan.tls.is_some() {
-                    // The client port speaks TLS only; the healthy metrics port was bound
-                    // by this process (a clash would have made it exit, seen above).
-                    return Probe::Ready(());
                 }
                 // Make sure the etcd on the port is ours (its cluster has our peer URL), not
                 // another process's that took the port first.
-                let members = http_request(
-                    self.addr(),
-                    "POST",
-                    "/v3/cluster/member/list",
-                    Some("{}"),
-                    REQUEST_TIMEOUT,
-                )
-                .await;
-                let peer_url = format!("\"{}\"", self.plan.peer_url());
+                let peer_url = self.plan.peer_url();
+                let members = self
+                    .request("member list", REQUEST_TIMEOUT, |mut client| async move {
+                        client.member_list().await
+                    })
+                    .await;
                 match members {
-                    Ok((200, body)) if body.contains(&peer_url) => Probe::Ready(()),
-                    Ok((code, body)) => Probe::NotYet(format!(
-                        "member list (HTTP {code}) lacks our peer URL {peer_url}: {body}"
-                    )),
+                    Ok(list) => {
+                        let ours = list
+                            .members()
+                            .iter()
+                            .any(|m| m.peer_urls().contains(&peer_url));
+                        if ours {
+                            Probe::Ready(())
+                        } else {
+                            Probe::NotYet(format!("the member list lacks our peer URL {peer_url}"))
+                        }
+                    }
                     Err(e) => Probe::NotYet(e.to_string()),
                 }
             },
@@ -593,33 +610,27 @@ mod tests {
     use super::*;
     use crate::require;
 
-    // base64("distlock-key") and base64("v1"): the JSON gateway takes bytes as base64.
-    const KEY_B64: &str = "ZGlzdGxvY2sta2V5";
-    const VALUE_B64: &str = "djE=";
+    const KEY: &str = "distlock-key";
+    const VALUE: &str = "v1";
 
-    async fn put(server: &EtcdServer) -> Result<(u16, String), HarnessError> {
-        let body = format!(r#"{{"key":"{KEY_B64}","value":"{VALUE_B64}"}}"#);
-        http_request(
-            server.addr(),
-            "POST",
-            "/v3/kv/put",
-            Some(&body),
-            REQUEST_TIMEOUT,
-        )
-        .await
+    async fn put(server: &EtcdServer) -> Result<(), HarnessError> {
+        server
+            .request("put", REQUEST_TIMEOUT, |mut client| async move {
+                client.put(KEY, VALUE, None).await.map(drop)
+            })
+            .await
     }
 
-    async fn get(server: &EtcdServer) -> Result<String, HarnessError> {
-        let body = format!(r#"{{"key":"{KEY_B64}"}}"#);
-        http_request(
-            server.addr(),
-            "POST",
-            "/v3/kv/range",
-            Some(&body),
-            REQUEST_TIMEOUT,
-        )
-        .await
-        .map(|(_, body)| body)
+    async fn get(server: &EtcdServer) -> Result<Option<String>, HarnessError> {
+        let reply = server
+            .request("get", REQUEST_TIMEOUT, |mut client| async move {
+                client.get(KEY, None).await
+            })
+            .await?;
+        Ok(reply
+            .kvs()
+            .first()
+            .map(|kv| String::from_utf8_lossy(kv.value()).into_owned()))
     }
 
     #[tokio::test]
@@ -630,9 +641,8 @@ mod tests {
             format!("http://127.0.0.1:{}", etcd.client_port())
         );
         assert!(require(etcd.health().await));
-        let (code, _) = require(put(&etcd).await);
-        assert_eq!(code, 200);
-        assert!(require(get(&etcd).await).contains(VALUE_B64));
+        require(put(&etcd).await);
+        assert_eq!(require(get(&etcd).await).as_deref(), Some(VALUE));
         let (id, leader) = require(etcd.status().await);
         assert_eq!(id, leader, "a single member leads itself");
 
@@ -651,8 +661,9 @@ mod tests {
         assert!(etcd.health().await.is_err());
         require(etcd.restart().await);
         assert!(etcd.pid().is_some() && etcd.pid() != pid);
-        assert!(
-            require(get(&etcd).await).contains(VALUE_B64),
+        assert_eq!(
+            require(get(&etcd).await).as_deref(),
+            Some(VALUE),
             "the data dir is kept across a restart"
         );
     }
@@ -675,9 +686,11 @@ mod tests {
             leaders[0]
         );
         // A write through any member is visible through another.
-        let (code, _) = require(put(&cluster.members()[(leader + 1) % 3]).await);
-        assert_eq!(code, 200);
-        assert!(require(get(&cluster.members()[(leader + 2) % 3]).await).contains(VALUE_B64));
+        require(put(&cluster.members()[(leader + 1) % 3]).await);
+        assert_eq!(
+            require(get(&cluster.members()[(leader + 2) % 3]).await).as_deref(),
+            Some(VALUE)
+        );
 
         require(cluster.members()[leader].kill());
         let new_leader = require(cluster.leader_index().await);

@@ -26,19 +26,33 @@
 //!
 //! ```no_run
 //! # async fn demo() {
-//! use harness::redis::RedisServer;
-//! let redis = harness::require(RedisServer::start().await);
-//! println!("{}", redis.url());
+//! use harness::postgres::PostgresServer;
+//! let postgres = harness::require(PostgresServer::start().await);
+//! println!("{}", postgres.url());
 //! # }
 //! ```
 //!
 //! Nothing in the harness panics except [`require`], which exists to turn an error into a
 //! test failure; every other failure is a [`HarnessError`].
+//!
+//! # Clients
+//!
+//! The harness talks to its servers with real clients: the `redis` crate, `etcd-client`,
+//! and PostgreSQL's own tools (`initdb`, `psql`). Each client library is behind a cargo
+//! feature, so a crate compiles only what it uses:
+//!
+//! * `redis`: the module `redis` (single nodes, replicas, TLS, clusters);
+//! * `etcd`: the module `etcd` (single members, 3-member clusters, TLS, auth); building
+//!   `etcd-client` needs `protoc` (Debian package `protobuf-compiler`).
+//!
+//! [`postgres`] and [`proxy`] need no feature.
 
+#[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod postgres;
 mod process;
 pub mod proxy;
+#[cfg(feature = "redis")]
 pub mod redis;
 
 use std::collections::HashSet;
@@ -49,8 +63,6 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 /// Everything that can go wrong while starting, probing or controlling a test server.
@@ -115,6 +127,16 @@ pub enum HarnessError {
         /// The time limit that was exceeded.
         after: Duration,
     },
+    /// A client library (`redis`, `etcd-client`) failed to reach a server or had a request
+    /// refused.
+    #[error("{what}: {source}")]
+    Client {
+        /// The server and the operation.
+        what: String,
+        /// The client's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// A server answered something the harness did not expect.
     #[error("unexpected reply from {what}: {detail}")]
     Protocol {
@@ -145,6 +167,17 @@ impl HarnessError {
         HarnessError::Io {
             context: context.into(),
             source,
+        }
+    }
+
+    #[cfg(any(feature = "redis", feature = "etcd"))]
+    pub(crate) fn client(
+        what: impl Into<String>,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        HarnessError::Client {
+            what: what.into(),
+            source: Box::new(source),
         }
     }
 }
@@ -329,62 +362,6 @@ where
 /// The loopback socket address for `port`.
 pub fn loopback(port: u16) -> SocketAddr {
     SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port))
-}
-
-/// Sends a plain HTTP/1.0 request to `addr` and returns the status code and body.
-///
-/// Used to probe etcd (`/health`, the v3 JSON gateway) without an HTTP client dependency.
-pub async fn http_request(
-    addr: SocketAddr,
-    method: &str,
-    path: &str,
-    body: Option<&str>,
-    timeout: Duration,
-) -> Result<(u16, String), HarnessError> {
-    let what = format!("HTTP {method} http://{addr}{path}");
-    let fut = async {
-        let mut stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| HarnessError::io(format!("connecting for {what}"), e))?;
-        let body = body.unwrap_or("");
-        let request = format!(
-            "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        stream
-            .write_all(request.as_bytes())
-            .await
-            .map_err(|e| HarnessError::io(format!("sending {what}"), e))?;
-        let mut raw = Vec::new();
-        stream
-            .read_to_end(&mut raw)
-            .await
-            .map_err(|e| HarnessError::io(format!("reading the reply to {what}"), e))?;
-        let text = String::from_utf8_lossy(&raw).into_owned();
-        let (head, body) = text
-            .split_once("\r\n\r\n")
-            .ok_or_else(|| HarnessError::Protocol {
-                what: what.clone(),
-                detail: format!("no header/body separator in {text:?}"),
-            })?;
-        let status = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse::<u16>().ok())
-            .ok_or_else(|| HarnessError::Protocol {
-                what: what.clone(),
-                detail: format!("bad status line in {head:?}"),
-            })?;
-        Ok((status, body.to_string()))
-    };
-    match tokio::time::timeout(timeout, fut).await {
-        Ok(r) => r,
-        Err(_) => Err(HarnessError::Timeout {
-            what,
-            after: timeout,
-        }),
-    }
 }
 
 /// How many times a server start is retried with fresh ports when its port was taken

@@ -1,15 +1,14 @@
 //! `redis-server` for tests: a single node ([`RedisServer`]), optionally with a TLS port
 //! ([`RedisServerBuilder::tls`]) or as a replica of another ([`RedisServerBuilder::replica_of`]),
 //! or a 3-master Redis Cluster ([`RedisCluster`]), each node on a free 127.0.0.1 port with
-//! its own temp dir, plus a minimal raw-TCP RESP client ([`resp_command`]) so the harness
-//! does not depend on the `redis` crate.
+//! its own temp dir. Commands go through the `redis` crate ([`resp_command`]), one fresh
+//! RESP2 connection per command, so a test sees exactly what a client sees.
 
 use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use redis::IntoConnectionInfo;
 
 use super::process::{ManagedProcess, Spec};
 use super::{
@@ -24,7 +23,7 @@ const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default time limit for one command sent by [`RedisServer::command`].
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// One RESP2 reply.
+/// One RESP2 reply, as the `redis` crate reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RespValue {
     /// `+OK`-style status reply.
@@ -35,7 +34,8 @@ pub enum RespValue {
     Integer(i64),
     /// `$n` bulk string; `None` is the nil bulk string (`$-1`).
     Bulk(Option<Vec<u8>>),
-    /// `*n` array; `None` is the nil array (`*-1`).
+    /// `*n` array. Always `Some`: the `redis` crate reads the nil array (`*-1`) as nil,
+    /// which is `Bulk(None)` here.
     Array(Option<Vec<RespValue>>),
 }
 
@@ -56,90 +56,44 @@ impl RespValue {
     }
 }
 
-/// Parses one RESP value from the start of `buf`; `Ok(None)` when more bytes are needed.
-fn parse_resp(buf: &[u8]) -> Result<Option<(RespValue, usize)>, String> {
-    let Some(line_end) = buf.windows(2).position(|w| w == b"\r\n") else {
-        return Ok(None);
-    };
-    let Some((&kind, line)) = buf[..line_end].split_first() else {
-        return Err("empty RESP line".into());
-    };
-    let line = std::str::from_utf8(line).map_err(|e| format!("non-UTF-8 RESP header: {e}"))?;
-    let after = line_end + 2;
-    let int = || {
-        line.parse::<i64>()
-            .map_err(|e| format!("bad RESP integer {line:?}: {e}"))
-    };
-    match kind {
-        b'+' => Ok(Some((RespValue::Simple(line.to_string()), after))),
-        b'-' => Ok(Some((RespValue::Error(line.to_string()), after))),
-        b':' => Ok(Some((RespValue::Integer(int()?), after))),
-        b'$' => {
-            let len = int()?;
-            if len < 0 {
-                return Ok(Some((RespValue::Bulk(None), after)));
-            }
-            let len = len as usize;
-            if buf.len() < after + len + 2 {
-                return Ok(None);
-            }
-            let data = buf[after..after + len].to_vec();
-            Ok(Some((RespValue::Bulk(Some(data)), after + len + 2)))
-        }
-        b'*' => {
-            let len = int()?;
-            if len < 0 {
-                return Ok(Some((RespValue::Array(None), after)));
-            }
-            let mut items = Vec::with_capacity(len as usize);
-            let mut pos = after;
-            for _ in 0..len {
-                match parse_resp(&buf[pos..])? {
-                    Some((v, used)) => {
-                        items.push(v);
-                        pos += used;
-                    }
-                    None => return Ok(None),
-                }
-            }
-            Ok(Some((RespValue::Array(Some(items)), pos)))
-        }
-        other => Err(format!("unknown RESP type byte {:?}", other as char)),
+impl TryFrom<redis::Value> for RespValue {
+    type Error = String;
+
+    /// Converts a reply read on a RESP2 connection; the RESP3-only kinds (maps, sets,
+    /// doubles, ...) never arrive there and are refused.
+    fn try_from(value: redis::Value) -> Result<Self, String> {
+        use redis::Value;
+        Ok(match value {
+            Value::Nil => RespValue::Bulk(None),
+            Value::Int(i) => RespValue::Integer(i),
+            Value::BulkString(bytes) => RespValue::Bulk(Some(bytes)),
+            Value::Array(items) => RespValue::Array(Some(
+                items
+                    .into_iter()
+                    .map(RespValue::try_from)
+                    .collect::<Result<_, _>>()?,
+            )),
+            Value::SimpleString(s) => RespValue::Simple(s),
+            Value::Okay => RespValue::Simple("OK".into()),
+            Value::ServerError(e) => RespValue::Error(error_text(&e)),
+            other => return Err(format!("a reply RESP2 does not have: {other:?}")),
+        })
     }
 }
 
-fn encode_command<A: AsRef<[u8]>>(args: &[A]) -> Vec<u8> {
-    let mut out = format!("*{}\r\n", args.len()).into_bytes();
-    for a in args {
-        let a = a.as_ref();
-        out.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
-        out.extend_from_slice(a);
-        out.extend_from_slice(b"\r\n");
-    }
-    out
-}
-
-async fn read_reply(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Result<RespValue, String> {
-    loop {
-        if let Some((value, used)) = parse_resp(buf)? {
-            buf.drain(..used);
-            return Ok(value);
-        }
-        let mut chunk = [0u8; 4096];
-        let n = stream
-            .read(&mut chunk)
-            .await
-            .map_err(|e| format!("read: {e}"))?;
-        if n == 0 {
-            return Err("connection closed before a full reply".into());
-        }
-        buf.extend_from_slice(&chunk[..n]);
+/// The text of an error reply as the server sent it, e.g. `MOVED 12182 127.0.0.1:7001`.
+fn error_text(e: &redis::ServerError) -> String {
+    match e.details() {
+        Some(details) => format!("{} {details}", e.code()),
+        None => e.code().to_owned(),
     }
 }
 
-/// Sends one command over a fresh TCP connection (after `AUTH password` when given) and
+/// Sends one command over a fresh connection (after `AUTH password` when given) and
 /// returns the reply. An error reply is returned as `Ok(RespValue::Error(..))`, except a
-/// failed `AUTH`, which is a [`HarnessError::Protocol`].
+/// failed `AUTH`, which is a [`HarnessError::Protocol`]; a server that cannot be reached
+/// is a [`HarnessError::Client`], one that does not answer within `timeout` a
+/// [`HarnessError::Timeout`].
 pub async fn resp_command<A: AsRef<[u8]>>(
     addr: SocketAddr,
     password: Option<&str>,
@@ -151,39 +105,32 @@ pub async fn resp_command<A: AsRef<[u8]>>(
         .map(|a| String::from_utf8_lossy(a.as_ref()).into_owned())
         .unwrap_or_default();
     let what = format!("redis {name} on {addr}");
+    let mut cmd = redis::Cmd::new();
+    for arg in args {
+        cmd.arg(arg.as_ref());
+    }
     let fut = async {
-        let mut stream = TcpStream::connect(addr)
-            .await
-            .map_err(|e| HarnessError::io(format!("connecting for {what}"), e))?;
-        let mut buf = Vec::new();
-        if let Some(pw) = password {
-            stream
-                .write_all(&encode_command(&["AUTH", pw]))
-                .await
-                .map_err(|e| HarnessError::io(format!("sending AUTH for {what}"), e))?;
-            let reply = read_reply(&mut stream, &mut buf).await.map_err(|detail| {
-                HarnessError::Protocol {
-                    what: what.clone(),
-                    detail,
-                }
-            })?;
-            if reply.is_error() {
+        let conn = connect(addr, password).await;
+        let mut conn = match conn {
+            Ok(conn) => conn,
+            Err(e) if e.kind() == redis::ErrorKind::AuthenticationFailed => {
                 return Err(HarnessError::Protocol {
                     what: what.clone(),
-                    detail: format!("AUTH failed: {reply:?}"),
+                    detail: format!("AUTH failed: {e}"),
                 });
             }
-        }
-        stream
-            .write_all(&encode_command(args))
-            .await
-            .map_err(|e| HarnessError::io(format!("sending {what}"), e))?;
-        read_reply(&mut stream, &mut buf)
-            .await
-            .map_err(|detail| HarnessError::Protocol {
+            Err(e) => return Err(HarnessError::client(format!("connecting for {what}"), e)),
+        };
+        match cmd.query_async::<redis::Value>(&mut conn).await {
+            Ok(value) => RespValue::try_from(value).map_err(|detail| HarnessError::Protocol {
                 what: what.clone(),
                 detail,
-            })
+            }),
+            Err(e) => match redis::ServerError::try_from(e) {
+                Ok(server) => Ok(RespValue::Error(error_text(&server))),
+                Err(e) => Err(HarnessError::client(what.clone(), e)),
+            },
+        }
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(r) => r,
@@ -194,16 +141,42 @@ pub async fn resp_command<A: AsRef<[u8]>>(
     }
 }
 
-/// Percent-encodes `s` for the user-info part of a URL.
-fn url_escape(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
+/// A RESP2 connection to `addr` that sends nothing before the caller's command but `AUTH`
+/// (no `CLIENT SETINFO`), so command statistics count only what a test sent. The caller's
+/// time limit covers connecting and the reply, so the client's own limits are off.
+async fn connect(
+    addr: SocketAddr,
+    password: Option<&str>,
+) -> redis::RedisResult<redis::aio::MultiplexedConnection> {
+    let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
+    if let Some(password) = password {
+        settings = settings.set_password(password);
+    }
+    let info = redis::ConnectionAddr::Tcp(addr.ip().to_string(), addr.port())
+        .into_connection_info()?
+        .set_redis_settings(settings);
+    let config = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(None)
+        .set_response_timeout(None);
+    redis::Client::open(info)?
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
+/// `scheme://127.0.0.1:PORT/`, with the password percent-encoded as user info when given.
+fn server_url(scheme: &str, port: u16, password: Option<&str>) -> String {
+    let plain = format!("{scheme}://127.0.0.1:{port}/");
+    let Some(password) = password else {
+        return plain;
+    };
+    let Ok(mut url) = url::Url::parse(&plain) else {
+        return plain;
+    };
+    // Cannot fail: the URL has a host, so it takes a password.
+    match url.set_password(Some(password)) {
+        Ok(()) => url.into(),
+        Err(()) => plain,
+    }
 }
 
 /// The PEM files of a TLS port: the server's certificate chain and key, and the CA that
@@ -436,10 +409,7 @@ impl RedisServer {
 
     /// `redis://127.0.0.1:PORT/`, or `redis://:PASSWORD@127.0.0.1:PORT/` with a password.
     pub fn url(&self) -> String {
-        match &self.password {
-            Some(pw) => format!("redis://:{}@127.0.0.1:{}/", url_escape(pw), self.port),
-            None => format!("redis://127.0.0.1:{}/", self.port),
-        }
+        server_url("redis", self.port, self.password.as_deref())
     }
 
     /// The TCP port.
@@ -456,10 +426,7 @@ impl RedisServer {
     /// started with [`RedisServerBuilder::tls`]. Clients must trust [`RedisTls::ca_pem`].
     pub fn tls_url(&self) -> Option<String> {
         let tls_port = self.tls_port?;
-        Some(match &self.password {
-            Some(pw) => format!("rediss://:{}@127.0.0.1:{tls_port}/", url_escape(pw)),
-            None => format!("rediss://127.0.0.1:{tls_port}/"),
-        })
+        Some(server_url("rediss", tls_port, self.password.as_deref()))
     }
 
     /// `127.0.0.1:PORT`, for example as the upstream of a [`super::proxy::FaultProxy`].
@@ -608,27 +575,19 @@ async fn replica_synced(addr: SocketAddr, password: Option<&str>) -> Probe<()> {
     }
 }
 
-/// The Redis Cluster hash slot of `key` (CRC16/XMODEM mod 16384, honouring `{hash tags}`).
+/// The Redis Cluster hash slot of `key`: CRC16/XMODEM of its `{hash tag}` (or the whole
+/// key) mod 16384, computed as redis-rs does (its own slot function is not public).
 pub fn key_slot(key: &[u8]) -> u16 {
-    let hashed = match key.iter().position(|&b| b == b'{') {
-        Some(open) => match key[open + 1..].iter().position(|&b| b == b'}') {
-            Some(len) if len > 0 => &key[open + 1..open + 1 + len],
-            _ => key,
-        },
-        None => key,
-    };
-    let mut crc: u16 = 0;
-    for &byte in hashed {
-        crc ^= u16::from(byte) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc % 16384
+    let tag = key
+        .iter()
+        .position(|&b| b == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let len = rest.iter().position(|&b| b == b'}')?;
+            (len > 0).then(|| &rest[..len])
+        })
+        .unwrap_or(key);
+    crc16::State::<crc16::XMODEM>::calculate(tag) % 16384
 }
 
 /// A Redis Cluster of 3 masters (no replicas) on 127.0.0.1, formed with
@@ -856,25 +815,38 @@ mod tests {
     }
 
     #[test]
-    fn resp_parser_handles_all_types_and_partial_input() {
-        let buf = b"*3\r\n+OK\r\n:-7\r\n$5\r\nhello\r\n";
-        let (v, used) = parse_resp(buf).unwrap().unwrap();
-        assert_eq!(used, buf.len());
+    fn replies_convert_to_resp2_values_and_errors_keep_their_text() {
+        use redis::Value;
+        let reply = Value::Array(vec![
+            Value::Okay,
+            Value::Int(-7),
+            Value::BulkString(b"hello".to_vec()),
+            Value::Nil,
+            Value::SimpleString("QUEUED".into()),
+        ]);
         assert_eq!(
-            v,
-            RespValue::Array(Some(vec![
+            RespValue::try_from(reply),
+            Ok(RespValue::Array(Some(vec![
                 RespValue::Simple("OK".into()),
                 RespValue::Integer(-7),
                 RespValue::Bulk(Some(b"hello".to_vec())),
-            ]))
+                RespValue::Bulk(None),
+                RespValue::Simple("QUEUED".into()),
+            ])))
         );
-        assert_eq!(parse_resp(b"$5\r\nhel").unwrap(), None);
-        assert_eq!(parse_resp(b"*2\r\n+OK\r\n").unwrap(), None);
-        assert_eq!(
-            parse_resp(b"$-1\r\n").unwrap(),
-            Some((RespValue::Bulk(None), 5))
-        );
-        assert!(parse_resp(b"?x\r\n").is_err());
+        for line in [
+            "MOVED 12182 127.0.0.1:7001",
+            "NOAUTH Authentication required.",
+            "ERR unknown command 'NOPE'",
+            "BUSYKEY",
+        ] {
+            let value = redis::parse_redis_value(format!("-{line}\r\n").as_bytes()).unwrap();
+            assert_eq!(
+                RespValue::try_from(value),
+                Ok(RespValue::Error(line.into()))
+            );
+        }
+        assert!(RespValue::try_from(Value::Double(1.5)).is_err());
     }
 
     #[test]
@@ -1028,6 +1000,22 @@ mod tests {
             .iter()
             .find(|n| n.port() != owner.port())
             .unwrap();
+        // The slot function agrees with the server's.
+        for key in [
+            "foo",
+            "bar",
+            "{user1000}.following",
+            "foo{}{bar}",
+            "a{b}c{d}",
+            "",
+        ] {
+            let slot = require(owner.command(&["CLUSTER", "KEYSLOT", key]).await);
+            assert_eq!(
+                slot,
+                RespValue::Integer(i64::from(key_slot(key.as_bytes()))),
+                "{key}"
+            );
+        }
         let moved = require(other.command(&["SET", "foo", "1"]).await);
         assert!(
             matches!(&moved, RespValue::Error(e) if e.starts_with(&format!("MOVED {} 127.0.0.1:{}", key_slot(b"foo"), owner.port()))),
