@@ -1,5 +1,5 @@
 //! Criterion benches of every distlock backend beside the baselines of its store, all in
-//! one run against servers started from the conformance harness.
+//! one run against servers started from the test harness.
 //!
 //! One group per store (`memory`, `redis`, `postgres`, `etcd`); in it, per backend:
 //! uncontended `acquire`, `cycle` (acquire + release), `renew`, `contended/16` (16 tasks on

@@ -1,7 +1,7 @@
 //! Benchmarks and the capacity-planning report for distlock.
 //!
 //! Everything here measures real servers that the benchmarks start themselves from the
-//! `conformance` harness (`redis-server`, PostgreSQL, `etcd` on free loopback ports):
+//! `harness` crate (`redis-server`, PostgreSQL, `etcd` on free loopback ports):
 //!
 //! * [`subjects`]: what is measured — each distlock backend, and beside it the raw-client
 //!   baselines and the `rslock` peer it is compared with, behind one [`subjects::Subject`]

@@ -28,7 +28,7 @@ use crate::BenchError;
 /// `max_connections` (200 in the harness) is never reached.
 pub const PG_POOL_SIZE: u32 = 66;
 
-/// The servers one run measures, started from the conformance harness on free loopback
+/// The servers one run measures, started from the test harness on free loopback
 /// ports and stopped when this value is dropped.
 #[derive(Debug, Default)]
 pub struct Servers {

@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 use std::time::Duration;
 
-use distlock::{FencingToken, LockError, LockKey, OwnerId, Release, Scheme};
+use distlock::{Fence, FencingToken, LockError, LockKey, OwnerId, Release, Scheme};
 use serde_json::json;
 
 /// True when `url` names the in-process memory store.
@@ -116,8 +116,10 @@ pub async fn acquire(
 ///
 /// The lease was granted to another process (`lockctl acquire`, a worker): it is rebuilt
 /// from its owner id and token with [`distlock::LockBackend::adopt`], and the store
-/// releases it only if that owner and token still hold the key. Backends whose leases are
-/// a pinned session (PostgreSQL advisory locks) cannot do this and say so.
+/// releases it only if that owner and token still hold the key (the token is checked with
+/// `fence` first: a store may release by owner id alone, which is unique per acquisition,
+/// but a wrong token typed here is a mistake to report, not to act on). Backends whose
+/// leases are a pinned session (PostgreSQL advisory locks) cannot do this and say so.
 pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<ExitCode, LockError> {
     let key = LockKey::new(key)?;
     let owner = OwnerId::parse(owner)?;
@@ -134,7 +136,11 @@ pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<Ex
         }
         Err(e) => return Err(e),
     };
-    match backend.release(&lease).await? {
+    let released = match backend.fence(&lease).await? {
+        Fence::Current => backend.release(&lease).await?,
+        Fence::Stale { .. } => Release::NotHeld,
+    };
+    match released {
         Release::Released => {
             println!("released {key}");
             Ok(ExitCode::SUCCESS)

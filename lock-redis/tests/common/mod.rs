@@ -1,5 +1,5 @@
 //! Factories and helpers shared by the Redis tests: every test starts its own servers
-//! through the conformance harness; nothing relies on a Redis that is already running.
+//! through the test harness; nothing relies on a Redis that is already running.
 
 #![allow(dead_code)]
 
