@@ -2,9 +2,11 @@
 //! they replace, read from `INFO commandstats` of the server the run started.
 
 use std::sync::Arc;
+use std::time::Duration;
 
-use capacity::scenarios::{RedisServerCost, usec_per_call};
-use lock_api::LockKey;
+use capacity::scenarios::{FenceRetentionMemory, RedisServerCost, usec_of, usec_per_call};
+use lock_api::{LockBackend, LockKey};
+use tokio::time::Instant;
 
 use crate::BenchError;
 use crate::subjects::{BenchKey, Servers, Subject, TTL};
@@ -15,6 +17,7 @@ pub async fn redis_server_cost(
     servers: &Servers,
     redis: &Arc<dyn Subject>,
     raw_set_nx: &Arc<dyn Subject>,
+    rslock: &Arc<dyn Subject>,
     calls: usize,
 ) -> Result<RedisServerCost, BenchError> {
     let backend = redis.backend().ok_or_else(|| BenchError::Unexpected {
@@ -55,11 +58,99 @@ pub async fn redis_server_cost(
         raw_set_nx.cycle(&key).await?;
     }
     let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+    let set_nx_us = usec_per_call(&info, "set").ok_or_else(|| missing("set"))?;
+    let del_us = usec_per_call(&info, "del").ok_or_else(|| missing("del"))?;
+
+    // Whole cycles on fresh keys, each subject counted by the commands it sends itself.
+    let mut cycle_us = Vec::new();
+    for (subject, sent, name) in [
+        (redis, &["evalsha"][..], "distlock"),
+        (rslock, &["set", "evalsha", "eval"][..], "rslock"),
+        (raw_set_nx, &["set", "del"][..], "raw SET NX PX + DEL"),
+    ] {
+        let keys = (0..calls)
+            .map(|i| BenchKey::new(format!("bench:redis:cycle-cost:{name}:{i}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+        for key in &keys {
+            subject.cycle(key).await?;
+        }
+        let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+        cycle_us.push((name.to_owned(), usec_of(&info, sent) / calls as f64));
+    }
+
     Ok(RedisServerCost {
         calls,
         acquire_script_us,
         release_script_us,
-        set_nx_us: usec_per_call(&info, "set").ok_or_else(|| missing("set"))?,
-        del_us: usec_per_call(&info, "del").ok_or_else(|| missing("del"))?,
+        set_nx_us,
+        del_us,
+        cycle_us,
+        retention: None,
+    })
+}
+
+/// `used_memory` of the Redis server, in bytes.
+async fn used_memory(servers: &Servers) -> Result<u64, BenchError> {
+    let info = servers.redis_command(&["INFO", "memory"]).await?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| BenchError::Unexpected {
+            subject: "redis",
+            detail: "INFO memory has no used_memory".into(),
+        })
+}
+
+/// Locks and releases `keys` distinct keys once each (1,000 a batch) with a short fence
+/// retention, then waits for the token counters to expire: `used_memory` should come
+/// back to where it started. Gives up waiting after two minutes and reports what is left.
+pub async fn fence_retention_memory(
+    servers: &Servers,
+    keys: usize,
+) -> Result<FenceRetentionMemory, BenchError> {
+    const RETENTION: Duration = Duration::from_secs(2);
+    const LEASE: Duration = Duration::from_secs(1);
+    const WITHIN: u64 = 1 << 20;
+    let lock_err = |source| BenchError::Lock {
+        subject: "redis",
+        source,
+    };
+    let backend = lock_redis::RedisBackend::builder()
+        .url(servers.redis_url()?)
+        .fence_retention(RETENTION)
+        .build()
+        .await
+        .map_err(lock_err)?;
+    let before = used_memory(servers).await?;
+    for start in (0..keys).step_by(1_000) {
+        let batch = (start..(start + 1_000).min(keys))
+            .map(|i| LockKey::new(format!("bench:retention:{i}")))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(lock_err)?;
+        let held: Vec<_> = backend
+            .acquire_many(&batch, LEASE)
+            .await
+            .map_err(lock_err)?
+            .into_iter()
+            .flatten()
+            .collect();
+        backend.release_many(&held).await.map_err(lock_err)?;
+    }
+    let after_release = used_memory(servers).await?;
+    let released = Instant::now();
+    tokio::time::sleep(RETENTION).await;
+    let mut after_retention = used_memory(servers).await?;
+    while after_retention > before + WITHIN && released.elapsed() < Duration::from_secs(120) {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        after_retention = used_memory(servers).await?;
+    }
+    Ok(FenceRetentionMemory {
+        keys,
+        retention: RETENTION,
+        before,
+        after_release,
+        after_retention,
+        expired_within: released.elapsed().saturating_sub(RETENTION),
     })
 }

@@ -304,6 +304,42 @@ impl Report {
                 cost.release_script_us
             );
             let _ = writeln!(md, "| raw DEL | {:.2} |", cost.del_us);
+            if !cost.cycle_us.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "\nA whole acquire + release cycle on fresh keys, summed over the commands \
+                     each client sends (a script's time includes the commands it runs):\n"
+                );
+                let _ = writeln!(md, "| cycle | server µs | vs rslock |\n|---|---:|---:|");
+                let rslock = cost
+                    .cycle_us
+                    .iter()
+                    .find(|(name, _)| name == "rslock")
+                    .map(|(_, us)| *us);
+                for (name, us) in &cost.cycle_us {
+                    let ratio =
+                        rslock.map_or_else(|| "—".to_owned(), |r| format!("{:.2}×", us / r));
+                    let _ = writeln!(md, "| {name} | {us:.2} | {ratio} |");
+                }
+            }
+            if let Some(r) = &cost.retention {
+                let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+                let _ = writeln!(md, "\n## Token counters after their retention\n");
+                let _ = writeln!(
+                    md,
+                    "{} distinct keys locked and released once each with a {:?} fence \
+                     retention. Redis `used_memory`: {:.1} MiB before, {:.1} MiB right after the \
+                     releases, {:.1} MiB {:.1} s after the retention ran out: {} bytes left \
+                     behind (target: within 1 MiB).",
+                    r.keys,
+                    r.retention,
+                    mib(r.before),
+                    mib(r.after_release),
+                    mib(r.after_retention),
+                    r.expired_within.as_secs_f64(),
+                    r.left_behind()
+                );
+            }
         }
 
         let _ = writeln!(md, "\n## Memory per held guard\n");

@@ -312,6 +312,57 @@ pub struct RedisServerCost {
     pub set_nx_us: f64,
     /// µs per raw `DEL`.
     pub del_us: f64,
+    /// Server µs per acquire + release cycle on fresh keys (every command the cycle sent,
+    /// summed over `INFO commandstats`), for each subject measured: distlock, `rslock`,
+    /// the raw `SET NX PX` + `DEL`.
+    pub cycle_us: Vec<(String, f64)>,
+    /// Token counters left behind after many keys were locked once each.
+    pub retention: Option<FenceRetentionMemory>,
+}
+
+/// What a million one-off keys leave in Redis once their fence retention has run out.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct FenceRetentionMemory {
+    /// Keys locked and released once each.
+    pub keys: usize,
+    /// The fence retention the backend used.
+    pub retention: std::time::Duration,
+    /// `used_memory` before the keys were locked.
+    pub before: u64,
+    /// `used_memory` right after the last release (the counters still kept).
+    pub after_release: u64,
+    /// `used_memory` once the counters expired (or after two minutes of waiting).
+    pub after_retention: u64,
+    /// How long the counters took to go after the retention ran out.
+    pub expired_within: std::time::Duration,
+}
+
+impl FenceRetentionMemory {
+    /// Bytes still used beyond the start, negative when less.
+    pub fn left_behind(&self) -> i64 {
+        i64::try_from(self.after_retention).unwrap_or(i64::MAX)
+            - i64::try_from(self.before).unwrap_or(i64::MAX)
+    }
+}
+
+/// The sum of `usec` of `commands` in an `INFO commandstats` reply: the time the server
+/// spent on them since the last `CONFIG RESETSTAT`. Name only the commands the client
+/// sent: a script's `usec` already includes the commands it ran, which are also counted
+/// under their own names.
+pub fn usec_of(info: &str, commands: &[&str]) -> f64 {
+    commands
+        .iter()
+        .filter_map(|command| {
+            let line = info
+                .lines()
+                .find(|l| l.starts_with(&format!("cmdstat_{command}:")))?;
+            line.split([':', ','])
+                .find_map(|kv| kv.strip_prefix("usec="))?
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .sum()
 }
 
 /// Reads `usec_per_call` of `command` from an `INFO commandstats` reply.
@@ -577,6 +628,8 @@ mod tests {
         assert_eq!(super::usec_per_call(info, "set"), Some(10.0));
         assert_eq!(super::usec_per_call(info, "evalsha"), Some(4.5));
         assert_eq!(super::usec_per_call(info, "del"), None);
+        assert_eq!(super::usec_of(info, &["set", "evalsha", "del"]), 39.0);
+        assert_eq!(super::usec_of(info, &["evalsha"]), 9.0);
     }
 
     #[test]

@@ -305,8 +305,18 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         bar.set_message("redis: server-side cost per command");
         let redis = subjects::open(SubjectId::Redis, &servers).await?;
         let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
+        let rslock = subjects::open(SubjectId::Rslock, &servers).await?;
         let calls = if args.quick { 200 } else { 5_000 };
-        Some(benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, calls).await?)
+        let mut cost =
+            benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, &rslock, calls)
+                .await?;
+        let keys = if args.quick { 10_000 } else { 1_000_000 };
+        bar.set_message(format!(
+            "redis: {keys} one-off keys, then their counters' retention"
+        ));
+        cost.retention =
+            Some(benchmarks::server_cost::fence_retention_memory(&servers, keys).await?);
+        Some(cost)
     } else {
         None
     };
