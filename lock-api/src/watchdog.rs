@@ -10,8 +10,9 @@
 //! A transient renewal error is retried until the lease's deadline; a `Lost` reply, or
 //! the deadline passing, marks the lease lost at once and wakes every `lost()` future.
 //! The task holds only a weak reference while it sleeps, so it ends when the `Locker` and
-//! all its guards are gone. If the task's runtime shuts down, the next lease registered
-//! starts a new task on the caller's runtime, which renews every lease still held.
+//! all its guards are gone. If the task's runtime shuts down while leases are still held,
+//! the task starts again on another runtime that registered a lease and is still running,
+//! so guards taken from other runtimes stay renewed without waiting for a new lock.
 
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
@@ -21,6 +22,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::stream::{FuturesUnordered, StreamExt};
 use parking_lot::Mutex;
+use tokio::runtime::Handle;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::{debug, warn};
@@ -208,6 +210,12 @@ pub(crate) struct Watchdog {
     /// True while a renewal task exists; cleared when the task ends or is dropped with
     /// its runtime.
     running: Arc<AtomicBool>,
+    /// The runtimes that registered leases (one handle each), where the task may start
+    /// again when its own runtime shuts down. A runtime found shut down is dropped.
+    runtimes: Mutex<Vec<Handle>>,
+    /// Set while the task is being started elsewhere, so a start that fails at once (on a
+    /// runtime that shut down) does not start another search from inside the first.
+    respawning: AtomicBool,
 }
 
 impl std::fmt::Debug for Watchdog {
@@ -234,6 +242,8 @@ impl Watchdog {
             registry: Mutex::new(Registry::default()),
             wake: Arc::new(Notify::new()),
             running: Arc::new(AtomicBool::new(false)),
+            runtimes: Mutex::new(Vec::new()),
+            respawning: AtomicBool::new(false),
         }
     }
 
@@ -281,14 +291,48 @@ impl Watchdog {
     /// is shutting down is dropped unpolled; its `TaskAlive` then clears `running`, so
     /// the next registration tries again.
     fn ensure_task(self: &Arc<Self>) {
+        let current = Handle::current();
+        {
+            let mut runtimes = self.runtimes.lock();
+            if !runtimes.iter().any(|h| h.id() == current.id()) {
+                runtimes.push(current.clone());
+            }
+        }
         if self.running.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.spawn_on(&current);
+    }
+
+    fn spawn_on(self: &Arc<Self>, runtime: &Handle) {
         let alive = TaskAlive {
             watchdog: Arc::downgrade(self),
             running: self.running.clone(),
         };
-        tokio::spawn(run(Arc::downgrade(self), alive));
+        runtime.spawn(run(Arc::downgrade(self), alive));
+    }
+
+    /// Called when the task was dropped with its runtime: starts it on the first other
+    /// registering runtime that still runs, while leases are held. A runtime that shut
+    /// down drops the new task at once (its `TaskAlive` clears `running` again), and is
+    /// forgotten.
+    fn respawn_elsewhere(self: &Arc<Self>) {
+        if self.registry.lock().entries.is_empty() || self.respawning.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let candidates = self.runtimes.lock().clone();
+        for runtime in candidates {
+            if self.running.swap(true, Ordering::AcqRel) {
+                break;
+            }
+            self.spawn_on(&runtime);
+            if self.running.load(Ordering::Acquire) {
+                debug!("renewal task started again on another runtime");
+                break;
+            }
+            self.runtimes.lock().retain(|h| h.id() != runtime.id());
+        }
+        self.respawning.store(false, Ordering::Release);
     }
 
     /// Stops renewing the lease `id`.
@@ -442,10 +486,16 @@ struct TaskAlive {
 
 impl Drop for TaskAlive {
     fn drop(&mut self) {
-        if let Some(watchdog) = self.watchdog.upgrade() {
+        let watchdog = self.watchdog.upgrade();
+        if let Some(watchdog) = &watchdog {
             watchdog.requeue_in_flight();
         }
         self.running.store(false, Ordering::Release);
+        // The task ends normally only once the watchdog is gone; alive, it was dropped
+        // with its runtime.
+        if let Some(watchdog) = watchdog {
+            watchdog.respawn_elsewhere();
+        }
     }
 }
 

@@ -615,9 +615,10 @@ pub async fn dropped_guard_release_frees_the_key_by_its_ttl(
 
 /// A client and a [`Locker`] used from two tokio runtimes: the first use of both is on
 /// runtime A, a guard is taken on B, and A shuts down while it is running calls. The
-/// next lock on B starts the watchdog again there (as `Locker` documents); calls on B
-/// work at once (the guard taken on B is released, the key A was using is free by its
-/// TTL), and the guard taken on A stays renewed on B for three TTLs more.
+/// watchdog starts again on B by itself: both guards stay renewed for two TTLs with no new
+/// lock taken. Then calls on B work at once (the guard taken on B is released, the key A
+/// was using is free by its TTL), and the guard taken on A stays renewed on B for three
+/// TTLs more.
 pub async fn runtime_shutdown_spares_the_other_runtime(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
@@ -681,6 +682,25 @@ pub async fn runtime_shutdown_spares_the_other_runtime(
     let cut = Instant::now();
     let what = "runtime A shut down in the middle of a call";
     record_given_up(&ctx, &busy, cut, "the call on runtime A");
+
+    // Nothing new is locked yet: only a watchdog that started again on B by itself keeps
+    // these guards.
+    let until = Instant::now() + t.ttl * 2;
+    while Instant::now() < until {
+        sleep(t.ttl / 4).await;
+        for guard in [&guard_a, &guard_b] {
+            ctx.ensure(
+                guard.is_held(),
+                format!(
+                    "the guard of {} to stay held after runtime A shut down, with no new lock",
+                    guard.key()
+                ),
+                || "is_held() == false".to_owned(),
+            )?;
+            ctx.expect_held(&other, guard.key(), t.ttl, "renewed on B with no new lock")
+                .await?;
+        }
+    }
 
     let guard_after = ctx.ok("lock on runtime B", locker.lock(&after).await)?;
     // Released on B at once: fewer leases held leaves room in a backend with a small
