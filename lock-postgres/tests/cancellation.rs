@@ -8,8 +8,9 @@ use std::future::Future;
 use std::task::Poll;
 use std::time::Duration;
 
-use common::{Kind, backend, builder, shared_server};
-use harness::postgres::PostgresServer;
+use common::{Kind, backend, builder_at, shared_server};
+use harness::postgres::{PASSWORD, PostgresServer, USER};
+use harness::proxy::FaultProxy;
 use lock_api::{LockBackend, LockKey, Release};
 use tokio::time::Instant;
 
@@ -20,6 +21,11 @@ const TTL: Duration = Duration::from_secs(120);
 /// How long a key a cancelled acquire took may take to come free: the time the server
 /// needs to see the session closed, with a wide margin, and far below the TTL.
 const FREED_WITHIN: Duration = Duration::from_secs(10);
+
+/// The delay each way on the taker's link for the timed cut points: a reply then takes
+/// long enough that some cut always falls after the statement ran and before its reply
+/// arrived, however busy the machine.
+const LINK_DELAY: Duration = Duration::from_millis(40);
 
 /// Polls `fut` at most `polls` times, then drops it; `None` when it did not finish.
 async fn poll_at_most<F: Future>(fut: F, polls: usize) -> Option<F::Output> {
@@ -53,25 +59,34 @@ async fn holders(server: &PostgresServer, lock_id: i64) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_advisory_acquire_leaves_no_lock_on_a_pooled_session() {
     let server = shared_server().await;
-    let taker = builder(&server).build_advisory_backend().unwrap();
+    // The taker reaches the server through a proxy that delays the timed cut points.
+    let proxy = harness::require(FaultProxy::start(server.addr()).await);
+    let url = format!("postgres://{USER}:{PASSWORD}@{}/postgres", proxy.addr());
+    let taker = builder_at(&url).build_advisory_backend().unwrap();
     taker.connect().await.unwrap();
     let other = backend(&server, Kind::Advisory).await;
     let k = LockKey::new("cancel:acquire").unwrap();
     let lock_id = taker.lock_id(&k);
 
-    // Dropped after 1, 2, ... polls, then after 0 to 5 ms: before the statement is sent,
-    // while it runs, and after its reply arrived.
+    // Dropped after 1, 2, ... polls, then (over the delayed link) every 10 ms up to a
+    // dozen one-way delays: before the statement is sent, while it runs, and after it
+    // ran with its reply on the way.
     let points = (1..=12)
         .map(|polls| (Some(polls), Duration::ZERO))
-        .chain((0..=5).map(|ms| (None, Duration::from_millis(ms))));
+        .chain((0..=48).map(|i| (None, LINK_DELAY * i / 4)));
     let mut took_the_lock_then_cancelled = 0;
     for (polls, after) in points {
         let token_before = other.inspect(&k).await.unwrap().token;
         let outcome = match polls {
             Some(polls) => poll_at_most(taker.acquire(&k, TTL), polls).await,
-            None => tokio::time::timeout(after, taker.acquire(&k, TTL))
-                .await
-                .ok(),
+            None => {
+                proxy.delay(LINK_DELAY);
+                let outcome = tokio::time::timeout(after, taker.acquire(&k, TTL))
+                    .await
+                    .ok();
+                proxy.heal();
+                outcome
+            }
         };
         match outcome {
             Some(lease) => {
