@@ -49,6 +49,7 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
+pub mod faults;
 pub mod postgres;
 mod process;
 pub mod proxy;

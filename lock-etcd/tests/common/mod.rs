@@ -14,6 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use conformance::{Factory, LinkFaults, ServerFaults};
 use harness::etcd::{EtcdCluster, EtcdServer};
+use harness::faults::ProxyGroup;
 use harness::proxy::FaultProxy;
 use harness::require;
 use lock_api::{LockBackend, LockError};
@@ -77,7 +78,7 @@ enum Servers {
 pub struct EtcdFactory {
     name: &'static str,
     servers: Servers,
-    proxies: Arc<Vec<FaultProxy>>,
+    proxies: Arc<ProxyGroup>,
     request_timeout: Duration,
     private: bool,
 }
@@ -121,7 +122,7 @@ impl EtcdFactory {
         Self {
             name,
             servers,
-            proxies: Arc::new(proxies),
+            proxies: Arc::new(ProxyGroup::new(proxies)),
             request_timeout: SUITE_REQUEST_TIMEOUT,
             private: false,
         }
@@ -197,59 +198,19 @@ impl Factory for EtcdFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        Some(Arc::new(ProxyLink(self.proxies.clone())))
+        Some(self.proxies.clone())
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         // Faults on a shared server would hit the other tests using it.
         match &self.servers {
-            Servers::Single(s) if self.private => Some(Arc::new(SingleServerFaults(s.clone()))),
+            Servers::Single(s) if self.private => Some(s.clone()),
             Servers::Cluster(c) if self.private => Some(Arc::new(LeaderFaults {
                 cluster: c.clone(),
                 faulted: Mutex::new(None),
             })),
             _ => None,
         }
-    }
-}
-
-/// Link faults applied to every member's proxy at once.
-pub struct ProxyLink(Arc<Vec<FaultProxy>>);
-
-#[async_trait]
-impl LinkFaults for ProxyLink {
-    async fn cut(&self) {
-        self.0.iter().for_each(FaultProxy::blackhole);
-    }
-
-    async fn delay(&self, by: Duration) {
-        self.0.iter().for_each(|p| p.delay(by));
-    }
-
-    async fn heal(&self) {
-        self.0.iter().for_each(FaultProxy::heal);
-    }
-}
-
-/// Process faults on a private single node.
-pub struct SingleServerFaults(Arc<EtcdServer>);
-
-#[async_trait]
-impl ServerFaults for SingleServerFaults {
-    async fn pause(&self) {
-        require(self.0.pause());
-    }
-
-    async fn resume(&self) {
-        require(self.0.resume());
-    }
-
-    async fn kill(&self) {
-        require(self.0.kill());
-    }
-
-    async fn restart(&self) {
-        require(self.0.restart().await);
     }
 }
 

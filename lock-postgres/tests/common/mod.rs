@@ -155,65 +155,16 @@ impl Factory for PgFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        Some(Arc::new(ProxyLink(self.proxy.clone())))
+        Some(self.proxy.clone())
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         self.private
-            .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn ServerFaults>)
+            .then(|| self.server.clone() as Arc<dyn ServerFaults>)
     }
 
     fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
         self.private
-            .then(|| Arc::new(ServerControl(self.server.clone())) as Arc<dyn SessionFaults>)
-    }
-}
-
-#[async_trait]
-impl SessionFaults for ServerControl {
-    async fn terminate(&self) {
-        let ended = harness::require(self.0.terminate_sessions(harness::postgres::USER).await);
-        // The factory's clients hold sessions, so ending none means the fault did nothing.
-        assert!(ended > 0, "no session of the test role to end");
-    }
-}
-
-/// Link faults through the factory's proxy.
-struct ProxyLink(Arc<FaultProxy>);
-
-#[async_trait]
-impl LinkFaults for ProxyLink {
-    async fn cut(&self) {
-        self.0.blackhole();
-    }
-
-    async fn delay(&self, by: Duration) {
-        self.0.delay(by);
-    }
-
-    async fn heal(&self) {
-        self.0.heal();
-    }
-}
-
-/// Process and session faults on a factory's private server.
-struct ServerControl(Arc<PostgresServer>);
-
-#[async_trait]
-impl ServerFaults for ServerControl {
-    async fn pause(&self) {
-        harness::require(self.0.pause());
-    }
-
-    async fn resume(&self) {
-        harness::require(self.0.resume());
-    }
-
-    async fn kill(&self) {
-        harness::require(self.0.kill());
-    }
-
-    async fn restart(&self) {
-        harness::require(self.0.restart().await);
+            .then(|| self.server.clone() as Arc<dyn SessionFaults>)
     }
 }

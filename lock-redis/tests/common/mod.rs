@@ -9,6 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
 use harness::{
+    faults::ProxyGroup,
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer},
 };
@@ -72,11 +73,11 @@ impl Factory for RedisFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        Some(Arc::new(ProxyLink(self.proxy.clone())))
+        Some(self.proxy.clone())
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
-        Some(Arc::new(ServerControl(self.server.clone())))
+        Some(self.server.clone())
     }
 }
 
@@ -85,14 +86,14 @@ impl Factory for RedisFactory {
 pub struct RedisClusterFactory {
     pub cluster: Arc<RedisCluster>,
     /// One per node, in the order of the cluster's nodes; empty when there are none.
-    pub proxies: Vec<Arc<FaultProxy>>,
+    pub proxies: Option<Arc<ProxyGroup>>,
 }
 
 impl RedisClusterFactory {
     pub async fn start() -> Self {
         Self {
             cluster: Arc::new(harness::require(RedisCluster::start().await)),
-            proxies: Vec::new(),
+            proxies: None,
         }
     }
 
@@ -110,7 +111,7 @@ impl RedisClusterFactory {
                 node.command(&["CONFIG", "SET", "cluster-announce-port", &port])
                     .await,
             );
-            proxies.push(Arc::new(proxy));
+            proxies.push(proxy);
         }
         // Every node must have heard every new port before a client asks for the map.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
@@ -132,18 +133,20 @@ impl RedisClusterFactory {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
-        Self { cluster, proxies }
+        Self {
+            cluster,
+            proxies: Some(Arc::new(ProxyGroup::new(proxies))),
+        }
     }
 
     /// The URLs clients start from: the proxies', or the nodes' when there are none.
     fn seeds(&self) -> Vec<String> {
-        if self.proxies.is_empty() {
-            self.cluster.urls()
-        } else {
-            self.proxies
+        match &self.proxies {
+            None => self.cluster.urls(),
+            Some(proxies) => proxies
                 .iter()
                 .map(|p| format!("redis://{}/", p.addr()))
-                .collect()
+                .collect(),
         }
     }
 
@@ -168,63 +171,13 @@ impl Factory for RedisClusterFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        (!self.proxies.is_empty())
-            .then(|| Arc::new(ProxiesLink(self.proxies.clone())) as Arc<dyn LinkFaults>)
+        self.proxies
+            .clone()
+            .map(|proxies| proxies as Arc<dyn LinkFaults>)
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
-        Some(Arc::new(ClusterControl(self.cluster.clone())))
-    }
-}
-
-/// Link faults on every proxy of a cluster at once.
-struct ProxiesLink(Vec<Arc<FaultProxy>>);
-
-#[async_trait]
-impl LinkFaults for ProxiesLink {
-    async fn cut(&self) {
-        for proxy in &self.0 {
-            proxy.blackhole();
-        }
-    }
-    async fn delay(&self, by: Duration) {
-        for proxy in &self.0 {
-            proxy.delay(by);
-        }
-    }
-    async fn heal(&self) {
-        for proxy in &self.0 {
-            proxy.heal();
-        }
-    }
-}
-
-/// Server faults on every node of a cluster at once: the whole store paused, killed or
-/// restarted (each node keeps its `nodes.conf`, so the cluster forms again).
-struct ClusterControl(Arc<RedisCluster>);
-
-#[async_trait]
-impl ServerFaults for ClusterControl {
-    async fn pause(&self) {
-        for node in self.0.nodes() {
-            harness::require(node.pause());
-        }
-    }
-    async fn resume(&self) {
-        for node in self.0.nodes() {
-            harness::require(node.resume());
-        }
-    }
-    async fn kill(&self) {
-        for node in self.0.nodes() {
-            harness::require(node.kill());
-        }
-    }
-    async fn restart(&self) {
-        for node in self.0.nodes() {
-            harness::require(node.restart().await);
-        }
-        harness::require(self.0.wait_healthy(Duration::from_secs(30)).await);
+        Some(self.cluster.clone())
     }
 }
 
@@ -315,39 +268,6 @@ impl Failover for ReplicaPromotion {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
-    }
-}
-
-struct ProxyLink(Arc<FaultProxy>);
-
-#[async_trait]
-impl LinkFaults for ProxyLink {
-    async fn cut(&self) {
-        self.0.blackhole();
-    }
-    async fn delay(&self, by: Duration) {
-        self.0.delay(by);
-    }
-    async fn heal(&self) {
-        self.0.heal();
-    }
-}
-
-struct ServerControl(Arc<RedisServer>);
-
-#[async_trait]
-impl ServerFaults for ServerControl {
-    async fn pause(&self) {
-        harness::require(self.0.pause());
-    }
-    async fn resume(&self) {
-        harness::require(self.0.resume());
-    }
-    async fn kill(&self) {
-        harness::require(self.0.kill());
-    }
-    async fn restart(&self) {
-        harness::require(self.0.restart().await);
     }
 }
 
