@@ -7,6 +7,7 @@ mod fencing;
 mod guard;
 mod instrumented;
 mod key;
+mod layer;
 mod lease;
 mod locker;
 pub mod memory;
@@ -22,6 +23,7 @@ pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResour
 pub use guard::{LeaseStatus, LockGuard};
 pub use instrumented::Instrumented;
 pub use key::{FencingToken, LockKey, MAX_KEY_BYTES, OwnerId};
+pub use layer::{BackendLayer, Layered};
 pub use lease::{
     BackendId, Capabilities, DRIFT_FACTOR, Fence, Lease, LockInfo, Release, Renewal,
     VALIDITY_MARGIN, valid_until,
