@@ -1,0 +1,257 @@
+//! Cancellation cases on the [`LockBackend`] calls: `acquire`, `renew` and `release`, and
+//! their batch forms, dropped after their 1st, 2nd, 3rd … poll.
+
+use lock_api::{Release, Renewal};
+use tokio::time::Instant;
+
+use super::{
+    BATCH, MAX_POLLS, after_the_cut, cut_after, cut_keys, never_completed, record_given_up,
+};
+use crate::cases::release_held;
+use crate::factory::Factory;
+use crate::suite::{Ctx, Failure, Outcome};
+
+/// An acquire dropped at any poll leaves no lease behind for longer than its TTL, and
+/// the backend serves the next call.
+pub async fn dropped_acquire_leaves_no_orphan(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_acquire_leaves_no_orphan", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, 1)?;
+        match cut_after(first.acquire(&keys[0], t.ttl), polls).await {
+            Some(granted) => {
+                let lease = ctx.ok("acquire", granted)?.ok_or_else(|| {
+                    ctx.fail("the acquire of a free key to grant a lease", "Ok(None)")
+                })?;
+                release_held(&ctx, &first, &lease).await?;
+                return ctx.pass(&t);
+            }
+            None => {
+                let what = format!("an acquire dropped after {polls} poll(s)");
+                after_the_cut(
+                    &ctx,
+                    &t,
+                    &first,
+                    &other,
+                    &probe,
+                    &keys,
+                    Instant::now(),
+                    &what,
+                )
+                .await?;
+            }
+        }
+    }
+    Err(never_completed(&ctx, "acquire"))
+}
+
+/// A renew dropped at any poll leaves the lease with its owner: releasing it is the next
+/// call, and it frees the key.
+pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_renew_keeps_the_lease", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, 1)?;
+        let lease = ctx.take(&first, &keys[0], t.ttl).await?;
+        let renewed = cut_after(first.renew(&lease), polls).await;
+        let completed = renewed.is_some();
+        if let Some(renewed) = renewed {
+            let renewed = ctx.ok("renew", renewed)?;
+            ctx.ensure(
+                matches!(renewed, Renewal::Renewed { .. }),
+                "the renewal of a held lease to be Renewed",
+                || format!("{renewed:?}"),
+            )?;
+        }
+        release_held(&ctx, &first, &lease).await?;
+        let what = format!("a renew dropped after {polls} poll(s)");
+        after_the_cut(
+            &ctx,
+            &t,
+            &first,
+            &other,
+            &probe,
+            &keys,
+            Instant::now(),
+            &what,
+        )
+        .await?;
+        if completed {
+            return ctx.pass(&t);
+        }
+    }
+    Err(never_completed(&ctx, "renew"))
+}
+
+/// A release dropped at any poll, its lease then given up, leaves the key held no longer
+/// than its TTL.
+pub async fn dropped_release_frees_the_key_by_its_ttl(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_release_frees_the_key_by_its_ttl", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, 1)?;
+        let lease = ctx.take(&first, &keys[0], t.ttl).await?;
+        let released = cut_after(first.release(&lease), polls).await;
+        let completed = released.is_some();
+        let cut = Instant::now();
+        drop(lease);
+        let what = format!("a release dropped after {polls} poll(s)");
+        match released {
+            Some(released) => {
+                let released = ctx.ok("release", released)?;
+                ctx.ensure(
+                    released == Release::Released,
+                    "the release of a held lease to be Released",
+                    || format!("{released:?}"),
+                )?;
+            }
+            None => record_given_up(&ctx, &keys[0], cut, "release"),
+        }
+        after_the_cut(&ctx, &t, &first, &other, &probe, &keys, cut, &what).await?;
+        if completed {
+            return ctx.pass(&t);
+        }
+    }
+    Err(never_completed(&ctx, "release"))
+}
+
+/// An `acquire_many` dropped at any poll leaves no lease behind for longer than its TTL.
+pub async fn dropped_acquire_many_leaves_no_orphan(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_acquire_many_leaves_no_orphan", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, BATCH)?;
+        match cut_after(first.acquire_many(&keys, t.ttl), polls).await {
+            Some(granted) => {
+                let granted = ctx.ok("acquire_many", granted)?;
+                let leases: Vec<_> = granted.into_iter().flatten().collect();
+                ctx.ensure(
+                    leases.len() == BATCH,
+                    format!("acquire_many of {BATCH} free keys to grant them all"),
+                    || format!("{} granted", leases.len()),
+                )?;
+                for lease in &leases {
+                    release_held(&ctx, &first, lease).await?;
+                }
+                return ctx.pass(&t);
+            }
+            None => {
+                let what = format!("an acquire_many dropped after {polls} poll(s)");
+                after_the_cut(
+                    &ctx,
+                    &t,
+                    &first,
+                    &other,
+                    &probe,
+                    &keys,
+                    Instant::now(),
+                    &what,
+                )
+                .await?;
+            }
+        }
+    }
+    Err(never_completed(&ctx, "acquire_many"))
+}
+
+/// A `renew_many` dropped at any poll leaves the leases with their owner: releasing them
+/// is the next call, and it frees the keys.
+pub async fn dropped_renew_many_keeps_the_leases(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_renew_many_keeps_the_leases", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, BATCH)?;
+        let mut leases = Vec::with_capacity(BATCH);
+        for key in &keys {
+            leases.push(ctx.take(&first, key, t.ttl).await?);
+        }
+        let renewed = cut_after(first.renew_many(&leases), polls).await;
+        let completed = renewed.is_some();
+        if let Some(renewed) = renewed {
+            let renewed = ctx.ok("renew_many", renewed)?;
+            ctx.ensure(
+                renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })),
+                "renew_many of held leases to renew them all",
+                || format!("{renewed:?}"),
+            )?;
+        }
+        for lease in &leases {
+            release_held(&ctx, &first, lease).await?;
+        }
+        let what = format!("a renew_many dropped after {polls} poll(s)");
+        after_the_cut(
+            &ctx,
+            &t,
+            &first,
+            &other,
+            &probe,
+            &keys,
+            Instant::now(),
+            &what,
+        )
+        .await?;
+        if completed {
+            return ctx.pass(&t);
+        }
+    }
+    Err(never_completed(&ctx, "renew_many"))
+}
+
+/// A `release_many` dropped at any poll, its leases then given up, leaves no key held
+/// longer than its TTL.
+pub async fn dropped_release_many_frees_the_keys_by_their_ttl(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_release_many_frees_the_keys_by_their_ttl", factory);
+    let (first, other) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&first);
+    let probe = ctx.key("probe")?;
+    for polls in 1..=MAX_POLLS {
+        let keys = cut_keys(&ctx, polls, BATCH)?;
+        let mut leases = Vec::with_capacity(BATCH);
+        for key in &keys {
+            leases.push(ctx.take(&first, key, t.ttl).await?);
+        }
+        let released = cut_after(first.release_many(&leases), polls).await;
+        let completed = released.is_some();
+        let cut = Instant::now();
+        drop(leases);
+        let what = format!("a release_many dropped after {polls} poll(s)");
+        match released {
+            Some(released) => {
+                let released = ctx.ok("release_many", released)?;
+                ctx.ensure(
+                    released.iter().all(|r| *r == Release::Released),
+                    "release_many of held leases to release them all",
+                    || format!("{released:?}"),
+                )?;
+            }
+            None => {
+                for key in &keys {
+                    record_given_up(&ctx, key, cut, "release_many");
+                }
+            }
+        }
+        after_the_cut(&ctx, &t, &first, &other, &probe, &keys, cut, &what).await?;
+        if completed {
+            return ctx.pass(&t);
+        }
+    }
+    Err(never_completed(&ctx, "release_many"))
+}
