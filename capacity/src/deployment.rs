@@ -283,22 +283,14 @@ impl DeploymentReport {
 
     /// The report: the client machine, how the run was made, the table, the charts.
     pub fn markdown(&self) -> String {
-        let m = &self.machine;
         let mut md = String::new();
-        let _ = writeln!(md, "# distlock capacity report: deployments\n");
-        let _ = writeln!(md, "Measured {} ({} run).\n", m.date, self.mode);
-        let _ = writeln!(md, "| client machine | |\n|---|---|");
-        let _ = writeln!(md, "| cores | {} |", m.cores);
-        let _ = writeln!(
-            md,
-            "| RAM | {} |",
-            m.ram_mib.map_or("unknown".into(), |r| format!(
-                "{:.1} GiB",
-                r as f64 / 1024.0
-            ))
+        report::write_header(
+            &mut md,
+            "distlock capacity report: deployments",
+            &self.mode,
+            &self.machine,
+            false,
         );
-        let _ = writeln!(md, "| CPU | {} |", m.cpu);
-        let _ = writeln!(md, "| kernel | {} |", m.kernel);
         let _ = writeln!(
             md,
             "\nThe stores are the deployments named below, reached over the network from this \
@@ -395,27 +387,13 @@ impl DeploymentReport {
     /// Writes `report.md`, `capacity.csv` and the SVG charts into `dir` (created if
     /// needed) and returns their paths.
     pub fn write_all(&self, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
-        std::fs::create_dir_all(dir).map_err(|e| BenchError::Output {
-            path: dir.display().to_string(),
-            detail: e.to_string(),
-        })?;
-        let mut written = Vec::new();
-        for (name, text) in [("report.md", self.markdown()), ("capacity.csv", self.csv())] {
-            let path = dir.join(name);
-            std::fs::write(&path, text).map_err(|e| BenchError::Output {
-                path: path.display().to_string(),
-                detail: e.to_string(),
-            })?;
-            written.push(path);
-        }
         // One chart line per deployment, named by its (redacted) URL.
         let groups: Vec<(String, Vec<&Sample>)> = self
             .runs
             .iter()
             .map(|run| (run.label.clone(), run.samples.iter().collect()))
             .collect();
-        written.extend(report::write_charts(dir, &self.plan.levels, &groups)?);
-        Ok(written)
+        report::write_files(dir, self.markdown(), self.csv(), &self.plan.levels, &groups)
     }
 }
 

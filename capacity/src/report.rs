@@ -17,6 +17,42 @@ use crate::subject::SubjectId;
 pub const CSV_HEADER: &str = "subject,kind,store,concurrency,ops,seconds,ops_per_sec,\
      p50_us,p99_us,p999_us,acquire_p50_us,acquire_p99_us,baseline,ratio_to_baseline";
 
+/// The top of a report: its title, when and in which mode it was measured, and the table
+/// of the machine it ran on. With `servers_here` the servers ran on that machine too and
+/// the table gives their versions; without, it is the client machine only.
+pub(crate) fn write_header(
+    md: &mut String,
+    title: &str,
+    mode: &str,
+    machine: &Machine,
+    servers_here: bool,
+) {
+    let _ = writeln!(md, "# {title}\n");
+    let _ = writeln!(md, "Measured {} ({mode} run).\n", machine.date);
+    let label = if servers_here {
+        "machine"
+    } else {
+        "client machine"
+    };
+    let _ = writeln!(md, "| {label} | |\n|---|---|");
+    let _ = writeln!(md, "| cores | {} |", machine.cores);
+    let _ = writeln!(
+        md,
+        "| RAM | {} |",
+        machine.ram_mib.map_or("unknown".into(), |r| format!(
+            "{:.1} GiB",
+            r as f64 / 1024.0
+        ))
+    );
+    let _ = writeln!(md, "| CPU | {} |", machine.cpu);
+    let _ = writeln!(md, "| kernel | {} |", machine.kernel);
+    if servers_here {
+        let _ = writeln!(md, "| redis-server | {} |", machine.redis);
+        let _ = writeln!(md, "| postgres | {} |", machine.postgres);
+        let _ = writeln!(md, "| etcd | {} |", machine.etcd);
+    }
+}
+
 /// Everything one run measured, ready to be written.
 #[derive(Clone, Debug)]
 pub struct Report {
@@ -55,14 +91,6 @@ impl Report {
 
     /// Writes every file into `dir` (created if needed) and returns their paths.
     pub fn write_all(&self, dir: &Path) -> Result<Vec<PathBuf>, BenchError> {
-        std::fs::create_dir_all(dir).map_err(|e| output_err(dir, e))?;
-        let files = [("report.md", self.markdown()), ("capacity.csv", self.csv())];
-        let mut written = Vec::new();
-        for (name, text) in files {
-            let path = dir.join(name);
-            std::fs::write(&path, text).map_err(|e| output_err(&path, e))?;
-            written.push(path);
-        }
         let groups: Vec<(String, Vec<&Sample>)> = self
             .subjects()
             .into_iter()
@@ -71,8 +99,7 @@ impl Report {
                 (subject.slug().to_owned(), samples.collect())
             })
             .collect();
-        written.extend(write_charts(dir, &self.plan.levels, &groups)?);
-        Ok(written)
+        write_files(dir, self.markdown(), self.csv(), &self.plan.levels, &groups)
     }
 
     /// The ratio of a sample's throughput to its matching baseline's at the same level.
@@ -86,25 +113,14 @@ impl Report {
 
     /// The summary: machine, targets, and the throughput table at every level.
     pub fn markdown(&self) -> String {
-        let m = &self.machine;
         let mut md = String::new();
-        let _ = writeln!(md, "# distlock capacity report\n");
-        let _ = writeln!(md, "Measured {} ({} run).\n", m.date, self.mode);
-        let _ = writeln!(md, "| machine | |\n|---|---|");
-        let _ = writeln!(md, "| cores | {} |", m.cores);
-        let _ = writeln!(
-            md,
-            "| RAM | {} |",
-            m.ram_mib.map_or("unknown".into(), |r| format!(
-                "{:.1} GiB",
-                r as f64 / 1024.0
-            ))
+        write_header(
+            &mut md,
+            "distlock capacity report",
+            &self.mode,
+            &self.machine,
+            true,
         );
-        let _ = writeln!(md, "| CPU | {} |", m.cpu);
-        let _ = writeln!(md, "| kernel | {} |", m.kernel);
-        let _ = writeln!(md, "| redis-server | {} |", m.redis);
-        let _ = writeln!(md, "| postgres | {} |", m.postgres);
-        let _ = writeln!(md, "| etcd | {} |", m.etcd);
         let _ = writeln!(
             md,
             "\nEvery server runs on this machine, on 127.0.0.1, started by the benchmark \
@@ -437,9 +453,29 @@ impl Report {
     }
 }
 
+/// Writes a report into `dir` (created if needed): `report.md`, `capacity.csv`, and the
+/// charts, one line per group; returns the paths written.
+pub(crate) fn write_files(
+    dir: &Path,
+    markdown: String,
+    csv: String,
+    levels: &[usize],
+    groups: &[(String, Vec<&Sample>)],
+) -> Result<Vec<PathBuf>, BenchError> {
+    std::fs::create_dir_all(dir).map_err(|e| output_err(dir, e))?;
+    let mut written = Vec::new();
+    for (name, text) in [("report.md", markdown), ("capacity.csv", csv)] {
+        let path = dir.join(name);
+        std::fs::write(&path, text).map_err(|e| output_err(&path, e))?;
+        written.push(path);
+    }
+    written.extend(write_charts(dir, levels, groups)?);
+    Ok(written)
+}
+
 /// Writes `throughput.svg` (cycles/s against concurrency) and the latency percentile
 /// charts at the first and last of `levels`, one line per labelled group of samples.
-pub(crate) fn write_charts(
+fn write_charts(
     dir: &Path,
     levels: &[usize],
     groups: &[(String, Vec<&Sample>)],
