@@ -52,9 +52,9 @@
 //! [`RedisBackendBuilder::tls_root_ca_pem`]; see [`RedisBackendBuilder`] for `#insecure`.
 
 mod backend;
-mod coalesce;
 mod config;
 mod conn;
+mod error;
 mod fenced;
 mod keys;
 mod releases;

@@ -1,0 +1,193 @@
+//! Batches: the items of a batch call (or of coalesced single calls) grouped into
+//! multi-key script calls, one per hash slot (all items on a single node) and at most
+//! [`CHUNK`] items each, sent as one pipeline per node; the replies are spread back over
+//! the items.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use lock_api::{Lease, LockError, OwnerId};
+use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
+
+use super::{NAME, RedisBackend};
+use crate::conn::{Call, key_slot, reply_error};
+use crate::error::{is_unreachable, map_error};
+use crate::keys::LockKeys;
+use crate::scripts::ACQUIRE_MANY_SCRIPT;
+
+/// Most locks in one multi-key script call. A script runs atomically and holds the server
+/// meanwhile, so a long batch is split into several calls (pipelined together).
+const CHUNK: usize = 128;
+
+impl RedisBackend {
+    /// Runs a batch under [`Self::timed`]. In a cluster each node's pipeline has the
+    /// response timeout of its own (a silent node makes only its items unreachable), so
+    /// the whole batch gets twice that, room for the redirected calls sent again after.
+    async fn timed_batch(
+        &self,
+        operation: &'static str,
+        calls: &[Call],
+    ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
+        let node_timeout = self.inner.response_timeout;
+        let request = self.inner.conn.batch(calls, node_timeout);
+        if !self.inner.cluster {
+            return self.timed(operation, true, request).await;
+        }
+        match tokio::time::timeout(node_timeout * 2, request).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(map_error(operation, true, &e)),
+            Err(_) => Err(LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message: format!("no reply within {:?}", node_timeout * 2),
+            }),
+        }
+    }
+
+    /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
+    /// for a lease whose cluster node did not answer while another node did. Any other
+    /// per-lease error, or no node answering at all, fails the whole batch.
+    pub(super) fn lease_outcomes(
+        &self,
+        operation: &'static str,
+        replies: Vec<redis::RedisResult<Value>>,
+    ) -> Result<Vec<Option<i64>>, LockError> {
+        let mut out = Vec::with_capacity(replies.len());
+        let mut unreachable = None;
+        let mut answered = 0usize;
+        for reply in replies {
+            match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+                Ok(n) => {
+                    answered += 1;
+                    out.push(Some(n));
+                }
+                Err(e) if self.inner.cluster && is_unreachable(&e) => {
+                    unreachable.get_or_insert(e);
+                    out.push(None);
+                }
+                Err(e) => return Err(map_error(operation, true, &e)),
+            }
+        }
+        match unreachable {
+            Some(e) if answered == 0 => Err(map_error(operation, true, &e)),
+            _ => Ok(out),
+        }
+    }
+
+    /// The items of a batch (given by the slots of their keys) grouped into multi-key
+    /// script calls: in a cluster a call's keys must share a hash slot; on one node any
+    /// keys go together. At most [`CHUNK`] items per call.
+    fn groups(&self, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
+        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, slot) in slots.enumerate() {
+            let slot = if self.inner.cluster { slot } else { 0 };
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot
+            .into_values()
+            .flat_map(|items| {
+                items
+                    .chunks(CHUNK)
+                    .map(<[usize]>::to_vec)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
+    /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
+    pub(super) async fn send_acquires(
+        &self,
+        operation: &'static str,
+        attempts: &[(LockKeys, OwnerId, Duration)],
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
+        let longest = attempts
+            .iter()
+            .map(|(.., ttl)| *ttl)
+            .max()
+            .unwrap_or_default();
+        let retention = self.retention_ms(longest);
+        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+            let (k, owner, ttl) = &attempts[i];
+            keys.extend([k.lock.clone(), k.fence.clone()]);
+            args.extend([owner.to_string(), ttl.as_millis().to_string()]);
+        });
+        for call in &mut calls {
+            call.args.push(retention.clone());
+        }
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, attempts.len()))
+    }
+
+    /// A renew or release batch: one multi-key call per group, one reply per lease.
+    pub(super) async fn send_lease_batch(
+        &self,
+        operation: &'static str,
+        script: &'static Script,
+        leases: &[&Lease],
+        with_ttl: bool,
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
+        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
+        let calls = grouped_calls(script, &groups, |i, call_keys, args| {
+            let (k, lease) = (&keys[i], leases[i]);
+            call_keys.push(k.lock.clone());
+            args.push(lease.owner().to_string());
+            if with_ttl {
+                args.push(lease.ttl().as_millis().to_string());
+            }
+        });
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, leases.len()))
+    }
+}
+
+/// One multi-key call per group: `item(i, keys, args)` adds item `i`'s keys and arguments.
+fn grouped_calls(
+    script: &'static Script,
+    groups: &[Vec<usize>],
+    mut item: impl FnMut(usize, &mut Vec<String>, &mut Vec<String>),
+) -> Vec<Call> {
+    groups
+        .iter()
+        .map(|group| {
+            let mut keys = Vec::with_capacity(group.len() * 2);
+            let mut args = Vec::with_capacity(group.len() * 3);
+            for &i in group {
+                item(i, &mut keys, &mut args);
+            }
+            Call { script, keys, args }
+        })
+        .collect()
+}
+
+/// One reply per item from the replies of the grouped calls: a call's array is split over
+/// its items (an error inside it is its item's own); a call's error is each of its items' error.
+fn spread(
+    groups: &[Vec<usize>],
+    replies: Vec<RedisResult<Value>>,
+    items: usize,
+) -> Vec<RedisResult<Value>> {
+    let mut out: Vec<Option<RedisResult<Value>>> = (0..items).map(|_| None).collect();
+    for (group, reply) in groups.iter().zip(replies) {
+        match reply.and_then(reply_error) {
+            Ok(Value::Array(values)) if values.len() == group.len() => {
+                for (&i, value) in group.iter().zip(values) {
+                    out[i] = Some(value.extract_error());
+                }
+            }
+            other => {
+                let e = other.err().unwrap_or_else(|| {
+                    RedisError::from((ErrorKind::Client, "a batch script sent a malformed reply"))
+                });
+                for &i in group {
+                    out[i] = Some(Err(e.clone()));
+                }
+            }
+        }
+    }
+    out.into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(RedisError::from((ErrorKind::Client, "no reply")))))
+        .collect()
+}

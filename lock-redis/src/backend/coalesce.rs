@@ -1,0 +1,319 @@
+//! Coalescing of single calls on one node.
+//!
+//! Every Lua script call costs the server a few microseconds of fixed overhead, whatever
+//! it does; under concurrency that overhead, not the network, caps the throughput. So
+//! while one call of a kind (acquire, release) is on its way, the calls that arrive
+//! meanwhile wait in a [`Queue`] and go together, as one multi-key script call, when it
+//! returns. A caller that finds nothing in flight sends at once: batching never waits on
+//! a timer, it only forms while the server is busy answering.
+
+use std::time::Duration;
+
+use lock_api::{Lease, LockBackend, LockError, LockKey, OwnerId, Release};
+use parking_lot::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+use tokio::time::Instant;
+
+use super::{NAME, RedisBackend, parse_token, release};
+use crate::error::map_error;
+use crate::keys::LockKeys;
+use crate::scripts::RELEASE_MANY_SCRIPT;
+
+/// Calls of one kind waiting for the one in flight to return.
+pub(super) struct Queue<T> {
+    state: Mutex<State<T>>,
+}
+
+struct State<T> {
+    /// A call (direct, or a batch of queued ones) of this kind is on its way.
+    busy: bool,
+    waiting: Vec<T>,
+}
+
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Self {
+            state: Mutex::new(State {
+                busy: false,
+                waiting: Vec::new(),
+            }),
+        }
+    }
+}
+
+impl<T> Queue<T> {
+    /// True when nothing was in flight: the caller sends directly and is now the call in
+    /// flight (it must call [`Queue::next`] when done). Otherwise `item()` joins the queue.
+    pub(super) fn join(&self, item: impl FnOnce() -> T) -> bool {
+        let mut state = self.state.lock();
+        if state.busy {
+            state.waiting.push(item());
+            false
+        } else {
+            state.busy = true;
+            true
+        }
+    }
+
+    /// For the call in flight, once it is done: the calls queued meanwhile, to send next
+    /// as one batch (which stays in flight), or `None` (nothing queued; the queue is idle).
+    pub(super) fn next(&self) -> Option<Vec<T>> {
+        let mut state = self.state.lock();
+        if state.waiting.is_empty() {
+            state.busy = false;
+            None
+        } else {
+            Some(std::mem::take(&mut state.waiting))
+        }
+    }
+}
+
+/// An acquire waiting in the coalescing queue, with the instant its caller called.
+pub(super) struct PendingAcquire {
+    pub(super) key: LockKey,
+    pub(super) ttl: Duration,
+    pub(super) called: Instant,
+    /// The caller's runtime, where its batch runs (see [`RedisBackend::hand_off`]).
+    pub(super) runtime: Option<Handle>,
+    pub(super) reply: oneshot::Sender<Result<Option<Lease>, LockError>>,
+}
+
+/// A release waiting in the coalescing queue.
+pub(super) struct PendingRelease {
+    pub(super) lease: Lease,
+    pub(super) runtime: Option<Handle>,
+    pub(super) reply: oneshot::Sender<Result<Release, LockError>>,
+}
+
+/// The two kinds of coalesced calls.
+#[derive(Clone, Copy)]
+pub(super) enum Kind {
+    Acquire,
+    Release,
+}
+
+/// Marks a call of `kind` in flight; when it is done (or its future is dropped), the calls
+/// queued meanwhile are sent as the next batch.
+pub(super) struct InFlight {
+    backend: RedisBackend,
+    kind: Kind,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.backend.hand_off(self.kind);
+    }
+}
+
+impl RedisBackend {
+    /// Called when the call of `kind` in flight is done: sends the calls queued meanwhile
+    /// as one batch, in a task of its own (so it runs even when no caller waits any more),
+    /// or marks the queue idle.
+    ///
+    /// The batch runs on the runtime of one of its callers, not on the one of the call
+    /// just done: a backend may be shared by several runtimes, and the one that ends the
+    /// call may be shutting down. Its [`InFlight`] mark is made before spawning and moves
+    /// into the task: if that runtime drops the task unpolled after all, dropping the mark
+    /// hands off again (the batch's callers learn from their closed channels) instead of
+    /// leaving the queue busy forever.
+    fn hand_off(&self, kind: Kind) {
+        let current = Handle::try_current().ok();
+        match kind {
+            Kind::Acquire => {
+                while let Some(batch) = self.inner.acquires.next() {
+                    let callers = batch.iter().map(|p| &p.runtime);
+                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
+                        // Nothing can be sent without a runtime: dropping the batch closes
+                        // its callers' channels, which tells them so.
+                        continue;
+                    };
+                    let runtime = runtime.clone();
+                    let in_flight = self.in_flight(kind);
+                    runtime.spawn(async move {
+                        in_flight.backend.acquire_queued(batch).await;
+                        drop(in_flight);
+                    });
+                    return;
+                }
+            }
+            Kind::Release => {
+                while let Some(batch) = self.inner.releases.next() {
+                    let callers = batch.iter().map(|p| &p.runtime);
+                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
+                        continue;
+                    };
+                    let runtime = runtime.clone();
+                    let in_flight = self.in_flight(kind);
+                    runtime.spawn(async move {
+                        in_flight.backend.release_queued(batch).await;
+                        drop(in_flight);
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
+    pub(super) fn in_flight(&self, kind: Kind) -> InFlight {
+        InFlight {
+            backend: self.clone(),
+            kind,
+        }
+    }
+
+    /// A queued caller's wait for its reply. The call in flight ahead of it and then its
+    /// own batch are each bounded by the response timeout; the third one is slack. A
+    /// caller that stops waiting loses nothing: a lease granted to it later is released
+    /// in the background.
+    pub(super) async fn queued_reply<T>(
+        &self,
+        operation: &'static str,
+        rx: oneshot::Receiver<Result<T, LockError>>,
+    ) -> Result<T, LockError> {
+        let limit = self.inner.response_timeout * 3;
+        match tokio::time::timeout(limit, rx).await {
+            Ok(reply) => reply.unwrap_or_else(|_| Err(dropped(operation))),
+            Err(_) => Err(LockError::OutcomeUnknown {
+                backend: NAME,
+                operation,
+                message: format!("no reply from the coalesced batch within {limit:?}"),
+            }),
+        }
+    }
+
+    /// Sends queued acquires as one batch and answers each caller. A lease whose caller
+    /// has gone (dropped its future) is released in the background, not left to expire.
+    async fn acquire_queued(&self, batch: Vec<PendingAcquire>) {
+        let attempts: Vec<(LockKeys, OwnerId, Duration)> = batch
+            .iter()
+            .map(|p| (self.keys(&p.key), OwnerId::random(), p.ttl))
+            .collect();
+        let longest = batch.iter().map(|p| p.ttl).max().unwrap_or_default();
+        let replies = match self.send_acquires("acquire", &attempts).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(
+                        attempts.into_iter().map(|(k, o, _)| (k, o)).collect(),
+                        longest,
+                    );
+                }
+                for p in batch {
+                    let _ = p.reply.send(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        let mut unknown = Vec::new();
+        let mut orphans = Vec::new();
+        for ((p, (keys, owner, _)), reply) in batch.into_iter().zip(attempts).zip(replies) {
+            let outcome = match reply
+                .map_err(|e| map_error("acquire", true, &e))
+                .and_then(|v| parse_token(Some(v)))
+            {
+                Ok(token) => Ok(token.map(|t| self.lease(&p.key, owner, t, p.ttl, p.called))),
+                Err(e) => {
+                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                        unknown.push((keys, owner));
+                    }
+                    Err(e)
+                }
+            };
+            if let Err(Ok(Some(lease))) = p.reply.send(outcome) {
+                orphans.push(lease);
+            }
+        }
+        if !unknown.is_empty() {
+            self.abandon(unknown, longest);
+        }
+        if !orphans.is_empty() {
+            let backend = self.clone();
+            tokio::spawn(async move {
+                let released = backend.release_many(&orphans).await;
+                tracing::debug!(
+                    leases = orphans.len(),
+                    done = released.is_ok(),
+                    "released the leases of acquires whose callers had gone"
+                );
+            });
+        }
+    }
+
+    /// Sends queued releases as one batch and answers each caller.
+    async fn release_queued(&self, batch: Vec<PendingRelease>) {
+        let leases: Vec<&Lease> = batch.iter().map(|p| &p.lease).collect();
+        let replies = self
+            .send_lease_batch("release", &RELEASE_MANY_SCRIPT, &leases, false)
+            .await;
+        let replies = match replies {
+            Ok(replies) => replies,
+            Err(e) => {
+                for p in batch {
+                    let _ = p.reply.send(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        for (p, reply) in batch.into_iter().zip(replies) {
+            let outcome = reply
+                .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
+                .map(release)
+                .map_err(|e| map_error("release", true, &e));
+            let _ = p.reply.send(outcome);
+        }
+    }
+}
+
+/// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`).
+fn duplicate(e: &LockError) -> LockError {
+    match e {
+        LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message,
+        } => LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message: message.clone(),
+        },
+        LockError::Unavailable { backend, message } => LockError::Unavailable {
+            backend,
+            message: message.clone(),
+        },
+        LockError::Config(message) => LockError::Config(message.clone()),
+        other => LockError::backend(NAME, other.to_string()),
+    }
+}
+
+/// The error of a queued call whose batch was dropped unanswered (its runtime shut down).
+fn dropped(operation: &'static str) -> LockError {
+    LockError::OutcomeUnknown {
+        backend: NAME,
+        operation,
+        message: "the batch was dropped before its reply".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lone_caller_goes_directly_and_later_ones_queue_until_it_is_done() {
+        let q = Queue::default();
+        assert!(q.join(|| 0), "nothing in flight: direct");
+        assert!(!q.join(|| 1), "one in flight: queued");
+        assert!(!q.join(|| 2));
+        assert_eq!(
+            q.next(),
+            Some(vec![1, 2]),
+            "the queued ones form the next batch"
+        );
+        assert!(!q.join(|| 3), "the batch is in flight now");
+        assert_eq!(q.next(), Some(vec![3]));
+        assert_eq!(q.next(), None, "nothing left: idle");
+        assert!(q.join(|| 4), "idle again: direct");
+        assert_eq!(q.next(), None);
+    }
+}
