@@ -10,15 +10,12 @@
 //! other lock on the shared lease is renewed, i.e. as long as the process runs. With one
 //! lease per lock, a lock that is not renewed is deleted by etcd when its own TTL runs out.
 //!
-//! # Why renewal never extends someone else's lock
-//!
-//! Renewal checks the key (`create_revision == token` and `value == owner`) and sends one
-//! `LeaseKeepAlive` for the lock's own lease, both at once. A key is bound to the lease it
-//! was created with for its whole life, so a keep-alive can only ever extend *this*
-//! acquisition's key. If that key was deleted (released, or deleted by hand) the keep-alive
-//! extends an empty lease, which holds nothing and lapses by itself; a new holder's key has
-//! its own lease, which this renewal never touches. A lease that already expired is gone
-//! from etcd and cannot be kept alive: the keep-alive answers TTL 0 and renewal is `Lost`.
+//! Renewal, and how a lease can never extend another holder's lock, is in `lease`;
+//! acquiring in `acquire`; folding a batch's per-item results in `batch`.
+
+mod acquire;
+mod batch;
+mod lease;
 
 use std::fmt;
 use std::future::Future;
@@ -26,17 +23,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{
-    Client, Compare, CompareOp, KeyValue, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
-};
+use etcd_client::{Client, Compare, CompareOp, KeyValue, Txn, TxnOp, TxnOpResponse, TxnResponse};
 use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
-    OwnerId, Release, Renewal, valid_until,
+    OwnerId, Release, Renewal,
 };
 use tokio::time::Instant;
-use tracing::{debug, instrument};
+use tracing::instrument;
 
+use self::batch::{per_item, waves};
+use self::lease::EtcdLease;
 use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
@@ -74,17 +71,6 @@ struct Inner {
     user: Option<String>,
     server_min_ttl: Duration,
     capabilities: Capabilities,
-}
-
-/// How often renewal asks again when the key is held but the leader does not know its lease.
-const KEEP_ALIVE_RETRIES: u32 = 3;
-const KEEP_ALIVE_RETRY_PAUSE: Duration = Duration::from_millis(50);
-
-/// The lease a lock key is attached to, kept in the [`Lease`] so that renew and release
-/// need not look it up.
-#[derive(Debug, Clone, Copy)]
-struct EtcdLease {
-    id: i64,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -218,53 +204,6 @@ impl EtcdBackend {
         ]
     }
 
-    /// Revokes a lease in the background: used when the lease holds no lock (a contended
-    /// acquire, a released lock) or must not hold one (an acquire whose reply was lost).
-    /// Revoking only ever deletes keys attached to *this* lease, so it cannot harm another
-    /// holder; if the revoke is lost too, the lease lapses by itself within its TTL.
-    fn revoke_in_background(&self, lease_id: i64) {
-        let backend = self.clone();
-        tokio::spawn(async move { backend.revoke(lease_id).await });
-    }
-
-    /// Revokes a lease, deleting the keys attached to it; errors are the caller's to ignore.
-    async fn revoke(&self, lease_id: i64) -> Result<(), LockError> {
-        self.call(Effect::Write("revoke"), |client| async move {
-            client.lease_client().revoke(lease_id).await
-        })
-        .await
-        .map(drop)
-    }
-
-    /// The lease a lock key is attached to, and the TTL etcd granted it: from the
-    /// [`Lease`]'s handle (its TTL was checked when it was granted), or, for an adopted
-    /// lease, read from the key (only while the key still belongs to `lease`) and from
-    /// etcd's record of the lease, since the TTL given to `adopt` is only what the caller
-    /// believes.
-    async fn lease_of(&self, lease: &Lease) -> Result<Option<(i64, Duration)>, LockError> {
-        if let Some(handle) = lease.handle::<EtcdLease>() {
-            return Ok(Some((handle.id, lease.ttl())));
-        }
-        let kv = self.get_key(lease.key()).await?;
-        let Some(lease_id) = kv
-            .filter(|kv| is_held_by(kv, lease))
-            .map(|kv| kv.lease())
-            .filter(|&id| id != 0)
-        else {
-            return Ok(None);
-        };
-        let live = self
-            .call(Effect::None, |client| async move {
-                client.lease_client().time_to_live(lease_id, None).await
-            })
-            .await?;
-        // An expired lease answers TTL -1 and no granted TTL.
-        Ok(u64::try_from(live.granted_ttl())
-            .ok()
-            .filter(|&granted| granted > 0 && live.ttl() >= 0)
-            .map(|granted| (lease_id, Duration::from_secs(granted))))
-    }
-
     async fn get_key(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
         Ok(self.lookup(key).await?.0)
     }
@@ -291,202 +230,6 @@ impl EtcdBackend {
             .map(FencingToken);
         Ok((lock, newest))
     }
-
-    /// Grants a lease, then in one transaction puts the key on it if the key does not
-    /// exist. Validity counts from `sent`, taken before the grant was requested: the lease
-    /// starts counting when etcd grants it, so validity from `sent` ends before it does.
-    async fn acquire_sent(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-        seconds: i64,
-        sent: Instant,
-    ) -> Result<Option<Lease>, LockError> {
-        // A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
-        let granted = self
-            .call(Effect::None, |client| async move {
-                client.lease_client().grant(seconds, None).await
-            })
-            .await?;
-        let lease_id = granted.id();
-        if granted.ttl() != seconds {
-            self.revoke_in_background(lease_id);
-            return Err(LockError::invalid_ttl(
-                ttl,
-                format!(
-                    "etcd granted a {} s lease instead of {seconds} s (its minimum lease TTL \
-                     changed?); refusing a lease longer than asked for",
-                    granted.ttl()
-                ),
-            ));
-        }
-
-        let owner = OwnerId::random();
-        let resp = self
-            .txn(
-                Effect::Write("acquire"),
-                self.acquire_txn(key, owner, lease_id),
-            )
-            .await;
-        self.settle_acquire(key, ttl, owner, lease_id, sent, resp)
-    }
-
-    /// If `key` does not exist, puts it with `owner` on the lease, and touches its token key;
-    /// otherwise reads the holder.
-    fn acquire_txn(&self, key: &LockKey, owner: OwnerId, lease_id: i64) -> Txn {
-        let etcd_key = self.lock_key(key);
-        Txn::new()
-            .when([Compare::create_revision(
-                etcd_key.clone(),
-                CompareOp::Equal,
-                0,
-            )])
-            .and_then([
-                TxnOp::put(
-                    etcd_key.clone(),
-                    owner.to_string(),
-                    Some(PutOptions::new().with_lease(lease_id)),
-                ),
-                TxnOp::put(self.token_key(key), owner.to_string(), None),
-            ])
-            .or_else([TxnOp::get(etcd_key, None)])
-    }
-
-    /// The lease granted by the acquire transaction's reply, if it granted one. Every other
-    /// outcome revokes the lease: if the put did happen (a lost reply, a reply without the
-    /// revision that would be the token), revoking our own lease deletes the key again, so
-    /// no key is held for a TTL by a caller that was told it does not hold it.
-    fn settle_acquire(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-        owner: OwnerId,
-        lease_id: i64,
-        sent: Instant,
-        resp: Result<TxnResponse, LockError>,
-    ) -> Result<Option<Lease>, LockError> {
-        let revision = resp.and_then(|resp| {
-            if resp.succeeded() {
-                header_revision(&resp).map(Some)
-            } else {
-                debug!(
-                    holder_token = first_kv(&resp).map(|kv| kv.create_revision()),
-                    "contended"
-                );
-                Ok(None)
-            }
-        });
-        let Ok(Some(revision)) = revision else {
-            self.revoke_in_background(lease_id);
-            return revision.map(|_| None);
-        };
-        Ok(Some(
-            Lease::new(
-                self.inner.id,
-                key.clone(),
-                owner,
-                FencingToken(revision),
-                ttl,
-                valid_until(sent, ttl),
-            )
-            .with_handle(Arc::new(EtcdLease { id: lease_id })),
-        ))
-    }
-
-    /// Checks the key and keeps its lease alive, both in flight at once (see the module docs).
-    async fn renew_sent(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
-        let Some((lease_id, granted_ttl)) = self.lease_of(lease).await? else {
-            return Ok(Renewal::Lost);
-        };
-        let check = Txn::new().when(self.held_by(lease));
-        let (check, kept) = tokio::join!(
-            self.txn(Effect::None, check),
-            self.keep_alive_once(lease_id)
-        );
-        if !check?.succeeded() {
-            return Ok(Renewal::Lost);
-        }
-        if kept? {
-            return Ok(Renewal::Renewed {
-                valid_until: valid_until(sent, granted_ttl),
-            });
-        }
-        // The key was held at a linearizable read, yet the leader did not know its lease:
-        // a leader that has not applied the grant yet (in a cluster, the member that
-        // answered the grant may apply it first). Ask again; a lease that really expired
-        // stays unknown and the renewal is `Lost`.
-        for _ in 0..KEEP_ALIVE_RETRIES {
-            tokio::time::sleep(KEEP_ALIVE_RETRY_PAUSE).await;
-            let retry_sent = Instant::now();
-            if self.keep_alive_once(lease_id).await? {
-                return Ok(Renewal::Renewed {
-                    valid_until: valid_until(retry_sent, granted_ttl),
-                });
-            }
-        }
-        Ok(Renewal::Lost)
-    }
-
-    /// One `LeaseKeepAlive` round trip: `Ok(false)` when etcd does not know the lease.
-    async fn keep_alive_once(&self, lease_id: i64) -> Result<bool, LockError> {
-        self.call(Effect::Write("renew"), |client| async move {
-            match client.lease_client().keep_alive(lease_id).await {
-                Ok(_) => Ok(true),
-                Err(e) if is_lease_gone(&e) => Ok(false),
-                Err(e) => Err(e),
-            }
-        })
-        .await
-    }
-
-    /// Releases the leases this backend took, on the error path of a batch.
-    async fn give_back(&self, leases: Vec<Lease>) {
-        let releases = leases.iter().map(|lease| self.release(lease));
-        let _ = futures::future::join_all(releases).await;
-    }
-}
-
-/// Folds a batch's results, one per item, as the batch contract says: an item whose call
-/// failed with a retryable error (no member answered it, or its reply was lost) becomes
-/// `unreachable`, provided another item's call answered. Second comes the error to fail the
-/// whole batch with, if any: the first error retrying cannot fix or, when no call answered,
-/// the first error.
-fn per_item<T: Clone>(
-    results: Vec<Result<T, LockError>>,
-    unreachable: T,
-) -> (Vec<T>, Option<LockError>) {
-    let answered = results.iter().any(Result::is_ok);
-    let mut failure: Option<LockError> = None;
-    let items = results
-        .into_iter()
-        .map(|result| {
-            result.unwrap_or_else(|e| {
-                let fatal = !e.is_retryable();
-                let first_fatal = fatal && failure.as_ref().is_none_or(LockError::is_retryable);
-                if first_fatal || (!answered && failure.is_none()) {
-                    failure = Some(e);
-                }
-                unreachable.clone()
-            })
-        })
-        .collect();
-    (items, failure)
-}
-
-/// Splits a batch into waves of indices in which every key appears at most once: the
-/// `n`-th lease of a key goes in wave `n`, so calls on one key keep their order.
-fn waves(leases: &[Lease]) -> Vec<Vec<usize>> {
-    let mut seen: std::collections::HashMap<&LockKey, usize> = std::collections::HashMap::new();
-    let mut waves: Vec<Vec<usize>> = Vec::new();
-    for (i, lease) in leases.iter().enumerate() {
-        let n = seen.entry(lease.key()).or_insert(0);
-        if waves.len() <= *n {
-            waves.push(Vec::new());
-        }
-        waves[*n].push(i);
-        *n += 1;
-    }
-    waves
 }
 
 fn is_held_by(kv: &KeyValue, lease: &Lease) -> bool {
@@ -494,26 +237,11 @@ fn is_held_by(kv: &KeyValue, lease: &Lease) -> bool {
         && kv.value() == lease.owner().to_string().as_bytes()
 }
 
-fn header_revision(resp: &TxnResponse) -> Result<u64, LockError> {
-    resp.header()
-        .and_then(|h| u64::try_from(h.revision()).ok())
-        .filter(|&r| r > 0)
-        .ok_or_else(|| LockError::backend(NAME, "etcd's transaction reply has no revision"))
-}
-
 fn first_kv(resp: &TxnResponse) -> Option<KeyValue> {
     resp.op_responses().into_iter().find_map(|op| match op {
         TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
         _ => None,
     })
-}
-
-fn is_lease_gone(e: &etcd_client::Error) -> bool {
-    match e {
-        etcd_client::Error::LeaseKeepAliveError(m) => m.contains("not found"),
-        etcd_client::Error::GRpcStatus(s) => s.message().contains("requested lease not found"),
-        _ => false,
-    }
 }
 
 #[async_trait]
@@ -745,90 +473,5 @@ impl LockBackend for EtcdBackend {
             token,
             ttl,
         ))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use harness::etcd::EtcdServer;
-    use harness::require;
-
-    use super::*;
-
-    fn unavailable() -> LockError {
-        LockError::unavailable(NAME, "no member answered")
-    }
-
-    #[test]
-    fn batch_items_that_failed_retryably_are_unreachable_while_others_answered() {
-        let results = vec![
-            Ok(Release::Released),
-            Err(unavailable()),
-            Ok(Release::NotHeld),
-        ];
-        let (items, failure) = per_item(results, Release::Unreachable);
-        assert_eq!(
-            items,
-            [Release::Released, Release::Unreachable, Release::NotHeld]
-        );
-        assert!(failure.is_none(), "{failure:?}");
-    }
-
-    #[test]
-    fn a_batch_fails_when_no_item_answered_or_an_error_cannot_be_retried() {
-        let (_, failure) =
-            per_item::<Option<()>>(vec![Err(unavailable()), Err(unavailable())], None);
-        assert!(matches!(failure, Some(LockError::Unavailable { .. })));
-        let config = LockError::Config("refused".into());
-        let (_, failure) = per_item(vec![Ok(None), Err(unavailable()), Err(config)], None::<()>);
-        assert!(matches!(failure, Some(LockError::Config(_))), "{failure:?}");
-    }
-
-    /// A reply that says the put happened but carries no revision cannot become a lease;
-    /// the key it put must not stay held until its lease runs out.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_acquire_reply_without_a_revision_revokes_the_lease_it_put_the_key_on() {
-        let server = require(EtcdServer::start().await);
-        let backend = EtcdBackend::builder()
-            .endpoint(server.endpoint())
-            .build()
-            .await
-            .unwrap();
-        let key = LockKey::new("no-revision").unwrap();
-        let ttl = Duration::from_secs(30);
-        let granted = backend
-            .call(Effect::None, |client| async move {
-                client.lease_client().grant(30, None).await
-            })
-            .await
-            .unwrap();
-        let owner = OwnerId::random();
-        let sent = Instant::now();
-        let mut resp = backend
-            .txn(
-                Effect::Write("acquire"),
-                backend.acquire_txn(&key, owner, granted.id()),
-            )
-            .await
-            .unwrap();
-        assert!(resp.succeeded(), "the key was free and is now put");
-        resp.take_header();
-
-        let settled = backend.settle_acquire(&key, ttl, owner, granted.id(), sent, Ok(resp));
-        assert!(
-            matches!(settled, Err(LockError::Backend { .. })),
-            "{settled:?}"
-        );
-        // Freed by the revoke, long before the 30 s lease would lapse.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while backend.inspect(&key).await.unwrap().owner.is_some() {
-            assert!(
-                Instant::now() < deadline,
-                "the key is still held on the unrevoked lease"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let taken = backend.acquire(&key, Duration::from_secs(2)).await.unwrap();
-        assert!(taken.is_some(), "the key is free to take");
     }
 }
