@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
-    Renewal, async_trait,
+    BackendLayer, Capabilities, Layered, Lease, LockBackend, LockError, LockKey, Locker,
+    async_trait,
 };
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -64,11 +64,10 @@ pub async fn handoff(
         source,
     };
     let counted = Arc::new(Counted {
-        inner: backend,
         notified,
         acquires: AtomicU64::new(0),
     });
-    let locker = Locker::builder(counted.clone())
+    let locker = Locker::builder(Arc::new(Layered::new(backend, counted.clone())))
         .ttl(TTL)
         .wait_timeout(Some(Duration::from_secs(60)))
         .build()
@@ -141,55 +140,45 @@ impl HandoffLog {
     }
 }
 
-/// The measured backend, counting acquire calls, with its release notifications shown
-/// or hidden.
+/// Counts the acquire calls that reach the measured backend, and shows or hides its
+/// release notifications.
 #[derive(Debug)]
 struct Counted {
-    inner: Arc<dyn LockBackend>,
     notified: bool,
     acquires: AtomicU64,
 }
 
 #[async_trait]
-impl LockBackend for Counted {
-    fn name(&self) -> &'static str {
-        self.inner.name()
+impl BackendLayer for Counted {
+    fn capabilities(&self, next: &dyn LockBackend) -> Capabilities {
+        let wakes = self.notified && next.capabilities().wakes_waiters;
+        next.capabilities().wakes_waiters(wakes)
     }
-    fn capabilities(&self) -> Capabilities {
-        let wakes = self.notified && self.inner.capabilities().wakes_waiters;
-        self.inner.capabilities().wakes_waiters(wakes)
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
         self.acquires.fetch_add(1, Ordering::Relaxed);
-        self.inner.acquire(key, ttl).await
+        next.acquire(key, ttl).await
     }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        self.inner.renew(lease).await
+    async fn acquire_many(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.acquires
+            .fetch_add(keys.len() as u64, Ordering::Relaxed);
+        next.acquire_many(keys, ttl).await
     }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.inner.inspect(key).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+    fn watch_releases(&self, next: &dyn LockBackend, key: &LockKey) -> Option<ReleaseWatch> {
         if self.notified {
-            self.inner.watch_releases(key)
+            next.watch_releases(key)
         } else {
             None
         }
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
-        self.inner.renew_many(leases).await
-    }
-    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
-        self.inner.release_many(leases).await
     }
 }
 

@@ -27,8 +27,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::{
-    Admission, Capabilities, DRIFT_FACTOR, Fence, FencedResource, FencingToken, Lease, LockBackend,
-    LockError, LockInfo, LockKey, MemoryFencedResource, OwnerId, Release, Renewal,
+    Admission, BackendLayer, DRIFT_FACTOR, Fence, FencedResource, FencingToken, Layered, Lease,
+    LockBackend, LockError, LockKey, MemoryFencedResource, OwnerId, Release, Renewal,
 };
 use parking_lot::Mutex;
 use tokio::time::Instant;
@@ -662,23 +662,100 @@ fn check_lost_leases(
 
 /// A backend wrapper that records every call into a [`History`]; behaves exactly like
 /// the backend it wraps (batch calls stay batch calls).
-#[derive(Debug, Clone)]
-pub struct RecordingBackend {
-    inner: Arc<dyn LockBackend>,
-    history: Arc<History>,
+///
+/// `RecordingBackend::new(inner, history)` records the calls made to `inner` into
+/// `history`; `layer()` is that history.
+pub type RecordingBackend = Layered<Arc<History>>;
+
+/// The history is the layer that records calls into itself: one event per call, one per
+/// input of a batch call. `inspect`, `adopt`, `purge` and release watches pass through
+/// unrecorded.
+///
+/// # Cancel safety
+/// As cancel safe as the wrapped backend; a cancelled call records nothing.
+#[async_trait]
+impl BackendLayer for History {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let invoked = Instant::now();
+        let result = next.acquire(key, ttl).await;
+        self.record_acquire(key, ttl, invoked, result.as_ref());
+        result
+    }
+
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        let invoked = Instant::now();
+        let result = next.renew(lease).await;
+        self.record_renewal(lease, invoked, result.as_ref());
+        result
+    }
+
+    async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
+        let invoked = Instant::now();
+        let result = next.release(lease).await;
+        self.record_release(lease, invoked, result.as_ref());
+        result
+    }
+
+    async fn fence(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Fence, LockError> {
+        let invoked = Instant::now();
+        let result = next.fence(lease).await;
+        let reply = match &result {
+            Ok(Fence::Current) => Reply::Current,
+            Ok(Fence::Stale { current }) => Reply::Stale { current: *current },
+            Err(e) => Reply::Error(e.to_string()),
+        };
+        self.record_lease(Op::Fence, lease, invoked, None, reply);
+        result
+    }
+
+    async fn acquire_many(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        let invoked = Instant::now();
+        let result = next.acquire_many(keys, ttl).await;
+        each_outcome(keys, &result, |key, outcome| {
+            self.record_acquire(key, ttl, invoked, outcome);
+        });
+        result
+    }
+
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
+        let invoked = Instant::now();
+        let result = next.renew_many(leases).await;
+        each_outcome(leases, &result, |lease, outcome| {
+            self.record_renewal(lease, invoked, outcome);
+        });
+        result
+    }
+
+    async fn release_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Release>, LockError> {
+        let invoked = Instant::now();
+        let result = next.release_many(leases).await;
+        each_outcome(leases, &result, |lease, outcome| {
+            self.record_release(lease, invoked, outcome);
+        });
+        result
+    }
 }
 
-impl RecordingBackend {
-    /// Records the calls made to `inner` into `history`.
-    pub fn new(inner: Arc<dyn LockBackend>, history: Arc<History>) -> Self {
-        Self { inner, history }
-    }
-
-    /// The history calls are recorded into.
-    pub fn history(&self) -> &Arc<History> {
-        &self.history
-    }
-
+/// What [`RecordingBackend`] records for each kind of call.
+impl History {
     fn record_lease(
         &self,
         op: Op,
@@ -687,7 +764,7 @@ impl RecordingBackend {
         valid_until: Option<Instant>,
         reply: Reply,
     ) {
-        self.history.record(
+        self.record(
             op,
             lease.key(),
             Some(lease.owner()),
@@ -716,7 +793,7 @@ impl RecordingBackend {
             Ok(None) => (None, None, None, Reply::Busy),
             Err(e) => (None, None, None, Reply::Error(e.to_string())),
         };
-        self.history.record(
+        self.record(
             Op::Acquire,
             key,
             owner,
@@ -756,93 +833,6 @@ impl RecordingBackend {
             Err(e) => Reply::Error(e.to_string()),
         };
         self.record_lease(Op::Release, lease, invoked, None, reply);
-    }
-}
-
-#[async_trait]
-impl LockBackend for RecordingBackend {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.acquire(key, ttl).await;
-        self.record_acquire(key, ttl, invoked, result.as_ref());
-        result
-    }
-
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.renew(lease).await;
-        self.record_renewal(lease, invoked, result.as_ref());
-        result
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.release(lease).await;
-        self.record_release(lease, invoked, result.as_ref());
-        result
-    }
-
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.fence(lease).await;
-        let reply = match &result {
-            Ok(Fence::Current) => Reply::Current,
-            Ok(Fence::Stale { current }) => Reply::Stale { current: *current },
-            Err(e) => Reply::Error(e.to_string()),
-        };
-        self.record_lease(Op::Fence, lease, invoked, None, reply);
-        result
-    }
-
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.inner.inspect(key).await
-    }
-
-    fn watch_releases(&self, key: &LockKey) -> Option<lock_api::wake::ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-
-    async fn acquire_many(
-        &self,
-        keys: &[LockKey],
-        ttl: Duration,
-    ) -> Result<Vec<Option<Lease>>, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.acquire_many(keys, ttl).await;
-        each_outcome(keys, &result, |key, outcome| {
-            self.record_acquire(key, ttl, invoked, outcome);
-        });
-        result
-    }
-
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.renew_many(leases).await;
-        each_outcome(leases, &result, |lease, outcome| {
-            self.record_renewal(lease, invoked, outcome);
-        });
-        result
-    }
-
-    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
-        let invoked = Instant::now();
-        let result = self.inner.release_many(leases).await;
-        each_outcome(leases, &result, |lease, outcome| {
-            self.record_release(lease, invoked, outcome);
-        });
-        result
     }
 }
 

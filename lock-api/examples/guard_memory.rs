@@ -9,50 +9,30 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lock_api::memory::MemoryBackend;
-use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
-    async_trait,
+    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Renewal, async_trait,
 };
 
-/// Counts renewal calls around the memory backend.
+/// Counts renewal calls.
 #[derive(Debug, Default)]
 struct Counting {
-    inner: MemoryBackend,
     renew_many_calls: AtomicUsize,
     renewed: AtomicUsize,
 }
 
 #[async_trait]
-impl LockBackend for Counting {
-    fn name(&self) -> &'static str {
+impl BackendLayer for Counting {
+    fn name(&self, _: &dyn LockBackend) -> &'static str {
         "counting-memory"
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.inner.acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
         self.renew_many_calls.fetch_add(1, Ordering::SeqCst);
         self.renewed.fetch_add(leases.len(), Ordering::SeqCst);
-        self.inner.renew_many(leases).await
+        next.renew_many(leases).await
     }
 }
 
@@ -79,12 +59,13 @@ async fn main() -> Result<(), LockError> {
         .and_then(|c| c.parse().ok())
         .unwrap_or(100_000);
     let ttl = Duration::from_secs(3);
-    let backend = Arc::new(Counting::default());
+    let store: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let counting = Arc::new(Counting::default());
+    let backend = Arc::new(Layered::new(store.clone(), counting.clone()));
 
     // The store's own cost of `count` leases, without guards, to subtract below.
     let before_store = rss_bytes();
-    let plain: Vec<Lease> = backend
-        .inner
+    let plain: Vec<Lease> = store
         .acquire_many(&keys("plain", count), ttl)
         .await?
         .into_iter()
@@ -93,7 +74,7 @@ async fn main() -> Result<(), LockError> {
     let store_and_lease = rss_bytes().saturating_sub(before_store);
     assert_eq!(plain.len(), count);
 
-    let locker = Locker::builder(backend.clone()).ttl(ttl).build()?;
+    let locker = Locker::builder(backend).ttl(ttl).build()?;
     let guarded_keys = keys("guard", count);
     let before = rss_bytes();
     let mut guards = Vec::with_capacity(count);
@@ -104,8 +85,8 @@ async fn main() -> Result<(), LockError> {
 
     // Two renewal rounds (renewal at ttl / 3).
     tokio::time::sleep(ttl * 2 / 3 + Duration::from_millis(200)).await;
-    let calls = backend.renew_many_calls.load(Ordering::SeqCst);
-    let renewed = backend.renewed.load(Ordering::SeqCst);
+    let calls = counting.renew_many_calls.load(Ordering::SeqCst);
+    let renewed = counting.renewed.load(Ordering::SeqCst);
     let held = guards.iter().filter(|g| g.is_held()).count();
 
     let per_guard = with_guards as f64 / count as f64;

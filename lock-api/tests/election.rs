@@ -7,11 +7,10 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use lock_api::memory::MemoryBackend;
-use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Admission, Capabilities, Election, EnforcementMode, Fence, FencedResource, FencingToken, Lease,
-    LockBackend, LockError, LockInfo, LockKey, Locker, MemoryFencedResource, Release, Renewal,
-    RetryPolicy, async_trait, election_key,
+    Admission, BackendLayer, Capabilities, Election, EnforcementMode, FencedResource, FencingToken,
+    Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, MemoryFencedResource,
+    Release, RetryPolicy, async_trait, election_key,
 };
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, timeout};
@@ -201,11 +200,13 @@ async fn a_cancelled_campaign_leaves_nothing_held() {
 
     // Cancelled after the store granted its acquire but before the reply came back: the
     // lease it won is released at once, not left to run out.
-    let slow = Shim {
-        inner: store.client(),
-        grant_delay: Duration::from_millis(100),
-        inspect: true,
-    };
+    let slow = Layered::new(
+        Arc::new(store.client()),
+        Shim {
+            grant_delay: Duration::from_millis(100),
+            inspect: true,
+        },
+    );
     let slow = Election::new(
         Locker::builder(Arc::new(slow)).ttl(TTL).build().unwrap(),
         "scheduler",
@@ -256,62 +257,53 @@ async fn observe_reports_each_leader_in_turn() {
     b.resign().await.unwrap();
 }
 
-/// A memory client whose grants reach the caller `grant_delay` after the store made
-/// them, and which answers `inspect` only when `inspect` is set (else the trait's
-/// default, `Unsupported`).
+/// A layer whose grants reach the caller `grant_delay` after the store made them, and
+/// which answers `inspect` only when `inspect` is set (else the trait's default,
+/// `Unsupported`).
 #[derive(Debug)]
 struct Shim {
-    inner: MemoryBackend,
     grant_delay: Duration,
     inspect: bool,
 }
 
 #[async_trait]
-impl LockBackend for Shim {
-    fn name(&self) -> &'static str {
+impl BackendLayer for Shim {
+    fn name(&self, _: &dyn LockBackend) -> &'static str {
         "shim"
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities().inspect(self.inspect)
+    fn capabilities(&self, next: &dyn LockBackend) -> Capabilities {
+        next.capabilities().inspect(self.inspect)
     }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        let granted = self.inner.acquire(key, ttl).await;
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let granted = next.acquire(key, ttl).await;
         sleep(self.grant_delay).await;
         granted
     }
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+    async fn inspect(&self, next: &dyn LockBackend, key: &LockKey) -> Result<LockInfo, LockError> {
         if !self.inspect {
             return Err(LockError::Unsupported {
                 operation: "inspect",
                 backend: "shim",
             });
         }
-        self.inner.inspect(key).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
+        next.inspect(key).await
     }
 }
 
 #[tokio::test(start_paused = true)]
 async fn observe_ends_with_unsupported_on_a_backend_without_inspect() {
-    let shim = Shim {
-        inner: MemoryBackend::new(),
-        grant_delay: Duration::ZERO,
-        inspect: false,
-    };
+    let shim = Layered::new(
+        Arc::new(MemoryBackend::new()),
+        Shim {
+            grant_delay: Duration::ZERO,
+            inspect: false,
+        },
+    );
     let locker = Locker::builder(Arc::new(shim)).ttl(TTL).build().unwrap();
     let watcher = Election::new(locker, "scheduler").unwrap();
     let mut leaders = Box::pin(watcher.observe());

@@ -5,9 +5,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use lock_api::memory::MemoryBackend;
-use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Capabilities, Fence, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
+    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
     RetryPolicy, async_trait,
 };
 use tokio::time::{Instant, sleep, sleep_until};
@@ -18,10 +17,9 @@ fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
 }
 
-/// Counts calls and can turn every renewal into `Lost`, around a memory backend.
+/// Counts calls and can turn every renewal into `Lost`.
 #[derive(Debug, Default)]
 struct Spy {
-    inner: MemoryBackend,
     renew_many_calls: AtomicUsize,
     renewed_leases: AtomicUsize,
     lose_renewals: AtomicBool,
@@ -29,32 +27,18 @@ struct Spy {
 }
 
 #[async_trait]
-impl LockBackend for Spy {
-    fn name(&self) -> &'static str {
+impl BackendLayer for Spy {
+    fn name(&self, _: &dyn LockBackend) -> &'static str {
         "spy"
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        Ok(self.renew_many(next, std::slice::from_ref(lease)).await?[0])
     }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.inner.acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        Ok(self.renew_many(std::slice::from_ref(lease)).await?[0])
-    }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
         self.renew_many_calls.fetch_add(1, Ordering::SeqCst);
         self.renewed_leases
             .fetch_add(leases.len(), Ordering::SeqCst);
@@ -67,7 +51,7 @@ impl LockBackend for Spy {
         if unreachable.is_ok() {
             return Ok(vec![Renewal::Unreachable; leases.len()]);
         }
-        self.inner.renew_many(leases).await
+        next.renew_many(leases).await
     }
 }
 
@@ -77,7 +61,6 @@ impl LockBackend for Spy {
 /// `Unreachable`. Counts silent leases sent when they had already run out.
 #[derive(Debug)]
 struct SilentNode {
-    inner: MemoryBackend,
     node_timeout: Duration,
     sent_after_deadline: AtomicUsize,
 }
@@ -85,7 +68,6 @@ struct SilentNode {
 impl SilentNode {
     fn new(node_timeout: Duration) -> Self {
         Self {
-            inner: MemoryBackend::new(),
             node_timeout,
             sent_after_deadline: AtomicUsize::new(0),
         }
@@ -97,35 +79,21 @@ impl SilentNode {
 }
 
 #[async_trait]
-impl LockBackend for SilentNode {
-    fn name(&self) -> &'static str {
+impl BackendLayer for SilentNode {
+    fn name(&self, _: &dyn LockBackend) -> &'static str {
         "silent-node"
     }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.inner.acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        match self.renew_many(std::slice::from_ref(lease)).await?[0] {
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        match self.renew_many(next, std::slice::from_ref(lease)).await?[0] {
             Renewal::Unreachable => Err(LockError::unavailable("silent-node", "no reply")),
             renewal => Ok(renewal),
         }
     }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
         let mut renewals = Vec::with_capacity(leases.len());
         let mut waits_for_silent_node = false;
         for lease in leases {
@@ -137,7 +105,7 @@ impl LockBackend for SilentNode {
                 waits_for_silent_node = true;
                 renewals.push(Renewal::Unreachable);
             } else {
-                renewals.push(self.inner.renew(lease).await?);
+                renewals.push(next.renew(lease).await?);
             }
         }
         if waits_for_silent_node {
@@ -145,6 +113,11 @@ impl LockBackend for SilentNode {
         }
         Ok(renewals)
     }
+}
+
+/// A memory backend wrapped in `layer`, which the caller keeps to read its state.
+fn on_memory(layer: Arc<impl BackendLayer>) -> Arc<dyn LockBackend> {
+    Arc::new(Layered::new(Arc::new(MemoryBackend::new()), layer))
 }
 
 fn locker(backend: Arc<dyn LockBackend>) -> Locker {
@@ -174,7 +147,7 @@ async fn the_watchdog_keeps_a_job_three_times_its_ttl_alive() {
 #[tokio::test(start_paused = true)]
 async fn one_renew_many_call_renews_every_due_lease() {
     let spy = Arc::new(Spy::default());
-    let locker = locker(spy.clone());
+    let locker = locker(on_memory(spy.clone()));
     let mut guards = Vec::new();
     for i in 0..500 {
         guards.push(
@@ -228,7 +201,7 @@ async fn a_hanging_store_is_reported_no_later_than_valid_until() {
 #[tokio::test(start_paused = true)]
 async fn leases_on_a_healthy_node_stay_held_while_a_silent_nodes_leases_run_out() {
     let store = Arc::new(SilentNode::new(Duration::from_millis(400)));
-    let locker = locker(store.clone());
+    let locker = locker(on_memory(store.clone()));
     let mut healthy = Vec::new();
     for i in 0..3 {
         let guard = locker.try_lock(&key(&format!("healthy-{i}"))).await;
@@ -258,7 +231,7 @@ async fn leases_on_a_healthy_node_stay_held_while_a_silent_nodes_leases_run_out(
 async fn a_lease_past_its_deadline_is_given_up_without_being_sent() {
     // Unreachable at once: retries every 250 ms, the last one falling on the deadline.
     let store = Arc::new(SilentNode::new(Duration::ZERO));
-    let locker = locker(store.clone());
+    let locker = locker(on_memory(store.clone()));
     let guard = locker.try_lock(&key("silent")).await.unwrap().unwrap();
     // Nothing awaits `lost()`, so only the watchdog can notice the deadline.
     sleep(TTL * 2).await;
@@ -323,7 +296,7 @@ async fn transient_renewal_errors_are_retried() {
 #[tokio::test(start_paused = true)]
 async fn unreachable_items_of_a_batch_are_retried_not_lost() {
     let spy = Arc::new(Spy::default());
-    let locker = locker(spy.clone());
+    let locker = locker(on_memory(spy.clone()));
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     spy.unreachable_renewals.store(3, Ordering::SeqCst);
     sleep(TTL * 2).await;
@@ -334,7 +307,7 @@ async fn unreachable_items_of_a_batch_are_retried_not_lost() {
 #[tokio::test(start_paused = true)]
 async fn an_item_unreachable_until_valid_until_is_lost() {
     let spy = Arc::new(Spy::default());
-    let locker = locker(spy.clone());
+    let locker = locker(on_memory(spy.clone()));
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     spy.unreachable_renewals.store(usize::MAX, Ordering::SeqCst);
     let deadline = guard.valid_until();
@@ -347,7 +320,7 @@ async fn an_item_unreachable_until_valid_until_is_lost() {
 #[tokio::test(start_paused = true)]
 async fn a_lost_renewal_marks_the_guard_lost_at_once() {
     let spy = Arc::new(Spy::default());
-    let locker = locker(spy.clone());
+    let locker = locker(on_memory(spy.clone()));
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     spy.lose_renewals.store(true, Ordering::SeqCst);
     let renewal_due = Instant::now() + TTL / 3;

@@ -12,10 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{Factory, LinkFaults, ServerFaults};
-use distlock::wake::ReleaseWatch;
 use distlock::{
-    Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
-    Release, Renewal, async_trait,
+    BackendLayer, Fence, Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Release,
+    Renewal, async_trait,
 };
 use parking_lot::Mutex;
 
@@ -133,10 +132,12 @@ impl Factory for RecordingFactory<'_> {
     }
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
-        Arc::new(KeyRecorder {
-            inner: self.inner.backend().await,
-            used: self.used.clone(),
-        })
+        Arc::new(Layered::new(
+            self.inner.backend().await,
+            KeyRecorder {
+                used: self.used.clone(),
+            },
+        ))
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
@@ -148,93 +149,83 @@ impl Factory for RecordingFactory<'_> {
     }
 }
 
-/// A client that notes each key, then hands the call to the real client unchanged.
+/// Notes each key a call sends to the store, then hands the call on unchanged.
 struct KeyRecorder {
-    inner: Arc<dyn LockBackend>,
     used: Arc<UsedKeys>,
 }
 
+/// Leaves out the keys, which can be many.
 impl fmt::Debug for KeyRecorder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        self.inner.fmt(f)
+        f.debug_struct("KeyRecorder").finish_non_exhaustive()
     }
 }
 
 #[async_trait]
-impl LockBackend for KeyRecorder {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.used.note(key);
-        self.inner.acquire(key, ttl).await
-    }
-
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        self.used.note(lease.key());
-        self.inner.renew(lease).await
-    }
-
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.used.note(lease.key());
-        self.inner.release(lease).await
-    }
-
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.used.note(lease.key());
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.used.note(key);
-        self.inner.inspect(key).await
-    }
-
-    fn adopt(
+impl BackendLayer for KeyRecorder {
+    async fn acquire(
         &self,
+        next: &dyn LockBackend,
         key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
         ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.inner.adopt(key, owner, token, ttl)
+    ) -> Result<Option<Lease>, LockError> {
+        self.used.note(key);
+        next.acquire(key, ttl).await
     }
 
-    async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        self.used.note(lease.key());
+        next.renew(lease).await
+    }
+
+    async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
+        self.used.note(lease.key());
+        next.release(lease).await
+    }
+
+    async fn fence(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Fence, LockError> {
+        self.used.note(lease.key());
+        next.fence(lease).await
+    }
+
+    async fn inspect(&self, next: &dyn LockBackend, key: &LockKey) -> Result<LockInfo, LockError> {
         self.used.note(key);
-        self.inner.purge(key).await
+        next.inspect(key).await
+    }
+
+    async fn purge(&self, next: &dyn LockBackend, key: &LockKey) -> Result<(), LockError> {
+        self.used.note(key);
+        next.purge(key).await
     }
 
     async fn acquire_many(
         &self,
+        next: &dyn LockBackend,
         keys: &[LockKey],
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
         for key in keys {
             self.used.note(key);
         }
-        self.inner.acquire_many(keys, ttl).await
+        next.acquire_many(keys, ttl).await
     }
 
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
         self.used.note_leases(leases);
-        self.inner.renew_many(leases).await
+        next.renew_many(leases).await
     }
 
-    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+    async fn release_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Release>, LockError> {
         self.used.note_leases(leases);
-        self.inner.release_many(leases).await
+        next.release_many(leases).await
     }
 }
 

@@ -11,10 +11,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Capabilities, Election, Fence, FencingToken, Leader, Leadership, Lease, LockBackend, LockError,
-    LockInfo, LockKey, Locker, Release, Renewal, RetryPolicy,
+    BackendLayer, Election, Fence, FencingToken, Layered, Leader, Leadership, Lease, LockBackend,
+    LockError, LockInfo, LockKey, Locker, Release, Renewal, RetryPolicy,
 };
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
@@ -182,24 +181,15 @@ pub async fn election_hands_over_after_resign(factory: &dyn Factory) -> Result<O
     ctx.pass(&t)
 }
 
-/// A client that hangs every call while frozen, as a process stopped by the OS or a
-/// long pause would: nothing reaches the store until it thaws.
-#[derive(Debug)]
+/// A layer that hangs every call to the store while frozen, as a process stopped by the
+/// OS or a long pause would: nothing reaches the store until it thaws.
+#[derive(Debug, Default)]
 struct Freezable {
-    inner: Arc<dyn LockBackend>,
     frozen: AtomicBool,
     thawed: Notify,
 }
 
 impl Freezable {
-    fn new(inner: Arc<dyn LockBackend>) -> Self {
-        Self {
-            inner,
-            frozen: AtomicBool::new(false),
-            thawed: Notify::new(),
-        }
-    }
-
     fn freeze(&self) {
         self.frozen.store(true, Ordering::SeqCst);
     }
@@ -221,42 +211,60 @@ impl Freezable {
 }
 
 #[async_trait]
-impl LockBackend for Freezable {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
+impl BackendLayer for Freezable {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
         self.gate().await;
-        self.inner.acquire(key, ttl).await
+        next.acquire(key, ttl).await
     }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
         self.gate().await;
-        self.inner.renew(lease).await
+        next.renew(lease).await
     }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
+    async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
         self.gate().await;
-        self.inner.release(lease).await
+        next.release(lease).await
     }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+    async fn fence(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Fence, LockError> {
         self.gate().await;
-        self.inner.fence(lease).await
+        next.fence(lease).await
     }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+    async fn inspect(&self, next: &dyn LockBackend, key: &LockKey) -> Result<LockInfo, LockError> {
         self.gate().await;
-        self.inner.inspect(key).await
+        next.inspect(key).await
     }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn purge(&self, next: &dyn LockBackend, key: &LockKey) -> Result<(), LockError> {
         self.gate().await;
-        self.inner.renew_many(leases).await
+        next.purge(key).await
+    }
+    async fn acquire_many(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.gate().await;
+        next.acquire_many(keys, ttl).await
+    }
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
+        self.gate().await;
+        next.renew_many(leases).await
+    }
+    async fn release_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Release>, LockError> {
+        self.gate().await;
+        next.release_many(leases).await
     }
 }
 
@@ -269,9 +277,14 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
     let client = ctx.client().await;
     let t = ctx.timing(&client);
     let key = ctx.key("role")?;
-    let frozen = Arc::new(Freezable::new(client));
+    let frozen = Arc::new(Freezable::default());
     let (leader, standby) = (
-        election(&ctx, frozen.clone(), t.ttl, &key)?,
+        election(
+            &ctx,
+            Arc::new(Layered::new(client, frozen.clone())),
+            t.ttl,
+            &key,
+        )?,
         election(&ctx, ctx.client().await, t.ttl, &key)?,
     );
     let counter = ctx.counter();

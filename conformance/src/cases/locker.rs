@@ -7,10 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use futures::future::join_all;
-use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
-    Renewal, RetryPolicy,
+    BackendLayer, Fence, Layered, Lease, LockBackend, LockError, Locker, Release, Renewal,
+    RetryPolicy,
 };
 use tokio::time::{Instant, sleep, timeout_at};
 
@@ -208,11 +207,10 @@ pub async fn watchdog_reports_loss_by_valid_until(
     ctx.pass(&t)
 }
 
-/// A client whose renewals never reach the store (they hang), while every other call
-/// goes through: the loss of a lease without a link fault, for any backend.
-#[derive(Debug)]
+/// A layer whose renewals never reach the store (they hang) once stalled, while every
+/// other call goes through: the loss of a lease without a link fault, for any backend.
+#[derive(Debug, Default)]
 struct StalledRenewals {
-    inner: Arc<dyn LockBackend>,
     stalled: AtomicBool,
 }
 
@@ -225,38 +223,18 @@ impl StalledRenewals {
 }
 
 #[async_trait]
-impl LockBackend for StalledRenewals {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.inner.acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+impl BackendLayer for StalledRenewals {
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
         self.gate().await;
-        self.inner.renew(lease).await
+        next.renew(lease).await
     }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.inner.watch_releases(key)
-    }
-    fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.watched_keys()
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.inner.inspect(key).await
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
         self.gate().await;
-        self.inner.renew_many(leases).await
+        next.renew_many(leases).await
     }
 }
 
@@ -274,11 +252,8 @@ pub async fn with_lock_aborts_job_on_loss(factory: &dyn Factory) -> Result<Outco
     let ctx = Ctx::new("with_lock_aborts_job_on_loss", factory);
     let client = ctx.client().await;
     let t = ctx.timing(&client);
-    let stalled = Arc::new(StalledRenewals {
-        inner: client,
-        stalled: AtomicBool::new(false),
-    });
-    let locker = locker(&ctx, stalled.clone(), &t)?;
+    let stalled = Arc::new(StalledRenewals::default());
+    let locker = locker(&ctx, Arc::new(Layered::new(client, stalled.clone())), &t)?;
     let key = ctx.key("k")?;
     let (started, finished, dropped) = (
         Arc::new(AtomicBool::new(false)),

@@ -7,10 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
-use lock_api::{
-    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, Release,
-    Renewal, RetryPolicy,
-};
+use lock_api::{BackendLayer, Layered, LockBackend, LockError, LockKey, Locker, RetryPolicy};
 use tokio::time::{Instant, sleep};
 
 use crate::factory::Factory;
@@ -100,7 +97,7 @@ pub async fn a_waiter_whose_wake_is_lost_still_acquires(
     let held = ctx
         .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
         .await?;
-    let deaf: Arc<dyn LockBackend> = Arc::new(Deaf::new(ctx.client().await));
+    let deaf = Arc::new(Layered::new(ctx.client().await, Deaf::default()));
     let waiter = waiting_locker(&ctx, deaf, t.ttl, BACKOFF)?;
     let waiting = {
         let key = key.clone();
@@ -159,52 +156,26 @@ async fn joined<T>(ctx: &Ctx<'_>, task: tokio::task::JoinHandle<T>) -> Result<T,
         .map_err(|e| ctx.fail("the waiting task to finish", e))
 }
 
-/// A client whose release watches never fire, as when every notification is lost.
+/// A layer whose release watches never fire, as when every notification is lost.
 #[derive(Debug)]
 struct Deaf {
-    inner: Arc<dyn LockBackend>,
     silent: ReleaseHub,
 }
 
-impl Deaf {
-    fn new(inner: Arc<dyn LockBackend>) -> Self {
+impl Default for Deaf {
+    fn default() -> Self {
         Self {
-            inner,
             silent: ReleaseHub::new(AllKeys),
         }
     }
 }
 
 #[async_trait]
-impl LockBackend for Deaf {
-    fn name(&self) -> &'static str {
-        self.inner.name()
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
-    }
-    async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
-        self.inner.acquire(key, ttl).await
-    }
-    async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        self.inner.renew(lease).await
-    }
-    async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
-        self.inner.release(lease).await
-    }
-    async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        self.inner.fence(lease).await
-    }
-    async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.inner.inspect(key).await
-    }
-    fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
+impl BackendLayer for Deaf {
+    fn watch_releases(&self, _: &dyn LockBackend, key: &LockKey) -> Option<ReleaseWatch> {
         Some(self.silent.watch(key))
     }
-    fn watched_keys(&self) -> Vec<LockKey> {
+    fn watched_keys(&self, _: &dyn LockBackend) -> Vec<LockKey> {
         self.silent.watched_keys()
-    }
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
-        self.inner.renew_many(leases).await
     }
 }
