@@ -14,13 +14,13 @@ use lock_api::{
 };
 use sha2::{Digest, Sha256};
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Postgres, Row};
+use sqlx::{AssertSqlSafe, Postgres};
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
-use uuid::Uuid;
 
-use crate::client::{PgClient, on_conn, owner_from, owner_uuid, token_from, ttl_ms, with_clock};
+use crate::client::{PgClient, on_conn, owner_uuid, token_from, ttl_ms, with_clock};
 use crate::error::Operation;
+use crate::key_row;
 use crate::releases::{ReleaseListener, channel};
 use crate::schema::Schema;
 
@@ -724,51 +724,18 @@ impl LockBackend for PgAdvisoryBackend {
     /// session that still holds the advisory lock keeps it (the lock lives in the
     /// session, not in a table); purge only keys nobody holds.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
-        let mut conn = self.client.conn(NAME).await?;
-        on_conn!(
-            self.client,
-            NAME,
-            Operation::Purge,
-            conn,
-            sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
-                .bind(key.as_str())
-                .execute(&mut *conn)
-        )?;
-        Ok(())
+        key_row::purge(&self.client, NAME, &self.sql.purge, key).await
     }
 
     /// The newest token; while a session holds the lock, its owner id and the time left
     /// until the server ends the session if it stays idle.
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         let (classid, objid) = split(self.lock_id(key));
-        let mut conn = self.client.conn(NAME).await?;
-        let row = on_conn!(
-            self.client,
-            NAME,
-            Operation::Inspect,
-            conn,
-            sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
-                .bind(key.as_str())
-                .bind(classid)
-                .bind(objid)
-                .fetch_optional(&mut *conn)
-        )?;
-        let Some(row) = row else {
-            return Ok(LockInfo {
-                owner: None,
-                token: None,
-                remaining: None,
-            });
-        };
-        let decode = |e| crate::error::from_sqlx(NAME, Operation::Inspect, &self.client.schema, e);
-        let token: i64 = row.try_get("token").map_err(decode)?;
-        let owner: Uuid = row.try_get("owner").map_err(decode)?;
-        let remaining: Option<i64> = row.try_get("remaining_us").map_err(decode)?;
-        Ok(LockInfo {
-            owner: remaining.and_then(|_| owner_from(owner)),
-            token: Some(token_from(token)),
-            remaining: remaining.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
-        })
+        let query = sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
+            .bind(key.as_str())
+            .bind(classid)
+            .bind(objid);
+        key_row::inspect(&self.client, NAME, query).await
     }
 }
 

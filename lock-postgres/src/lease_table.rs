@@ -16,11 +16,10 @@ use sqlx::{AssertSqlSafe, Row};
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::client::{
-    PgClient, on_conn, owner_from, owner_uuid, token_from, token_i64, ttl_ms, with_clock,
-};
+use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms, with_clock};
 use crate::config::PgBuilder;
 use crate::error::Operation;
+use crate::key_row;
 use crate::releases::{ReleaseListener, channel};
 
 const NAME: &str = "postgres-lease";
@@ -476,45 +475,11 @@ impl LockBackend for PgLeaseBackend {
     /// token issued before. Purge only keys nobody holds: a holder's row goes too, and
     /// the key is free at once.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
-        let mut conn = self.client.conn(NAME).await?;
-        on_conn!(
-            self.client,
-            NAME,
-            Operation::Purge,
-            conn,
-            sqlx::query(AssertSqlSafe(self.sql.purge.clone()))
-                .bind(key.as_str())
-                .execute(&mut *conn)
-        )?;
-        Ok(())
+        key_row::purge(&self.client, NAME, &self.sql.purge, key).await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        let mut conn = self.client.conn(NAME).await?;
-        let row = on_conn!(
-            self.client,
-            NAME,
-            Operation::Inspect,
-            conn,
-            sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
-                .bind(key.as_str())
-                .fetch_optional(&mut *conn)
-        )?;
-        let Some(row) = row else {
-            return Ok(LockInfo {
-                owner: None,
-                token: None,
-                remaining: None,
-            });
-        };
-        let decode = |e| crate::error::from_sqlx(NAME, Operation::Inspect, &self.client.schema, e);
-        let owner: Option<Uuid> = row.try_get("owner").map_err(decode)?;
-        let token: i64 = row.try_get("token").map_err(decode)?;
-        let remaining: Option<i64> = row.try_get("remaining_us").map_err(decode)?;
-        Ok(LockInfo {
-            owner: owner.and_then(owner_from),
-            token: Some(token_from(token)),
-            remaining: remaining.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))),
-        })
+        let query = sqlx::query(AssertSqlSafe(self.sql.inspect.clone())).bind(key.as_str());
+        key_row::inspect(&self.client, NAME, query).await
     }
 }

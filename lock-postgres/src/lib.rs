@@ -22,6 +22,7 @@ mod client;
 mod config;
 mod error;
 mod fencing;
+mod key_row;
 mod lease_table;
 mod releases;
 mod schema;
