@@ -1,0 +1,426 @@
+//! The checker: reads a history's events after the fact and reports every [`Violation`]
+//! of the invariants I1–I5, which the [module root](super) states.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::Duration;
+
+use lock_api::{DRIFT_FACTOR, FencingToken, LockKey, OwnerId};
+use tokio::time::Instant;
+
+use super::event::{Event, Op, Reply};
+
+/// One of the design's invariants.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
+pub enum Invariant {
+    /// Tokens unique and strictly increasing in real-time grant order, per key.
+    I1,
+    /// The fenced resource admits non-decreasing tokens only; no update is lost.
+    I2,
+    /// Validity windows of different grants never overlap.
+    I3,
+    /// A lost lease's release/renewal fails and leaves the holder untouched.
+    I4,
+    /// Renewal extends, keeps the token, never resurrects.
+    I5,
+}
+
+impl fmt::Display for Invariant {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+/// A broken invariant, with the events that show it.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct Violation {
+    /// The invariant.
+    pub invariant: Invariant,
+    /// What the events show.
+    pub message: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.invariant, self.message)
+    }
+}
+
+/// How a history is judged.
+#[derive(Clone, Debug)]
+pub struct CheckOptions {
+    /// Faults were injected (cut links, paused or restarted servers, lost replies): the
+    /// timing invariants (I3, the "holder untouched" half of I4, and the resurrection
+    /// bound of I5) are not checked, because a lost reply may have extended a lease the
+    /// client never heard about. Token and fencing invariants are always checked.
+    pub faults: bool,
+    /// How long past a lease's TTL (counted from the completion of its last successful
+    /// grant or renewal) the store is allowed to still consider it held, for I5's
+    /// resurrection check: covers the store's expiry lag.
+    pub expiry_slack: Duration,
+}
+
+impl Default for CheckOptions {
+    fn default() -> Self {
+        Self {
+            faults: false,
+            expiry_slack: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Everything the checker derives about one grant.
+struct Grant<'a> {
+    event: &'a Event,
+    owner: OwnerId,
+    token: FencingToken,
+    /// The successful extensions in completion order: (invoked, completed, valid_until).
+    extensions: Vec<(Instant, Instant, Instant)>,
+    /// The invocation of the first release of this lease, if any.
+    released_at: Option<Instant>,
+}
+
+impl Grant<'_> {
+    /// The end of the client validity window: the latest extension, cut short by release.
+    fn window_end(&self) -> Instant {
+        let valid = self
+            .extensions
+            .iter()
+            .map(|e| e.2)
+            .max()
+            .unwrap_or(self.event.completed);
+        self.released_at.map_or(valid, |r| r.min(valid))
+    }
+
+    /// The validity the client had been told of before `at` (grant and renewals that
+    /// completed by then).
+    fn validity_known_at(&self, at: Instant) -> Option<(Instant, bool)> {
+        self.extensions
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.1 <= at)
+            .max_by_key(|(_, e)| e.2)
+            .map(|(i, e)| (e.2, i > 0))
+    }
+}
+
+/// Checks a history against I1–I5 and returns every violation found (empty when clean).
+pub fn check(events: &[Event], options: &CheckOptions) -> Vec<Violation> {
+    let mut violations = Vec::new();
+    let mut by_key: HashMap<&LockKey, Vec<&Event>> = HashMap::new();
+    for event in events {
+        by_key.entry(&event.key).or_default().push(event);
+    }
+    let mut keys: Vec<_> = by_key.keys().copied().collect();
+    keys.sort();
+    for key in keys {
+        check_key(&by_key[key], options, &mut violations);
+    }
+    violations
+}
+
+fn violation(violations: &mut Vec<Violation>, invariant: Invariant, message: String) {
+    violations.push(Violation { invariant, message });
+}
+
+fn check_key(events: &[&Event], options: &CheckOptions, out: &mut Vec<Violation>) {
+    let mut grants: Vec<Grant<'_>> = events
+        .iter()
+        .filter(|e| e.op == Op::Acquire && e.reply == Reply::Granted)
+        .filter_map(|e| {
+            Some(Grant {
+                event: e,
+                owner: e.owner?,
+                token: e.token?,
+                extensions: e
+                    .valid_until
+                    .map(|v| (e.invoked, e.completed, v))
+                    .into_iter()
+                    .collect(),
+                released_at: None,
+            })
+        })
+        .collect();
+    grants.sort_by_key(|g| (g.event.completed, g.event.seq));
+    let index: HashMap<(OwnerId, FencingToken), usize> = grants
+        .iter()
+        .enumerate()
+        .map(|(i, g)| ((g.owner, g.token), i))
+        .collect();
+    for event in events {
+        let Some(&i) = event.lease_id().and_then(|id| index.get(&id)) else {
+            continue;
+        };
+        match (event.op, &event.reply) {
+            (Op::Renew, Reply::Renewed) => {
+                if let Some(v) = event.valid_until {
+                    grants[i]
+                        .extensions
+                        .push((event.invoked, event.completed, v));
+                }
+            }
+            (Op::Release, _) => {
+                let r = &mut grants[i].released_at;
+                *r = Some(r.map_or(event.invoked, |at| at.min(event.invoked)));
+            }
+            _ => {}
+        }
+    }
+    for g in &mut grants {
+        g.extensions.sort_by_key(|e| e.1);
+    }
+
+    check_tokens(&grants, out);
+    check_writes(events, out);
+    check_validity_bounds(events, out);
+    if !options.faults {
+        check_windows(&grants, out);
+    }
+    check_lost_leases(events, &grants, &index, options, out);
+}
+
+/// I1: unique tokens, increasing in real-time order.
+fn check_tokens(grants: &[Grant<'_>], out: &mut Vec<Violation>) {
+    let mut seen: HashMap<FencingToken, &Event> = HashMap::new();
+    for g in grants {
+        if let Some(first) = seen.insert(g.token, g.event) {
+            violation(
+                out,
+                Invariant::I1,
+                format!(
+                    "token {} was granted twice on {:?}: {first} and {}",
+                    g.token,
+                    g.event.key.as_str(),
+                    g.event
+                ),
+            );
+        }
+    }
+    for a in grants {
+        for b in grants {
+            if a.event.completed < b.event.invoked && a.token > b.token {
+                violation(
+                    out,
+                    Invariant::I1,
+                    format!(
+                        "token went down: {} completed before {} was invoked",
+                        a.event, b.event
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// I2: admitted tokens never go down, and no admitted read-modify-write lost an update.
+fn check_writes(events: &[&Event], out: &mut Vec<Violation>) {
+    let mut writes: Vec<&&Event> = events.iter().filter(|e| e.op == Op::Write).collect();
+    writes.sort_by_key(|e| e.seq);
+    let mut highest: Option<FencingToken> = None;
+    let mut last_written: Option<(u64, &Event)> = None;
+    for w in writes {
+        let Some(token) = w.token else { continue };
+        match w.reply {
+            Reply::Admitted { read, wrote } => {
+                if let Some(h) = highest.filter(|h| token < *h) {
+                    violation(
+                        out,
+                        Invariant::I2,
+                        format!("the resource admitted token {token} after token {h}: {w}"),
+                    );
+                }
+                if let Some((value, prev)) = last_written
+                    && read != value
+                {
+                    violation(
+                        out,
+                        Invariant::I2,
+                        format!(
+                            "lost update: {w} read {read}, but the previous admitted write {prev} had written {value}"
+                        ),
+                    );
+                }
+                last_written = Some((wrote, w));
+                highest = Some(highest.map_or(token, |h| h.max(token)));
+            }
+            Reply::Rejected { latest } if highest.is_none_or(|h| token >= h) => {
+                violation(
+                    out,
+                    Invariant::I2,
+                    format!(
+                        "the resource rejected token {token} (said latest {latest}) although no higher token was admitted: {w}"
+                    ),
+                );
+            }
+            _ => {}
+        }
+    }
+}
+
+/// How much later than the recorded invocation a backend may take its own send instant:
+/// on a loaded machine the calling thread can be descheduled between the two clock reads.
+/// The `validity_counts_from_the_send_instant` case, over a link delayed by a fifth of the
+/// TTL, still catches a backend that counts from the reply instead.
+pub const SEND_INSTANT_SLACK: Duration = Duration::from_millis(25);
+
+/// I3 (bound half): a grant or renewal never claims validity past its send instant + TTL.
+fn check_validity_bounds(events: &[&Event], out: &mut Vec<Violation>) {
+    for e in events {
+        if let (Some(valid), Some(ttl)) = (e.valid_until, e.ttl)
+            && valid > e.invoked + ttl + SEND_INSTANT_SLACK
+        {
+            violation(
+                out,
+                Invariant::I3,
+                format!(
+                    "{e} claims validity {:?} past its send instant plus the TTL {ttl:?}",
+                    valid - (e.invoked + ttl)
+                ),
+            );
+        }
+    }
+}
+
+/// I3: client validity windows of different grants never overlap.
+fn check_windows(grants: &[Grant<'_>], out: &mut Vec<Violation>) {
+    for (i, a) in grants.iter().enumerate() {
+        for b in &grants[i + 1..] {
+            let (a_start, a_end) = (a.event.completed, a.window_end());
+            let (b_start, b_end) = (b.event.completed, b.window_end());
+            if a_start < a_end && b_start < b_end && a_start < b_end && b_start < a_end {
+                let overlap = a_end.min(b_end) - a_start.max(b_start);
+                violation(
+                    out,
+                    Invariant::I3,
+                    format!(
+                        "validity windows overlap by {overlap:?}: {} and {}",
+                        a.event, b.event
+                    ),
+                );
+            }
+        }
+    }
+}
+
+/// I4 and I5 on renew, release and fence calls.
+fn check_lost_leases(
+    events: &[&Event],
+    grants: &[Grant<'_>],
+    index: &HashMap<(OwnerId, FencingToken), usize>,
+    options: &CheckOptions,
+    out: &mut Vec<Violation>,
+) {
+    for e in events {
+        if !matches!(e.op, Op::Renew | Op::Release | Op::Fence) {
+            continue;
+        }
+        let succeeded = matches!(e.reply, Reply::Renewed | Reply::Released | Reply::Current);
+        let Some(id) = e.lease_id() else { continue };
+        let Some(&i) = index.get(&id) else {
+            if succeeded {
+                violation(
+                    out,
+                    Invariant::I4,
+                    format!("{e} succeeded for a lease nobody was granted (wrong owner or token)"),
+                );
+            }
+            continue;
+        };
+        let g = &grants[i];
+        // A later grant of the key, completed before this call was made: the lease was lost.
+        if succeeded
+            && let Some(newer) = grants
+                .iter()
+                .find(|n| n.token > g.token && n.event.completed < e.invoked)
+        {
+            violation(
+                out,
+                Invariant::I4,
+                format!(
+                    "{e} succeeded on a lost lease: {} had already been granted",
+                    newer.event
+                ),
+            );
+        }
+        // A release that came first ended the lease for good.
+        if succeeded
+            && e.op != Op::Release
+            && let Some(released) = events.iter().find(|r| {
+                r.op == Op::Release
+                    && r.reply == Reply::Released
+                    && r.lease_id() == Some(id)
+                    && r.completed < e.invoked
+            })
+        {
+            violation(
+                out,
+                Invariant::I5,
+                format!("{e} succeeded after the lease was released by {released}"),
+            );
+        }
+        if options.faults {
+            continue;
+        }
+        // I5: no renewal brings back a lease the store must have expired.
+        if e.op == Op::Renew && e.reply == Reply::Renewed {
+            let last = g
+                .extensions
+                .iter()
+                .filter(|x| x.1 <= e.invoked)
+                .map(|x| x.1)
+                .max();
+            let ttl = e.ttl.or(g.event.ttl).unwrap_or_default();
+            let expired_by =
+                last.map(|l| l + ttl.mul_f64(1.0 + DRIFT_FACTOR) + options.expiry_slack);
+            if let Some(expired_by) = expired_by
+                && e.invoked > expired_by
+            {
+                violation(
+                    out,
+                    Invariant::I5,
+                    format!(
+                        "{e} resurrected an expired lease: it was invoked {:?} after the lease's TTL ran out",
+                        e.invoked - expired_by + options.expiry_slack
+                    ),
+                );
+            }
+            let granted_valid = g.event.valid_until;
+            if let (Some(v), Some(gv)) = (e.valid_until, granted_valid)
+                && e.invoked >= g.event.completed
+                && v < gv
+            {
+                violation(
+                    out,
+                    Invariant::I5,
+                    format!(
+                        "{e} shortened the validity the grant had given instead of extending it"
+                    ),
+                );
+            }
+        }
+        // I4/I5: while its window lasts, the holder's renewals and fence checks succeed.
+        if matches!(e.op, Op::Renew | Op::Fence)
+            && !succeeded
+            && !matches!(e.reply, Reply::Error(_))
+            && g.released_at.is_none_or(|r| e.completed < r)
+            && let Some((valid, renewed)) = g.validity_known_at(e.invoked)
+            && e.completed < valid
+        {
+            let (invariant, why) = if renewed {
+                (
+                    Invariant::I5,
+                    "after a renewal extended it (the renewal did not keep the lease or its token)",
+                )
+            } else {
+                (
+                    Invariant::I4,
+                    "while its holder was inside its validity window (the holder was disturbed)",
+                )
+            };
+            violation(out, invariant, format!("{e} failed {why}"));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,226 @@
+//! The record of a case run: one [`Event`] per call, kept in order in a [`History`].
+
+use std::fmt;
+use std::time::Duration;
+
+use lock_api::{FencingToken, LockKey, OwnerId};
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
+use super::check::{CheckOptions, Violation, check};
+
+/// The kind of call an [`Event`] records.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub enum Op {
+    /// `acquire` (or one key of `acquire_many`).
+    Acquire,
+    /// `renew` (or one lease of `renew_many`).
+    Renew,
+    /// `release` (or one lease of `release_many`).
+    Release,
+    /// `fence`.
+    Fence,
+    /// A read-modify-write through a [`FencedCounter`](super::FencedCounter).
+    Write,
+}
+
+impl fmt::Display for Op {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Acquire => "acquire",
+            Self::Renew => "renew",
+            Self::Release => "release",
+            Self::Fence => "fence",
+            Self::Write => "write",
+        })
+    }
+}
+
+/// What a recorded call returned.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum Reply {
+    /// `acquire` granted a lease (its token, owner and validity are in the event).
+    Granted,
+    /// `acquire` found the key held.
+    Busy,
+    /// `renew` extended the lease (the new validity is in the event).
+    Renewed,
+    /// `renew` said the lease is lost.
+    Lost,
+    /// `release` freed the key.
+    Released,
+    /// `release` said the lease was not held.
+    NotHeld,
+    /// `fence` said the lease is current.
+    Current,
+    /// `fence` said the lease is stale.
+    Stale {
+        /// The key's newest token, as the store reported it.
+        current: FencingToken,
+    },
+    /// The fenced resource admitted a read-modify-write.
+    Admitted {
+        /// The value read before the write.
+        read: u64,
+        /// The value written.
+        wrote: u64,
+    },
+    /// The fenced resource rejected a write as stale.
+    Rejected {
+        /// The highest token the resource had admitted.
+        latest: FencingToken,
+    },
+    /// The call failed; the text is the error.
+    Error(String),
+}
+
+/// One recorded call.
+#[derive(Clone, Debug)]
+pub struct Event {
+    /// Position in completion order (for writes: admission order), from 0.
+    pub seq: u64,
+    /// The call.
+    pub op: Op,
+    /// The key (for writes: the key that guards the resource).
+    pub key: LockKey,
+    /// The lease's owner (for acquire: the granted owner, if any).
+    pub owner: Option<OwnerId>,
+    /// The lease's token (for acquire: the granted token, if any).
+    pub token: Option<FencingToken>,
+    /// The TTL asked for or held.
+    pub ttl: Option<Duration>,
+    /// When the call was made.
+    pub invoked: Instant,
+    /// When the reply arrived.
+    pub completed: Instant,
+    /// The end of the client validity window a grant or renewal gave.
+    pub valid_until: Option<Instant>,
+    /// What the call returned.
+    pub reply: Reply,
+}
+
+impl Event {
+    /// The lease the event is about: its owner and token, when it names both.
+    pub(super) fn lease_id(&self) -> Option<(OwnerId, FencingToken)> {
+        Some((self.owner?, self.token?))
+    }
+}
+
+impl fmt::Display for Event {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{} {} {:?}", self.seq, self.op, self.key.as_str())?;
+        if let Some(token) = self.token {
+            write!(f, " token {token}")?;
+        }
+        if let Some(owner) = self.owner {
+            write!(f, " owner {owner}")?;
+        }
+        write!(f, " -> {:?}", self.reply)
+    }
+}
+
+/// A thread-safe recorder of [`Event`]s. Cheap to share behind an `Arc`.
+#[derive(Debug)]
+pub struct History {
+    events: Mutex<Vec<Event>>,
+}
+
+impl Default for History {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The fields of an event before it is numbered.
+struct Draft {
+    op: Op,
+    key: LockKey,
+    owner: Option<OwnerId>,
+    token: Option<FencingToken>,
+    ttl: Option<Duration>,
+    invoked: Instant,
+    valid_until: Option<Instant>,
+    reply: Reply,
+}
+
+impl History {
+    /// An empty history.
+    pub fn new() -> Self {
+        Self {
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Appends an event; `seq` is assigned here, in the order events are recorded.
+    #[allow(clippy::too_many_arguments)]
+    pub fn record(
+        &self,
+        op: Op,
+        key: &LockKey,
+        owner: Option<OwnerId>,
+        token: Option<FencingToken>,
+        ttl: Option<Duration>,
+        invoked: Instant,
+        valid_until: Option<Instant>,
+        reply: Reply,
+    ) {
+        self.push(Draft {
+            op,
+            key: key.clone(),
+            owner,
+            token,
+            ttl,
+            invoked,
+            valid_until,
+            reply,
+        });
+    }
+
+    fn push(&self, draft: Draft) {
+        let completed = Instant::now();
+        let mut events = self.events.lock();
+        let seq = events.len() as u64;
+        events.push(Event {
+            seq,
+            op: draft.op,
+            key: draft.key,
+            owner: draft.owner,
+            token: draft.token,
+            ttl: draft.ttl,
+            invoked: draft.invoked,
+            completed,
+            valid_until: draft.valid_until,
+            reply: draft.reply,
+        });
+    }
+
+    /// A copy of every event so far, in recording order.
+    pub fn events(&self) -> Vec<Event> {
+        self.events.lock().clone()
+    }
+
+    /// How many events were recorded.
+    pub fn len(&self) -> usize {
+        self.events.lock().len()
+    }
+
+    /// True when nothing was recorded.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The events on `key` that granted a lease, in completion order.
+    pub fn grants(&self, key: &LockKey) -> Vec<Event> {
+        self.events
+            .lock()
+            .iter()
+            .filter(|e| e.op == Op::Acquire && e.reply == Reply::Granted && &e.key == key)
+            .cloned()
+            .collect()
+    }
+
+    /// Checks every invariant; see [`check`].
+    pub fn check(&self, options: &CheckOptions) -> Vec<Violation> {
+        check(&self.events(), options)
+    }
+}
