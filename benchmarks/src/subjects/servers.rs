@@ -1,0 +1,87 @@
+//! The servers one run measures, started from the test harness.
+
+use harness::etcd::EtcdServer;
+use harness::postgres::PostgresServer;
+use harness::redis::RedisServer;
+
+use super::Store;
+use crate::BenchError;
+
+/// The servers one run measures, started from the test harness on free loopback
+/// ports and stopped when this value is dropped.
+#[derive(Debug, Default)]
+pub struct Servers {
+    redis: Option<RedisServer>,
+    postgres: Option<PostgresServer>,
+    etcd: Option<EtcdServer>,
+}
+
+impl Servers {
+    /// Starts the servers of `stores` (the memory store needs none).
+    pub async fn start(stores: &[Store]) -> Result<Self, BenchError> {
+        let mut servers = Servers::default();
+        if stores.contains(&Store::Redis) {
+            servers.redis = Some(RedisServer::start().await?);
+        }
+        if stores.contains(&Store::Postgres) {
+            let postgres = PostgresServer::start().await?;
+            // The role the benchmarks connect as may create the backends' schema, as a
+            // deployment grants once.
+            postgres
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await?;
+            servers.postgres = Some(postgres);
+        }
+        if stores.contains(&Store::Etcd) {
+            servers.etcd = Some(EtcdServer::start().await?);
+        }
+        Ok(servers)
+    }
+
+    fn missing(store: Store) -> BenchError {
+        BenchError::Unexpected {
+            subject: store.name(),
+            detail: "the server for this store was not started".into(),
+        }
+    }
+
+    /// The Redis server's URL.
+    pub fn redis_url(&self) -> Result<String, BenchError> {
+        self.redis
+            .as_ref()
+            .map(RedisServer::url)
+            .ok_or_else(|| Self::missing(Store::Redis))
+    }
+
+    /// Sends one command to the Redis server and returns its reply as text.
+    pub async fn redis_command(&self, args: &[&str]) -> Result<String, BenchError> {
+        let redis = self
+            .redis
+            .as_ref()
+            .ok_or_else(|| Self::missing(Store::Redis))?;
+        let reply = redis.command(args).await?;
+        match reply.as_text() {
+            Some(text) if !reply.is_error() => Ok(text),
+            _ => Err(BenchError::Unexpected {
+                subject: "redis",
+                detail: format!("{args:?} answered {reply:?}"),
+            }),
+        }
+    }
+
+    /// The PostgreSQL server's URL (the harness's unprivileged role).
+    pub fn postgres_url(&self) -> Result<String, BenchError> {
+        self.postgres
+            .as_ref()
+            .map(PostgresServer::url)
+            .ok_or_else(|| Self::missing(Store::Postgres))
+    }
+
+    /// The etcd client endpoint.
+    pub fn etcd_endpoint(&self) -> Result<String, BenchError> {
+        self.etcd
+            .as_ref()
+            .map(EtcdServer::endpoint)
+            .ok_or_else(|| Self::missing(Store::Etcd))
+    }
+}
