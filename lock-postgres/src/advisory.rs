@@ -1,33 +1,35 @@
 //! [`PgAdvisoryBackend`]: session-level advisory locks (`pg_try_advisory_lock`) on a
 //! connection pinned to the lease until it is released.
+//!
+//! The pinned session (taking, checking and unpinning it) is in `session`; how a name
+//! becomes an advisory-lock key in `keys`.
+
+mod keys;
+mod session;
 
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use lock_api::wake::ReleaseWatch;
 use lock_api::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
-    OwnerId, Release, Renewal, valid_until,
+    Release, Renewal,
 };
-use sha2::{Digest, Sha256};
-use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, Postgres};
-use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore};
+use sqlx::AssertSqlSafe;
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
-use crate::client::{PgClient, on_conn, owner_uuid, token_from, ttl_ms, with_clock};
+use self::keys::{lock_id, split};
+use self::session::{session_moved, unpin};
+use crate::client::{PgClient, on_conn, token_from, with_clock};
 use crate::error::Operation;
 use crate::key_row;
 use crate::releases::{ReleaseListener, channel};
-use crate::schema::Schema;
 
 const NAME: &str = "postgres-advisory";
-
-/// How many keepalive probes go unanswered before the server drops a session.
-const KEEPALIVE_PROBES: i64 = 3;
 
 /// The statements, with the schema name filled in once.
 struct Statements {
@@ -36,20 +38,6 @@ struct Statements {
     inspect: Arc<str>,
     purge: Arc<str>,
 }
-
-/// Checks that this session holds the advisory lock `(classid, objid)` of a bigint key.
-/// Also returns the server session's pid, which must be the one that took the lock.
-/// Reads `pg_locks`, which takes every lock-manager partition lock: `fence` only.
-const HOLDS: &str = "SELECT pg_backend_pid() AS pid, EXISTS (SELECT 1 FROM pg_locks \
-     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
-       AND classid = $1::bigint::oid AND objid = $2::bigint::oid AND objsubid = 1)";
-
-/// The renewal's check: the server session that took the lock still answers. A
-/// session-level advisory lock lasts until it is unlocked or its session ends, and on a
-/// pinned session nothing but `release` (which unpins it) unlocks, so the live session
-/// with the pid that took the lock is the proof. `pg_locks`, whose cost grows with every
-/// lock on the server, is not read once per held lock per renewal.
-const ALIVE: &str = "SELECT pg_backend_pid() AS pid, true";
 
 /// Unlocks, drops any other advisory lock the session may hold (none, by the acquire's
 /// check), and resets the session's time limits (`set_config` with a NULL value is
@@ -157,75 +145,6 @@ pub struct PgAdvisoryBackend {
     pub(crate) releases: ReleaseListener,
 }
 
-/// The private handle of an advisory lease: the pinned session, while it is pinned.
-struct Session {
-    key: i64,
-    /// The server session (`pg_backend_pid()`) that took the lock.
-    pid: i32,
-    owner: OwnerId,
-    token: FencingToken,
-    pinned: Mutex<Option<Pinned>>,
-}
-
-/// A connection pinned to a held lock, with the capacity it takes up; both are given
-/// back when it is taken out of its [`Session`] (release, or loss found).
-struct Pinned {
-    conn: PoolConnection<Postgres>,
-    _slot: OwnedSemaphorePermit,
-    _held: Held,
-}
-
-/// A connection while an acquire runs on it, closed on drop unless the acquire finished.
-/// Once its statement is sent, an acquire may take the lock even when the caller's future
-/// is then dropped or the reply is lost, and a session lock outlives the statement: such
-/// a connection must never go back to the pool, where it would keep holding the lock.
-struct Attempt<'a> {
-    conn: &'a mut PoolConnection<Postgres>,
-    finished: bool,
-}
-
-impl Attempt<'_> {
-    /// The statement completed and its result is in hand: the connection is either about
-    /// to be pinned to the new lease or, lock not taken, clean for the pool.
-    fn finish(mut self) {
-        self.finished = true;
-    }
-}
-
-impl Drop for Attempt<'_> {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.conn.close_on_drop();
-        }
-    }
-}
-
-/// Counts one held lock while it lives.
-struct Held(Arc<AtomicUsize>);
-
-impl Held {
-    fn new(count: &Arc<AtomicUsize>) -> Self {
-        count.fetch_add(1, Ordering::SeqCst);
-        Self(count.clone())
-    }
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        // Still pinned: the lease was dropped without release. Closing the session frees
-        // the lock; returning it to the pool would leak the lock to the next user.
-        if let Some(pinned) = self.pinned.get_mut().as_mut() {
-            pinned.conn.close_on_drop();
-        }
-    }
-}
-
 impl PgAdvisoryBackend {
     /// Settings for the server at `url`; see [`crate::PgBuilder`].
     pub fn builder(url: impl Into<String>) -> crate::PgBuilder {
@@ -317,130 +236,12 @@ impl PgAdvisoryBackend {
         lock_id(&self.client.schema, key)
     }
 
-    /// The session of a lease granted by this backend; `None` for a lease that does not
-    /// carry this acquisition's session (another owner or token), which holds nothing.
-    fn session<'a>(&self, lease: &'a Lease) -> Result<Option<&'a Session>, LockError> {
-        lease.check_backend(self.id, NAME)?;
-        Ok(lease
-            .handle::<Session>()
-            .filter(|s| s.owner == lease.owner() && s.token == lease.token()))
-    }
-
     /// Fails with [`LockError::ForeignLease`] if any lease of a batch is not this
     /// backend's, before anything is sent.
     fn check_all(&self, leases: &[Lease]) -> Result<(), LockError> {
         leases
             .iter()
             .try_for_each(|lease| lease.check_backend(self.id, NAME))
-    }
-
-    fn exhausted(&self) -> LockError {
-        LockError::unavailable(
-            NAME,
-            format!(
-                "all {} lock slots are in use: each held advisory lock pins one of the \
-                 pool's connections; release a lock or raise pool_size",
-                self.max_held
-            ),
-        )
-    }
-
-    /// Acquires with the validity counted from `sent` (taken before anything was sent).
-    async fn acquire_sent(
-        &self,
-        key: &LockKey,
-        ttl: Duration,
-        sent: Instant,
-    ) -> Result<Option<Lease>, LockError> {
-        if self.held.load(Ordering::SeqCst) >= self.max_held {
-            return Err(self.exhausted());
-        }
-        // Attempts in flight finish quickly; wait for one of them, not for a lock holder.
-        let slot = tokio::time::timeout(
-            self.client.connect_timeout,
-            self.slots.clone().acquire_owned(),
-        )
-        .await
-        .ok()
-        .and_then(Result::ok)
-        .ok_or_else(|| self.exhausted())?;
-        let id = self.lock_id(key);
-        let ms = ttl_ms(ttl);
-        // Keepalive probes start after a third of the TTL and give up after about one TTL.
-        let keepalive_secs = (ms / 1000 / (KEEPALIVE_PROBES + 1)).max(1);
-        let owner = OwnerId::random();
-        let mut conn = self.client.conn(NAME).await?;
-        let attempt = Attempt {
-            conn: &mut conn,
-            finished: false,
-        };
-        let (held_before, pid, token): (i64, i32, Option<i64>) = self
-            .client
-            .timed(
-                NAME,
-                Operation::Acquire,
-                sqlx::query_as(AssertSqlSafe(self.sql.acquire.clone()))
-                    .bind(id)
-                    .bind(key.as_str())
-                    .bind(ms.to_string())
-                    .bind(keepalive_secs.to_string())
-                    .bind(KEEPALIVE_PROBES.to_string())
-                    .bind(owner_uuid(owner))
-                    .bind(ms)
-                    .fetch_one(&mut **attempt.conn),
-            )
-            .await
-            .map_err(|failed| failed.error)?;
-        if held_before != 0 {
-            // Dropping the attempt closes the session, and so frees what it held.
-            return Err(LockError::unavailable(
-                NAME,
-                format!(
-                    "the pooled session already held {held_before} advisory lock(s) that this \
-                     backend did not take; it was closed. Behind a transaction-pooling proxy \
-                     (PgBouncer pool_mode = transaction or statement) advisory locks cannot work"
-                ),
-            ));
-        }
-        attempt.finish();
-        let Some(token) = token else {
-            return Ok(None);
-        };
-        let token = token_from(token);
-        let session = Session {
-            key: id,
-            pid,
-            owner,
-            token,
-            pinned: Mutex::new(Some(Pinned {
-                conn,
-                _slot: slot,
-                _held: Held::new(&self.held),
-            })),
-        };
-        let lease = Lease::new(
-            self.id,
-            key.clone(),
-            owner,
-            token,
-            ttl,
-            valid_until(sent, ttl),
-        );
-        Ok(Some(lease.with_handle(Arc::new(session))))
-    }
-
-    /// Renews with the validity counted from `sent`.
-    async fn renew_sent(&self, lease: &Lease, sent: Instant) -> Result<Renewal, LockError> {
-        let Some(session) = self.session(lease)? else {
-            return Ok(Renewal::Lost);
-        };
-        Ok(if self.holds(session, Operation::Renew).await? {
-            Renewal::Renewed {
-                valid_until: valid_until(sent, lease.ttl()),
-            }
-        } else {
-            Renewal::Lost
-        })
     }
 
     async fn current_token(&self, key: &LockKey) -> Result<Option<FencingToken>, LockError> {
@@ -456,64 +257,6 @@ impl PgAdvisoryBackend {
         )?;
         Ok(token.map(token_from))
     }
-
-    /// Whether the pinned session still holds the lock; `None` when the session is gone
-    /// (and then the connection has been dropped, closing it).
-    async fn holds(&self, session: &Session, op: Operation) -> Result<bool, LockError> {
-        let mut slot = session.pinned.lock().await;
-        let Some(pinned) = slot.as_mut() else {
-            return Ok(false);
-        };
-        let (classid, objid) = split(session.key);
-        let result = self
-            .client
-            .timed(
-                NAME,
-                op,
-                if op == Operation::Renew {
-                    sqlx::query_as::<_, (i32, bool)>(ALIVE)
-                } else {
-                    sqlx::query_as::<_, (i32, bool)>(HOLDS)
-                        .bind(classid)
-                        .bind(objid)
-                }
-                .fetch_one(&mut *pinned.conn),
-            )
-            .await;
-        match result {
-            // Left pinned: closing this client connection would not end the proxy's
-            // server sessions, and a lease dropped later closes it anyway.
-            Ok((pid, _)) if pid != session.pid => Err(session_moved(session.pid, Some(pid))),
-            Ok((_, true)) => Ok(true),
-            Ok((_, false)) => {
-                // Nothing else unlocks on this session; unpin it rather than trust it.
-                unpin(&mut slot);
-                Ok(false)
-            }
-            Err(failed) if failed.broken => {
-                // The session is gone or unusable, and with it the lock.
-                unpin(&mut slot);
-                Ok(false)
-            }
-            Err(failed) => Err(failed.error),
-        }
-    }
-}
-
-/// The error for a lease whose connection no longer reaches the server session that took
-/// its lock (`now`, when known): only a proxy that pools server sessions per transaction
-/// or statement does that.
-fn session_moved(took: i32, now: Option<i32>) -> LockError {
-    let now = now.map_or_else(
-        || "another server session".to_owned(),
-        |p| format!("server session {p}"),
-    );
-    LockError::Config(format!(
-        "the advisory lock was taken by server session {took}, but its connection now \
-         reaches {now}: a transaction-pooling proxy (PgBouncer pool_mode = transaction or \
-         statement) is between client and server. Advisory locks need the session: \
-         connect directly or through a session-mode pool"
-    ))
 }
 
 /// A batch's results from one call per item: a failed item becomes `unreachable` and the
@@ -533,33 +276,6 @@ where
         .into_iter()
         .map(|r| r.unwrap_or(unreachable))
         .collect())
-}
-
-/// Takes the pinned connection out of its session and closes it, which ends the server
-/// session and so frees any lock it still holds.
-fn unpin(slot: &mut Option<Pinned>) {
-    if let Some(mut pinned) = slot.take() {
-        pinned.conn.close_on_drop();
-    }
-}
-
-/// `(classid, objid)` of a bigint advisory key, as `pg_locks` shows them.
-fn split(key: i64) -> (i64, i64) {
-    let bits = key as u64;
-    ((bits >> 32) as i64, (bits & 0xffff_ffff) as i64)
-}
-
-/// The first 8 bytes of SHA-256 of `distlock:<schema>:<name>`, big-endian.
-pub(crate) fn lock_id(schema: &Schema, key: &LockKey) -> i64 {
-    let digest = Sha256::new()
-        .chain_update(b"distlock:")
-        .chain_update(schema.as_str().as_bytes())
-        .chain_update(b":")
-        .chain_update(key.as_str().as_bytes())
-        .finalize();
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&digest[..8]);
-    i64::from_be_bytes(first)
 }
 
 impl fmt::Debug for PgAdvisoryBackend {
@@ -741,66 +457,8 @@ impl LockBackend for PgAdvisoryBackend {
 
 #[cfg(test)]
 mod tests {
+    use super::session::Session;
     use super::*;
-
-    #[test]
-    fn lock_ids_are_stable_and_namespaced() {
-        let a = Schema::new("distlock").unwrap();
-        let b = Schema::new("other").unwrap();
-        let key = LockKey::new("payout:42").unwrap();
-        // SHA-256("distlock:distlock:payout:42"), first 8 bytes, big-endian.
-        let digest = Sha256::digest(b"distlock:distlock:payout:42");
-        let expected = i64::from_be_bytes(digest[..8].try_into().unwrap());
-        assert_eq!(lock_id(&a, &key), expected);
-        assert_ne!(lock_id(&a, &key), lock_id(&b, &key));
-    }
-
-    #[test]
-    fn keys_split_into_classid_and_objid() {
-        assert_eq!(split(0x0000_0001_0000_0002), (1, 2));
-        assert_eq!(split(-1), (0xffff_ffff, 0xffff_ffff));
-    }
-
-    /// Behind a transaction-pooling proxy a lease's connection reaches whichever server
-    /// session the proxy picks. Swapping two leases' pinned connections does exactly
-    /// that, on a real server.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_lease_answered_by_another_server_session_names_the_pooling_proxy() {
-        use harness::postgres::PostgresServer;
-
-        let server = harness::require(PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
-        let backend = crate::PgBuilder::new(server.url())
-            .build_advisory_backend()
-            .unwrap();
-        backend.setup().await.unwrap();
-        let ttl = Duration::from_secs(30);
-        let (ka, kb) = (
-            LockKey::new("pooled:a").unwrap(),
-            LockKey::new("pooled:b").unwrap(),
-        );
-        let a = backend.acquire(&ka, ttl).await.unwrap().expect("free");
-        let b = backend.acquire(&kb, ttl).await.unwrap().expect("free");
-        let (sa, sb) = (
-            a.handle::<Session>().unwrap(),
-            b.handle::<Session>().unwrap(),
-        );
-        std::mem::swap(&mut *sa.pinned.lock().await, &mut *sb.pinned.lock().await);
-
-        let names_the_pooler = |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pool_mode = transaction"));
-        let err = backend.renew(&a).await.unwrap_err();
-        assert!(names_the_pooler(&err), "{err}");
-        let err = backend.release(&b).await.unwrap_err();
-        assert!(names_the_pooler(&err), "{err}");
-        // Nothing ran in the wrong sessions: `b`'s release did not unlock (or unlock all
-        // of) the session holding `a`, so both keys are still held.
-        assert_eq!(backend.inspect(&ka).await.unwrap().owner, Some(a.owner()));
-        assert_eq!(backend.inspect(&kb).await.unwrap().owner, Some(b.owner()));
-    }
 
     /// One item of a renewal batch whose session answers with an error (here: another
     /// server session answers, as behind a pooling proxy) is `Unreachable`; the others
