@@ -15,7 +15,7 @@ use conformance::factory::{LinkFaults, ServerFaults, SessionFaults};
 
 use crate::postgres::{PostgresServer, USER};
 use crate::proxy::FaultProxy;
-use crate::require;
+use crate::{Server, ServerKind, require};
 
 #[async_trait]
 impl LinkFaults for FaultProxy {
@@ -64,31 +64,21 @@ impl LinkFaults for ProxyGroup {
 
 /// Process faults on a server: `SIGSTOP`, `SIGCONT`, `SIGKILL` to its process group, and
 /// a start on the same port and data directory.
-macro_rules! server_faults {
-    ($server:ty) => {
-        #[async_trait]
-        impl ServerFaults for $server {
-            async fn pause(&self) {
-                require(<$server>::pause(self));
-            }
-            async fn resume(&self) {
-                require(<$server>::resume(self));
-            }
-            async fn kill(&self) {
-                require(<$server>::kill(self));
-            }
-            async fn restart(&self) {
-                require(<$server>::restart(self).await);
-            }
-        }
-    };
+#[async_trait]
+impl<K: ServerKind> ServerFaults for Server<K> {
+    async fn pause(&self) {
+        require(Server::pause(self));
+    }
+    async fn resume(&self) {
+        require(Server::resume(self));
+    }
+    async fn kill(&self) {
+        require(Server::kill(self));
+    }
+    async fn restart(&self) {
+        require(Server::restart(self).await);
+    }
 }
-
-server_faults!(PostgresServer);
-#[cfg(feature = "redis")]
-server_faults!(crate::redis::RedisServer);
-#[cfg(feature = "etcd")]
-server_faults!(crate::etcd::EtcdServer);
 
 /// Server faults on every node of a Redis Cluster at once: the whole store paused, killed
 /// or restarted (each node keeps its `nodes.conf`, so the cluster forms again).

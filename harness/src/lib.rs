@@ -35,6 +35,9 @@
 //! Nothing in the harness panics except [`require`], which exists to turn an error into a
 //! test failure; every other failure is a [`HarnessError`].
 //!
+//! Each server type is a [`Server`] of its kind (`PostgresServer = Server<Postgres>`), which
+//! holds that lifecycle once: start, pid, pause, resume, kill, restart, stop on drop.
+//!
 //! # Clients
 //!
 //! The harness talks to its servers with real clients: the `redis` crate, `etcd-client`,
@@ -55,6 +58,9 @@ mod process;
 pub mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis;
+mod server;
+
+pub use server::{Server, ServerKind};
 
 use std::collections::HashSet;
 use std::future::Future;
@@ -368,6 +374,22 @@ pub fn loopback(port: u16) -> SocketAddr {
 /// How many times a server start is retried with fresh ports when its port was taken
 /// between [`free_port`] and the server's own bind (another process on the machine).
 pub(crate) const START_ATTEMPTS: usize = 3;
+
+/// Runs `start` (which picks fresh ports each time) again while it fails because another
+/// process took a port first, at most [`START_ATTEMPTS`] times in all.
+pub(crate) async fn start_on_free_ports<T, F, Fut>(mut start: F) -> Result<T, HarnessError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<T, HarnessError>>,
+{
+    let mut attempt = 1;
+    loop {
+        match start().await {
+            Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
+            result => return result,
+        }
+    }
+}
 
 /// True when `e` says the server could not bind its port because it was taken.
 pub(crate) fn is_port_clash(e: &HarnessError) -> bool {

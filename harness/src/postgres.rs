@@ -6,16 +6,13 @@
 //! [`PostgresServer::kill`] + [`PostgresServer::restart`] (the OS page cache keeps it), but
 //! not a machine crash.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::process::{ManagedProcess, Spec};
-use super::{
-    HarnessError, Probe, START_ATTEMPTS, find_binary, free_port, is_port_clash, loopback,
-    wait_until,
-};
+use super::process::Spec;
+use super::server::{Server, ServerKind};
+use super::{HarnessError, find_binary, free_port, start_on_free_ports};
 
 /// The non-superuser login role that [`PostgresServer::url`] uses.
 pub const USER: &str = "distlock";
@@ -26,8 +23,6 @@ pub const SUPERUSER: &str = "postgres";
 /// The TCP password of [`SUPERUSER`] (the Unix socket uses `trust`).
 pub const SUPERUSER_PASSWORD: &str = "distlock-superuser-test-pw";
 
-/// How long the server may take to accept queries after start or restart.
-const READY_TIMEOUT: Duration = Duration::from_secs(60);
 /// Time limit for one `psql` run.
 const PSQL_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -111,13 +106,39 @@ fn trim_output(mut s: String) -> String {
 
 /// A PostgreSQL server on 127.0.0.1 with its own cluster directory; killed and removed on
 /// drop.
+///
+/// [`pause`](Server::pause) freezes the postmaster and every backend (the whole process
+/// tree, also the backends in sessions of their own): open connections hang, new ones are
+/// not accepted. [`kill`](Server::kill) ends every session, and so every session-level
+/// advisory lock. [`restart`](Server::restart) starts it on the same port and data dir
+/// (crash recovery runs) and returns once `select 1` works.
+pub type PostgresServer = Server<Postgres>;
+
+/// What a PostgreSQL server adds to [`Server`]: its port and the `psql` that drives it.
 #[derive(Debug)]
-pub struct PostgresServer {
-    // Field order matters: the process is killed before the directory is removed.
-    process: ManagedProcess,
+pub struct Postgres {
     port: u16,
     psql: PathBuf,
-    dir: tempfile::TempDir,
+}
+
+impl ServerKind for Postgres {
+    const READY_TIMEOUT: Duration = Duration::from_secs(60);
+    const PROBE_INTERVAL: Duration = Duration::from_millis(50);
+
+    fn client_port(&self) -> u16 {
+        self.port
+    }
+
+    async fn probe(server: &PostgresServer) -> Result<(), String> {
+        if let Err(e) = tokio::net::TcpStream::connect(server.addr()).await {
+            return Err(format!("TCP connect: {e}"));
+        }
+        match server.psql("select 1").await {
+            Ok(out) if out == "1" => Ok(()),
+            Ok(out) => Err(format!("select 1 returned {out:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
 }
 
 impl PostgresServer {
@@ -127,13 +148,7 @@ impl PostgresServer {
     /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
     /// `postgres`) and gives [`SUPERUSER`] its TCP password.
     pub async fn start() -> Result<Self, HarnessError> {
-        let mut attempt = 1;
-        loop {
-            match Self::start_once().await {
-                Err(e) if is_port_clash(&e) && attempt < START_ATTEMPTS => attempt += 1,
-                result => return result,
-            }
-        }
+        start_on_free_ports(Self::start_once).await
     }
 
     async fn start_once() -> Result<Self, HarnessError> {
@@ -209,13 +224,7 @@ impl PostgresServer {
             user,
             log: dir.path().join("postgres.log"),
         };
-        let process = ManagedProcess::spawn(spec)?;
-        let server = PostgresServer {
-            process,
-            port,
-            psql,
-            dir,
-        };
+        let server = Server::spawn(spec, Postgres { port, psql }, dir)?;
         server.wait_ready().await?;
         server
             .psql(&format!(
@@ -231,7 +240,7 @@ impl PostgresServer {
     pub fn url(&self) -> String {
         format!(
             "postgres://{USER}:{PASSWORD}@127.0.0.1:{}/postgres",
-            self.port
+            self.port()
         )
     }
 
@@ -239,73 +248,23 @@ impl PostgresServer {
     pub fn superuser_url(&self) -> String {
         format!(
             "postgres://{SUPERUSER}:{SUPERUSER_PASSWORD}@127.0.0.1:{}/postgres",
-            self.port
+            self.port()
         )
     }
 
     /// The TCP port.
     pub fn port(&self) -> u16 {
-        self.port
-    }
-
-    /// `127.0.0.1:PORT`, for example as the upstream of a [`super::proxy::FaultProxy`].
-    pub fn addr(&self) -> SocketAddr {
-        loopback(self.port)
-    }
-
-    /// The pid of the postmaster, `None` after [`kill`](Self::kill).
-    pub fn pid(&self) -> Option<u32> {
-        self.process.pid()
+        self.kind().port
     }
 
     /// The directory holding the Unix socket (`.s.PGSQL.PORT`).
     pub fn socket_dir(&self) -> &Path {
-        self.dir.path()
+        self.dir()
     }
 
     /// The data directory (`PGDATA`).
     pub fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    /// Freezes the postmaster and every backend with `SIGSTOP` (the whole process group):
-    /// open connections hang, new ones are not accepted. Returns once every process is
-    /// stopped (a few milliseconds; blocks the caller).
-    pub fn pause(&self) -> Result<(), HarnessError> {
-        self.process.pause()
-    }
-
-    /// Continues a paused server with `SIGCONT`.
-    pub fn resume(&self) -> Result<(), HarnessError> {
-        self.process.resume()
-    }
-
-    /// Kills the postmaster and all backends with `SIGKILL` and waits for the postmaster.
-    /// Every session (and so every session-level advisory lock) is gone.
-    pub fn kill(&self) -> Result<(), HarnessError> {
-        self.process.kill()
-    }
-
-    /// Starts the server again on the same port and data dir (killing it first if it still
-    /// runs; crash recovery runs) and waits until `select 1` works.
-    pub async fn restart(&self) -> Result<(), HarnessError> {
-        self.process.respawn().await?;
-        self.wait_ready().await
-    }
-
-    /// True while the postmaster runs (also while paused).
-    pub fn is_running(&self) -> bool {
-        self.process.is_running()
-    }
-
-    /// True while the server is paused.
-    pub fn is_paused(&self) -> bool {
-        self.process.is_paused()
-    }
-
-    /// The last lines of the server log.
-    pub fn log_tail(&self) -> String {
-        self.process.log_tail()
+        self.dir().join("data")
     }
 
     /// Ends every session of `user` with `pg_terminate_backend`, as an administrator
@@ -328,12 +287,12 @@ impl PostgresServer {
     /// `postgres`, stopping at the first error, and returns the unaligned, tuples-only
     /// output (`|`-separated columns, one row per line).
     pub async fn psql(&self, sql: &str) -> Result<String, HarnessError> {
-        let mut cmd = tokio::process::Command::new(&self.psql);
+        let mut cmd = tokio::process::Command::new(&self.kind().psql);
         cmd.arg("-h")
-            .arg(self.dir.path())
+            .arg(self.dir())
             .args([
                 "-p",
-                &self.port.to_string(),
+                &self.port().to_string(),
                 "-U",
                 SUPERUSER,
                 "-d",
@@ -363,12 +322,19 @@ impl PostgresServer {
         password: &str,
         sql: &str,
     ) -> Result<String, HarnessError> {
-        let mut cmd = tokio::process::Command::new(&self.psql);
-        cmd.args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", user])
-            .args(["-d", "postgres", "-X", "-q", "-A", "-t", "-w"])
-            .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
-            .env("PGPASSWORD", password)
-            .env("PGCONNECT_TIMEOUT", "5");
+        let mut cmd = tokio::process::Command::new(&self.kind().psql);
+        cmd.args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &self.port().to_string(),
+            "-U",
+            user,
+        ])
+        .args(["-d", "postgres", "-X", "-q", "-A", "-t", "-w"])
+        .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
+        .env("PGPASSWORD", password)
+        .env("PGCONNECT_TIMEOUT", "5");
         run(
             cmd,
             format!("psql (tcp, user {user}) -c {sql:?}"),
@@ -376,28 +342,6 @@ impl PostgresServer {
         )
         .await
         .map(trim_output)
-    }
-
-    async fn wait_ready(&self) -> Result<(), HarnessError> {
-        wait_until(
-            self.process.what(),
-            READY_TIMEOUT,
-            Duration::from_millis(50),
-            || async move {
-                if let Some(fatal) = self.process.check_alive() {
-                    return fatal;
-                }
-                if let Err(e) = tokio::net::TcpStream::connect(self.addr()).await {
-                    return Probe::NotYet(format!("TCP connect: {e}"));
-                }
-                match self.psql("select 1").await {
-                    Ok(out) if out == "1" => Probe::Ready(()),
-                    Ok(out) => Probe::NotYet(format!("select 1 returned {out:?}")),
-                    Err(e) => Probe::NotYet(e.to_string()),
-                }
-            },
-        )
-        .await
     }
 }
 
