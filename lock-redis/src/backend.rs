@@ -29,7 +29,7 @@ use tracing::debug;
 use self::coalesce::{Kind, PendingAcquire, PendingRelease, Queue};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
-use crate::error::{KindName, is_unreachable, map_error};
+use crate::error::{KindName, map_error};
 use crate::keys::LockKeys;
 use crate::releases::ReleaseListener;
 use crate::scripts::{
@@ -551,73 +551,7 @@ impl LockBackend for RedisBackend {
         if self.inner.replica_acks.is_some() {
             return self.acquire_many_with_replicas(keys, ttl).await;
         }
-        let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
-            .iter()
-            .map(|k| (self.keys(k), OwnerId::random(), ttl))
-            .collect();
-        let sent = Instant::now();
-        let replies = self.send_acquires("acquire_many", &with_ttl).await;
-        let attempts: Vec<(LockKeys, OwnerId)> =
-            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
-        let replies = match replies {
-            Ok(r) => r,
-            Err(e) => {
-                if matches!(e, LockError::OutcomeUnknown { .. }) {
-                    self.abandon(attempts, ttl);
-                }
-                return Err(e);
-            }
-        };
-        let mut out = Vec::with_capacity(keys.len());
-        let mut failure = None;
-        let mut unknown = Vec::new();
-        let mut unreachable = None;
-        let mut answered = 0usize;
-        for ((key, (lock_keys, owner)), reply) in keys.iter().zip(attempts).zip(replies) {
-            let reply = match reply {
-                // A cluster node that did not answer: its keys are `None`, and whatever an
-                // attempt that reached it may have taken is given back in the background.
-                Err(e) if self.inner.cluster && is_unreachable(&e) => {
-                    unknown.push((lock_keys, owner));
-                    unreachable.get_or_insert(e);
-                    out.push(None);
-                    continue;
-                }
-                other => other,
-            };
-            match reply
-                .map_err(|e| map_error("acquire_many", true, &e))
-                .and_then(|v| parse_token(Some(v)))
-            {
-                Ok(token) => {
-                    answered += 1;
-                    out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
-                }
-                Err(e) => {
-                    if matches!(e, LockError::OutcomeUnknown { .. }) {
-                        unknown.push((lock_keys, owner));
-                    }
-                    failure.get_or_insert(e);
-                    out.push(None);
-                }
-            }
-        }
-        if failure.is_none() && answered == 0 {
-            failure = unreachable.map(|e| map_error("acquire_many", true, &e));
-        }
-        if let Some(e) = failure {
-            // A failed batch holds nothing: give back what it took.
-            let taken: Vec<Lease> = out.into_iter().flatten().collect();
-            let _ = self.release_many(&taken).await;
-            if !unknown.is_empty() {
-                self.abandon(unknown, ttl);
-            }
-            return Err(e);
-        }
-        if !unknown.is_empty() {
-            self.abandon(unknown, ttl);
-        }
-        Ok(out)
+        self.acquire_batch(keys, ttl).await
     }
 
     /// One pipeline per node, of one multi-key script call per hash slot (all leases on a
