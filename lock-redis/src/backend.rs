@@ -29,7 +29,7 @@ use tracing::debug;
 use self::coalesce::{Kind, PendingAcquire, PendingRelease, Queue};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
-use crate::error::{KindName, map_error};
+use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
 use crate::keys::LockKeys;
 use crate::releases::ReleaseListener;
 use crate::scripts::{
@@ -38,6 +38,9 @@ use crate::scripts::{
 };
 
 pub(crate) const NAME: &str = "redis";
+
+/// The first pause before a release that did not run is sent again; it doubles each time.
+const RESEND_PAUSE: Duration = Duration::from_millis(5);
 
 /// The longest TTL a [`RedisBackend`] accepts, whatever
 /// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
@@ -291,27 +294,68 @@ impl RedisBackend {
     /// One release. A release whose connection dropped either ran before the drop or
     /// never will: if the store still shows the lease as the holder afterwards (asked on
     /// the connection made again), it did not run and is sent once more. Sending it again
-    /// blindly could report `NotHeld` for a release that did run.
+    /// blindly could report `NotHeld` for a release that did run. A release the node
+    /// refused for now (a failover or restart under way: CLUSTERDOWN, TRYAGAIN, LOADING,
+    /// no connection to the node yet) did not run either, and is sent again.
+    ///
+    /// Both are tried again after a short pause, for half the response timeout at most:
+    /// a connection made again after a restart or a failover is not always ready for the
+    /// very next request.
     async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
-        let call = self.owner_call(&RELEASE_SCRIPT, lease, false);
-        let released: i64 = self
-            .timed("release", true, async {
-                match self.inner.conn.invoke(&call).await {
-                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        let fence = self.fence_call(lease);
-                        match self.inner.conn.invoke::<(i64, u64)>(&fence).await {
-                            Ok((1, _)) => {
-                                debug!(error = %e.kind_name(), "release: connection lost before it ran; sending it again");
-                                self.inner.conn.invoke(&call).await
-                            }
-                            _ => Err(e),
-                        }
-                    }
-                    reply => reply,
-                }
-            })
+        let released = self
+            .timed("release", true, self.release_until_settled(lease, None))
             .await?;
         Ok(release(released))
+    }
+
+    /// Sends `lease`'s release until its outcome is known, as [`Self::release_one`] says;
+    /// `failed` is the error of a send already made (a batch's), if any.
+    async fn release_until_settled(
+        &self,
+        lease: &Lease,
+        failed: Option<RedisError>,
+    ) -> redis::RedisResult<i64> {
+        let call = self.owner_call(&RELEASE_SCRIPT, lease, false);
+        let give_up = Instant::now() + self.inner.response_timeout / 2;
+        let mut pause = RESEND_PAUSE;
+        // The error of the last send when it may have run: ask before sending again.
+        let mut unsure: Option<RedisError> = None;
+        let mut failed = failed;
+        loop {
+            if let Some(e) = &unsure {
+                match self
+                    .inner
+                    .conn
+                    .invoke::<(i64, u64)>(&self.fence_call(lease))
+                    .await
+                {
+                    // Still held: the release did not run.
+                    Ok((1, _)) => unsure = None,
+                    // Gone: it ran, or the lease ran out; nobody can say which.
+                    Ok(_) => return Err(e.clone()),
+                    Err(asked) if Instant::now() + pause < give_up && is_unreachable(&asked) => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                        continue;
+                    }
+                    Err(_) => return Err(e.clone()),
+                }
+            }
+            let reply = match failed.take() {
+                Some(e) => Err(e),
+                None => self.inner.conn.invoke(&call).await,
+            };
+            let e = match reply {
+                Err(e) if Instant::now() + pause < give_up && is_resendable(&e) => e,
+                reply => return reply,
+            };
+            debug!(error = %e.kind_name(), "release: not run, or no reply; trying again");
+            if !is_refused_for_now(&e) {
+                unsure = Some(e);
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+        }
     }
 
     /// Runs `script` on the fenced-resource key of `resource` with `token`.
@@ -593,9 +637,27 @@ impl LockBackend for RedisBackend {
             return Ok(Vec::new());
         }
         let all: Vec<&Lease> = leases.iter().collect();
-        let replies = self
+        let mut replies = self
             .send_lease_batch("release_many", &RELEASE_MANY_SCRIPT, &all, false)
             .await?;
+        if self.inner.cluster {
+            // Items a node refused for now, or whose connection dropped, are settled one by
+            // one, as a single release is: a restarted or failed-over node's connection is
+            // often not ready for the batch that finds it gone.
+            let settle = replies.iter_mut().zip(leases).filter_map(|(reply, lease)| {
+                let failed = match reply {
+                    Err(e) if is_resendable(e) => e.clone(),
+                    _ => return None,
+                };
+                Some(async move {
+                    *reply = self
+                        .release_until_settled(lease, Some(failed))
+                        .await
+                        .map(Value::Int);
+                })
+            });
+            futures::future::join_all(settle).await;
+        }
         Ok(self
             .lease_outcomes("release_many", replies)?
             .into_iter()

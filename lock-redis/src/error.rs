@@ -41,13 +41,20 @@ pub(crate) fn is_unreachable(e: &RedisError) -> bool {
             || is_refused_for_now(e))
 }
 
+/// True for the errors after which a release is tried again: it did not run (refused for
+/// now), or its connection dropped and the store is asked whether it ran. Not a timeout:
+/// a node that answers that slowly is not asked again.
+pub(crate) fn is_resendable(e: &RedisError) -> bool {
+    is_unreachable(e) && !e.is_timeout()
+}
+
 /// True for the errors of a request that did not run and may succeed later: no
 /// connection to its cluster node, or a server that refuses it for now: a replica or a
 /// demoted master (READONLY), a failover or resharding under way (MASTERDOWN,
 /// CLUSTERDOWN, TRYAGAIN), a dataset being loaded (LOADING), a long script (BUSY), or
 /// memory full (OOM). A script meets READONLY and OOM at its first write, so it has
 /// changed nothing either.
-fn is_refused_for_now(e: &RedisError) -> bool {
+pub(crate) fn is_refused_for_now(e: &RedisError) -> bool {
     matches!(
         e.kind(),
         ErrorKind::Server(
