@@ -14,7 +14,7 @@ use serde::Serialize;
 use tokio::time::sleep;
 
 use super::ledger::{Applied, Ledger};
-use super::process::ProcessLink;
+use super::process::{ProcessLink, process_link};
 use super::queue::{Delivery, Queue};
 use super::workload::{Fault, Job, Workload};
 
@@ -191,7 +191,7 @@ impl Run {
     }
 
     fn start_process(&self) -> Result<Process, LockError> {
-        let link = Arc::new(ProcessLink::new(self.store.clone()));
+        let link = Arc::new(process_link(self.store.clone()));
         let locker = match self.strategy {
             Strategy::NoLock | Strategy::Lock => None,
             Strategy::LockRenew
@@ -225,7 +225,7 @@ impl Run {
         self.pause_if(process, fault).await;
         self.write(job, None);
         if fault == Fault::CrashBeforeAck {
-            process.link.crash();
+            process.link.layer().crash();
             return Outcome::Crashed;
         }
         Outcome::Done
@@ -249,7 +249,7 @@ impl Run {
         self.pause_if(process, fault).await;
         self.write(job, Some(lease.token()));
         if fault == Fault::CrashBeforeAck {
-            process.link.crash();
+            process.link.layer().crash();
             return Ok(Outcome::Crashed);
         }
         if process.link.release(&lease).await? == Release::NotHeld {
@@ -288,7 +288,7 @@ impl Run {
         self.pause_if(process, fault).await;
         let written = self.write(job, Some(guard.token()));
         if fault == Fault::CrashBeforeAck {
-            process.link.crash();
+            process.link.layer().crash();
             drop(guard);
             return Ok(Outcome::Crashed);
         }
@@ -321,7 +321,7 @@ impl Run {
     async fn pause_if(&self, process: &Process, fault: Fault) {
         if let Fault::PauseBeforeWrite(pause) = fault {
             bump(&self.counters.pauses);
-            process.link.freeze(pause);
+            process.link.layer().freeze(pause);
             sleep(pause).await;
         }
     }
