@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use lock_api::{LockBackend, LockKey, Renewal};
+use lock_api::{Lease, LockBackend, LockKey, Release, Renewal};
 use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
@@ -79,6 +79,72 @@ fn never_completed(ctx: &Ctx<'_>, what: &str) -> Failure {
     ctx.fail(
         format!("{what} to complete within {MAX_POLLS} polls"),
         "still pending",
+    )
+}
+
+/// What every cut case starts from: `first`, whose calls are cut, `other`, which takes
+/// the keys after a cut, the timing and the probe key.
+struct Clients {
+    t: Timing,
+    first: Arc<dyn LockBackend>,
+    other: Arc<dyn LockBackend>,
+    probe: LockKey,
+}
+
+impl Clients {
+    async fn new(ctx: &Ctx<'_>) -> Result<Self, Failure> {
+        let (first, other) = (ctx.client().await, ctx.client().await);
+        let t = ctx.timing(&first);
+        let probe = ctx.key("probe")?;
+        Ok(Clients {
+            t,
+            first,
+            other,
+            probe,
+        })
+    }
+
+    /// [`after_the_cut`] of `what`, dropped at `cut`, on `first`.
+    async fn after_the_cut(
+        &self,
+        ctx: &Ctx<'_>,
+        keys: &[LockKey],
+        cut: Instant,
+        what: &str,
+    ) -> Result<(), Failure> {
+        after_the_cut(
+            ctx,
+            &self.t,
+            &self.first,
+            &self.other,
+            &self.probe,
+            keys,
+            cut,
+            what,
+        )
+        .await
+    }
+
+    /// `first` takes each of `keys`.
+    async fn take_all(&self, ctx: &Ctx<'_>, keys: &[LockKey]) -> Result<Vec<Lease>, Failure> {
+        let mut leases = Vec::with_capacity(keys.len());
+        for key in keys {
+            leases.push(ctx.take(&self.first, key, self.t.ttl).await?);
+        }
+        Ok(leases)
+    }
+}
+
+/// Checks that a completed guard release was Released.
+fn guard_released(
+    ctx: &Ctx<'_>,
+    released: Result<Release, lock_api::LockError>,
+) -> Result<(), Failure> {
+    let released = ctx.ok("guard release", released)?;
+    ctx.ensure(
+        released == Release::Released,
+        "the guard's release to be Released",
+        || format!("{released:?}"),
     )
 }
 

@@ -4,9 +4,7 @@
 use lock_api::{Release, Renewal};
 use tokio::time::Instant;
 
-use super::{
-    BATCH, MAX_POLLS, after_the_cut, cut_after, cut_keys, never_completed, record_given_up,
-};
+use super::{BATCH, Clients, MAX_POLLS, cut_after, cut_keys, never_completed, record_given_up};
 use crate::cases::release_held;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome};
@@ -15,32 +13,20 @@ use crate::suite::{Ctx, Failure, Outcome};
 /// the backend serves the next call.
 pub async fn dropped_acquire_leaves_no_orphan(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_acquire_leaves_no_orphan", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
-        match cut_after(first.acquire(&keys[0], t.ttl), polls).await {
+        match cut_after(c.first.acquire(&keys[0], c.t.ttl), polls).await {
             Some(granted) => {
                 let lease = ctx.ok("acquire", granted)?.ok_or_else(|| {
                     ctx.fail("the acquire of a free key to grant a lease", "Ok(None)")
                 })?;
-                release_held(&ctx, &first, &lease).await?;
-                return ctx.pass(&t);
+                release_held(&ctx, &c.first, &lease).await?;
+                return ctx.pass(&c.t);
             }
             None => {
                 let what = format!("an acquire dropped after {polls} poll(s)");
-                after_the_cut(
-                    &ctx,
-                    &t,
-                    &first,
-                    &other,
-                    &probe,
-                    &keys,
-                    Instant::now(),
-                    &what,
-                )
-                .await?;
+                c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
             }
         }
     }
@@ -51,13 +37,11 @@ pub async fn dropped_acquire_leaves_no_orphan(factory: &dyn Factory) -> Result<O
 /// call, and it frees the key.
 pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_renew_keeps_the_lease", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
-        let lease = ctx.take(&first, &keys[0], t.ttl).await?;
-        let renewed = cut_after(first.renew(&lease), polls).await;
+        let lease = ctx.take(&c.first, &keys[0], c.t.ttl).await?;
+        let renewed = cut_after(c.first.renew(&lease), polls).await;
         let completed = renewed.is_some();
         if let Some(renewed) = renewed {
             let renewed = ctx.ok("renew", renewed)?;
@@ -67,21 +51,11 @@ pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outc
                 || format!("{renewed:?}"),
             )?;
         }
-        release_held(&ctx, &first, &lease).await?;
+        release_held(&ctx, &c.first, &lease).await?;
         let what = format!("a renew dropped after {polls} poll(s)");
-        after_the_cut(
-            &ctx,
-            &t,
-            &first,
-            &other,
-            &probe,
-            &keys,
-            Instant::now(),
-            &what,
-        )
-        .await?;
+        c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
         if completed {
-            return ctx.pass(&t);
+            return ctx.pass(&c.t);
         }
     }
     Err(never_completed(&ctx, "renew"))
@@ -93,13 +67,11 @@ pub async fn dropped_release_frees_the_key_by_its_ttl(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_release_frees_the_key_by_its_ttl", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
-        let lease = ctx.take(&first, &keys[0], t.ttl).await?;
-        let released = cut_after(first.release(&lease), polls).await;
+        let lease = ctx.take(&c.first, &keys[0], c.t.ttl).await?;
+        let released = cut_after(c.first.release(&lease), polls).await;
         let completed = released.is_some();
         let cut = Instant::now();
         drop(lease);
@@ -115,9 +87,9 @@ pub async fn dropped_release_frees_the_key_by_its_ttl(
             }
             None => record_given_up(&ctx, &keys[0], cut, "release"),
         }
-        after_the_cut(&ctx, &t, &first, &other, &probe, &keys, cut, &what).await?;
+        c.after_the_cut(&ctx, &keys, cut, &what).await?;
         if completed {
-            return ctx.pass(&t);
+            return ctx.pass(&c.t);
         }
     }
     Err(never_completed(&ctx, "release"))
@@ -128,12 +100,10 @@ pub async fn dropped_acquire_many_leaves_no_orphan(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_acquire_many_leaves_no_orphan", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, BATCH)?;
-        match cut_after(first.acquire_many(&keys, t.ttl), polls).await {
+        match cut_after(c.first.acquire_many(&keys, c.t.ttl), polls).await {
             Some(granted) => {
                 let granted = ctx.ok("acquire_many", granted)?;
                 let leases: Vec<_> = granted.into_iter().flatten().collect();
@@ -143,23 +113,13 @@ pub async fn dropped_acquire_many_leaves_no_orphan(
                     || format!("{} granted", leases.len()),
                 )?;
                 for lease in &leases {
-                    release_held(&ctx, &first, lease).await?;
+                    release_held(&ctx, &c.first, lease).await?;
                 }
-                return ctx.pass(&t);
+                return ctx.pass(&c.t);
             }
             None => {
                 let what = format!("an acquire_many dropped after {polls} poll(s)");
-                after_the_cut(
-                    &ctx,
-                    &t,
-                    &first,
-                    &other,
-                    &probe,
-                    &keys,
-                    Instant::now(),
-                    &what,
-                )
-                .await?;
+                c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
             }
         }
     }
@@ -172,16 +132,11 @@ pub async fn dropped_renew_many_keeps_the_leases(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_renew_many_keeps_the_leases", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, BATCH)?;
-        let mut leases = Vec::with_capacity(BATCH);
-        for key in &keys {
-            leases.push(ctx.take(&first, key, t.ttl).await?);
-        }
-        let renewed = cut_after(first.renew_many(&leases), polls).await;
+        let leases = c.take_all(&ctx, &keys).await?;
+        let renewed = cut_after(c.first.renew_many(&leases), polls).await;
         let completed = renewed.is_some();
         if let Some(renewed) = renewed {
             let renewed = ctx.ok("renew_many", renewed)?;
@@ -192,22 +147,12 @@ pub async fn dropped_renew_many_keeps_the_leases(
             )?;
         }
         for lease in &leases {
-            release_held(&ctx, &first, lease).await?;
+            release_held(&ctx, &c.first, lease).await?;
         }
         let what = format!("a renew_many dropped after {polls} poll(s)");
-        after_the_cut(
-            &ctx,
-            &t,
-            &first,
-            &other,
-            &probe,
-            &keys,
-            Instant::now(),
-            &what,
-        )
-        .await?;
+        c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
         if completed {
-            return ctx.pass(&t);
+            return ctx.pass(&c.t);
         }
     }
     Err(never_completed(&ctx, "renew_many"))
@@ -219,16 +164,11 @@ pub async fn dropped_release_many_frees_the_keys_by_their_ttl(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_release_many_frees_the_keys_by_their_ttl", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, BATCH)?;
-        let mut leases = Vec::with_capacity(BATCH);
-        for key in &keys {
-            leases.push(ctx.take(&first, key, t.ttl).await?);
-        }
-        let released = cut_after(first.release_many(&leases), polls).await;
+        let leases = c.take_all(&ctx, &keys).await?;
+        let released = cut_after(c.first.release_many(&leases), polls).await;
         let completed = released.is_some();
         let cut = Instant::now();
         drop(leases);
@@ -248,9 +188,9 @@ pub async fn dropped_release_many_frees_the_keys_by_their_ttl(
                 }
             }
         }
-        after_the_cut(&ctx, &t, &first, &other, &probe, &keys, cut, &what).await?;
+        c.after_the_cut(&ctx, &keys, cut, &what).await?;
         if completed {
-            return ctx.pass(&t);
+            return ctx.pass(&c.t);
         }
     }
     Err(never_completed(&ctx, "release_many"))

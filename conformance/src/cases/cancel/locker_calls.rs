@@ -2,26 +2,24 @@
 //! `release`, dropped after their 1st, 2nd, 3rd … poll; the watchdog must renew nothing
 //! a dropped call took.
 
-use std::sync::Arc;
-
-use lock_api::{LockBackend, LockKey, Locker, Release};
+use lock_api::{LockKey, Locker};
 use tokio::time::Instant;
 
-use super::{MAX_POLLS, after_the_cut, cut_after, cut_keys, never_completed, record_given_up};
+use super::{
+    Clients, MAX_POLLS, after_the_cut, cut_after, cut_keys, guard_released, never_completed,
+    record_given_up,
+};
 use crate::cases::locker::locker;
 use crate::cases::release_held;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::suite::{Ctx, Failure, Outcome};
 
 /// The checks after a [`Locker`] call was dropped: its watchdog renews nothing (a lease
-/// it renewed would stay held), then [`after_the_cut`].
-#[allow(clippy::too_many_arguments)]
+/// it renewed would stay held), then [`after_the_cut`] on the locker's backend.
 async fn after_the_locker_cut(
     ctx: &Ctx<'_>,
-    t: &Timing,
+    c: &Clients,
     locker: &Locker,
-    other: &Arc<dyn LockBackend>,
-    probe: &LockKey,
     keys: &[LockKey],
     cut: Instant,
     what: &str,
@@ -31,43 +29,36 @@ async fn after_the_locker_cut(
         format!("the watchdog to renew no lease after {what}"),
         || format!("{} renewed", locker.held()),
     )?;
-    after_the_cut(ctx, t, locker.backend(), other, probe, keys, cut, what).await
+    after_the_cut(
+        ctx,
+        &c.t,
+        locker.backend(),
+        &c.other,
+        &c.probe,
+        keys,
+        cut,
+        what,
+    )
+    .await
 }
 
 /// `Locker::lock` on a free key dropped at any poll leaves no lease behind for longer
 /// than its TTL, and its watchdog renews nothing.
 pub async fn dropped_lock_leaves_no_orphan(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_lock_leaves_no_orphan", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let locker = locker(&ctx, first, &t)?;
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
+    let locker = locker(&ctx, c.first.clone(), &c.t)?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
         match cut_after(locker.lock(&keys[0]), polls).await {
             Some(guard) => {
                 let guard = ctx.ok("lock", guard)?;
-                let released = ctx.ok("guard release", guard.release().await)?;
-                ctx.ensure(
-                    released == Release::Released,
-                    "the guard's release to be Released",
-                    || format!("{released:?}"),
-                )?;
-                return ctx.pass(&t);
+                guard_released(&ctx, guard.release().await)?;
+                return ctx.pass(&c.t);
             }
             None => {
                 let what = format!("a lock dropped after {polls} poll(s)");
-                after_the_locker_cut(
-                    &ctx,
-                    &t,
-                    &locker,
-                    &other,
-                    &probe,
-                    &keys,
-                    Instant::now(),
-                    &what,
-                )
-                .await?;
+                after_the_locker_cut(&ctx, &c, &locker, &keys, Instant::now(), &what).await?;
             }
         }
     }
@@ -78,10 +69,8 @@ pub async fn dropped_lock_leaves_no_orphan(factory: &dyn Factory) -> Result<Outc
 /// TTL, and its watchdog renews nothing.
 pub async fn dropped_try_lock_leaves_no_orphan(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_try_lock_leaves_no_orphan", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let locker = locker(&ctx, first, &t)?;
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
+    let locker = locker(&ctx, c.first.clone(), &c.t)?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
         match cut_after(locker.try_lock(&keys[0]), polls).await {
@@ -89,27 +78,12 @@ pub async fn dropped_try_lock_leaves_no_orphan(factory: &dyn Factory) -> Result<
                 let guard = ctx.ok("try_lock", guard)?.ok_or_else(|| {
                     ctx.fail("try_lock of a free key to grant a guard", "Ok(None)")
                 })?;
-                let released = ctx.ok("guard release", guard.release().await)?;
-                ctx.ensure(
-                    released == Release::Released,
-                    "the guard's release to be Released",
-                    || format!("{released:?}"),
-                )?;
-                return ctx.pass(&t);
+                guard_released(&ctx, guard.release().await)?;
+                return ctx.pass(&c.t);
             }
             None => {
                 let what = format!("a try_lock dropped after {polls} poll(s)");
-                after_the_locker_cut(
-                    &ctx,
-                    &t,
-                    &locker,
-                    &other,
-                    &probe,
-                    &keys,
-                    Instant::now(),
-                    &what,
-                )
-                .await?;
+                after_the_locker_cut(&ctx, &c, &locker, &keys, Instant::now(), &what).await?;
             }
         }
     }
@@ -120,10 +94,8 @@ pub async fn dropped_try_lock_leaves_no_orphan(factory: &dyn Factory) -> Result<
 /// by its TTL at the latest; run to the end it returns the job's value and frees the key.
 pub async fn dropped_with_lock_frees_the_key(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_with_lock_frees_the_key", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let locker = locker(&ctx, first, &t)?;
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
+    let locker = locker(&ctx, c.first.clone(), &c.t)?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
         let job = |_: &lock_api::LockGuard| async move {
@@ -140,14 +112,14 @@ pub async fn dropped_with_lock_frees_the_key(factory: &dyn Factory) -> Result<Ou
             Some(ran) => {
                 let ran = ctx.ok("with_lock", ran)?;
                 ctx.ensure(ran == polls, "with_lock to return the job's value", || ran)?;
-                let next = ctx.take(&other, &keys[0], t.ttl).await?;
-                release_held(&ctx, &other, &next).await?;
-                return ctx.pass(&t);
+                let next = ctx.take(&c.other, &keys[0], c.t.ttl).await?;
+                release_held(&ctx, &c.other, &next).await?;
+                return ctx.pass(&c.t);
             }
             None => {
                 // The cut may fall inside the release that ends with_lock.
                 record_given_up(&ctx, &keys[0], cut, "with_lock");
-                after_the_locker_cut(&ctx, &t, &locker, &other, &probe, &keys, cut, &what).await?;
+                after_the_locker_cut(&ctx, &c, &locker, &keys, cut, &what).await?;
             }
         }
     }
@@ -160,10 +132,8 @@ pub async fn dropped_guard_release_frees_the_key_by_its_ttl(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("dropped_guard_release_frees_the_key_by_its_ttl", factory);
-    let (first, other) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&first);
-    let locker = locker(&ctx, first, &t)?;
-    let probe = ctx.key("probe")?;
+    let c = Clients::new(&ctx).await?;
+    let locker = locker(&ctx, c.first.clone(), &c.t)?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
         let guard = ctx.ok("lock", locker.lock(&keys[0]).await)?;
@@ -172,19 +142,12 @@ pub async fn dropped_guard_release_frees_the_key_by_its_ttl(
         let cut = Instant::now();
         let what = format!("a guard release dropped after {polls} poll(s)");
         match released {
-            Some(released) => {
-                let released = ctx.ok("guard release", released)?;
-                ctx.ensure(
-                    released == Release::Released,
-                    "the guard's release to be Released",
-                    || format!("{released:?}"),
-                )?;
-            }
+            Some(released) => guard_released(&ctx, released)?,
             None => record_given_up(&ctx, &keys[0], cut, "guard release"),
         }
-        after_the_locker_cut(&ctx, &t, &locker, &other, &probe, &keys, cut, &what).await?;
+        after_the_locker_cut(&ctx, &c, &locker, &keys, cut, &what).await?;
         if completed {
-            return ctx.pass(&t);
+            return ctx.pass(&c.t);
         }
     }
     Err(never_completed(&ctx, "guard release"))
