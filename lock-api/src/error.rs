@@ -35,6 +35,9 @@ pub enum LockError {
         backend: &'static str,
         /// What failed, without credentials.
         message: String,
+        /// The client library's error, when its text cannot hold credentials.
+        #[source]
+        source: Option<BoxError>,
     },
     /// The request was sent but its reply was lost: it may or may not have taken effect.
     /// The caller must act as if it does not hold the lock; the key frees itself within the TTL.
@@ -46,6 +49,9 @@ pub enum LockError {
         operation: &'static str,
         /// What happened, without credentials.
         message: String,
+        /// The client library's error, when its text cannot hold credentials.
+        #[source]
+        source: Option<BoxError>,
     },
     /// The lease is no longer held: it expired, was taken over, or could not be renewed in time.
     #[error("the lease was lost")]
@@ -102,11 +108,56 @@ impl LockError {
         }
     }
 
-    /// Shorthand for [`LockError::Unavailable`].
+    /// Shorthand for [`LockError::Unavailable`] without a source.
     pub fn unavailable(backend: &'static str, message: impl Into<String>) -> Self {
         Self::Unavailable {
             backend,
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Shorthand for [`LockError::Unavailable`] caused by `source`, an error whose text
+    /// cannot hold credentials (an I/O error, a timeout, a server's reply).
+    pub fn unavailable_with_source(
+        backend: &'static str,
+        message: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self::Unavailable {
+            backend,
+            message: message.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    /// Shorthand for [`LockError::OutcomeUnknown`] without a source.
+    pub fn outcome_unknown(
+        backend: &'static str,
+        operation: &'static str,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::OutcomeUnknown {
+            backend,
+            operation,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Shorthand for [`LockError::OutcomeUnknown`] caused by `source`, an error whose text
+    /// cannot hold credentials (an I/O error, a timeout, a server's reply).
+    pub fn outcome_unknown_with_source(
+        backend: &'static str,
+        operation: &'static str,
+        message: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Self::OutcomeUnknown {
+            backend,
+            operation,
+            message: message.into(),
+            source: Some(source.into()),
         }
     }
 
@@ -126,14 +177,7 @@ mod tests {
     #[test]
     fn only_transient_errors_are_retryable() {
         assert!(LockError::unavailable("memory", "down").is_retryable());
-        assert!(
-            LockError::OutcomeUnknown {
-                backend: "memory",
-                operation: "acquire",
-                message: "reply lost".into()
-            }
-            .is_retryable()
-        );
+        assert!(LockError::outcome_unknown("memory", "acquire", "reply lost").is_retryable());
         assert!(!LockError::Lost.is_retryable());
         assert!(!LockError::invalid_ttl(Duration::ZERO, "zero").is_retryable());
         assert!(!LockError::Config("bad url".into()).is_retryable());

@@ -3,6 +3,7 @@
 mod backend;
 mod election;
 mod error;
+mod failure;
 mod fencing;
 mod guard;
 mod instrumented;
@@ -19,6 +20,7 @@ mod watchdog;
 pub use backend::LockBackend;
 pub use election::{ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key};
 pub use error::{BoxError, LockError};
+pub use failure::{DriverFailure, Effect, FailureKind};
 pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};
 pub use guard::{LeaseStatus, LockGuard};
 pub use instrumented::Instrumented;

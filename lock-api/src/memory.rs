@@ -394,11 +394,11 @@ impl Faults {
 
     fn after_call(&self, operation: &'static str) -> Result<(), LockError> {
         if take_one(&self.lose_replies) {
-            return Err(LockError::OutcomeUnknown {
-                backend: NAME,
+            return Err(LockError::outcome_unknown(
+                NAME,
                 operation,
-                message: "reply lost (injected fault)".into(),
-            });
+                "reply lost (injected fault)",
+            ));
         }
         Ok(())
     }
