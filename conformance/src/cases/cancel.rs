@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use lock_api::{Lease, LockBackend, LockKey, Release, Renewal};
+use lock_api::{Lease, LockBackend, LockKey, Renewal};
 use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
@@ -133,19 +133,6 @@ impl Clients {
         }
         Ok(leases)
     }
-}
-
-/// Checks that a completed guard release was Released.
-fn guard_released(
-    ctx: &Ctx<'_>,
-    released: Result<Release, lock_api::LockError>,
-) -> Result<(), Failure> {
-    let released = ctx.ok("guard release", released)?;
-    ctx.ensure(
-        released == Release::Released,
-        "the guard's release to be Released",
-        || format!("{released:?}"),
-    )
 }
 
 /// The keys of the cut after `polls` polls.

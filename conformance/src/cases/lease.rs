@@ -1,15 +1,36 @@
 //! Cases on single leases: exclusion, tokens, expiry, owner checks, renewal and fencing.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use lock_api::{Fence, Release, Renewal};
+use lock_api::{Fence, Lease, LockBackend, LockKey, Release, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::{forged, release_held};
+use super::{forged, release_held, token_above};
 use crate::factory::Factory;
 use crate::history::SEND_INSTANT_SLACK;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::suite::{Ctx, Failure, Outcome, Timing};
+
+/// Two clients, the timing, and a lease of key `k` granted to the first.
+async fn held(
+    ctx: &Ctx<'_>,
+) -> Result<
+    (
+        Arc<dyn LockBackend>,
+        Arc<dyn LockBackend>,
+        Timing,
+        LockKey,
+        Lease,
+    ),
+    Failure,
+> {
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let lease = ctx.take(&a, &key, t.ttl).await?;
+    Ok((a, b, t, key, lease))
+}
 
 /// While a key is held, nobody else acquires it; of 16 concurrent acquires on a free
 /// key exactly one wins.
@@ -53,16 +74,14 @@ pub async fn acquire_excludes_others(factory: &dyn Factory) -> Result<Outcome, F
 /// A released key can be acquired again at once, with a higher token.
 pub async fn release_frees_the_key(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("release_frees_the_key", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let first = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, first) = held(&ctx).await?;
     release_held(&ctx, &a, &first).await?;
     let second = ctx.take(&b, &key, t.ttl).await?;
-    ctx.ensure(
-        second.token() > first.token(),
+    token_above(
+        &ctx,
+        &second,
+        first.token(),
         format!("a token above {} after the release", first.token()),
-        || format!("token {}", second.token()),
     )?;
     release_held(&ctx, &b, &second).await?;
     ctx.pass(&t)
@@ -94,10 +113,11 @@ pub async fn tokens_increase_across_releases(factory: &dyn Factory) -> Result<Ou
         let client = &clients[round % 2];
         let lease = ctx.take(client, &key, t.ttl).await?;
         if let Some(previous) = last {
-            ctx.ensure(
-                lease.token() > previous,
+            token_above(
+                &ctx,
+                &lease,
+                previous,
                 format!("round {round}: a token above {previous}"),
-                || format!("token {}", lease.token()),
             )?;
         }
         last = Some(lease.token());
@@ -109,10 +129,7 @@ pub async fn tokens_increase_across_releases(factory: &dyn Factory) -> Result<Ou
 /// A grant after a lease expired (never released) carries a higher token.
 pub async fn tokens_increase_across_expiries(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("tokens_increase_across_expiries", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let first = ctx.take(&a, &key, t.ttl).await?;
+    let (_a, b, t, key, first) = held(&ctx).await?;
     let deadline = t.expired_by(Instant::now());
     let second = ctx
         .take_by(
@@ -123,10 +140,11 @@ pub async fn tokens_increase_across_expiries(factory: &dyn Factory) -> Result<Ou
             "once the first lease's TTL ran out",
         )
         .await?;
-    ctx.ensure(
-        second.token() > first.token(),
+    token_above(
+        &ctx,
+        &second,
+        first.token(),
         format!("a token above {} after the expiry", first.token()),
-        || format!("token {}", second.token()),
     )?;
     release_held(&ctx, &b, &second).await?;
     ctx.pass(&t)
@@ -170,10 +188,11 @@ pub async fn tokens_increase_across_restarts(factory: &dyn Factory) -> Result<Ou
             }
         }
     };
-    ctx.ensure(
-        after.token() > before.token(),
+    token_above(
+        &ctx,
+        &after,
+        before.token(),
         format!("a token above {} after the restart", before.token()),
-        || format!("token {}", after.token()),
     )?;
     release_held(&ctx, &b, &after).await?;
     ctx.pass(&t)
@@ -182,10 +201,7 @@ pub async fn tokens_increase_across_restarts(factory: &dyn Factory) -> Result<Ou
 /// An unrenewed lease frees its key once its TTL runs out in the store.
 pub async fn ttl_expiry_frees_the_key(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("ttl_expiry_frees_the_key", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, lease) = held(&ctx).await?;
     let granted = Instant::now();
     ctx.expect_held(&b, &key, t.ttl, "its TTL has not run out")
         .await?;
@@ -212,10 +228,7 @@ pub async fn ttl_expiry_frees_the_key(factory: &dyn Factory) -> Result<Outcome, 
 /// the holder's key and TTL untouched.
 pub async fn release_by_non_owner_is_not_held(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("release_by_non_owner_is_not_held", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, _, lease) = held(&ctx).await?;
     let fake = forged(&lease);
     let got = ctx.ok("release by a non-owner", a.release(&fake).await)?;
     ctx.ensure(
@@ -223,11 +236,31 @@ pub async fn release_by_non_owner_is_not_held(factory: &dyn Factory) -> Result<O
         "a release by a non-owner to be NotHeld",
         || format!("{got:?}"),
     )?;
-    ctx.expect_held(&b, &key, t.ttl, "only a non-owner tried to release it")
-        .await?;
-    holder_untouched(&ctx, &a, &lease, t.ttl).await?;
-    release_held(&ctx, &a, &lease).await?;
+    holder_kept(
+        &ctx,
+        &b,
+        &a,
+        &lease,
+        t.ttl,
+        "only a non-owner tried to release it",
+    )
+    .await?;
     ctx.pass(&t)
+}
+
+/// Checks that `other` finds the key of `lease` held (`why`) and that the holder's lease is
+/// untouched ([`holder_untouched`]); then the holder releases it.
+async fn holder_kept(
+    ctx: &Ctx<'_>,
+    other: &Arc<dyn LockBackend>,
+    holder: &Arc<dyn LockBackend>,
+    lease: &Lease,
+    ttl: Duration,
+    why: &str,
+) -> Result<(), Failure> {
+    ctx.expect_held(other, lease.key(), ttl, why).await?;
+    holder_untouched(ctx, holder, lease, ttl).await?;
+    release_held(ctx, holder, lease).await
 }
 
 /// Checks, where the backend can inspect, that `lease` still holds its key with most of
@@ -262,10 +295,7 @@ async fn holder_untouched(
 /// A renewal or fence check by a non-owner fails and leaves the holder untouched.
 pub async fn renew_by_non_owner_is_lost(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("renew_by_non_owner_is_lost", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, _, lease) = held(&ctx).await?;
     let fake = forged(&lease);
     let got = ctx.ok("renew by a non-owner", a.renew(&fake).await)?;
     ctx.ensure(
@@ -279,10 +309,15 @@ pub async fn renew_by_non_owner_is_lost(factory: &dyn Factory) -> Result<Outcome
         "a fence check by a non-owner to be Stale",
         || format!("{fence:?}"),
     )?;
-    ctx.expect_held(&b, &key, t.ttl, "only a non-owner tried to renew it")
-        .await?;
-    holder_untouched(&ctx, &a, &lease, t.ttl).await?;
-    release_held(&ctx, &a, &lease).await?;
+    holder_kept(
+        &ctx,
+        &b,
+        &a,
+        &lease,
+        t.ttl,
+        "only a non-owner tried to renew it",
+    )
+    .await?;
     ctx.pass(&t)
 }
 
@@ -300,10 +335,7 @@ async fn takeover(
     ),
     Failure,
 > {
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let old = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, old) = held(ctx).await?;
     let deadline = t.expired_by(Instant::now());
     let new = ctx
         .take_by(&b, &key, t.ttl, deadline, "after the first lease expired")
@@ -324,10 +356,7 @@ pub async fn release_after_expiry_leaves_new_holder(
         "the old holder's release after the takeover to be NotHeld",
         || format!("{got:?}"),
     )?;
-    ctx.expect_held(&a, new.key(), t.ttl, "the new holder's lease runs")
-        .await?;
-    holder_untouched(&ctx, &b, &new, t.ttl).await?;
-    release_held(&ctx, &b, &new).await?;
+    holder_kept(&ctx, &a, &b, &new, t.ttl, "the new holder's lease runs").await?;
     ctx.pass(&t)
 }
 
@@ -344,20 +373,14 @@ pub async fn renew_after_expiry_leaves_new_holder(
         "the old holder's renewal after the takeover to be Lost",
         || format!("{got:?}"),
     )?;
-    ctx.expect_held(&a, new.key(), t.ttl, "the new holder's lease runs")
-        .await?;
-    holder_untouched(&ctx, &b, &new, t.ttl).await?;
-    release_held(&ctx, &b, &new).await?;
+    holder_kept(&ctx, &a, &b, &new, t.ttl, "the new holder's lease runs").await?;
     ctx.pass(&t)
 }
 
 /// A second release is NotHeld (not an error), also once someone else holds the key.
 pub async fn second_release_is_not_held(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("second_release_is_not_held", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, lease) = held(&ctx).await?;
     release_held(&ctx, &a, &lease).await?;
     let again = ctx.ok("a second release", a.release(&lease).await)?;
     ctx.ensure(
@@ -380,10 +403,7 @@ pub async fn second_release_is_not_held(factory: &dyn Factory) -> Result<Outcome
 /// Renewals extend the lease past its original TTL and keep its token.
 pub async fn renew_extends_and_keeps_token(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("renew_extends_and_keeps_token", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, lease) = held(&ctx).await?;
     // Past the instant the store would have freed the key without renewals.
     let past_original = t.expired_by(Instant::now());
     let mut valid = lease.valid_until();
@@ -420,10 +440,11 @@ pub async fn renew_extends_and_keeps_token(factory: &dyn Factory) -> Result<Outc
     }
     release_held(&ctx, &a, &lease).await?;
     let next = ctx.take(&b, &key, t.ttl).await?;
-    ctx.ensure(
-        next.token() > lease.token(),
+    token_above(
+        &ctx,
+        &next,
+        lease.token(),
         format!("the next grant's token above the renewed {}", lease.token()),
-        || format!("token {}", next.token()),
     )?;
     release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)
@@ -432,10 +453,7 @@ pub async fn renew_extends_and_keeps_token(factory: &dyn Factory) -> Result<Outc
 /// A renewal of an expired lease nobody took is Lost and does not bring it back.
 pub async fn renew_never_resurrects(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("renew_never_resurrects", factory);
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let lease = ctx.take(&a, &key, t.ttl).await?;
+    let (a, b, t, key, lease) = held(&ctx).await?;
     sleep_until(t.expired_by(Instant::now())).await;
     let got = ctx.ok("renew of an expired lease", a.renew(&lease).await)?;
     ctx.ensure(
@@ -450,10 +468,11 @@ pub async fn renew_never_resurrects(factory: &dyn Factory) -> Result<Outcome, Fa
         || format!("{fence:?}"),
     )?;
     let next = ctx.take(&b, &key, t.ttl).await?;
-    ctx.ensure(
-        next.token() > lease.token(),
+    token_above(
+        &ctx,
+        &next,
+        lease.token(),
         format!("a token above {}", lease.token()),
-        || format!("token {}", next.token()),
     )?;
     release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)

@@ -8,12 +8,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::join_all;
 use lock_api::{
-    BackendLayer, Fence, Layered, Lease, LockBackend, LockError, Locker, Release, Renewal,
-    RetryPolicy,
+    BackendLayer, Fence, FencingToken, Layered, Lease, LockBackend, LockError, LockKey, Locker,
+    Renewal, RetryPolicy,
 };
 use tokio::time::{Instant, sleep, timeout_at};
 
-use super::release_held;
+use super::{guard_released, release_held};
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
 
@@ -38,6 +38,37 @@ pub(super) fn locker(
             .wait_timeout(Some(Duration::from_secs(60)))
             .build(),
     )
+}
+
+/// `other` takes `key`, which was just released, with a token above `token`, and releases it.
+async fn next_token_above(
+    ctx: &Ctx<'_>,
+    other: &Arc<dyn LockBackend>,
+    key: &LockKey,
+    t: &Timing,
+    token: FencingToken,
+) -> Result<(), Failure> {
+    let next = ctx.take(other, key, t.ttl).await?;
+    ctx.ensure(
+        next.token() > token,
+        format!("a token above {token}"),
+        || next.token(),
+    )?;
+    release_held(ctx, other, &next).await
+}
+
+/// `other` takes `key` by its TTL (plus slack) from now (`why`), and releases it.
+async fn free_by_ttl(
+    ctx: &Ctx<'_>,
+    other: &Arc<dyn LockBackend>,
+    key: &LockKey,
+    t: &Timing,
+    why: &str,
+) -> Result<(), Failure> {
+    let next = ctx
+        .take_by(other, key, t.ttl, t.expired_by(Instant::now()), why)
+        .await?;
+    release_held(ctx, other, &next).await
 }
 
 /// 32 tasks on one key through `Locker::with_lock` run a read-modify-write on a fenced
@@ -133,19 +164,8 @@ pub async fn watchdog_keeps_long_job_alive(factory: &dyn Factory) -> Result<Outc
         format!("token {token} to stay Current after 3 TTLs"),
         || format!("{fence:?}, token {}", guard.token()),
     )?;
-    let released = ctx.ok("guard release", guard.release().await)?;
-    ctx.ensure(
-        released == Release::Released,
-        "the guard's release to be Released",
-        || format!("{released:?}"),
-    )?;
-    let next = ctx.take(&other, &key, t.ttl).await?;
-    ctx.ensure(
-        next.token() > token,
-        format!("a token above {token}"),
-        || next.token(),
-    )?;
-    release_held(&ctx, &other, &next).await?;
+    guard_released(&ctx, guard.release().await)?;
+    next_token_above(&ctx, &other, &key, &t, token).await?;
     ctx.pass(&t)
 }
 
@@ -194,16 +214,7 @@ pub async fn watchdog_reports_loss_by_valid_until(
     // The store may still hold the key until its TTL runs out; either answer is right.
     let _ = guard.release().await;
     let other = ctx.client().await;
-    let next = ctx
-        .take_by(
-            &other,
-            &key,
-            t.ttl,
-            t.expired_by(Instant::now()),
-            "after the heal",
-        )
-        .await?;
-    release_held(&ctx, &other, &next).await?;
+    free_by_ttl(&ctx, &other, &key, &t, "after the heal").await?;
     ctx.pass(&t)
 }
 
@@ -299,16 +310,7 @@ pub async fn with_lock_aborts_job_on_loss(factory: &dyn Factory) -> Result<Outco
         || format!("returned after {:?}", returned - invoked),
     )?;
     let other = ctx.client().await;
-    let next = ctx
-        .take_by(
-            &other,
-            &key,
-            t.ttl,
-            t.expired_by(Instant::now()),
-            "after the loss",
-        )
-        .await?;
-    release_held(&ctx, &other, &next).await?;
+    free_by_ttl(&ctx, &other, &key, &t, "after the loss").await?;
     ctx.pass(&t)
 }
 
@@ -327,19 +329,8 @@ pub async fn guard_release_frees_the_key(factory: &dyn Factory) -> Result<Outcom
         "the watchdog to renew one lease",
         || locker.held(),
     )?;
-    let released = ctx.ok("guard release", guard.release().await)?;
-    ctx.ensure(
-        released == Release::Released,
-        "the guard's release to be Released",
-        || format!("{released:?}"),
-    )?;
-    let next = ctx.take(&other, &key, t.ttl).await?;
-    ctx.ensure(
-        next.token() > token,
-        format!("a token above {token}"),
-        || next.token(),
-    )?;
-    release_held(&ctx, &other, &next).await?;
+    guard_released(&ctx, guard.release().await)?;
+    next_token_above(&ctx, &other, &key, &t, token).await?;
 
     let dropped_key = ctx.key("dropped")?;
     let guard = ctx.ok("lock", locker.lock(&dropped_key).await)?;
@@ -349,16 +340,14 @@ pub async fn guard_release_frees_the_key(factory: &dyn Factory) -> Result<Outcom
         "no lease renewed after release and drop",
         || locker.held(),
     )?;
-    let after_drop = ctx
-        .take_by(
-            &other,
-            &dropped_key,
-            t.ttl,
-            t.expired_by(Instant::now()),
-            "after its guard was dropped",
-        )
-        .await?;
-    release_held(&ctx, &other, &after_drop).await?;
+    free_by_ttl(
+        &ctx,
+        &other,
+        &dropped_key,
+        &t,
+        "after its guard was dropped",
+    )
+    .await?;
     ctx.pass(&t)
 }
 

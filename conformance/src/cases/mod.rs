@@ -29,7 +29,7 @@ pub use wake::*;
 
 use std::sync::Arc;
 
-use lock_api::{Lease, LockBackend, OwnerId, Release};
+use lock_api::{FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
 
 use crate::suite::{Ctx, Failure};
 
@@ -48,6 +48,28 @@ async fn release_held(
         ),
         || format!("{got:?}"),
     )
+}
+
+/// Checks that a guard's release, which completed, was Released.
+fn guard_released(ctx: &Ctx<'_>, released: Result<Release, LockError>) -> Result<(), Failure> {
+    let released = ctx.ok("guard release", released)?;
+    ctx.ensure(
+        released == Release::Released,
+        "the guard's release to be Released",
+        || format!("{released:?}"),
+    )
+}
+
+/// Checks that `next` carries a token above `previous`; `expected` says so in a failure.
+fn token_above(
+    ctx: &Ctx<'_>,
+    next: &Lease,
+    previous: FencingToken,
+    expected: impl std::fmt::Display,
+) -> Result<(), Failure> {
+    ctx.ensure(next.token() > previous, expected, || {
+        format!("token {}", next.token())
+    })
 }
 
 /// A copy of `lease` with another owner: what a non-owner that guessed the key and

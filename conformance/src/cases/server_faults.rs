@@ -11,7 +11,7 @@ use std::time::Duration;
 use lock_api::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::release_held;
+use super::{release_held, token_above};
 use crate::factory::Factory;
 use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
@@ -29,31 +29,16 @@ pub async fn restart_leaves_old_holder_fenced(factory: &dyn Factory) -> Result<O
     let server = ctx.server()?;
     // Calls that fail around the restart may have reached the store.
     ctx.with_faults();
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let counter = ctx.counter();
-    let old = ctx.take(&a, &key, t.ttl).await?;
-    write_admitted(
-        &ctx,
-        &counter,
-        &key,
-        &old,
-        "the holder's write before the restart",
-    )
-    .await?;
-    let read = counter.read().await;
+    let h = holder_wrote(&ctx, "the holder's write before the restart").await?;
 
     server.kill().await;
     server.restart().await;
 
     // A store that kept its data frees the key when the old lease runs out; one that lost
     // it frees the key at once.
-    let deadline = Instant::now() + RECOVERY_GRACE + t.ttl;
-    let new = take_after_fault(&ctx, &b, &key, &t, deadline, "after the restart").await?;
-    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
-    release_held(&ctx, &b, &new).await?;
-    ctx.pass(&t)
+    let deadline = Instant::now() + RECOVERY_GRACE + h.t.ttl;
+    let new = take_after_fault(&ctx, &h.b, &h.key, &h.t, deadline, "after the restart").await?;
+    h.fenced_by(&ctx, &new).await
 }
 
 /// A holder whose session the server ended (PostgreSQL's `pg_terminate_backend`, with
@@ -67,29 +52,22 @@ pub async fn terminated_sessions_leave_old_holder_fenced(
     let sessions = ctx.sessions()?;
     // Calls that fail as their session ends may have reached the store.
     ctx.with_faults();
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let counter = ctx.counter();
-    let old = ctx.take(&a, &key, t.ttl).await?;
-    write_admitted(
-        &ctx,
-        &counter,
-        &key,
-        &old,
-        "the holder's write before the sessions end",
-    )
-    .await?;
-    let read = counter.read().await;
+    let h = holder_wrote(&ctx, "the holder's write before the sessions end").await?;
 
     sessions.terminate().await;
 
     // A session-level lock is gone with its session; a lease row stays until it runs out.
-    let deadline = Instant::now() + RECOVERY_GRACE + t.ttl;
-    let new = take_after_fault(&ctx, &b, &key, &t, deadline, "after the sessions ended").await?;
-    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
-    release_held(&ctx, &b, &new).await?;
-    ctx.pass(&t)
+    let deadline = Instant::now() + RECOVERY_GRACE + h.t.ttl;
+    let new = take_after_fault(
+        &ctx,
+        &h.b,
+        &h.key,
+        &h.t,
+        deadline,
+        "after the sessions ended",
+    )
+    .await?;
+    h.fenced_by(&ctx, &new).await
 }
 
 /// A holder frozen together with its server past its TTL (the server SIGSTOPped, the
@@ -104,29 +82,15 @@ pub async fn server_paused_past_ttl_keeps_holders_apart(
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("server_paused_past_ttl_keeps_holders_apart", factory);
     let server = ctx.server()?;
-    let (a, b) = (ctx.client().await, ctx.client().await);
-    let t = ctx.timing(&a);
-    let key = ctx.key("k")?;
-    let counter = ctx.counter();
-    let old = ctx.take(&a, &key, t.ttl).await?;
-    let granted = Instant::now();
-    write_admitted(
-        &ctx,
-        &counter,
-        &key,
-        &old,
-        "the holder's write before the pause",
-    )
-    .await?;
-    let read = counter.read().await;
+    let h = holder_wrote(&ctx, "the holder's write before the pause").await?;
 
     server.pause().await;
     // The contender asks while the server is frozen and the old lease is still valid.
     let contender = {
-        let (b, key, ttl) = (b.clone(), key.clone(), t.ttl);
+        let (b, key, ttl) = (h.b.clone(), h.key.clone(), h.t.ttl);
         tokio::spawn(async move { b.acquire(&key, ttl).await })
     };
-    sleep_until(t.expired_by(granted)).await;
+    sleep_until(h.t.expired_by(h.granted)).await;
     server.resume().await;
     let asked_in_pause = contender
         .await
@@ -138,12 +102,65 @@ pub async fn server_paused_past_ttl_keeps_holders_apart(
         // out in the pause): ask again.
         Ok(None) | Err(_) => {
             let deadline = Instant::now() + RECOVERY_GRACE;
-            take_after_fault(&ctx, &b, &key, &t, deadline, "after the pause").await?
+            take_after_fault(&ctx, &h.b, &h.key, &h.t, deadline, "after the pause").await?
         }
     };
-    old_holder_fenced(&ctx, &counter, &a, &old, &b, &new, read).await?;
-    release_held(&ctx, &b, &new).await?;
-    ctx.pass(&t)
+    h.fenced_by(&ctx, &new).await
+}
+
+/// What the fault cases start from: two clients, the timing, a fenced counter, and the
+/// lease `old` of key `k` granted to `a` at `granted`, whose write through the counter
+/// was admitted; `read` is the counter read after that write.
+struct Holder {
+    a: Arc<dyn LockBackend>,
+    b: Arc<dyn LockBackend>,
+    t: Timing,
+    key: LockKey,
+    counter: FencedCounter,
+    old: Lease,
+    granted: Instant,
+    read: u64,
+}
+
+/// [`Holder`]: `a` takes key `k` and writes through the counter (`what`).
+async fn holder_wrote(ctx: &Ctx<'_>, what: &str) -> Result<Holder, Failure> {
+    let (a, b) = (ctx.client().await, ctx.client().await);
+    let t = ctx.timing(&a);
+    let key = ctx.key("k")?;
+    let counter = ctx.counter();
+    let old = ctx.take(&a, &key, t.ttl).await?;
+    let granted = Instant::now();
+    write_admitted(ctx, &counter, &key, &old, what).await?;
+    let read = counter.read().await;
+    Ok(Holder {
+        a,
+        b,
+        t,
+        key,
+        counter,
+        old,
+        granted,
+        read,
+    })
+}
+
+impl Holder {
+    /// After `new` was granted to `b` over the faulted holder: [`old_holder_fenced`];
+    /// then `b` releases it and the case passes.
+    async fn fenced_by(&self, ctx: &Ctx<'_>, new: &Lease) -> Result<Outcome, Failure> {
+        old_holder_fenced(
+            ctx,
+            &self.counter,
+            &self.a,
+            &self.old,
+            &self.b,
+            new,
+            self.read,
+        )
+        .await?;
+        release_held(ctx, &self.b, new).await?;
+        ctx.pass(&self.t)
+    }
 }
 
 /// The TTL of the fail-over case: longer than the store takes to notice a dead node and
@@ -201,10 +218,11 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
         .await?;
     release_held(&ctx, &a, &lease).await?;
     let next = ctx.take(&b, &key, t.ttl).await?;
-    ctx.ensure(
-        next.token() > lease.token(),
+    token_above(
+        &ctx,
+        &next,
+        lease.token(),
         format!("a token above {} after the fail-over", lease.token()),
-        || format!("token {}", next.token()),
     )?;
     release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)
@@ -296,10 +314,11 @@ async fn old_holder_fenced(
     new: &Lease,
     read: u64,
 ) -> Result<(), Failure> {
-    ctx.ensure(
-        new.token() > old.token(),
+    token_above(
+        ctx,
+        new,
+        old.token(),
         format!("the new holder's token above the old {}", old.token()),
-        || format!("token {}", new.token()),
     )?;
     write_admitted(ctx, counter, new.key(), new, "the new holder's write").await?;
     let deadline = Instant::now() + RECOVERY_GRACE;

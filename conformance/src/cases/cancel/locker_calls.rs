@@ -6,11 +6,10 @@ use lock_api::{LockKey, Locker};
 use tokio::time::Instant;
 
 use super::{
-    Clients, MAX_POLLS, after_the_cut, cut_after, cut_keys, guard_released, never_completed,
-    record_given_up,
+    Clients, MAX_POLLS, after_the_cut, cut_after, cut_keys, never_completed, record_given_up,
 };
 use crate::cases::locker::locker;
-use crate::cases::release_held;
+use crate::cases::{guard_released, release_held};
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome};
 
