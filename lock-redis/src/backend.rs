@@ -17,8 +17,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use lock_api::wake::ReleaseWatch;
 use lock_api::{
-    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
-    OwnerId, Release, Renewal, valid_until,
+    BackendId, Capabilities, DriverFailure, FailureKind, Fence, FencingToken, Lease, LockBackend,
+    LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
 use redis::{RedisError, Script, Value};
 use tokio::runtime::Handle;
@@ -165,15 +165,8 @@ impl RedisBackend {
             Ok(Err(e)) => Err(map_error(operation, changes_state, &e)),
             Err(_) => {
                 let message = format!("no reply within {:?}", self.inner.response_timeout);
-                Err(if changes_state {
-                    LockError::OutcomeUnknown {
-                        backend: NAME,
-                        operation,
-                        message,
-                    }
-                } else {
-                    LockError::unavailable(NAME, message)
-                })
+                let effect = crate::error::effect(operation, changes_state);
+                Err(DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect))
             }
         }
     }

@@ -3,7 +3,7 @@
 //! request for now or cannot be reached is `Unavailable`, and a write whose reply was lost
 //! is `OutcomeUnknown`.
 
-use lock_api::LockError;
+use lock_api::{DriverFailure, Effect, FailureKind, LockError};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use crate::backend::NAME;
@@ -14,18 +14,30 @@ pub(crate) fn config_error(shown_url: &str, e: &RedisError) -> LockError {
 }
 
 pub(crate) fn connect_error(shown_url: &str, e: RedisError) -> LockError {
-    if is_auth_error(&e) {
-        return LockError::Config(format!(
-            "{shown_url}: the server refused the credentials ({})",
-            e.kind_name()
-        ));
+    // No source: the client library's text about a connection may quote its URL.
+    classify_connect(shown_url, &e).into_error(NAME, Effect::None)
+}
+
+/// What a failure to connect was: nothing was sent.
+fn classify_connect(shown_url: &str, e: &RedisError) -> DriverFailure {
+    if is_auth_error(e) {
+        return DriverFailure::new(
+            FailureKind::Config,
+            format!(
+                "{shown_url}: the server refused the credentials ({})",
+                e.kind_name()
+            ),
+        );
     }
-    if let Some(tls) = crate::tls::tls_failure(&e) {
+    if let Some(tls) = crate::tls::tls_failure(e) {
         // An untrusted certificate or a TLS/plain mismatch does not go away by retrying.
-        return LockError::Config(format!("{shown_url}: TLS handshake failed: {tls}"));
+        return DriverFailure::new(
+            FailureKind::Config,
+            format!("{shown_url}: TLS handshake failed: {tls}"),
+        );
     }
-    LockError::unavailable(
-        NAME,
+    DriverFailure::new(
+        FailureKind::NotApplied,
         format!("cannot connect to {shown_url}: {}", e.kind_name()),
     )
 }
@@ -76,31 +88,48 @@ fn is_auth_error(e: &RedisError) -> bool {
 
 /// Turns a client error into the public error, without the store's type or credentials.
 pub(crate) fn map_error(operation: &'static str, changes_state: bool, e: &RedisError) -> LockError {
+    classify(operation, e).into_error(NAME, effect(operation, changes_state))
+}
+
+/// What a call that `changes_state` could have changed when it fails.
+pub(crate) fn effect(operation: &'static str, changes_state: bool) -> Effect {
+    if changes_state {
+        Effect::Write(operation)
+    } else {
+        Effect::None
+    }
+}
+
+/// What a failed request's error says about it. The client error is kept as the source
+/// where its text was already shown (I/O errors and server replies); a refused
+/// connection's text may name the node's URL, so it is left out.
+fn classify(operation: &'static str, e: &RedisError) -> DriverFailure {
     if is_auth_error(e) {
-        return LockError::Config(format!(
-            "the Redis server refused the credentials ({})",
-            e.kind_name()
-        ));
+        return DriverFailure::new(
+            FailureKind::Config,
+            format!(
+                "the Redis server refused the credentials ({})",
+                e.kind_name()
+            ),
+        );
     }
     if e.is_connection_refusal() {
-        return LockError::unavailable(NAME, format!("{operation}: connection refused"));
+        return DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("{operation}: connection refused"),
+        );
     }
-    if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
-        let message = format!("{operation}: connection lost ({e})");
-        return if changes_state {
-            LockError::OutcomeUnknown {
-                backend: NAME,
-                operation,
-                message,
-            }
-        } else {
-            LockError::unavailable(NAME, message)
-        };
-    }
-    if is_refused_for_now(e) {
-        return LockError::unavailable(NAME, format!("{operation}: {e}"));
-    }
-    LockError::backend(NAME, e.clone())
+    let failure = if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
+        DriverFailure::new(
+            FailureKind::ReplyLost,
+            format!("{operation}: connection lost ({e})"),
+        )
+    } else if is_refused_for_now(e) {
+        DriverFailure::new(FailureKind::NotApplied, format!("{operation}: {e}"))
+    } else {
+        DriverFailure::new(FailureKind::Other, e.to_string())
+    };
+    failure.with_source(e.clone())
 }
 
 pub(crate) trait KindName {

@@ -37,11 +37,11 @@ impl RedisBackend {
         match tokio::time::timeout(node_timeout * 2, request).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(map_error(operation, true, &e)),
-            Err(_) => Err(LockError::OutcomeUnknown {
-                backend: NAME,
+            Err(_) => Err(LockError::outcome_unknown(
+                NAME,
                 operation,
-                message: format!("no reply within {:?}", node_timeout * 2),
-            }),
+                format!("no reply within {:?}", node_timeout * 2),
+            )),
         }
     }
 

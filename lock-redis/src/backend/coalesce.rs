@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use lock_api::{Lease, LockBackend, LockError, LockKey, OwnerId, Release};
+use lock_api::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
@@ -174,11 +174,11 @@ impl RedisBackend {
         let limit = self.inner.response_timeout * 3;
         match tokio::time::timeout(limit, rx).await {
             Ok(reply) => reply.unwrap_or_else(|_| Err(dropped(operation))),
-            Err(_) => Err(LockError::OutcomeUnknown {
-                backend: NAME,
+            Err(_) => Err(LockError::outcome_unknown(
+                NAME,
                 operation,
-                message: format!("no reply from the coalesced batch within {limit:?}"),
-            }),
+                format!("no reply from the coalesced batch within {limit:?}"),
+            )),
         }
     }
 
@@ -265,21 +265,30 @@ impl RedisBackend {
     }
 }
 
-/// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`).
+/// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`,
+/// nor is its source: each copy keeps the source's text).
 fn duplicate(e: &LockError) -> LockError {
+    let source = |s: &Option<BoxError>| s.as_ref().map(|s| BoxError::from(s.to_string()));
     match e {
         LockError::OutcomeUnknown {
             backend,
             operation,
             message,
+            source: s,
         } => LockError::OutcomeUnknown {
             backend,
             operation,
             message: message.clone(),
+            source: source(s),
         },
-        LockError::Unavailable { backend, message } => LockError::Unavailable {
+        LockError::Unavailable {
+            backend,
+            message,
+            source: s,
+        } => LockError::Unavailable {
             backend,
             message: message.clone(),
+            source: source(s),
         },
         LockError::Config(message) => LockError::Config(message.clone()),
         other => LockError::backend(NAME, other.to_string()),
@@ -288,11 +297,7 @@ fn duplicate(e: &LockError) -> LockError {
 
 /// The error of a queued call whose batch was dropped unanswered (its runtime shut down).
 fn dropped(operation: &'static str) -> LockError {
-    LockError::OutcomeUnknown {
-        backend: NAME,
-        operation,
-        message: "the batch was dropped before its reply".into(),
-    }
+    LockError::outcome_unknown(NAME, operation, "the batch was dropped before its reply")
 }
 
 #[cfg(test)]

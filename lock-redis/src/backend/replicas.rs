@@ -77,11 +77,11 @@ impl RedisBackend {
                 }
                 // The lock may still be held (until its TTL, or until the cleanup that
                 // dropping `pending` starts gets through).
-                Err(e) => Err(LockError::OutcomeUnknown {
-                    backend: NAME,
-                    operation: "acquire",
-                    message: format!("{short}; releasing it failed ({e})"),
-                }),
+                Err(e) => Err(LockError::outcome_unknown(
+                    NAME,
+                    "acquire",
+                    format!("{short}; releasing it failed ({e})"),
+                )),
             };
         }
         pending.attempt = None;
@@ -114,14 +114,14 @@ impl RedisBackend {
                             taken.leases.clear();
                             Err(e)
                         }
-                        Err(release) => Err(LockError::OutcomeUnknown {
-                            backend: NAME,
-                            operation: "acquire_many",
-                            message: format!(
+                        Err(release) => Err(LockError::outcome_unknown(
+                            NAME,
+                            "acquire_many",
+                            format!(
                                 "{e}; releasing the {} locks taken before failed ({release})",
                                 taken.leases.len()
                             ),
-                        }),
+                        )),
                     };
                 }
             }
