@@ -23,8 +23,11 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a key's token counter is kept after it is made (see
 /// [`RedisBackendBuilder::fence_retention`]).
 pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
+/// The environment variable [`RedisBackendBuilder::from_env`] reads the URL from.
+pub const REDIS_URL_ENV: &str = "DISTLOCK_REDIS_URL";
 
-/// Options for a [`RedisBackend`]; made by [`RedisBackend::builder`].
+/// Options for a [`RedisBackend`]; made by [`new`](Self::new) (or
+/// [`RedisBackend::builder`]), [`from_url`](Self::from_url) or [`from_env`](Self::from_env).
 ///
 /// # URLs
 ///
@@ -50,8 +53,8 @@ pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// crypto provider. When a `rediss://` URL is used and the process has not chosen one,
 /// [`RedisBackendBuilder::build`] installs rustls's `ring` provider as that default; a
 /// provider the application installed first is kept.
-#[must_use]
 #[derive(Clone)]
+#[must_use = "a builder does nothing until `build().await`"]
 pub struct RedisBackendBuilder {
     pub(crate) urls: Vec<String>,
     pub(crate) cluster: bool,
@@ -83,6 +86,79 @@ impl Default for RedisBackendBuilder {
 }
 
 impl RedisBackendBuilder {
+    /// A builder with no URL and the default settings.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A builder for the node or cluster a URL names (see [URLs](Self#urls)), with the
+    /// default settings, which can be changed before [`build`](Self::build). The URL is
+    /// checked here.
+    ///
+    /// ```
+    /// let builder = lock_redis::RedisBackendBuilder::from_url("redis://:s3cret@127.0.0.1:6379/0")?;
+    /// assert!(!format!("{builder:?}").contains("s3cret"));
+    /// # Ok::<(), lock_api::LockError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Config`] for a malformed URL, another scheme, no host, or a query
+    /// parameter; the message never shows the password.
+    pub fn from_url(url: &str) -> Result<Self, LockError> {
+        let url = url.trim();
+        check_url(url)?;
+        let parsed = url::Url::parse(url).map_err(|e| {
+            // The url crate's messages never repeat the input.
+            LockError::Config(format!("malformed Redis URL: {e}"))
+        })?;
+        let scheme = parsed.scheme();
+        if !matches!(
+            scheme,
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster"
+        ) {
+            return Err(LockError::Config(
+                "a Redis URL starts with redis://, rediss:// (TLS) or redis+cluster://".into(),
+            ));
+        }
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(LockError::Config(format!(
+                "the {scheme}:// URL has no host: write {scheme}://host:port"
+            )));
+        }
+        Ok(Self::new().url(parsed.as_str()))
+    }
+
+    /// [`from_url`](Self::from_url) with the URL in the environment variable
+    /// `DISTLOCK_REDIS_URL` ([`REDIS_URL_ENV`]).
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
+    /// otherwise those of [`from_url`](Self::from_url).
+    pub fn from_env() -> Result<Self, LockError> {
+        Self::from_env_var(REDIS_URL_ENV, |name| std::env::var(name))
+    }
+
+    /// [`from_url`](Self::from_url) with the URL `lookup` finds under `name`.
+    fn from_env_var(
+        name: &str,
+        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Self, LockError> {
+        match lookup(name) {
+            Ok(url) if !url.trim().is_empty() => Self::from_url(&url),
+            Ok(_) => Err(LockError::Config(format!(
+                "the environment variable {name} is empty: set it to a redis:// URL"
+            ))),
+            Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
+                "the environment variable {name} is not set: set it to a redis:// URL"
+            ))),
+            Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
+                "the environment variable {name} is not valid UTF-8"
+            ))),
+        }
+    }
+
     /// One node, or a cluster seed with the `redis+cluster://` scheme.
     pub fn url(mut self, url: impl Into<String>) -> Self {
         let url = url.into();
@@ -473,5 +549,50 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
                 .validate()
                 .is_ok()
         );
+    }
+
+    #[test]
+    fn from_url_checks_the_url_and_reads_the_cluster_scheme() {
+        let b = RedisBackendBuilder::from_url(" redis+cluster://:pw@127.0.0.1:7000 ").unwrap();
+        assert!(b.cluster);
+        assert_eq!(b.urls, ["redis://:pw@127.0.0.1:7000"]);
+        assert!(b.validate().is_ok());
+        for (url, says) in [
+            ("redis://127.0.0.1:99999", "invalid port"),
+            ("redis://", "no host"),
+            ("etcd://127.0.0.1:2379", "redis://"),
+            ("redis://127.0.0.1/?protocol=resp3", "`protocol`"),
+            ("redis://u:12/hunter2@127.0.0.1", "%2F"),
+            ("127.0.0.1:6379", "malformed Redis URL"),
+        ] {
+            let Err(LockError::Config(message)) = RedisBackendBuilder::from_url(url) else {
+                panic!("{url} was accepted");
+            };
+            assert!(message.contains(says), "{url}: {message}");
+            assert!(!message.contains("hunter2"), "{url}: {message}");
+        }
+    }
+
+    #[test]
+    fn from_env_reads_the_url_and_names_a_missing_variable() {
+        use std::env::VarError;
+        let b = RedisBackendBuilder::from_env_var("REDIS_TEST_URL", |name| {
+            assert_eq!(name, "REDIS_TEST_URL");
+            Ok("rediss://:hunter2@127.0.0.1:6380".into())
+        })
+        .unwrap();
+        assert!(b.uses_tls());
+        for found in [
+            Err(VarError::NotPresent),
+            Err(VarError::NotUnicode("x".into())),
+            Ok("  ".to_owned()),
+        ] {
+            let Err(LockError::Config(message)) =
+                RedisBackendBuilder::from_env_var(REDIS_URL_ENV, |_| found)
+            else {
+                panic!("a missing URL was accepted");
+            };
+            assert!(message.contains("DISTLOCK_REDIS_URL"), "{message}");
+        }
     }
 }

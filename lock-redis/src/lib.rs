@@ -65,6 +65,6 @@ mod version;
 pub use backend::{LONGEST_TTL, RedisBackend};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL,
-    DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, RedisBackendBuilder,
+    DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
 };
 pub use fenced::RedisFencedResource;
