@@ -7,8 +7,11 @@
 //! commit it. Rejected credentials are [`LockError::Config`]: retrying cannot fix them. An
 //! expired auth token is not a rejected credential: the client authenticates again.
 
+use std::io::ErrorKind;
+
 use etcd_client::Error as EtcdError;
-use lock_api::LockError;
+pub(crate) use lock_api::Effect;
+use lock_api::{DriverFailure, FailureKind, LockError};
 
 pub(crate) const NAME: &str = "etcd";
 
@@ -24,82 +27,127 @@ const INTERNAL: i32 = 13;
 const UNAVAILABLE: i32 = 14;
 const UNAUTHENTICATED: i32 = 16;
 
-/// Whether the failed call could have changed the store.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Effect {
-    /// A read, or a write whose loss leaves no lock behind (granting an unused lease).
-    None,
-    /// A write to a lock key or a lease that holds one.
-    Write(&'static str),
-}
-
 /// The error for a call that did not answer within the request timeout.
 pub(crate) fn timed_out(effect: Effect, after: std::time::Duration) -> LockError {
     let message = format!("no reply within the request timeout of {after:?}");
-    match effect {
-        Effect::None => LockError::unavailable(NAME, message),
-        Effect::Write(operation) => LockError::OutcomeUnknown {
-            backend: NAME,
-            operation,
-            message,
-        },
-    }
+    DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect)
 }
 
 /// Converts an `etcd-client` error, knowing what the failed call could have changed.
 pub(crate) fn convert(error: EtcdError, effect: Effect) -> LockError {
+    classify(error).into_error(NAME, effect)
+}
+
+/// What an `etcd-client` error says about the failed request. The client's error is kept
+/// as the source: endpoints never hold credentials (the builder refuses them), so its
+/// text cannot either.
+fn classify(error: EtcdError) -> DriverFailure {
     match error {
         EtcdError::GRpcStatus(status) => {
-            from_status(i32::from(status.code()), status.message(), effect)
+            let code = i32::from(status.code());
+            classify_status(code, status.message(), Link::under(&status)).with_source(status)
         }
         // Building the channel or connecting failed: nothing was sent.
         EtcdError::TransportError(e) => {
-            LockError::unavailable(NAME, format!("cannot connect: {e}"))
+            DriverFailure::new(FailureKind::NotApplied, format!("cannot connect: {e}"))
+                .with_source(e)
         }
-        EtcdError::IoError(e) => LockError::unavailable(NAME, format!("I/O error: {e}")),
-        EtcdError::InvalidUri(e) => LockError::Config(format!("invalid etcd endpoint: {e}")),
-        EtcdError::InvalidArgs(e) | EtcdError::EndpointError(e) => {
-            LockError::Config(format!("invalid etcd client settings: {e}"))
+        EtcdError::IoError(e) => {
+            DriverFailure::new(FailureKind::NotApplied, format!("I/O error: {e}")).with_source(e)
         }
-        other => LockError::backend(NAME, other),
+        EtcdError::InvalidUri(e) => {
+            DriverFailure::new(FailureKind::Config, format!("invalid etcd endpoint: {e}"))
+        }
+        EtcdError::InvalidArgs(e) | EtcdError::EndpointError(e) => DriverFailure::new(
+            FailureKind::Config,
+            format!("invalid etcd client settings: {e}"),
+        ),
+        other => DriverFailure::new(FailureKind::Other, other.to_string()).with_source(other),
     }
 }
 
-fn from_status(code: i32, message: &str, effect: Effect) -> LockError {
+/// What lies under a gRPC status: the server's answer, or the client's own connection
+/// failing. The client builds a status from a transport failure and keeps that failure as
+/// its source; a status the server sent has none.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Link {
+    /// The server answered with the status.
+    Answered,
+    /// No connection could be made (refused, no route): the request never left.
+    NotConnected,
+    /// The connection failed under the call (reset, closed, an HTTP/2 error).
+    Broken,
+}
+
+impl Link {
+    /// Reads the source chain of `status` for the transport error under it.
+    fn under(status: &(dyn std::error::Error + 'static)) -> Self {
+        let mut cause = status.source();
+        if cause.is_none() {
+            return Self::Answered;
+        }
+        while let Some(e) = cause {
+            if e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    ErrorKind::ConnectionRefused
+                        | ErrorKind::HostUnreachable
+                        | ErrorKind::NetworkUnreachable
+                        | ErrorKind::AddrNotAvailable
+                )
+            }) {
+                return Self::NotConnected;
+            }
+            cause = e.source();
+        }
+        Self::Broken
+    }
+}
+
+fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
     if message.contains(INVALID_AUTH_TOKEN) {
         // An expired token, still refused after the client authenticated again and resent
         // the call (another call may have raced it): etcd checks the token before proposing,
         // so nothing was applied, and the next call authenticates afresh.
-        return LockError::unavailable(NAME, format!("the auth token expired: {message}"));
+        return DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("the auth token expired: {message}"),
+        );
     }
     if is_auth_failure(code, message) {
-        return LockError::Config(format!(
-            "etcd refused the credentials (check the user name and password, and that the \
-             user may access the key prefix): {message}"
-        ));
+        return DriverFailure::new(
+            FailureKind::Config,
+            format!(
+                "etcd refused the credentials (check the user name and password, and that the \
+                 user may access the key prefix): {message}"
+            ),
+        );
     }
     if code == NOT_FOUND && message.contains("lease not found") {
         // A put on a lease that expired in the meantime: etcd refused the whole request.
-        return LockError::unavailable(
-            NAME,
+        return DriverFailure::new(
+            FailureKind::NotApplied,
             format!("the lease expired before the request reached etcd: {message}"),
         );
     }
     let lost_reply = match code {
         CANCELLED | DEADLINE_EXCEEDED => true,
-        UNAVAILABLE => !never_sent_message(message),
+        UNAVAILABLE => !never_sent_status(code, message, link),
         // The client library reports a connection that broke mid-call this way.
-        UNKNOWN | INTERNAL if is_broken_connection(message) => true,
-        _ => return LockError::backend(NAME, format!("etcd error (code {code}): {message}")),
+        UNKNOWN | INTERNAL if link != Link::Answered => true,
+        _ => {
+            return DriverFailure::new(
+                FailureKind::Other,
+                format!("etcd error (code {code}): {message}"),
+            );
+        }
     };
-    match effect {
-        Effect::Write(operation) if lost_reply => LockError::OutcomeUnknown {
-            backend: NAME,
-            operation,
-            message: message.to_owned(),
-        },
-        _ => LockError::unavailable(NAME, message.to_owned()),
-    }
+    let kind = if lost_reply {
+        FailureKind::ReplyLost
+    } else {
+        FailureKind::NotApplied
+    };
+    DriverFailure::new(kind, message)
 }
 
 /// What etcd answers to a request whose auth token it does not know (expired, or issued
@@ -120,53 +168,77 @@ fn is_auth_failure(code: i32, message: &str) -> bool {
         || (code == INVALID_ARGUMENT && AUTH_MESSAGES.iter().any(|m| message.contains(m)))
 }
 
-/// Errors of the HTTP/2 transport under a call: the connection was reset or closed.
-fn is_broken_connection(message: &str) -> bool {
-    const BROKEN: [&str; 5] = [
-        "transport error",
-        "h2 protocol error",
-        "connection reset",
-        "broken pipe",
-        "connection closed",
-    ];
-    let message = message.to_ascii_lowercase();
-    BROKEN.iter().any(|m| message.contains(m))
-}
-
 /// True when `error` proves the request never reached a member that could apply it, so it
 /// may be sent to another member even if it is a write.
 pub(crate) fn never_sent(error: &EtcdError) -> bool {
     match error {
-        EtcdError::GRpcStatus(status) => {
-            i32::from(status.code()) == UNAVAILABLE && never_sent_message(status.message())
-        }
+        EtcdError::GRpcStatus(status) => never_sent_status(
+            i32::from(status.code()),
+            status.message(),
+            Link::under(status),
+        ),
         EtcdError::TransportError(_) => true,
         _ => false,
     }
 }
 
-/// `Unavailable` errors that prove the request was never proposed: the client could not
+/// `Unavailable` statuses that prove the request was never proposed: the client could not
 /// connect, or the member it reached has no leader (etcd checks that before proposing).
-fn never_sent_message(message: &str) -> bool {
-    const NOT_SENT: [&str; 5] = [
-        "no leader",
-        "error trying to connect",
-        "tcp connect error",
-        "Connection refused",
-        "connection refused",
-    ];
-    NOT_SENT.iter().any(|m| message.contains(m))
+fn never_sent_status(code: i32, message: &str, link: Link) -> bool {
+    code == UNAVAILABLE
+        && match link {
+            Link::NotConnected => true,
+            Link::Answered => message.contains("no leader"),
+            Link::Broken => false,
+        }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn from_status(code: i32, message: &str, link: Link, effect: Effect) -> LockError {
+        classify_status(code, message, link).into_error(NAME, effect)
+    }
+
+    /// A transport error whose source is `io`, as the client library nests them.
+    #[derive(Debug)]
+    struct Transport(std::io::Error);
+
+    impl std::fmt::Display for Transport {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("transport error")
+        }
+    }
+
+    impl std::error::Error for Transport {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    /// A status built by the client over `cause`, or sent by the server when there is none.
+    #[derive(Debug)]
+    struct Status(Option<Transport>);
+
+    impl std::fmt::Display for Status {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("status")
+        }
+    }
+
+    impl std::error::Error for Status {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            self.0.as_ref().map(|t| t as _)
+        }
+    }
+
     #[test]
     fn a_write_whose_reply_was_lost_is_outcome_unknown_and_a_read_is_unavailable() {
         let write = from_status(
             UNAVAILABLE,
             "etcdserver: request timed out",
+            Link::Answered,
             Effect::Write("acquire"),
         );
         assert!(matches!(
@@ -176,19 +248,29 @@ mod tests {
                 ..
             }
         ));
-        let read = from_status(UNAVAILABLE, "etcdserver: request timed out", Effect::None);
+        let read = from_status(
+            UNAVAILABLE,
+            "etcdserver: request timed out",
+            Link::Answered,
+            Effect::None,
+        );
         assert!(matches!(read, LockError::Unavailable { .. }));
-        let deadline = from_status(DEADLINE_EXCEEDED, "deadline", Effect::Write("renew"));
+        let deadline = from_status(
+            DEADLINE_EXCEEDED,
+            "deadline",
+            Link::Answered,
+            Effect::Write("renew"),
+        );
         assert!(matches!(deadline, LockError::OutcomeUnknown { .. }));
     }
 
     #[test]
     fn a_request_that_never_left_is_unavailable_even_for_a_write() {
-        for message in [
-            "etcdserver: no leader",
-            "tcp connect error: Connection refused",
+        for (message, link) in [
+            ("etcdserver: no leader", Link::Answered),
+            ("tcp connect error: Connection refused", Link::NotConnected),
         ] {
-            let e = from_status(UNAVAILABLE, message, Effect::Write("acquire"));
+            let e = from_status(UNAVAILABLE, message, link, Effect::Write("acquire"));
             assert!(
                 matches!(e, LockError::Unavailable { .. }),
                 "{message}: {e:?}"
@@ -201,6 +283,7 @@ mod tests {
         let e = from_status(
             INVALID_ARGUMENT,
             "etcdserver: authentication failed, invalid user ID or password",
+            Link::Answered,
             Effect::None,
         );
         assert!(matches!(&e, LockError::Config(m) if m.contains("credentials")));
@@ -209,6 +292,7 @@ mod tests {
             from_status(
                 PERMISSION_DENIED,
                 "etcdserver: permission denied",
+                Link::Answered,
                 Effect::None
             ),
             LockError::Config(_)
@@ -220,6 +304,7 @@ mod tests {
         let e = from_status(
             UNAUTHENTICATED,
             "etcdserver: invalid auth token",
+            Link::Answered,
             Effect::Write("acquire"),
         );
         assert!(matches!(e, LockError::Unavailable { .. }), "{e:?}");
@@ -228,9 +313,14 @@ mod tests {
 
     #[test]
     fn a_connection_broken_mid_call_is_retryable() {
-        let e = from_status(UNKNOWN, "transport error", Effect::Write("release"));
+        let e = from_status(
+            UNKNOWN,
+            "transport error",
+            Link::Broken,
+            Effect::Write("release"),
+        );
         assert!(matches!(e, LockError::OutcomeUnknown { .. }));
-        assert!(from_status(UNKNOWN, "transport error", Effect::None).is_retryable());
+        assert!(from_status(UNKNOWN, "transport error", Link::Broken, Effect::None).is_retryable());
     }
 
     #[test]
@@ -238,8 +328,22 @@ mod tests {
         let e = from_status(
             INVALID_ARGUMENT,
             "etcdserver: too many operations in txn request",
+            Link::Answered,
             Effect::None,
         );
         assert!(matches!(e, LockError::Backend { .. }));
+    }
+
+    #[test]
+    fn the_connection_is_read_from_the_error_under_the_status_not_from_its_text() {
+        let under = |kind| Link::under(&Status(Some(Transport(std::io::Error::from(kind)))));
+        assert_eq!(under(ErrorKind::ConnectionRefused), Link::NotConnected);
+        assert_eq!(under(ErrorKind::HostUnreachable), Link::NotConnected);
+        assert_eq!(under(ErrorKind::ConnectionReset), Link::Broken);
+        assert_eq!(under(ErrorKind::BrokenPipe), Link::Broken);
+        assert_eq!(Link::under(&Status(None)), Link::Answered);
+        // A server's reply that merely reads like a transport failure is the server's error.
+        let e = from_status(UNKNOWN, "transport error", Link::Answered, Effect::None);
+        assert!(matches!(e, LockError::Backend { .. }), "{e:?}");
     }
 }
