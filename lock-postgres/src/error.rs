@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use lock_api::LockError;
+use lock_api::{DriverFailure, Effect, FailureKind, LockError};
 
 use crate::schema::Schema;
 
@@ -39,13 +39,18 @@ impl Operation {
         }
     }
 
-    /// True when the request changes the store, so a lost reply leaves its effect unknown.
-    fn writes(self) -> bool {
-        !matches!(self, Self::Fence | Self::Inspect)
+    /// What the request can change in the store: a lost reply to a write leaves its
+    /// effect unknown.
+    fn effect(self) -> Effect {
+        match self {
+            Self::Fence | Self::Inspect => Effect::None,
+            _ => Effect::Write(self.as_str()),
+        }
     }
 }
 
-/// An error from getting a connection: nothing was sent.
+/// An error from getting a connection: nothing was sent. The client's error is kept as
+/// the source: it comes after the connect options were parsed, so it holds no URL.
 pub(crate) fn from_connect(
     backend: &'static str,
     schema: &Schema,
@@ -53,20 +58,27 @@ pub(crate) fn from_connect(
     connect_timeout: Duration,
     e: sqlx::Error,
 ) -> LockError {
-    match e {
-        sqlx::Error::PoolTimedOut => LockError::unavailable(
-            backend,
+    let failure = match &e {
+        sqlx::Error::PoolTimedOut => DriverFailure::new(
+            FailureKind::NotApplied,
             format!(
                 "no connection within {connect_timeout:?}: the server is down or unreachable, \
                  or all {pool_size} pooled connections are busy"
             ),
-        ),
-        sqlx::Error::Io(e) => LockError::unavailable(backend, format!("cannot connect: {e}")),
-        sqlx::Error::Tls(e) => {
-            LockError::unavailable(backend, format!("TLS handshake failed: {e}"))
+        )
+        .with_source(e),
+        sqlx::Error::Io(io) => {
+            DriverFailure::new(FailureKind::NotApplied, format!("cannot connect: {io}"))
+                .with_source(e)
         }
-        other => from_sqlx(backend, Operation::Inspect, schema, other),
-    }
+        sqlx::Error::Tls(tls) => DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("TLS handshake failed: {tls}"),
+        )
+        .with_source(e),
+        _ => classify(Operation::Inspect, schema, e),
+    };
+    failure.into_error(backend, Effect::None)
 }
 
 /// An error from running `op`'s statement.
@@ -76,59 +88,89 @@ pub(crate) fn from_sqlx(
     schema: &Schema,
     e: sqlx::Error,
 ) -> LockError {
-    match e {
+    classify(op, schema, e).into_error(backend, op.effect())
+}
+
+/// What a `sqlx` error says about `op`'s request. Server replies, I/O and TLS errors are
+/// kept as the source; a configuration error's text may quote the URL, so it is not.
+fn classify(op: Operation, schema: &Schema, e: sqlx::Error) -> DriverFailure {
+    let name = op.as_str();
+    let failure = match &e {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             match code.as_str() {
                 // undefined_table, invalid_schema_name: the tables were never created.
-                "42P01" | "3F000" => LockError::Config(format!(
-                    "the tables of schema `{schema}` do not exist ({}): call `setup()` once \
-                     (for example `PgLeaseBackend::setup().await`) before using the backend",
-                    db.message()
-                )),
+                "42P01" | "3F000" => {
+                    return DriverFailure::new(
+                        FailureKind::Config,
+                        format!(
+                            "the tables of schema `{schema}` do not exist ({}): call `setup()` \
+                             once (for example `PgLeaseBackend::setup().await`) before using \
+                             the backend",
+                            db.message()
+                        ),
+                    );
+                }
                 // invalid_password, invalid_authorization_specification, invalid_catalog_name
                 "28P01" | "28000" | "3D000" => {
-                    LockError::Config(format!("PostgreSQL refused the login: {}", db.message()))
+                    return DriverFailure::new(
+                        FailureKind::Config,
+                        format!("PostgreSQL refused the login: {}", db.message()),
+                    );
                 }
-                "42501" => LockError::Config(format!(
-                    "{} on schema `{schema}` is not permitted: {}",
-                    op.as_str(),
-                    db.message()
-                )),
+                "42501" => {
+                    return DriverFailure::new(
+                        FailureKind::Config,
+                        format!(
+                            "{name} on schema `{schema}` is not permitted: {}",
+                            db.message()
+                        ),
+                    );
+                }
                 // too_many_connections, admin_shutdown, crash_shutdown, cannot_connect_now,
                 // serialization_failure, deadlock_detected, query_canceled
                 "53300" | "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "57014" => {
-                    LockError::unavailable(backend, format!("{}: {}", op.as_str(), db.message()))
+                    DriverFailure::new(FailureKind::NotApplied, format!("{name}: {}", db.message()))
                 }
-                _ => LockError::backend(backend, format!("{}: {}", op.as_str(), db.message())),
+                _ => {
+                    return DriverFailure::new(
+                        FailureKind::Other,
+                        format!("{name}: {}", db.message()),
+                    );
+                }
             }
         }
-        sqlx::Error::Io(e) => reply_lost(backend, op, format!("connection failed: {e}")),
-        sqlx::Error::Protocol(m) => reply_lost(backend, op, format!("protocol error: {m}")),
-        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => {
-            LockError::unavailable(backend, format!("{}: no connection available", op.as_str()))
+        sqlx::Error::Io(io) => DriverFailure::new(
+            FailureKind::ReplyLost,
+            format!("{name}: connection failed: {io}"),
+        ),
+        sqlx::Error::Protocol(m) => DriverFailure::new(
+            FailureKind::ReplyLost,
+            format!("{name}: protocol error: {m}"),
+        ),
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("{name}: no connection available"),
+        ),
+        sqlx::Error::Tls(tls) => DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("{name}: TLS failed: {tls}"),
+        ),
+        sqlx::Error::Configuration(c) => {
+            return DriverFailure::new(FailureKind::Config, c.to_string());
         }
-        sqlx::Error::Tls(e) => LockError::unavailable(backend, format!("TLS failed: {e}")),
-        sqlx::Error::Configuration(e) => LockError::Config(e.to_string()),
-        other => LockError::backend(backend, other),
-    }
+        other => DriverFailure::new(FailureKind::Other, other.to_string()),
+    };
+    failure.with_source(e)
 }
 
 /// A request was sent and no reply came back in `after`.
 pub(crate) fn timed_out(backend: &'static str, op: Operation, after: Duration) -> LockError {
-    reply_lost(backend, op, format!("no reply within {after:?}"))
-}
-
-fn reply_lost(backend: &'static str, op: Operation, message: String) -> LockError {
-    if op.writes() {
-        LockError::OutcomeUnknown {
-            backend,
-            operation: op.as_str(),
-            message,
-        }
-    } else {
-        LockError::unavailable(backend, format!("{}: {message}", op.as_str()))
-    }
+    DriverFailure::new(
+        FailureKind::ReplyLost,
+        format!("{}: no reply within {after:?}", op.as_str()),
+    )
+    .into_error(backend, op.effect())
 }
 
 /// True when the error means the connection itself is gone or unusable.
