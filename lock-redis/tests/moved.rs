@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use common::RedisClusterFactory;
 use harness::{redis::RedisServer, redis::RespValue, redis::key_slot};
-use lock_api::{LockBackend, LockKey, Release, Renewal};
+use lock_api::{Lease, LockBackend, LockKey, Release, Renewal};
+use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(20);
 
@@ -21,34 +22,39 @@ fn ok(reply: RespValue) {
     assert_eq!(reply, RespValue::Simple("OK".into()));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
-    let f = RedisClusterFactory::start().await;
-    let redis = f.redis().await;
-    let moving = LockKey::new("migrating").unwrap();
-    let staying = LockKey::new("staying-put").unwrap();
-    let (lock_key, fence_key) = redis.redis_keys(&moving);
-    let slot = key_slot(lock_key.as_bytes());
-    let source = harness::require(f.cluster.node_for_slot(slot).await);
-    let target = f
-        .cluster
+/// A master of the cluster other than `source`.
+fn other_node<'a>(f: &'a RedisClusterFactory, source: &RedisServer) -> &'a RedisServer {
+    f.cluster
         .nodes()
         .iter()
         .find(|n| n.port() != source.port())
-        .unwrap();
+        .unwrap()
+}
 
+/// Acquires `keys` in one batch and renews them in another, which caches the slot map;
+/// the leases.
+async fn acquire_and_cache(redis: &RedisBackend, keys: &[LockKey]) -> Vec<Lease> {
     let leases: Vec<_> = redis
-        .acquire_many(&[moving.clone(), staying.clone()], TTL)
+        .acquire_many(keys, TTL)
         .await
         .unwrap()
         .into_iter()
         .map(Option::unwrap)
         .collect();
-    // The first batch caches which master serves which slot.
     let renewed = redis.renew_many(&leases).await.unwrap();
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    leases
+}
 
-    // Move the slot, with both keys of the lock, to the target master.
+/// Starts moving `slot` from `source` to `target` (MIGRATING on the source, IMPORTING on
+/// the target) and migrates the lock's two keys there; the target's node id.
+async fn migrate_keys(
+    source: &RedisServer,
+    target: &RedisServer,
+    slot: u16,
+    lock_key: &str,
+    fence_key: &str,
+) -> String {
     let (source_id, target_id) = (node_id(source).await, node_id(target).await);
     let slot_text = slot.to_string();
     ok(harness::require(
@@ -72,11 +78,31 @@ async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
                 "0",
                 "5000",
                 "KEYS",
-                lock_key.as_str(),
-                fence_key.as_str(),
+                lock_key,
+                fence_key,
             ])
             .await,
     ));
+    target_id
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
+    let f = RedisClusterFactory::start().await;
+    let redis = f.redis().await;
+    let moving = LockKey::new("migrating").unwrap();
+    let staying = LockKey::new("staying-put").unwrap();
+    let (lock_key, fence_key) = redis.redis_keys(&moving);
+    let slot = key_slot(lock_key.as_bytes());
+    let source = harness::require(f.cluster.node_for_slot(slot).await);
+    let target = other_node(&f, source);
+
+    // The first batch caches which master serves which slot.
+    let leases = acquire_and_cache(&redis, &[moving.clone(), staying.clone()]).await;
+
+    // Move the slot, with both keys of the lock, to the target master.
+    let target_id = migrate_keys(source, target, slot, &lock_key, &fence_key).await;
+    let slot_text = slot.to_string();
     for node in f.cluster.nodes() {
         ok(harness::require(
             node.command(&["CLUSTER", "SETSLOT", &slot_text, "NODE", &target_id])
@@ -125,16 +151,8 @@ async fn releases_follow_a_slot_in_the_middle_of_a_migration() {
         LockKey::new("mid-migration-a").unwrap(),
         LockKey::new("mid-migration-b").unwrap(),
     ];
-    let leases: Vec<_> = redis
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
     // Batches cache the slot map before the migration starts.
-    let renewed = redis.renew_many(&leases).await.unwrap();
-    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    let leases = acquire_and_cache(&redis, &keys).await;
 
     for lease in &leases {
         // The slot stays MIGRATING / IMPORTING, with the lock's keys already moved: the
@@ -142,40 +160,8 @@ async fn releases_follow_a_slot_in_the_middle_of_a_migration() {
         let (lock_key, fence_key) = redis.redis_keys(lease.key());
         let slot = key_slot(lock_key.as_bytes());
         let source = harness::require(f.cluster.node_for_slot(slot).await);
-        let target = f
-            .cluster
-            .nodes()
-            .iter()
-            .find(|n| n.port() != source.port())
-            .unwrap();
-        let (source_id, target_id) = (node_id(source).await, node_id(target).await);
-        let slot_text = slot.to_string();
-        ok(harness::require(
-            target
-                .command(&["CLUSTER", "SETSLOT", &slot_text, "IMPORTING", &source_id])
-                .await,
-        ));
-        ok(harness::require(
-            source
-                .command(&["CLUSTER", "SETSLOT", &slot_text, "MIGRATING", &target_id])
-                .await,
-        ));
-        let target_port = target.port().to_string();
-        ok(harness::require(
-            source
-                .command(&[
-                    "MIGRATE",
-                    "127.0.0.1",
-                    &target_port,
-                    "",
-                    "0",
-                    "5000",
-                    "KEYS",
-                    lock_key.as_str(),
-                    fence_key.as_str(),
-                ])
-                .await,
-        ));
+        let target = other_node(&f, source);
+        migrate_keys(source, target, slot, &lock_key, &fence_key).await;
     }
 
     assert_eq!(redis.release(&leases[0]).await.unwrap(), Release::Released);
