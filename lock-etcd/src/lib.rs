@@ -55,7 +55,9 @@ mod fenced;
 mod keys;
 mod members;
 mod releases;
+mod url;
 
 pub use backend::EtcdBackend;
 pub use config::{DEFAULT_KEY_PREFIX, ETCD_MAX_LEASE_TTL, EtcdBuilder};
 pub use fenced::EtcdFencedResource;
+pub use url::ETCD_URL_ENV;
