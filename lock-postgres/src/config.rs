@@ -2,9 +2,10 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::{LockError, redact_url};
+use lock_api::{LockBackend, LockError, redact_url};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::advisory::PgAdvisoryBackend;
@@ -44,12 +45,30 @@ pub fn is_url_param(name: &str) -> bool {
     URL_PARAMS.contains(&name) || (name.starts_with("options[") && name.ends_with(']'))
 }
 
-/// Settings for [`PgLeaseBackend`] and [`PgAdvisoryBackend`]: URL, pool size, schema, TTL
-/// bounds and time limits.
+/// Which of the two backends [`PgBuilder::build`] opens (`?mode=` in a URL).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PgMode {
+    /// [`PgLeaseBackend`], the default (`mode=lease`).
+    #[default]
+    Lease,
+    /// [`PgAdvisoryBackend`] (`mode=advisory`).
+    Advisory,
+}
+
+/// Settings for [`PgLeaseBackend`] and [`PgAdvisoryBackend`]: URL, backend, pool size,
+/// schema, TTL bounds and time limits. `Debug` hides the password.
 ///
-/// `build_*` validate everything and fail with [`LockError::Config`]; they open no
-/// connection (the pool connects on first use), so a server that is down shows up as
-/// [`LockError::Unavailable`] on the first call. `Debug` hides the password.
+/// [`build`](Self::build) validates everything (a [`LockError::Config`] before anything
+/// is sent), opens the backend the [mode](Self::mode) names, and connects: it opens the
+/// pool's connections and checks that the tables exist, so a server that is down is a
+/// [`LockError::Unavailable`] there, not at the first lock.
+///
+/// [`build_lease_backend`](Self::build_lease_backend) and
+/// [`build_advisory_backend`](Self::build_advisory_backend) validate the same way but
+/// open no connection (the pool connects on first use) and give the backend's own type:
+/// for `setup()`, which must run before the tables exist, and for the backend's pool or
+/// lock ids. Call the backend's `connect()` to open the connections then.
 ///
 /// ```
 /// use std::time::Duration;
@@ -66,8 +85,10 @@ pub fn is_url_param(name: &str) -> bool {
 /// # }
 /// ```
 #[derive(Clone)]
+#[must_use = "a builder does nothing until `build().await`"]
 pub struct PgBuilder {
     url: String,
+    pub(crate) mode: PgMode,
     schema: String,
     pool_size: u32,
     min_ttl: Duration,
@@ -77,12 +98,15 @@ pub struct PgBuilder {
 }
 
 impl PgBuilder {
-    /// Settings for the server at `url` (`postgres://user:password@host:port/database`),
-    /// with schema [`DEFAULT_SCHEMA`], 10 connections, TTLs from 10 ms to 24 h, and
-    /// 5 s connect and request time limits.
+    /// Settings for the server at `url` (`postgres://user:password@host:port/database`,
+    /// with PostgreSQL's own connection parameters only; [`from_url`](Self::from_url)
+    /// also reads distlock's), for the lease-table backend, with schema
+    /// [`DEFAULT_SCHEMA`], 10 connections, TTLs from 10 ms to 24 h, and 5 s connect and
+    /// request time limits.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
+            mode: PgMode::Lease,
             schema: DEFAULT_SCHEMA.to_owned(),
             pool_size: 10,
             min_ttl: Duration::from_millis(10),
@@ -92,8 +116,13 @@ impl PgBuilder {
         }
     }
 
+    /// Which backend [`build`](Self::build) opens (default [`PgMode::Lease`]).
+    pub fn mode(mut self, mode: PgMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
     /// The schema holding the tables (validated by [`Schema::new`]).
-    #[must_use]
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
         self
@@ -102,14 +131,12 @@ impl PgBuilder {
     /// The most connections the backend opens. For the advisory backend this is also the
     /// most locks it can hold at once (each held lock pins a connection); it opens one more
     /// connection for `setup` and `inspect`.
-    #[must_use]
     pub fn pool_size(mut self, size: u32) -> Self {
         self.pool_size = size;
         self
     }
 
     /// The shortest and longest TTL the backend accepts, in whole milliseconds.
-    #[must_use]
     pub fn ttl_bounds(mut self, min: Duration, max: Duration) -> Self {
         self.min_ttl = min;
         self.max_ttl = max;
@@ -117,7 +144,6 @@ impl PgBuilder {
     }
 
     /// How long getting a connection may take before a call fails with `Unavailable`.
-    #[must_use]
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -125,18 +151,39 @@ impl PgBuilder {
 
     /// How long a sent request may wait for its reply before the call fails with
     /// `OutcomeUnknown` (writes) or `Unavailable` (reads).
-    #[must_use]
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
         self
     }
 
-    /// Builds the lease-table backend.
+    /// Validates the settings, opens the backend of the [mode](Self::mode), opens its
+    /// pool's connections and checks that its tables exist.
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Config`] for invalid settings, a refused login or a database without
+    /// `setup()`; [`LockError::Unavailable`] when the server cannot be reached.
+    pub async fn build(self) -> Result<Arc<dyn LockBackend>, LockError> {
+        match self.mode {
+            PgMode::Lease => {
+                let backend = self.build_lease_backend()?;
+                backend.connect().await?;
+                Ok(Arc::new(backend))
+            }
+            PgMode::Advisory => {
+                let backend = self.build_advisory_backend()?;
+                backend.connect().await?;
+                Ok(Arc::new(backend))
+            }
+        }
+    }
+
+    /// Builds the lease-table backend without connecting (whatever the mode).
     pub fn build_lease_backend(&self) -> Result<PgLeaseBackend, LockError> {
         Ok(PgLeaseBackend::from_client(self.client(self.pool_size)?))
     }
 
-    /// Builds the advisory-lock backend.
+    /// Builds the advisory-lock backend without connecting (whatever the mode).
     pub fn build_advisory_backend(&self) -> Result<PgAdvisoryBackend, LockError> {
         // One connection more than the lock capacity, so setup and inspect still work
         // when every lock slot is pinned.
@@ -204,6 +251,7 @@ impl fmt::Debug for PgBuilder {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgBuilder")
             .field("url", &redact_url(&self.url))
+            .field("mode", &self.mode)
             .field("schema", &self.schema)
             .field("pool_size", &self.pool_size)
             .field("min_ttl", &self.min_ttl)

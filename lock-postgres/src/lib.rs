@@ -26,9 +26,11 @@ mod key_row;
 mod lease_table;
 mod releases;
 mod schema;
+mod url;
 
 pub use advisory::PgAdvisoryBackend;
-pub use config::{MAX_POOL_SIZE, PgBuilder, URL_PARAMS, is_url_param};
+pub use config::{MAX_POOL_SIZE, PgBuilder, PgMode, URL_PARAMS, is_url_param};
 pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;
 pub use schema::{DEFAULT_SCHEMA, Schema};
+pub use url::{PARAMS, POSTGRES_URL_ENV};
