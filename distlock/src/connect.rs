@@ -1,5 +1,6 @@
 //! Opening a backend from a URL: [`connect`] reads the scheme, checks that the cargo
-//! feature for that store is enabled, and hands the URL to the store's backend.
+//! feature for that store is enabled, and hands the URL to the store's builder
+//! (`from_url`), which reads the rest.
 //!
 //! Errors name what is wrong with the URL but never repeat it whole, so a password in
 //! it cannot leak into a log; use [`redact_url`](crate::redact_url) to show a URL to a
@@ -134,8 +135,40 @@ impl fmt::Display for Scheme {
 /// # }
 /// ```
 pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
-    let (scheme, parsed) = checked(url)?;
-    open(scheme, &parsed, url).await
+    let scheme = checked(url)?;
+    open(scheme, url).await
+}
+
+/// The environment variable [`connect_from_env`] reads the URL from.
+pub const URL_ENV: &str = "DISTLOCK_URL";
+
+/// [`connect`] to the URL in the environment variable `DISTLOCK_URL` ([`URL_ENV`]).
+///
+/// # Errors
+///
+/// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
+/// otherwise those of [`connect`].
+pub async fn connect_from_env() -> Result<Arc<dyn LockBackend>, LockError> {
+    connect(&url_from_env(URL_ENV, |name| std::env::var(name))?).await
+}
+
+/// The URL `lookup` finds under `name`, or an error naming the variable.
+fn url_from_env(
+    name: &str,
+    lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
+) -> Result<String, LockError> {
+    match lookup(name) {
+        Ok(url) if !url.trim().is_empty() => Ok(url),
+        Ok(_) => Err(LockError::Config(format!(
+            "the environment variable {name} is empty: set it to a lock URL such as redis://host:6379"
+        ))),
+        Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
+            "the environment variable {name} is not set: set it to a lock URL such as redis://host:6379"
+        ))),
+        Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
+            "the environment variable {name} is not valid UTF-8"
+        ))),
+    }
 }
 
 /// Prepares the store a URL names for [`connect`]: for PostgreSQL, creates the schema and
@@ -149,92 +182,78 @@ pub async fn connect(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
 /// The same configuration errors as [`connect`]; for PostgreSQL, the server's errors
 /// (unreachable, login refused, not permitted to create the schema).
 pub async fn setup(url: &str) -> Result<(), LockError> {
-    let (scheme, parsed) = checked(url)?;
-    match scheme {
-        #[cfg(feature = "postgres")]
-        Scheme::Postgres => crate::pg_url::PgUrl::parse(&parsed)?.setup().await,
-        _ => {
-            let _ = parsed;
-            Ok(())
+    match checked(url)? {
+        Scheme::Memory => memory(url).map(drop),
+        #[cfg(feature = "redis")]
+        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster => {
+            lock_redis::RedisBackendBuilder::from_url(url).map(drop)
         }
+        #[cfg(feature = "etcd")]
+        Scheme::Etcd | Scheme::EtcdTls => lock_etcd::EtcdBuilder::from_url(url).map(drop),
+        #[cfg(feature = "postgres")]
+        Scheme::Postgres => {
+            lock_postgres::PgBuilder::from_url(url)?
+                .build_lease_backend()?
+                .setup()
+                .await
+        }
+        // Reached only for a store whose feature is off, which `checked` refused already.
+        #[allow(unreachable_patterns)]
+        scheme => Err(feature_off(scheme)),
     }
 }
 
-/// Parses `url` and checks that its scheme is known, it has a host where one is needed,
-/// and its store's feature is enabled.
-fn checked(url: &str) -> Result<(Scheme, Url), LockError> {
-    let parsed = parse(&first_member_only(url))?;
-    let scheme = Scheme::from_name(parsed.scheme()).ok_or_else(|| unknown_scheme(&parsed))?;
-    if scheme != Scheme::Memory && parsed.host_str().is_none_or(str::is_empty) {
-        return Err(LockError::Config(format!(
-            "the {scheme} URL has no host: write {scheme}host:port"
-        )));
-    }
+/// The store `url` names, once its scheme is known, its store's feature is enabled and
+/// the checks every URL shares pass: it parses, and has a host where one is needed. An
+/// etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), which no URL parser
+/// reads as one authority: the etcd backend checks it whole.
+fn checked(url: &str) -> Result<Scheme, LockError> {
+    let written = url.trim().split_once("://").map(|(name, _)| name);
+    let scheme = match written.and_then(Scheme::from_name) {
+        Some(scheme @ (Scheme::Etcd | Scheme::EtcdTls)) => scheme,
+        _ => {
+            let parsed = parse(url)?;
+            let scheme =
+                Scheme::from_name(parsed.scheme()).ok_or_else(|| unknown_scheme(&parsed))?;
+            if scheme != Scheme::Memory && parsed.host_str().is_none_or(str::is_empty) {
+                return Err(LockError::Config(format!(
+                    "the {scheme} URL has no host: write {scheme}host:port"
+                )));
+            }
+            scheme
+        }
+    };
     if !scheme.is_enabled() {
         return Err(feature_off(scheme));
     }
-    Ok((scheme, parsed))
+    Ok(scheme)
 }
 
-/// An etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), which no URL
-/// parser reads as one authority: the generic checks look at the first member only, and
-/// the etcd backend reads them all. The members start after the userinfo, whose password
-/// may hold a comma.
-fn first_member_only(url: &str) -> std::borrow::Cow<'_, str> {
-    let Some((scheme, rest)) = url.trim().split_once("://") else {
-        return url.into();
-    };
-    if !matches!(
-        Scheme::from_name(scheme),
-        Some(Scheme::Etcd | Scheme::EtcdTls)
-    ) {
-        return url.into();
-    }
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    let members = authority.rfind('@').map_or(0, |at| at + 1);
-    match authority[members..].find(',') {
-        Some(comma) => format!("{scheme}://{}{tail}", &authority[..members + comma]).into(),
-        None => url.into(),
-    }
-}
-
-/// Hands a checked URL to the store's backend (`raw` is the URL as given, for stores
-/// whose URLs the generic parser cannot read whole). Plugging a backend in is one arm
-/// here (and the backend crate in the feature's list in Cargo.toml).
-#[cfg_attr(not(feature = "etcd"), allow(unused_variables))]
-async fn open(scheme: Scheme, url: &Url, raw: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+/// Hands a checked URL to the store's builder. Plugging a backend in is one arm here
+/// (and the backend crate in the feature's list in Cargo.toml).
+async fn open(scheme: Scheme, url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     match scheme {
         Scheme::Memory => memory(url),
         #[cfg(feature = "redis")]
-        Scheme::Redis | Scheme::RedisTls => {
-            let backend = lock_redis::RedisBackend::builder()
-                .url(url.as_str())
+        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster => Ok(Arc::new(
+            lock_redis::RedisBackendBuilder::from_url(url)?
                 .build()
-                .await?;
-            Ok(Arc::new(backend))
-        }
-        #[cfg(feature = "redis")]
-        Scheme::RedisCluster => {
-            // The client takes seed nodes as redis:// URLs and discovers the others.
-            let seed = format!("redis{}", &url.as_str()["redis+cluster".len()..]);
-            let backend = lock_redis::RedisBackend::builder()
-                .cluster_urls([seed])
-                .build()
-                .await?;
-            Ok(Arc::new(backend))
-        }
+                .await?,
+        )),
         #[cfg(feature = "etcd")]
-        Scheme::Etcd | Scheme::EtcdTls => crate::etcd_url::EtcdUrl::parse(raw)?.open().await,
+        Scheme::Etcd | Scheme::EtcdTls => Ok(Arc::new(
+            lock_etcd::EtcdBuilder::from_url(url)?.build().await?,
+        )),
         #[cfg(feature = "postgres")]
-        Scheme::Postgres => crate::pg_url::PgUrl::parse(url)?.open().await,
+        Scheme::Postgres => lock_postgres::PgBuilder::from_url(url)?.build().await,
         // Reached only for a store whose feature is off, which `connect` refused already.
         #[allow(unreachable_patterns)]
         _ => Err(feature_off(scheme)),
     }
 }
 
-fn memory(url: &Url) -> Result<Arc<dyn LockBackend>, LockError> {
+fn memory(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+    let url = parse(url)?;
     let bare = url.host_str().is_none_or(str::is_empty)
         && url.username().is_empty()
         && url.password().is_none()
@@ -478,20 +497,6 @@ mod tests {
     }
 
     #[test]
-    fn the_first_member_is_found_after_a_password_holding_a_comma() {
-        assert_eq!(
-            first_member_only("etcd://root:12,hunter2@h1:2379,h2:2379?prefix=p"),
-            "etcd://root:12,hunter2@h1:2379?prefix=p"
-        );
-        assert_eq!(
-            first_member_only("etcds://h1,h2/?ca=/ca.pem"),
-            "etcds://h1/?ca=/ca.pem"
-        );
-        assert_eq!(first_member_only("etcd://h1"), "etcd://h1");
-        assert_eq!(first_member_only("redis://:a,b@h"), "redis://:a,b@h");
-    }
-
-    #[test]
     fn schemes_know_their_features() {
         assert_eq!(Scheme::from_name("rediss"), Some(Scheme::RedisTls));
         assert_eq!(Scheme::from_name("postgresql"), Some(Scheme::Postgres));
@@ -500,5 +505,25 @@ mod tests {
         assert!(Scheme::Memory.is_enabled());
         assert_eq!(Scheme::Etcd.is_enabled(), cfg!(feature = "etcd"));
         assert_eq!(Scheme::Postgres.to_string(), "postgres://");
+    }
+
+    #[test]
+    fn connect_from_env_names_a_missing_variable() {
+        use std::env::VarError;
+        let url = url_from_env("TEST_URL", |name| {
+            assert_eq!(name, "TEST_URL");
+            Ok("memory://".into())
+        });
+        assert_eq!(url.unwrap(), "memory://");
+        for found in [
+            Err(VarError::NotPresent),
+            Err(VarError::NotUnicode("x".into())),
+            Ok(" ".to_owned()),
+        ] {
+            let Err(LockError::Config(message)) = url_from_env(URL_ENV, |_| found) else {
+                panic!("a missing URL was accepted");
+            };
+            assert!(message.contains("DISTLOCK_URL"), "{message}");
+        }
     }
 }

@@ -25,6 +25,9 @@
 //! PostgreSQL needs its tables created once per database, never implicitly by
 //! [`connect`]: call [`setup`] (or run `lockctl setup URL`) when deploying.
 //! [`redact_url`] shows a URL without its password; no error of [`connect`] contains it.
+//! [`connect_from_env`] opens the URL in `DISTLOCK_URL`; each store's builder reads its
+//! own URL with `from_url`, or from the environment with `from_env`
+//! (`DISTLOCK_REDIS_URL`, `DISTLOCK_ETCD_URL`, `DISTLOCK_POSTGRES_URL`).
 //!
 //! # Example
 //!
@@ -59,12 +62,8 @@
 //! fencing token and an idempotency key in the same transaction as the ledger insert.
 
 mod connect;
-#[cfg(feature = "etcd")]
-mod etcd_url;
-#[cfg(feature = "postgres")]
-mod pg_url;
 
-pub use connect::{SCHEMES, Scheme, connect, setup};
+pub use connect::{SCHEMES, Scheme, URL_ENV, connect, connect_from_env, setup};
 pub use lock_api::*;
 #[cfg(feature = "etcd")]
 pub use lock_etcd as etcd;
