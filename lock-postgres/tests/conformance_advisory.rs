@@ -3,25 +3,8 @@
 mod common;
 
 use common::{Kind, PgFactory};
-use lock_api::EnforcementMode;
-use lock_postgres::PgFencedResource;
-
-/// The fenced resource the fenced-counter workload writes through: the guarded row in
-/// the shared server's `distlock` schema.
-async fn fenced_resource() -> PgFencedResource {
-    let server = common::shared_server().await;
-    let backend = common::builder(&server)
-        .build_lease_backend()
-        .expect("valid settings");
-    PgFencedResource::new(backend.pool().clone(), "distlock", EnforcementMode::Enforce)
-        .expect("a valid schema name")
-}
 
 conformance::conformance_tests!(
-    async {
-        let factory = PgFactory::shared(Kind::Advisory).await;
-        let fenced = fenced_resource().await;
-        conformance::factory::WithFencedResource::new(factory, fenced)
-    },
+    async { PgFactory::shared(Kind::Advisory).await.with_fenced_resource() },
     capabilities: [link_faults, inspect, wakes_waiters],
 );

@@ -7,20 +7,11 @@ mod common;
 
 use common::{Kind, PgFactory};
 use conformance::factory::WithFencedResource;
-use lock_api::EnforcementMode;
-use lock_postgres::PgFencedResource;
 
 /// A private server's factory whose fenced-counter workload writes through the guarded
 /// row in that server's `distlock` schema.
 async fn factory(kind: Kind) -> WithFencedResource<PgFactory> {
-    let factory = PgFactory::private(kind).await;
-    let backend = common::builder(factory.server())
-        .build_lease_backend()
-        .expect("valid settings");
-    let fenced =
-        PgFencedResource::new(backend.pool().clone(), "distlock", EnforcementMode::Enforce)
-            .expect("a valid schema name");
-    WithFencedResource::new(factory, fenced)
+    PgFactory::private(kind).await.with_fenced_resource()
 }
 
 mod lease {

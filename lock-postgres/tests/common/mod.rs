@@ -7,10 +7,10 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults};
+use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults, WithFencedResource};
 use harness::{postgres::PostgresServer, proxy::FaultProxy};
-use lock_api::LockBackend;
-use lock_postgres::PgBuilder;
+use lock_api::{EnforcementMode, LockBackend};
+use lock_postgres::{PgBuilder, PgFencedResource};
 
 /// The server shared by the tests of one binary. Only a `Weak` is kept here: the server
 /// is stopped (killed on drop) as soon as the last test holding it ends, so no process
@@ -116,6 +116,18 @@ impl PgFactory {
     /// The server this factory's clients talk to.
     pub fn server(&self) -> &Arc<PostgresServer> {
         &self.server
+    }
+
+    /// This factory, its fenced-counter workload writing through the guarded row in its
+    /// server's `distlock` schema.
+    pub fn with_fenced_resource(self) -> WithFencedResource<PgFactory> {
+        let backend = builder(self.server())
+            .build_lease_backend()
+            .expect("valid settings");
+        let fenced =
+            PgFencedResource::new(backend.pool().clone(), "distlock", EnforcementMode::Enforce)
+                .expect("a valid schema name");
+        WithFencedResource::new(self, fenced)
     }
 }
 
