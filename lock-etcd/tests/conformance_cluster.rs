@@ -3,13 +3,6 @@
 mod common;
 
 conformance::conformance_tests!(
-    async {
-        let factory = common::EtcdFactory::cluster().await;
-        let fenced = lock_etcd::EtcdFencedResource::new(
-            &factory.etcd().await,
-            lock_api::EnforcementMode::Enforce,
-        );
-        conformance::factory::WithFencedResource::new(factory, fenced)
-    },
+    async { common::EtcdFactory::cluster().await.with_fenced_resource().await },
     capabilities: [link_faults, inspect, distinct_clients, wakes_waiters],
 );

@@ -6,14 +6,7 @@ mod common;
 
 mod single {
     conformance::conformance_tests!(
-        async {
-            let factory = super::common::EtcdFactory::private_single().await;
-            let fenced = lock_etcd::EtcdFencedResource::new(
-                &factory.etcd().await,
-                lock_api::EnforcementMode::Enforce,
-            );
-            conformance::factory::WithFencedResource::new(factory, fenced)
-        },
+        async { super::common::EtcdFactory::private_single().await.with_fenced_resource().await },
         capabilities: [link_faults, server_faults, inspect, distinct_clients],
         only_needing: server_faults,
     );
@@ -21,14 +14,7 @@ mod single {
 
 mod leader {
     conformance::conformance_tests!(
-        async {
-            let factory = super::common::EtcdFactory::private_cluster().await;
-            let fenced = lock_etcd::EtcdFencedResource::new(
-                &factory.etcd().await,
-                lock_api::EnforcementMode::Enforce,
-            );
-            conformance::factory::WithFencedResource::new(factory, fenced)
-        },
+        async { super::common::EtcdFactory::private_cluster().await.with_fenced_resource().await },
         capabilities: [link_faults, server_faults, inspect, distinct_clients],
         only_needing: server_faults,
     );

@@ -12,12 +12,13 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use conformance::factory::WithFencedResource;
 use conformance::{Factory, LinkFaults, ServerFaults};
 use harness::etcd::{EtcdCluster, EtcdServer};
 use harness::faults::ProxyGroup;
 use harness::proxy::FaultProxy;
 use harness::require;
-use lock_api::{LockBackend, LockError};
+use lock_api::{EnforcementMode, LockBackend, LockError};
 use lock_etcd::EtcdBackend;
 use tokio::sync::Mutex;
 use tokio::time::{Instant, sleep};
@@ -184,6 +185,14 @@ impl EtcdFactory {
                 self.endpoints()
             ),
         }
+    }
+
+    /// This factory, its fenced-counter workload writing through an enforcing
+    /// [`lock_etcd::EtcdFencedResource`] on its servers.
+    pub async fn with_fenced_resource(self) -> WithFencedResource<EtcdFactory> {
+        let fenced =
+            lock_etcd::EtcdFencedResource::new(&self.etcd().await, EnforcementMode::Enforce);
+        WithFencedResource::new(self, fenced)
     }
 }
 
