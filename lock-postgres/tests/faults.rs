@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Kind, backend, start_server};
+use harness::postgres::PostgresServer;
 use lock_api::{
     Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockKey, Locker, Release,
     Renewal,
@@ -16,6 +17,18 @@ use lock_postgres::PgFencedResource;
 
 fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
+}
+
+/// Terminates every session that holds an advisory lock; exactly one must.
+async fn terminate_the_advisory_holder(server: &PostgresServer) {
+    let killed = server
+        .psql(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
+             WHERE locktype = 'advisory' AND granted",
+        )
+        .await
+        .unwrap();
+    assert_eq!(killed, "1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -38,14 +51,7 @@ async fn advisory_holder_whose_session_is_terminated_is_told_and_replaced_with_a
     );
 
     // Kill every session that holds an advisory lock: only the holder's does.
-    let killed = server
-        .psql(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
-             WHERE locktype = 'advisory' AND granted",
-        )
-        .await
-        .unwrap();
-    assert_eq!(killed, "1");
+    terminate_the_advisory_holder(&server).await;
 
     // The watchdog's next renewal finds the session gone: the guard reports the loss
     // well before its TTL would have run out.
@@ -193,14 +199,7 @@ async fn advisory_killed_session_reaches_the_guard_at_the_next_renewal_of_a_shor
         .unwrap();
     let k = key("payout:killed-early");
     let guard = locker.try_lock(&k).await.unwrap().expect("a free key");
-    let killed = server
-        .psql(
-            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks \
-             WHERE locktype = 'advisory' AND granted",
-        )
-        .await
-        .unwrap();
-    assert_eq!(killed, "1");
+    terminate_the_advisory_holder(&server).await;
     let killed_at = tokio::time::Instant::now();
     // The server already freed the key: another client takes it with a higher token.
     let next = loop {

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use common::{builder, shared_server, start_server};
 use harness::postgres::PostgresServer;
-use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
+use lock_api::{Lease, LockBackend, LockGuard, LockKey, Locker, RetryPolicy};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 /// Far longer than a handoff by notification takes: a waiter that polls waits at least
@@ -92,11 +93,10 @@ async fn wait_for_listener(server: &PostgresServer, except: &[String]) -> String
     }
 }
 
-/// The holder releases while a waiter of another instance sleeps in its 5 s backoff; the
-/// waiter gets the key well within it.
-async fn a_release_wakes_the_waiter(pair: Pair, server: &PostgresServer, name: &str) {
-    let k = key(name);
-    let held = pair.holder.acquire(&k, TTL).await.unwrap().expect("free");
+/// The holder takes `k`; a waiter of the other instance starts locking it and reports
+/// when it got it.
+async fn held_with_a_waiter(pair: &Pair, k: &LockKey) -> (Lease, JoinHandle<(Instant, LockGuard)>) {
+    let held = pair.holder.acquire(k, TTL).await.unwrap().expect("free");
     let waiter = locker(pair.waiter.clone());
     let waiting = {
         let k = k.clone();
@@ -105,18 +105,36 @@ async fn a_release_wakes_the_waiter(pair: Pair, server: &PostgresServer, name: &
             (Instant::now(), guard)
         })
     };
-    // The waiter's first attempt is refused and it sleeps in its backoff, listening.
-    wait_for_listener(server, &[]).await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(pair.waiter.watched_keys(), std::slice::from_ref(&k));
+    (held, waiting)
+}
+
+/// The holder releases `held`; the waiter gets the key within [`WOKEN_WITHIN`]. Its guard.
+async fn release_reaches_the_waiter(
+    pair: &Pair,
+    held: &Lease,
+    waiting: JoinHandle<(Instant, LockGuard)>,
+) -> LockGuard {
     let released_at = Instant::now();
-    pair.holder.release(&held).await.unwrap();
+    pair.holder.release(held).await.unwrap();
     let (granted_at, guard) = waiting.await.unwrap();
     let waited = granted_at - released_at;
     assert!(
         waited < WOKEN_WITHIN,
         "granted {waited:?} after the release"
     );
+    guard
+}
+
+/// The holder releases while a waiter of another instance sleeps in its 5 s backoff; the
+/// waiter gets the key well within it.
+async fn a_release_wakes_the_waiter(pair: Pair, server: &PostgresServer, name: &str) {
+    let k = key(name);
+    let (held, waiting) = held_with_a_waiter(&pair, &k).await;
+    // The waiter's first attempt is refused and it sleeps in its backoff, listening.
+    wait_for_listener(server, &[]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(pair.waiter.watched_keys(), std::slice::from_ref(&k));
+    let guard = release_reaches_the_waiter(&pair, &held, waiting).await;
     assert!(guard.token() > held.token());
     guard.release().await.unwrap();
     assert!(pair.waiter.watched_keys().is_empty());
@@ -143,15 +161,7 @@ async fn a_lost_listener_connection_wakes_its_waiters_after_reconnecting(
     name: &str,
 ) {
     let k = key(name);
-    let held = pair.holder.acquire(&k, TTL).await.unwrap().expect("free");
-    let waiter = locker(pair.waiter.clone());
-    let waiting = {
-        let k = k.clone();
-        tokio::spawn(async move {
-            let guard = waiter.lock(&k).await.unwrap();
-            (Instant::now(), guard)
-        })
-    };
+    let (held, waiting) = held_with_a_waiter(&pair, &k).await;
     let first = wait_for_listener(server, &[]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let killed = server
@@ -159,14 +169,7 @@ async fn a_lost_listener_connection_wakes_its_waiters_after_reconnecting(
         .await
         .unwrap();
     assert_eq!(killed, "t");
-    let released_at = Instant::now();
-    pair.holder.release(&held).await.unwrap();
-    let (granted_at, guard) = waiting.await.unwrap();
-    let waited = granted_at - released_at;
-    assert!(
-        waited < WOKEN_WITHIN,
-        "granted {waited:?} after the release"
-    );
+    let guard = release_reaches_the_waiter(&pair, &held, waiting).await;
     // It listens again, on a new session.
     wait_for_listener(server, &[first]).await;
     guard.release().await.unwrap();
