@@ -10,8 +10,8 @@ use std::time::Duration;
 use common::{EtcdFactory, until_answered};
 use harness::require;
 use lock_api::{
-    Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockKey, Locker,
-    Release, Renewal,
+    Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockGuard, LockKey,
+    Locker, Release, Renewal,
 };
 use lock_etcd::{EtcdBackend, EtcdFencedResource};
 use tokio::time::{Instant, sleep, timeout_at};
@@ -22,6 +22,18 @@ fn key(name: &str) -> LockKey {
     use std::hash::{BuildHasher, RandomState};
     let random = RandomState::new().hash_one(std::time::SystemTime::now());
     LockKey::new(format!("etcd-fault:{random:016x}:{name}")).unwrap()
+}
+
+/// A locker on `holder` with the test TTL, a guard of the free `key` from it, and the
+/// guard's lease.
+async fn guarded(holder: &EtcdBackend, key: &LockKey) -> (Locker, LockGuard, Lease) {
+    let locker = Locker::builder(Arc::new(holder.clone()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let guard = locker.try_lock(key).await.unwrap().expect("free key");
+    let old = guard.lease().clone();
+    (locker, guard, old)
 }
 
 /// Acquires `key` with `client`, retrying while it is held or the store is unavailable.
@@ -140,12 +152,7 @@ async fn a_paused_member_loses_its_clients_locks_and_the_others_carry_on() {
     let rest = on(others).await.unwrap();
     let k = key("paused");
 
-    let locker = Locker::builder(Arc::new(holder.clone()))
-        .ttl(TTL)
-        .build()
-        .unwrap();
-    let guard = locker.try_lock(&k).await.unwrap().expect("free key");
-    let old = guard.lease().clone();
+    let (_locker, guard, old) = guarded(&holder, &k).await;
     require(cluster.members()[follower].pause());
     let paused_at = Instant::now();
 
@@ -181,12 +188,7 @@ async fn a_blackholed_connection_makes_the_guard_report_lost() {
     let other = clean_link.etcd().await;
     let k = key("blackhole");
 
-    let locker = Locker::builder(Arc::new(holder.clone()))
-        .ttl(TTL)
-        .build()
-        .unwrap();
-    let guard = locker.try_lock(&k).await.unwrap().expect("free key");
-    let old = guard.lease().clone();
+    let (_locker, guard, old) = guarded(&holder, &k).await;
     sleep(TTL / 2).await;
     cut_link.proxies().iter().for_each(|p| p.blackhole());
     let cut_at = Instant::now();

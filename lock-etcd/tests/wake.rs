@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{EtcdFactory, until_answered};
-use lock_api::{FencingToken, LockBackend, LockKey, Locker, RetryPolicy};
+use lock_api::{FencingToken, Lease, LockBackend, LockKey, Locker, RetryPolicy};
 use lock_etcd::EtcdBackend;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -57,6 +57,22 @@ fn wait_for(locker: Locker, key: &LockKey) -> JoinHandle<(Instant, FencingToken)
     })
 }
 
+/// The waiter was granted the key within [`WOKEN_WITHIN`] of its release at
+/// `released_at`, with a token above the released lease's.
+async fn woken_by_the_release(
+    waiting: JoinHandle<(Instant, FencingToken)>,
+    released_at: Instant,
+    held: &Lease,
+) {
+    let (granted_at, token) = waiting.await.unwrap();
+    assert!(
+        granted_at - released_at < WOKEN_WITHIN,
+        "granted {:?} after the release",
+        granted_at - released_at
+    );
+    assert!(token > held.token());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_release_wakes_a_waiter_well_before_its_backoff() {
     let factory = EtcdFactory::single().await;
@@ -69,13 +85,7 @@ async fn a_release_wakes_a_waiter_well_before_its_backoff() {
 
     let released_at = Instant::now();
     holder.release(&held).await.unwrap();
-    let (granted_at, token) = waiting.await.unwrap();
-    assert!(
-        granted_at - released_at < WOKEN_WITHIN,
-        "granted {:?} after the release",
-        granted_at - released_at
-    );
-    assert!(token > held.token());
+    woken_by_the_release(waiting, released_at, &held).await;
 }
 
 /// etcd deletes the key of a lease that ran out, and the watch hears that delete too.
@@ -125,13 +135,7 @@ async fn a_release_after_etcd_restarted_still_wakes_the_waiter() {
     let released_at = Instant::now();
     assert_eq!(released, lock_api::Release::Released);
 
-    let (granted_at, token) = waiting.await.unwrap();
-    assert!(
-        granted_at - released_at < WOKEN_WITHIN,
-        "granted {:?} after the release",
-        granted_at - released_at
-    );
-    assert!(token > held.token());
+    woken_by_the_release(waiting, released_at, &held).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
