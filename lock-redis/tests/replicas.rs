@@ -14,20 +14,7 @@ const WAIT: Duration = Duration::from_millis(300);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_holds_only_when_the_replica_acknowledges() {
-    let master = harness::require(RedisServer::start().await);
-    let replica = harness::require(
-        RedisServer::builder()
-            .replica_of(master.addr())
-            .start()
-            .await,
-    );
-    let redis = RedisBackend::builder()
-        .url(master.url())
-        .response_timeout(Duration::from_secs(2))
-        .replica_acks(1, WAIT)
-        .build()
-        .await
-        .expect("connect");
+    let (master, replica, redis) = replicated_with(Duration::from_secs(2), WAIT).await;
 
     let key = LockKey::new("replicated").unwrap();
     let lease = redis
@@ -87,17 +74,20 @@ async fn a_wait_as_long_as_the_response_timeout_is_a_config_error() {
 /// A master with one replica, and a client that needs the replica's acknowledgement
 /// (`WAIT` of up to 1 s) within a 3 s response timeout.
 async fn replicated() -> (RedisServer, RedisServer, RedisBackend) {
-    let master = harness::require(RedisServer::start().await);
-    let replica = harness::require(
-        RedisServer::builder()
-            .replica_of(master.addr())
-            .start()
-            .await,
-    );
+    replicated_with(Duration::from_secs(3), Duration::from_secs(1)).await
+}
+
+/// A master with one replica, and a client that needs the replica's acknowledgement
+/// (`WAIT` of up to `wait`) within `response_timeout`.
+async fn replicated_with(
+    response_timeout: Duration,
+    wait: Duration,
+) -> (RedisServer, RedisServer, RedisBackend) {
+    let (master, replica) = common::master_and_replica().await;
     let redis = RedisBackend::builder()
         .url(master.url())
-        .response_timeout(Duration::from_secs(3))
-        .replica_acks(1, Duration::from_secs(1))
+        .response_timeout(response_timeout)
+        .replica_acks(1, wait)
         .build()
         .await
         .expect("connect");

@@ -29,13 +29,7 @@ fn assert_unavailable<T: std::fmt::Debug>(outcome: Result<T, LockError>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_sent_to_a_replica_is_unavailable() {
-    let master = harness::require(RedisServer::start().await);
-    let replica = harness::require(
-        RedisServer::builder()
-            .replica_of(master.addr())
-            .start()
-            .await,
-    );
+    let (master, replica) = common::master_and_replica().await;
     let redis = connect(replica.url()).await;
     let key = LockKey::new("behind-a-failover-address").unwrap();
 

@@ -271,6 +271,18 @@ impl Failover for ReplicaPromotion {
     }
 }
 
+/// A master and a replica of it.
+pub async fn master_and_replica() -> (RedisServer, RedisServer) {
+    let master = harness::require(RedisServer::start().await);
+    let replica = harness::require(
+        RedisServer::builder()
+            .replica_of(master.addr())
+            .start()
+            .await,
+    );
+    (master, replica)
+}
+
 /// Calls of `command` (lowercase) since the server started or `CONFIG RESETSTAT`.
 pub async fn command_calls(server: &RedisServer, command: &str) -> u64 {
     let info = harness::require(server.command(&["INFO", "commandstats"]).await)
