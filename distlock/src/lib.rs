@@ -60,16 +60,39 @@
 //! The `payout_worker` example (features `redis` and `postgres`) runs the whole pattern:
 //! workers on Redis locks paying out jobs into a PostgreSQL ledger that checks the
 //! fencing token and an idempotency key in the same transaction as the ledger insert.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod connect;
 
 pub use connect::{SCHEMES, Scheme, URL_ENV, connect, connect_from_env, setup};
-pub use lock_api::*;
+// The user's surface: taking, keeping and giving back locks; elections; fencing the
+// downstream store; the in-memory store; the errors and the metric names.
+pub use lock_api::{
+    Admission, Capabilities, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode, Fence,
+    FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend, LockError,
+    LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MemoryFencedResource,
+    OwnerId, Release, Renewal, RetryPolicy, election_key, memory, redact_url, telemetry,
+    url_userinfo_is_ambiguous,
+};
+
+/// What implementing a store, or a layer around one, needs beyond the user's surface:
+/// building leases and their validity, the shared fencing decision, error conversion,
+/// release notifications, and the forwarding layer.
+pub mod backend {
+    pub use lock_api::wake;
+    pub use lock_api::{
+        BackendId, BackendLayer, BoxError, DRIFT_FACTOR, DriverFailure, Effect, FailureKind,
+        Instrumented, Layered, VALIDITY_MARGIN, async_trait, decide, valid_until,
+    };
+}
 #[cfg(feature = "etcd")]
+#[cfg_attr(docsrs, doc(cfg(feature = "etcd")))]
 pub use lock_etcd as etcd;
 #[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use lock_postgres as postgres;
 #[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use lock_redis as redis;
 
 /// The README's examples, compiled and run as doctests.

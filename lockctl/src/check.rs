@@ -16,7 +16,8 @@ use conformance::memory::MemoryFactory;
 use conformance::{CASES, Factory, Outcome};
 
 use crate::used_keys::{Cleanup, RecordingFactory, UsedKeys};
-use distlock::{LockBackend, LockError, async_trait};
+use distlock::backend::async_trait;
+use distlock::{LockBackend, LockError};
 use tokio::time::Instant;
 
 /// Clients of the store a URL names, each from its own `connect`.

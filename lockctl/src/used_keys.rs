@@ -12,10 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use conformance::{Factory, LinkFaults, ServerFaults};
-use distlock::{
-    BackendLayer, Fence, Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Release,
-    Renewal, async_trait,
-};
+use distlock::backend::{BackendLayer, Layered, async_trait};
+use distlock::{Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal};
 use parking_lot::Mutex;
 
 /// The start of every key the conformance cases make (`suite::Ctx::key`).

@@ -10,10 +10,8 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use distlock::{
-    BackendLayer, Fence, Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Release,
-    Renewal, async_trait,
-};
+use distlock::backend::{BackendLayer, Layered, async_trait};
+use distlock::{Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep_until};
 
