@@ -7,7 +7,7 @@ use futures::future::join_all;
 use lock_api::{Fence, Lease, LockBackend, LockKey, Release, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::{forged, release_held, token_above};
+use super::{forged, late_write_rejected, release_held, token_above};
 use crate::factory::Factory;
 use crate::history::SEND_INSTANT_SLACK;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
@@ -588,21 +588,7 @@ pub async fn paused_holder_is_fenced(factory: &dyn Factory) -> Result<Outcome, F
         "write",
         counter.write(&key, old.token(), read, read + 1).await,
     )?;
-    ctx.ensure(
-        !late.is_admitted(),
-        format!(
-            "the paused holder's late write (token {}) to be rejected after token {} wrote",
-            old.token(),
-            new.token()
-        ),
-        || format!("{late:?}"),
-    )?;
-    let value = counter.read().await;
-    ctx.ensure(
-        value == 2,
-        "the counter to hold the new holder's value 2",
-        || value,
-    )?;
+    late_write_rejected(&ctx, &counter, late, "the paused holder", &old, &new).await?;
     let fence = ctx.ok("fence of the paused holder", a.fence(&old).await)?;
     ctx.ensure(
         matches!(fence, Fence::Stale { .. }),

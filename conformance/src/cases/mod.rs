@@ -29,8 +29,9 @@ pub use wake::*;
 
 use std::sync::Arc;
 
-use lock_api::{FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
+use lock_api::{Admission, FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
 
+use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure};
 
 /// Releases `lease`, which must still be held.
@@ -70,6 +71,33 @@ fn token_above(
     ctx.ensure(next.token() > previous, expected, || {
         format!("token {}", next.token())
     })
+}
+
+/// Checks that the late write of `who` (the holder of `old`) was rejected after the new
+/// holder of `new` wrote, and that `counter` holds the new holder's value 2.
+async fn late_write_rejected(
+    ctx: &Ctx<'_>,
+    counter: &FencedCounter,
+    late: Admission,
+    who: &str,
+    old: &Lease,
+    new: &Lease,
+) -> Result<(), Failure> {
+    ctx.ensure(
+        !late.is_admitted(),
+        format!(
+            "{who}'s late write (token {}) to be rejected after token {} wrote",
+            old.token(),
+            new.token()
+        ),
+        || format!("{late:?}"),
+    )?;
+    let value = counter.read().await;
+    ctx.ensure(
+        value == 2,
+        "the counter to hold the new holder's value 2",
+        || value,
+    )
 }
 
 /// A copy of `lease` with another owner: what a non-owner that guessed the key and

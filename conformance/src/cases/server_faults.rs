@@ -11,7 +11,7 @@ use std::time::Duration;
 use lock_api::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::{release_held, token_above};
+use super::{late_write_rejected, release_held, token_above};
 use crate::factory::Factory;
 use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
@@ -326,21 +326,7 @@ async fn old_holder_fenced(
         counter.write(old.key(), old.token(), read, read + 1)
     })
     .await?;
-    ctx.ensure(
-        !late.is_admitted(),
-        format!(
-            "the old holder's late write (token {}) to be rejected after token {} wrote",
-            old.token(),
-            new.token()
-        ),
-        || format!("{late:?}"),
-    )?;
-    let value = counter.read().await;
-    ctx.ensure(
-        value == 2,
-        "the counter to hold the new holder's value 2",
-        || value,
-    )?;
+    late_write_rejected(ctx, counter, late, "the old holder", old, new).await?;
     let renewal =
         until_answered(ctx, "the old holder's renewal", deadline, || a.renew(old)).await?;
     ctx.ensure(
