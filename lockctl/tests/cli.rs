@@ -8,6 +8,15 @@ fn lockctl() -> Command {
     Command::cargo_bin("lockctl").expect("the lockctl binary is built")
 }
 
+/// Runs lockctl with `args`; it must fail and say `says` on stderr.
+fn fails_saying<const N: usize>(args: [&str; N], says: &str) -> assert_cmd::assert::Assert {
+    lockctl()
+        .args(args)
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains(says))
+}
+
 /// The demo's JSON report with a workload small enough for a test.
 fn demo_json(extra: &[&str]) -> Vec<Value> {
     let output = lockctl()
@@ -108,16 +117,11 @@ fn demo_table_shows_zero_duplicates_only_for_the_last_strategy() {
 
 #[test]
 fn demo_refuses_a_bad_backend_and_an_empty_workload() {
-    lockctl()
-        .args(["demo", "--backend", "nosuch://x"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("unknown URL scheme `nosuch`"));
-    lockctl()
-        .args(["demo", "--workers", "0"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("at least one worker"));
+    fails_saying(
+        ["demo", "--backend", "nosuch://x"],
+        "unknown URL scheme `nosuch`",
+    );
+    fails_saying(["demo", "--workers", "0"], "at least one worker");
 }
 
 #[test]
@@ -154,24 +158,22 @@ fn bad_urls_fail_with_a_clear_error() {
 #[cfg(not(feature = "etcd"))]
 #[test]
 fn a_store_whose_feature_is_off_names_the_feature() {
-    lockctl()
-        .args(["check", "etcd://127.0.0.1:2379"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("feature `etcd` is not enabled"))
-        .stderr(predicate::str::contains("--features etcd"));
+    fails_saying(
+        ["check", "etcd://127.0.0.1:2379"],
+        "feature `etcd` is not enabled",
+    )
+    .stderr(predicate::str::contains("--features etcd"));
 }
 
 #[test]
 fn a_ttl_no_store_can_honour_is_refused_before_connecting() {
     // Port 1 on loopback refuses connections: a connect attempt would say so instead.
     for ttl in ["0s", "1500us"] {
-        lockctl()
-            .args(["acquire", "redis://127.0.0.1:1", "job:1", "--ttl", ttl])
-            .assert()
-            .failure()
-            .stderr(predicate::str::contains("invalid ttl"))
-            .stderr(predicate::str::contains("unavailable").not());
+        fails_saying(
+            ["acquire", "redis://127.0.0.1:1", "job:1", "--ttl", ttl],
+            "invalid ttl",
+        )
+        .stderr(predicate::str::contains("unavailable").not());
     }
 }
 
@@ -223,8 +225,8 @@ fn inspect_shows_a_free_key() {
 
 #[test]
 fn release_on_memory_explains_that_the_store_is_per_process() {
-    lockctl()
-        .args([
+    fails_saying(
+        [
             "release",
             "memory://",
             "job:1",
@@ -232,15 +234,14 @@ fn release_on_memory_explains_that_the_store_is_per_process() {
             "0123456789abcdef0123456789abcdef",
             "--token",
             "1",
-        ])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("nothing changed"))
-        .stderr(predicate::str::contains(
-            "memory:// is a store inside each lockctl process",
-        ));
-    lockctl()
-        .args([
+        ],
+        "nothing changed",
+    )
+    .stderr(predicate::str::contains(
+        "memory:// is a store inside each lockctl process",
+    ));
+    fails_saying(
+        [
             "release",
             "memory://",
             "job:1",
@@ -248,10 +249,9 @@ fn release_on_memory_explains_that_the_store_is_per_process() {
             "xyz",
             "--token",
             "1",
-        ])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("32 hexadecimal digits"));
+        ],
+        "32 hexadecimal digits",
+    );
 }
 
 #[test]
@@ -462,16 +462,11 @@ mod on_postgres {
     async fn without_setup_the_error_says_to_run_it() {
         let server = require(PostgresServer::start().await);
         let url = format!("{}?schema=public", server.url());
-        lockctl()
-            .args(["inspect", &url, "job:1"])
-            .assert()
-            .failure()
-            .stderr(predicate::str::contains("setup()"));
-        lockctl()
-            .args(["check", &format!("{url}&mdoe=advisory")])
-            .assert()
-            .failure()
-            .stderr(predicate::str::contains("unknown parameter `mdoe`"));
+        fails_saying(["inspect", &url, "job:1"], "setup()");
+        fails_saying(
+            ["check", &format!("{url}&mdoe=advisory")],
+            "unknown parameter `mdoe`",
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
