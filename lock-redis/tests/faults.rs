@@ -134,13 +134,7 @@ async fn operations_succeed_after_script_flush() {
 
     let keys: Vec<LockKey> = (0..20).map(|i| key(&format!("flush-{i}"))).collect();
     flush().await;
-    let leases: Vec<_> = redis
-        .acquire_many(&keys, ttl)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
+    let leases = common::acquire_all(&redis, &keys, ttl).await;
     flush().await;
     let renewed = redis.renew_many(&leases).await.unwrap();
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
@@ -237,20 +231,8 @@ async fn a_dead_cluster_master_fails_its_keys_cleanly_and_the_others_keep_workin
     }
     assert!(!on_victim.is_empty() && !elsewhere.is_empty());
     let fresh_key = elsewhere.pop().unwrap();
-    let victim_leases: Vec<_> = redis
-        .acquire_many(&on_victim, ttl)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
-    let other_leases: Vec<_> = redis
-        .acquire_many(&elsewhere, ttl)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
+    let victim_leases = common::acquire_all(&redis, &on_victim, ttl).await;
+    let other_leases = common::acquire_all(&redis, &elsewhere, ttl).await;
 
     harness::require(f.cluster.nodes()[0].kill());
 
@@ -336,13 +318,7 @@ async fn a_silent_cluster_master_makes_only_its_leases_unreachable_in_batches() 
     let ttl = Duration::from_secs(20);
     let victim = f.cluster.nodes()[1].port();
     let keys: Vec<LockKey> = (0..30).map(|i| key(&format!("silent-{i}"))).collect();
-    let leases: Vec<_> = redis
-        .acquire_many(&keys, ttl)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
+    let leases = common::acquire_all(&redis, &keys, ttl).await;
     let mut on_victim = Vec::new();
     for lease in &leases {
         let (lock_key, _) = redis.redis_keys(lease.key());

@@ -34,13 +34,7 @@ fn other_node<'a>(f: &'a RedisClusterFactory, source: &RedisServer) -> &'a Redis
 /// Acquires `keys` in one batch and renews them in another, which caches the slot map;
 /// the leases.
 async fn acquire_and_cache(redis: &RedisBackend, keys: &[LockKey]) -> Vec<Lease> {
-    let leases: Vec<_> = redis
-        .acquire_many(keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(Option::unwrap)
-        .collect();
+    let leases = common::acquire_all(redis, keys, TTL).await;
     let renewed = redis.renew_many(&leases).await.unwrap();
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
     leases

@@ -13,7 +13,7 @@ use harness::{
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer},
 };
-use lock_api::{LockBackend, LockKey};
+use lock_api::{Lease, LockBackend, LockKey};
 use lock_redis::RedisBackend;
 
 /// The response timeout the tests use: short, so blackholes are noticed quickly.
@@ -269,6 +269,17 @@ impl Failover for ReplicaPromotion {
         }
         harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
     }
+}
+
+/// Acquires every one of `keys` (all free) in one `acquire_many`; the leases, in order.
+pub async fn acquire_all(redis: &RedisBackend, keys: &[LockKey], ttl: Duration) -> Vec<Lease> {
+    redis
+        .acquire_many(keys, ttl)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(Option::unwrap)
+        .collect()
 }
 
 /// A master and a replica of it.
