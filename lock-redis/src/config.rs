@@ -376,8 +376,9 @@ fn check_url(url: &str) -> Result<(), LockError> {
         Some(pair) => {
             let name = pair.split_once('=').map_or(pair, |(name, _)| name);
             Err(LockError::Config(format!(
-                "unknown parameter `{name}` in the Redis URL: a Redis URL takes no query \
-                 parameters; the builder's methods set the options"
+                "unknown parameter `{name}` in the Redis URL {}: a Redis URL takes no query \
+                 parameters; the builder's methods set the options",
+                redact_url(url)
             )))
         }
         None => Ok(()),
