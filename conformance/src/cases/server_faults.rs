@@ -254,6 +254,9 @@ where
     }
 }
 
+/// How many of the case's TTLs the holder taken after a fault asks for.
+const NEW_HOLDER_TTL_FACTOR: u32 = 4;
+
 /// Polls until `client` is granted `key`, tolerating errors, failing at `deadline`.
 async fn take_after_fault(
     ctx: &Ctx<'_>,
@@ -264,8 +267,12 @@ async fn take_after_fault(
     why: &str,
 ) -> Result<Lease, Failure> {
     let what = format!("an acquire of {key} {why}");
+    // The new holder outlives the checks that follow (the old holder's late write, renewal
+    // and fence, each retried while the store recovers) even on a slow machine: the case
+    // is about the old lease, and the new one must still be Current at its end.
+    let ttl = NEW_HOLDER_TTL_FACTOR * t.ttl;
     loop {
-        let got = until_answered(ctx, &what, deadline, || client.acquire(key, t.ttl)).await?;
+        let got = until_answered(ctx, &what, deadline, || client.acquire(key, ttl)).await?;
         if let Some(lease) = got {
             return Ok(lease);
         }
