@@ -14,7 +14,7 @@ use benchmarks::BenchError;
 use benchmarks::load::{self, Keys};
 use benchmarks::subjects::{self, BenchKey, Servers, Store, Subject, SubjectId, TTL};
 use criterion::{BenchmarkGroup, BenchmarkId, Criterion, Throughput, measurement::WallTime};
-use lock_api::{LockBackend, LockKey};
+use distlock_core::{LockBackend, LockKey};
 use tokio::runtime::Runtime;
 
 const LEVELS: [usize; 3] = [1, 16, 64];

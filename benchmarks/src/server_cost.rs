@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use capacity::scenarios::{FenceRetentionMemory, RedisServerCost, usec_of, usec_per_call};
-use lock_api::{LockBackend, LockKey};
+use distlock_core::{LockBackend, LockKey};
 use tokio::time::Instant;
 
 use crate::BenchError;

@@ -18,7 +18,7 @@ mod servers;
 
 use std::sync::Arc;
 
-use lock_api::memory::MemoryBackend;
+use distlock_core::memory::MemoryBackend;
 
 pub use capacity::subject::{BenchKey, Cycle, Store, Subject, SubjectId, TTL};
 pub use servers::Servers;

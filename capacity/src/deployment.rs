@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
-use lock_api::{LockBackend, LockError, LockKey, Release};
+use distlock_core::{LockBackend, LockError, LockKey, Release};
 
 use crate::BenchError;
 use crate::load::Sample;
@@ -409,7 +409,7 @@ fn csv_field(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lock_api::memory::MemoryBackend;
+    use distlock_core::memory::MemoryBackend;
 
     #[test]
     fn every_backend_name_has_a_subject() {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use lock_api::wake::ReleaseWatch;
-use lock_api::{
+use distlock_core::wake::ReleaseWatch;
+use distlock_core::{
     BackendLayer, Capabilities, Layered, Lease, LockBackend, LockError, LockKey, Locker,
     async_trait,
 };
@@ -184,7 +184,7 @@ impl BackendLayer for Counted {
 
 #[cfg(test)]
 mod tests {
-    use lock_api::memory::MemoryBackend;
+    use distlock_core::memory::MemoryBackend;
 
     use super::*;
 

@@ -41,7 +41,7 @@ pub enum BenchError {
         subject: &'static str,
         /// The backend's error.
         #[source]
-        source: lock_api::LockError,
+        source: distlock_core::LockError,
     },
     /// A raw client (baseline or peer) failed.
     #[error("{subject}: {detail}")]

@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use lock_api::memory::MemoryBackend;
-use lock_api::{LockBackend, LockKey, Locker, Renewal};
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{LockBackend, LockKey, Locker, Renewal};
 
 use crate::BenchError;
 use crate::load::{self, Keys, Sample};

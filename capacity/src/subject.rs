@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::{LockBackend, LockKey};
+use distlock_core::{LockBackend, LockKey};
 
 use crate::BenchError;
 
@@ -43,7 +43,7 @@ impl Store {
 /// One thing the benchmarks measure.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum SubjectId {
-    /// `lock_api::memory::MemoryBackend`.
+    /// `distlock_core::memory::MemoryBackend`.
     Memory,
     /// `lock_redis::RedisBackend` on one multiplexed connection.
     Redis,

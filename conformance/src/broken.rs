@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
-use lock_api::{
+use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
 };

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::{FencedResource, LockBackend, LockKey};
+use distlock_core::{FencedResource, LockBackend, LockKey};
 
 /// Makes backend instances (clients) that all talk to the same store under test.
 ///
@@ -53,7 +53,7 @@ pub trait Factory: Send + Sync {
 /// A factory that adds a backend's own fenced resource to another factory.
 ///
 /// ```no_run
-/// # async fn f(redis: impl conformance::Factory, resource: lock_api::MemoryFencedResource) {
+/// # async fn f(redis: impl conformance::Factory, resource: distlock_core::MemoryFencedResource) {
 /// let factory = conformance::factory::WithFencedResource::new(redis, resource);
 /// # }
 /// ```

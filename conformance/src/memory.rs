@@ -10,8 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::memory::MemoryBackend;
-use lock_api::{Instrumented, LockBackend};
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{Instrumented, LockBackend};
 
 use crate::factory::{Factory, LinkFaults};
 
@@ -20,7 +20,7 @@ use crate::factory::{Factory, LinkFaults};
 enum Layer {
     /// The `MemoryBackend` itself, as `Arc<dyn LockBackend>`.
     Direct,
-    /// Behind `lock_api::Instrumented`, i.e. through a second `Arc<dyn LockBackend>`.
+    /// Behind `distlock_core::Instrumented`, i.e. through a second `Arc<dyn LockBackend>`.
     Instrumented,
 }
 
@@ -47,7 +47,7 @@ impl MemoryFactory {
     }
 
     /// Clients reach the backend through `Instrumented`, one more `Arc<dyn LockBackend>`
-    /// layer, as a [`lock_api::Locker`] does.
+    /// layer, as a [`distlock_core::Locker`] does.
     pub fn instrumented() -> Self {
         Self {
             layer: Layer::Instrumented,

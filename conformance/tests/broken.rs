@@ -125,13 +125,13 @@ async fn a_failure_says_what_was_expected_and_what_the_history_shows() {
 struct AdmitsAll;
 
 #[async_trait::async_trait]
-impl lock_api::FencedResource for AdmitsAll {
+impl distlock_core::FencedResource for AdmitsAll {
     async fn admit(
         &self,
         _resource: &str,
-        _token: lock_api::FencingToken,
-    ) -> Result<lock_api::Admission, lock_api::LockError> {
-        Ok(lock_api::Admission::Admitted)
+        _token: distlock_core::FencingToken,
+    ) -> Result<distlock_core::Admission, distlock_core::LockError> {
+        Ok(distlock_core::Admission::Admitted)
     }
 }
 

@@ -1,5 +1,5 @@
 //! The whole conformance suite on the in-memory reference backend, directly and through
-//! one more `Arc<dyn LockBackend>` layer (`lock_api::Instrumented`). Each module's
+//! one more `Arc<dyn LockBackend>` layer (`distlock_core::Instrumented`). Each module's
 //! `conformance_stamped_cases` prints how many cases were stamped.
 
 mod direct {

@@ -9,8 +9,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use lock_api::memory::MemoryBackend;
-use lock_api::{LockBackend, LockError};
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{LockBackend, LockError};
 use url::Url;
 
 /// A store [`connect`] can open, named by the scheme of its URL.
@@ -311,7 +311,7 @@ fn known_schemes() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lock_api::{LockKey, redact_url};
+    use distlock_core::{LockKey, redact_url};
     use std::time::Duration;
 
     async fn error_of(url: &str) -> String {

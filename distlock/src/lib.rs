@@ -6,7 +6,7 @@
 //! seen. The token is what keeps a worker that was paused or cut off past its lease
 //! from doing damage: its lock may be gone without it knowing, its writes are refused.
 //!
-//! This facade re-exports the lock API of `lock-api` (the [`LockBackend`] trait and its
+//! This facade re-exports the lock API of `distlock-core` (the [`LockBackend`] trait and its
 //! contract, [`Locker`] and [`LockGuard`] with their renewal watchdog, the
 //! [`FencedResource`] gate, [`Election`] for a fenced singleton role such as a scheduler,
 //! the in-memory backend in [`memory`]) and opens any backend from a URL with
@@ -67,7 +67,7 @@ mod connect;
 pub use connect::{SCHEMES, Scheme, URL_ENV, connect, connect_from_env, setup};
 // The user's surface: taking, keeping and giving back locks; elections; fencing the
 // downstream store; the in-memory store; the errors and the metric names.
-pub use lock_api::{
+pub use distlock_core::{
     Admission, Capabilities, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode, Fence,
     FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend, LockError,
     LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MemoryFencedResource,
@@ -79,8 +79,8 @@ pub use lock_api::{
 /// building leases and their validity, the shared fencing decision, error conversion,
 /// release notifications, and the forwarding layer.
 pub mod backend {
-    pub use lock_api::wake;
-    pub use lock_api::{
+    pub use distlock_core::wake;
+    pub use distlock_core::{
         BackendId, BackendLayer, BoxError, DRIFT_FACTOR, DriverFailure, Effect, FailureKind,
         Instrumented, Layered, VALIDITY_MARGIN, async_trait, decide, valid_until,
     };

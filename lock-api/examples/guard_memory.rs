@@ -2,14 +2,14 @@
 //! guards in one process, reports resident memory per guard, and checks that one
 //! renewal task renews all of them with batched `renew_many` calls.
 //!
-//! Run: `cargo run --release -p lock-api --example guard_memory [COUNT]`
+//! Run: `cargo run --release -p distlock-core --example guard_memory [COUNT]`
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lock_api::memory::MemoryBackend;
-use lock_api::{
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{
     BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Renewal, async_trait,
 };
 

@@ -120,10 +120,10 @@ impl ElectionBuilder {
 /// that admits only the newest token:
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), lock_api::LockError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock_core::LockError> {
 /// use std::{sync::Arc, time::Duration};
-/// use lock_api::{Election, EnforcementMode, FencedResource, Locker, MemoryFencedResource};
-/// use lock_api::memory::MemoryBackend;
+/// use distlock_core::{Election, EnforcementMode, FencedResource, Locker, MemoryFencedResource};
+/// use distlock_core::memory::MemoryBackend;
 ///
 /// let locker = Locker::builder(Arc::new(MemoryBackend::new()))
 ///     .ttl(Duration::from_secs(10))

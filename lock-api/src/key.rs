@@ -20,7 +20,7 @@ impl LockKey {
     /// Validates a lock name.
     ///
     /// ```
-    /// use lock_api::{LockError, LockKey};
+    /// use distlock_core::{LockError, LockKey};
     /// assert!(LockKey::new("payout:42").is_ok());
     /// assert!(matches!(LockKey::new(""), Err(LockError::InvalidKey { .. })));
     /// ```

@@ -37,12 +37,12 @@ use crate::wake::ReleaseWatch;
 ///   still meets the [`LockBackend`] contract.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), lock_api::LockError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock_core::LockError> {
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicUsize, Ordering};
 /// use std::time::Duration;
-/// use lock_api::memory::MemoryBackend;
-/// use lock_api::{BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, async_trait};
+/// use distlock_core::memory::MemoryBackend;
+/// use distlock_core::{BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, async_trait};
 ///
 /// /// Counts acquire calls; everything else goes through unchanged.
 /// #[derive(Debug, Default)]

@@ -5,13 +5,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use futures::StreamExt;
-use lock_api::memory::MemoryBackend;
-use lock_api::{
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{
     Admission, BackendLayer, Capabilities, Election, EnforcementMode, FencedResource, FencingToken,
     Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, MemoryFencedResource,
     Release, RetryPolicy, async_trait, election_key,
 };
+use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep, timeout};
 

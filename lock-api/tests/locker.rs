@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lock_api::memory::MemoryBackend;
-use lock_api::{
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{
     BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
     RetryPolicy, async_trait,
 };
@@ -338,7 +338,7 @@ async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
     let job = {
         let finished = finished.clone();
         let backend = backend.clone();
-        move |_: &lock_api::LockGuard| async move {
+        move |_: &distlock_core::LockGuard| async move {
             backend.faults().partition();
             sleep(TTL * 10).await;
             finished.store(true, Ordering::SeqCst);
@@ -355,7 +355,7 @@ async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
     let locker = locker(backend.clone());
     let job = {
         let backend = backend.clone();
-        move |_: &lock_api::LockGuard| async move {
+        move |_: &distlock_core::LockGuard| async move {
             backend.faults().hang();
             sleep(TTL * 10).await;
         }
@@ -376,7 +376,7 @@ async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
     let locker = locker(backend.clone());
     let job = {
         let backend = backend.clone();
-        move |_: &lock_api::LockGuard| async move {
+        move |_: &distlock_core::LockGuard| async move {
             backend.faults().hang();
             7
         }
@@ -395,7 +395,7 @@ async fn with_lock_keeps_a_result_that_is_ready_when_the_lease_is_lost() {
     let job = {
         let backend = backend.clone();
         let deadline = deadline.clone();
-        move |guard: &lock_api::LockGuard| {
+        move |guard: &distlock_core::LockGuard| {
             // No renewal gets through: the lease runs out at its first deadline, the
             // very instant the job finishes.
             backend.faults().partition();
@@ -507,7 +507,7 @@ async fn a_ttl_the_store_cannot_honour_is_refused_when_building() {
 #[test]
 fn the_builder_validates_its_settings() {
     let backend: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
-    let build = |b: lock_api::LockerBuilder| b.build().map(|_| ()).unwrap_err();
+    let build = |b: distlock_core::LockerBuilder| b.build().map(|_| ()).unwrap_err();
     assert!(matches!(
         build(Locker::builder(backend.clone()).ttl(Duration::ZERO)),
         LockError::InvalidTtl { .. }

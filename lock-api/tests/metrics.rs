@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::memory::MemoryBackend;
-use lock_api::telemetry::{
+use distlock_core::memory::MemoryBackend;
+use distlock_core::telemetry::{
     ACQUIRE_SECONDS, ACQUIRE_TOTAL, FENCE_REJECTED_TOTAL, HELD, LOST_TOTAL, RENEW_TOTAL,
 };
-use lock_api::{EnforcementMode, FencingToken, LockKey, Locker, MemoryFencedResource};
+use distlock_core::{EnforcementMode, FencingToken, LockKey, Locker, MemoryFencedResource};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
 type Snapshot = Vec<(

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::memory::MemoryBackend;
-use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(60);

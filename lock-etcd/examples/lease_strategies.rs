@@ -14,10 +14,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock_core::{LockBackend, LockKey};
 use etcd_client::{Client, Compare, CompareOp, PutOptions, Txn, TxnOp};
 use harness::etcd::EtcdServer;
 use harness::require;
-use lock_api::{LockBackend, LockKey};
 use lock_etcd::EtcdBackend;
 use tokio::time::Instant;
 

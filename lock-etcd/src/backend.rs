@@ -23,12 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use etcd_client::{Client, Compare, CompareOp, KeyValue, Txn, TxnOp, TxnOpResponse, TxnResponse};
-use lock_api::wake::ReleaseWatch;
-use lock_api::{
+use distlock_core::wake::ReleaseWatch;
+use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal,
 };
+use etcd_client::{Client, Compare, CompareOp, KeyValue, Txn, TxnOp, TxnOpResponse, TxnResponse};
 use tokio::time::Instant;
 use tracing::instrument;
 
@@ -54,7 +54,7 @@ use crate::releases::ReleaseListener;
 ///   TTL in etcd; it never ends earlier. The client-side `valid_until` is computed from the
 ///   moment the lease was requested, so it always ends before the lease does.
 /// - **Waiters**: one watch per backend on the deletes of its lock keys wakes a waiter in
-///   [`lock_api::Locker::lock`] when the key is released, revoked or expires (see
+///   [`distlock_core::Locker::lock`] when the key is released, revoked or expires (see
 ///   [`LockBackend::watch_releases`]); the waiter's backoff stays as the fallback.
 ///
 /// Cheap to clone: clones share one connection pool.

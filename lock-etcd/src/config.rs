@@ -5,8 +5,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use distlock_core::{LockError, redact_url};
 use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions};
-use lock_api::{LockError, redact_url};
 
 use crate::backend::EtcdBackend;
 use crate::error::Effect;
@@ -24,7 +24,7 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Builds an [`EtcdBackend`].
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), lock_api::LockError> {
+/// # async fn demo() -> Result<(), distlock_core::LockError> {
 /// use std::time::Duration;
 /// use lock_etcd::EtcdBackend;
 ///

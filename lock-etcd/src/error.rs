@@ -9,9 +9,9 @@
 
 use std::io::ErrorKind;
 
+pub(crate) use distlock_core::Effect;
+use distlock_core::{DriverFailure, FailureKind, LockError};
 use etcd_client::Error as EtcdError;
-pub(crate) use lock_api::Effect;
-use lock_api::{DriverFailure, FailureKind, LockError};
 
 pub(crate) const NAME: &str = "etcd";
 

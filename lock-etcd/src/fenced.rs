@@ -18,8 +18,8 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use distlock_core::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
-use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
 
 use crate::backend::EtcdBackend;
 use crate::error::{Effect, NAME};

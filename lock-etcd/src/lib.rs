@@ -2,10 +2,10 @@
 //! checked in transactions, and the key's `create_revision` is the fencing token.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), lock_api::LockError> {
+//! # async fn demo() -> Result<(), distlock_core::LockError> {
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use lock_api::{LockKey, Locker};
+//! use distlock_core::{LockKey, Locker};
 //! use lock_etcd::EtcdBackend;
 //!
 //! let backend = EtcdBackend::builder().endpoint("http://127.0.0.1:2379").build().await?;

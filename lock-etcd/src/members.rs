@@ -21,8 +21,8 @@ use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+use distlock_core::LockError;
 use etcd_client::{Client, ConnectOptions};
-use lock_api::LockError;
 use tokio::sync::OnceCell;
 use tracing::debug;
 

@@ -1,5 +1,5 @@
 //! [`ReleaseListener`]: one etcd watch per backend on its lock keys, so that a waiter in
-//! [`lock_api::Locker::lock`] is woken when the key it waits for is deleted.
+//! [`distlock_core::Locker::lock`] is woken when the key it waits for is deleted.
 //!
 //! # One prefix watch, not a watch per key
 //!
@@ -31,9 +31,9 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use distlock_core::LockKey;
+use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use etcd_client::{WatchFilterType, WatchOptions, WatchStream};
-use lock_api::LockKey;
-use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -188,7 +188,7 @@ impl Shared {
         }
     }
 
-    async fn open(&self) -> Result<WatchStream, lock_api::LockError> {
+    async fn open(&self) -> Result<WatchStream, distlock_core::LockError> {
         let locks = format!("{}/locks/", self.prefix);
         let options = WatchOptions::new()
             .with_prefix()
@@ -226,9 +226,9 @@ impl Shared {
 
 #[cfg(test)]
 mod tests {
+    use distlock_core::{LockBackend, Locker, RetryPolicy};
     use harness::etcd::EtcdServer;
     use harness::require;
-    use lock_api::{LockBackend, Locker, RetryPolicy};
     use tokio::time::Instant;
 
     use crate::EtcdBackend;

@@ -16,7 +16,7 @@
 //! to the next when one cannot be reached (see the crate docs). Messages never repeat the
 //! credentials.
 
-use lock_api::LockError;
+use distlock_core::LockError;
 use url::Url;
 
 use crate::config::EtcdBuilder;
@@ -51,7 +51,7 @@ impl std::fmt::Debug for EtcdUrl {
 impl EtcdUrl {
     /// Parses an `etcd://` or `etcds://` URL.
     pub(crate) fn parse(url: &str) -> Result<Self, LockError> {
-        if lock_api::url_userinfo_is_ambiguous(url) {
+        if distlock_core::url_userinfo_is_ambiguous(url) {
             // The members would be read from inside the password.
             return Err(LockError::Config(
                 "the etcd URL has an `@` after a `/`, `?` or `#`: escape those characters in \
@@ -159,7 +159,7 @@ impl EtcdBuilder {
     /// ```
     /// let builder = lock_etcd::EtcdBuilder::from_url("etcd://root:s3cret@h1:2379,h2?prefix=jobs")?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), lock_api::LockError>(())
+    /// # Ok::<(), distlock_core::LockError>(())
     /// ```
     ///
     /// # Errors

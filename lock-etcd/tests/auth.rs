@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::until_answered;
+use distlock_core::{Fence, LockBackend, LockKey, Locker, Release, Renewal, RetryPolicy};
 use harness::etcd::{EtcdAuth, EtcdCluster, EtcdServer};
 use harness::require;
-use lock_api::{Fence, LockBackend, LockKey, Locker, Release, Renewal, RetryPolicy};
 use lock_etcd::EtcdBackend;
 use tokio::time::{Instant, sleep};
 

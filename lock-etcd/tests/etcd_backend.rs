@@ -7,13 +7,13 @@ mod common;
 use std::time::Duration;
 
 use common::{EtcdFactory, shared_single};
-use etcd_client::{Client, GetOptions};
-use harness::etcd::EtcdServer;
-use harness::{free_port, require};
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, Fence, FencedResource, FencingToken, LockBackend, LockError,
     LockKey, OwnerId, Release, Renewal,
 };
+use etcd_client::{Client, GetOptions};
+use harness::etcd::EtcdServer;
+use harness::{free_port, require};
 use lock_etcd::{EtcdBackend, EtcdFencedResource};
 use tokio::time::Instant;
 

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{EtcdFactory, until_answered};
-use harness::require;
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, Fence, FencedResource, Lease, LockBackend, LockGuard, LockKey,
     Locker, Release, Renewal,
 };
+use harness::require;
 use lock_etcd::{EtcdBackend, EtcdFencedResource};
 use tokio::time::{Instant, sleep, timeout_at};
 

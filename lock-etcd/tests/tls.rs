@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
+use distlock_core::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use harness::etcd::{EtcdServer, EtcdTls};
 use harness::require;
-use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_etcd::EtcdBackend;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 

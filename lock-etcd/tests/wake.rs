@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{EtcdFactory, until_answered};
-use lock_api::{FencingToken, Lease, LockBackend, LockKey, Locker, RetryPolicy};
+use distlock_core::{FencingToken, Lease, LockBackend, LockKey, Locker, RetryPolicy};
 use lock_etcd::EtcdBackend;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep};
@@ -133,7 +133,7 @@ async fn a_release_after_etcd_restarted_still_wakes_the_waiter() {
     let deadline = Instant::now() + Duration::from_secs(20);
     let released = until_answered("release", deadline, || holder.release(&held)).await;
     let released_at = Instant::now();
-    assert_eq!(released, lock_api::Release::Released);
+    assert_eq!(released, distlock_core::Release::Released);
 
     woken_by_the_release(waiting, released_at, &held).await;
 }

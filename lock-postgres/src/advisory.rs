@@ -13,8 +13,8 @@ use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::wake::ReleaseWatch;
-use lock_api::{
+use distlock_core::wake::ReleaseWatch;
+use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     Release, Renewal,
 };
@@ -91,7 +91,7 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 ///   pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
 /// - **Waiters.** The release statement also notifies the backend's channel with the
-///   name (`pg_notify`), which wakes a waiter in [`lock_api::Locker::lock`] in every
+///   name (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`] in every
 ///   process that listens (one `LISTEN` session per backend, opened with the first waiter;
 ///   see [`LockBackend::watch_releases`]). A lock freed by its session ending is not
 ///   announced: waiters take it at their next backoff step. A waiter blocked in
@@ -112,7 +112,7 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 /// learns of it at its next statement on that session, the watchdog's next renewal: the
 /// driver reads an idle connection's socket only while a statement runs, so it sees the
 /// death no sooner. The window is at most the renew interval (TTL / 3 by default; a
-/// shorter [`lock_api::LockerBuilder::renew_interval`] narrows it, each renewal being one
+/// shorter [`distlock_core::LockerBuilder::renew_interval`] narrows it, each renewal being one
 /// `SELECT pg_backend_pid()` on the pinned session). Guard writes downstream with the
 /// fencing token, which refuses the old holder once the new one has written.
 ///

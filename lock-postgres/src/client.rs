@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use lock_api::{Capabilities, FencingToken, LockError, OwnerId};
+use distlock_core::{Capabilities, FencingToken, LockError, OwnerId};
 use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;

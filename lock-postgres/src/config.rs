@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::{LockBackend, LockError, redact_url};
+use distlock_core::{LockBackend, LockError, redact_url};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::advisory::PgAdvisoryBackend;
@@ -280,7 +280,7 @@ fn connect_options(url: &str) -> Result<PgConnectOptions, LockError> {
     if let Some((name, _)) = parsed.query_pairs().find(|(name, _)| !is_url_param(name)) {
         // Named unless it may be a piece of the password: an unescaped `?` in the password
         // makes what follows read as the query.
-        let which = if lock_api::url_userinfo_is_ambiguous(url) {
+        let which = if distlock_core::url_userinfo_is_ambiguous(url) {
             "a parameter (not named: an `@` after the host may mean the password holds an \
              unescaped `/`, `?` or `#`; escape them and `@` as %2F, %3F, %23, %40)"
                 .to_owned()

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use lock_api::{DriverFailure, Effect, FailureKind, LockError};
+use distlock_core::{DriverFailure, Effect, FailureKind, LockError};
 
 use crate::schema::Schema;
 

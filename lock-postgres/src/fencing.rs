@@ -13,7 +13,7 @@
 //!
 //! The guarded UPDATE of the classic recipe (`WHERE $token > COALESCE(last_fencing_token, 0)`)
 //! rejects a second write by the *same* holder. Every fenced resource in distlock admits a
-//! token equal to the highest seen (`>=`), as [`lock_api::MemoryFencedResource`] does: the
+//! token equal to the highest seen (`>=`), as [`distlock_core::MemoryFencedResource`] does: the
 //! holder of the newest lease may write many times, and only an older token is stale. The
 //! same rule, written on an application table, reads:
 //!
@@ -29,7 +29,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey, decide,
 };
 use sqlx::{AssertSqlSafe, PgPool, PgTransaction};
@@ -93,7 +93,7 @@ impl PgFencedResource {
     ///
     /// ```no_run
     /// # async fn demo(fenced: lock_postgres::PgFencedResource, pool: sqlx::PgPool,
-    /// #               token: lock_api::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
+    /// #               token: distlock_core::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
     /// let mut tx = pool.begin().await?;
     /// if fenced.admit_in(&mut tx, "payout:42", token).await?.is_admitted() {
     ///     sqlx::query("UPDATE payouts SET status = 'processed' WHERE id = $1")

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::{LockError, LockInfo, LockKey};
+use distlock_core::{LockError, LockInfo, LockKey};
 use sqlx::postgres::PgArguments;
 use sqlx::query::Query;
 use sqlx::{AssertSqlSafe, Postgres, Row};

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::wake::ReleaseWatch;
-use lock_api::{
+use distlock_core::wake::ReleaseWatch;
+use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
 };
@@ -52,7 +52,7 @@ struct Statements {
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
 /// - **release** clears the owner and keeps the row, so the next token is still higher,
 ///   and in the same statement notifies the backend's channel with the name
-///   (`pg_notify`), which wakes a waiter in [`lock_api::Locker::lock`] in every process
+///   (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`] in every process
 ///   that listens (one `LISTEN` session per backend, opened with the first waiter; see
 ///   [`LockBackend::watch_releases`]). A lease that runs out is not announced: waiters
 ///   take it at their next backoff step.

@@ -1,5 +1,5 @@
 //! [`ReleaseListener`]: one `LISTEN` session per backend, so that a waiter in
-//! [`lock_api::Locker::lock`] is woken when the key it waits for is released.
+//! [`distlock_core::Locker::lock`] is woken when the key it waits for is released.
 //!
 //! # One channel per schema and mode, the key as payload
 //!
@@ -35,8 +35,8 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use lock_api::LockKey;
-use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use distlock_core::LockKey;
+use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use sha2::{Digest, Sha256};
 use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
@@ -236,8 +236,8 @@ impl Shared {
 mod tests {
     use std::sync::Arc;
 
+    use distlock_core::{LockBackend, Locker, RetryPolicy};
     use harness::postgres::PostgresServer;
-    use lock_api::{LockBackend, Locker, RetryPolicy};
     use tokio::time::Instant;
 
     use super::*;

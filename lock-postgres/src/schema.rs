@@ -9,7 +9,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use lock_api::LockError;
+use distlock_core::LockError;
 use sqlx::{AssertSqlSafe, PgPool};
 
 use crate::error::{self, Operation};

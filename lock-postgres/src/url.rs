@@ -6,7 +6,7 @@
 //! `?mdoe=advisory` cannot silently give the other backend. Messages name parameters,
 //! never their values, because `password=` may be one of them.
 
-use lock_api::LockError;
+use distlock_core::LockError;
 use url::Url;
 
 use crate::config::{PgBuilder, PgMode, URL_PARAMS, is_url_param};
@@ -39,7 +39,7 @@ impl PgBuilder {
     ///     "postgres://app:s3cret@db/jobs?mode=advisory&pool_size=4&sslmode=require",
     /// )?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), lock_api::LockError>(())
+    /// # Ok::<(), distlock_core::LockError>(())
     /// ```
     ///
     /// # Errors
@@ -142,7 +142,7 @@ impl PgBuilder {
 /// The error for an unknown parameter, naming it unless it may be a piece of the password
 /// (an unescaped `?` in the password makes what follows read as the query).
 fn unknown_param(name: &str, url: &Url) -> LockError {
-    let which = if lock_api::url_userinfo_is_ambiguous(url.as_str()) {
+    let which = if distlock_core::url_userinfo_is_ambiguous(url.as_str()) {
         "in the postgres URL (not named: an `@` after the host may mean the password holds \
          an unescaped `/`, `?` or `#`; escape them and `@` as %2F, %3F, %23, %40)"
             .to_owned()

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Kind, backend, shared_server};
-use lock_api::{FencingToken, LockError, LockKey, OwnerId, Release, Renewal};
+use distlock_core::{FencingToken, LockError, LockKey, OwnerId, Release, Renewal};
 
 const TTL: Duration = Duration::from_secs(30);
 

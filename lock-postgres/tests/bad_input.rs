@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Kind, backend, builder, shared_server};
+use distlock_core::{LockBackend, LockError, LockKey, Release};
 use harness::{free_port, postgres};
-use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_postgres::PgBuilder;
 
 fn key(name: &str) -> LockKey {
@@ -97,7 +97,7 @@ async fn an_exhausted_advisory_pool_fails_at_once_and_recovers_on_release() {
     // Nothing changed: the full backend still holds both locks.
     assert!(matches!(
         backend.renew(&a).await.unwrap(),
-        lock_api::Renewal::Renewed { .. }
+        distlock_core::Renewal::Renewed { .. }
     ));
     assert_eq!(backend.release(&b).await.unwrap(), Release::Released);
     let c = backend.acquire(&key("full-c"), TTL).await.unwrap();

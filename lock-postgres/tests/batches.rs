@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Kind, backend, builder, shared_server};
+use distlock_core::{LockBackend, LockError, LockKey, Release};
 use harness::postgres::PostgresServer;
-use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_postgres::PgAdvisoryBackend;
 
 const TTL: Duration = Duration::from_secs(30);

@@ -9,9 +9,9 @@ use std::task::Poll;
 use std::time::Duration;
 
 use common::{Kind, backend, builder_at, shared_server};
+use distlock_core::{LockBackend, LockKey, Release};
 use harness::postgres::{PASSWORD, PostgresServer, USER};
 use harness::proxy::FaultProxy;
-use lock_api::{LockBackend, LockKey, Release};
 use tokio::time::Instant;
 
 /// Long enough that a lock left on a pooled session stays for the whole test: the

@@ -8,11 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Kind, backend, start_server};
-use harness::postgres::PostgresServer;
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockKey, Locker, Release,
     Renewal,
 };
+use harness::postgres::PostgresServer;
 use lock_postgres::PgFencedResource;
 
 fn key(name: &str) -> LockKey {

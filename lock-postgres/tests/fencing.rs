@@ -3,7 +3,7 @@
 mod common;
 
 use common::shared_server;
-use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockError};
+use distlock_core::{Admission, EnforcementMode, FencedResource, FencingToken, LockError};
 use lock_postgres::{Idempotency, IdempotencyKeys, PgFencedResource};
 use sqlx::PgPool;
 

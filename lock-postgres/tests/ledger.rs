@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::{Kind, backend, shared_server};
-use lock_api::{Admission, EnforcementMode, Lease, LockBackend, LockKey};
+use distlock_core::{Admission, EnforcementMode, Lease, LockBackend, LockKey};
 use lock_postgres::{Idempotency, IdempotencyKeys, PgFencedResource};
 use sqlx::PgPool;
 use tokio::time::Instant;

@@ -11,7 +11,7 @@ mod common;
 use std::time::Duration;
 
 use common::{builder, start_server};
-use lock_api::{LockBackend, LockKey, Renewal};
+use distlock_core::{LockBackend, LockKey, Renewal};
 use tokio::time::Instant;
 
 const ROUNDS: usize = 5;

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{builder, shared_server};
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockKey, Release, Renewal,
 };
 use lock_postgres::{Idempotency, IdempotencyKeys, PgFencedResource};

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{builder, start_server};
-use lock_api::{LockBackend, LockKey, Release};
+use distlock_core::{LockBackend, LockKey, Release};
 use tokio::time::Instant;
 
 /// The role's own idle-session limit, much shorter than the lock's TTL.

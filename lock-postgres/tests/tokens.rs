@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Kind, backend, shared_server};
-use lock_api::{LockKey, Release};
+use distlock_core::{LockKey, Release};
 
 const TTL: Duration = Duration::from_secs(30);
 

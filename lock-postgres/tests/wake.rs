@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{builder, shared_server, start_server};
+use distlock_core::{Lease, LockBackend, LockGuard, LockKey, Locker, RetryPolicy};
 use harness::postgres::PostgresServer;
-use lock_api::{Lease, LockBackend, LockGuard, LockKey, Locker, RetryPolicy};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 

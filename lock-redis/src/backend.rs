@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::wake::ReleaseWatch;
-use lock_api::{
+use distlock_core::wake::ReleaseWatch;
+use distlock_core::{
     BackendId, Capabilities, DriverFailure, FailureKind, Fence, FencingToken, Lease, LockBackend,
     LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
@@ -69,9 +69,9 @@ pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 /// Cheap to clone: clones share the connection.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), lock_api::LockError> {
+/// # async fn demo() -> Result<(), distlock_core::LockError> {
 /// use std::time::Duration;
-/// use lock_api::{LockBackend, LockKey};
+/// use distlock_core::{LockBackend, LockKey};
 /// let redis = lock_redis::RedisBackend::builder()
 ///     .url("redis://127.0.0.1:6379/")
 ///     .build()

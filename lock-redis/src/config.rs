@@ -4,8 +4,8 @@
 use std::fmt;
 use std::time::Duration;
 
-use lock_api::LockError;
-pub(crate) use lock_api::redact_url;
+use distlock_core::LockError;
+pub(crate) use distlock_core::redact_url;
 
 use crate::RedisBackend;
 
@@ -98,7 +98,7 @@ impl RedisBackendBuilder {
     /// ```
     /// let builder = lock_redis::RedisBackendBuilder::from_url("redis://:s3cret@127.0.0.1:6379/0")?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), lock_api::LockError>(())
+    /// # Ok::<(), distlock_core::LockError>(())
     /// ```
     ///
     /// # Errors
@@ -239,8 +239,8 @@ impl RedisBackendBuilder {
     /// certificate, or with one that does not parse, is a [`LockError::Config`].
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), lock_api::LockError> {
-    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| lock_api::LockError::Config(e.to_string()))?;
+    /// # async fn demo() -> Result<(), distlock_core::LockError> {
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| distlock_core::LockError::Config(e.to_string()))?;
     /// let redis = lock_redis::RedisBackend::builder()
     ///     .url("rediss://redis.internal:6380/")
     ///     .tls_root_ca_pem(ca)
@@ -361,7 +361,7 @@ impl fmt::Debug for RedisBackendBuilder {
 /// piece of the password as the host), and any query parameter: the client reads none
 /// that distlock supports, so a parameter would be silently ignored.
 fn check_url(url: &str) -> Result<(), LockError> {
-    if lock_api::url_userinfo_is_ambiguous(url) {
+    if distlock_core::url_userinfo_is_ambiguous(url) {
         return Err(LockError::Config(format!(
             "the Redis URL {} has an `@` after a `/`, `?` or `#`: escape those characters \
              in the user and password (`%2F`, `%3F`, `%23`, `%40`)",

@@ -3,7 +3,7 @@
 //! request for now or cannot be reached is `Unavailable`, and a write whose reply was lost
 //! is `OutcomeUnknown`.
 
-use lock_api::{DriverFailure, Effect, FailureKind, LockError};
+use distlock_core::{DriverFailure, Effect, FailureKind, LockError};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use crate::backend::NAME;

@@ -3,7 +3,7 @@
 //! fenced write runs the check and the write in one script.
 
 use async_trait::async_trait;
-use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
+use distlock_core::{Admission, EnforcementMode, FencedResource, FencingToken, LockError, decide};
 
 use crate::backend::RedisBackend;
 use crate::keys::fenced_resource_key;
@@ -26,9 +26,9 @@ use crate::scripts::{ADMIT_SCRIPT, ADMIT_WRITE_SCRIPT};
 /// pauses after `Admitted` and then writes elsewhere still writes after a newer holder.
 ///
 /// ```no_run
-/// # async fn run(backend: lock_redis::RedisBackend, token: lock_api::FencingToken)
-/// # -> Result<(), lock_api::LockError> {
-/// use lock_api::EnforcementMode;
+/// # async fn run(backend: lock_redis::RedisBackend, token: distlock_core::FencingToken)
+/// # -> Result<(), distlock_core::LockError> {
+/// use distlock_core::EnforcementMode;
 /// use lock_redis::RedisFencedResource;
 ///
 /// let ledger = RedisFencedResource::new(backend, EnforcementMode::Enforce);

@@ -2,7 +2,7 @@
 //! the newest token. The braces are a Redis Cluster hash tag, so both keys of a lock live
 //! in the same slot and one script can touch both.
 
-use lock_api::LockKey;
+use distlock_core::LockKey;
 
 /// The two keys of one lock.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -1,6 +1,6 @@
 //! Redis backend for distlock.
 //!
-//! [`RedisBackend`] implements [`lock_api::LockBackend`] on one Redis node or a Redis
+//! [`RedisBackend`] implements [`distlock_core::LockBackend`] on one Redis node or a Redis
 //! Cluster, with the `redis` crate (tokio, multiplexed connections):
 //!
 //! * **One round trip per operation.** Acquire, renew, release and fence are one Lua script
@@ -13,8 +13,8 @@
 //!   each), so a watchdog renews thousands of leases in one round trip and a few script
 //!   calls. In a cluster, the
 //!   items of a node that does not answer (dead, or silent past the response timeout)
-//!   while another node does are `None` / [`lock_api::Renewal::Unreachable`] /
-//!   [`lock_api::Release::Unreachable`]; when no node answers, the call fails.
+//!   while another node does are `None` / [`distlock_core::Renewal::Unreachable`] /
+//!   [`distlock_core::Release::Unreachable`]; when no node answers, the call fails.
 //! * **Coalescing.** On a single node, `acquire` and `release` calls made while another
 //!   of the same kind is in flight wait for it and then go together as one multi-key
 //!   script call (each caller gets its own result; a lone caller sends at once). A script
@@ -25,7 +25,7 @@
 //!   except release, which goes over a second connection that never resends (a second
 //!   run would say `NotHeld`): a lost reply is then an unknown outcome.
 //! * **Unknown outcomes.** A request without a reply within the response timeout fails with
-//!   [`lock_api::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
+//!   [`distlock_core::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
 //!   checked against its owner id, whatever it may have taken.
 //!
 //! * **Tools.** `adopt` rebuilds a lease from an owner id and token (the scripts check
@@ -37,7 +37,7 @@
 //!
 //! Redis 5.0 or newer is needed (older servers refuse the acquire script's write after
 //! `TIME`): [`RedisBackendBuilder::build`] checks the version of the node, or of every
-//! master of a cluster, and fails with [`lock_api::LockError::Config`] on an older one.
+//! master of a cluster, and fails with [`distlock_core::LockError::Config`] on an older one.
 //!
 //! Redis replication is asynchronous: a failover can lose a lock that was granted (the
 //! token still protects fenced writes, since the server clock keeps tokens increasing).

@@ -1,5 +1,5 @@
 //! [`ReleaseListener`]: one pub/sub connection per backend, so that a waiter in
-//! [`lock_api::Locker::lock`] is woken when the key it waits for is released.
+//! [`distlock_core::Locker::lock`] is woken when the key it waits for is released.
 //!
 //! # A channel per key
 //!
@@ -30,9 +30,9 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use distlock_core::LockKey;
+use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
 use futures::StreamExt;
-use lock_api::LockKey;
-use lock_api::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
 use tokio::runtime::Handle;
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;

@@ -5,7 +5,7 @@
 //! none was chosen). This crate depends on rustls with the `ring` provider and installs it
 //! as the default before the first TLS connection, unless the application chose one.
 
-use lock_api::LockError;
+use distlock_core::LockError;
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
 

@@ -6,8 +6,10 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
+use distlock_core::{
+    Fence, FencingToken, LockBackend, LockError, LockKey, OwnerId, Release, Renewal,
+};
 use harness::redis::RespValue;
-use lock_api::{Fence, FencingToken, LockBackend, LockError, LockKey, OwnerId, Release, Renewal};
 
 const TTL: Duration = Duration::from_secs(10);
 

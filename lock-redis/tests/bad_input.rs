@@ -7,8 +7,8 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory, command_calls};
+use distlock_core::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use harness::redis::RedisServer;
-use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(10);

@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::RedisFactory;
+use distlock_core::{Lease, LockBackend, LockError, LockKey, Release};
 use futures::future::join_all;
-use lock_api::{Lease, LockBackend, LockError, LockKey, Release};
 use lock_redis::RedisBackend;
 use tokio::time::Instant;
 

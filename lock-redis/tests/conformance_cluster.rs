@@ -8,7 +8,7 @@ conformance::conformance_tests!(
         let factory = common::RedisClusterFactory::start().await;
         let fenced = lock_redis::RedisFencedResource::new(
             factory.redis().await,
-            lock_api::EnforcementMode::Enforce,
+            distlock_core::EnforcementMode::Enforce,
         );
         conformance::factory::WithFencedResource::new(factory, fenced)
     },

@@ -11,7 +11,7 @@ mod failover {
             let factory = super::common::RedisFailoverFactory::start().await;
             let fenced = lock_redis::RedisFencedResource::new(
                 factory.redis().await,
-                lock_api::EnforcementMode::Enforce,
+                distlock_core::EnforcementMode::Enforce,
             );
             conformance::factory::WithFencedResource::new(factory, fenced)
         },
@@ -26,7 +26,7 @@ mod link {
             let factory = super::common::RedisClusterFactory::behind_proxies().await;
             let fenced = lock_redis::RedisFencedResource::new(
                 factory.redis().await,
-                lock_api::EnforcementMode::Enforce,
+                distlock_core::EnforcementMode::Enforce,
             );
             conformance::factory::WithFencedResource::new(factory, fenced)
         },

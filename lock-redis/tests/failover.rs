@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::RedisClusterFactory;
+use distlock_core::{LockBackend, LockKey, Renewal};
 use harness::{redis::RedisServer, redis::RespValue};
-use lock_api::{LockBackend, LockKey, Renewal};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(20);

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, Fence, FencedResource, LockBackend, LockError, LockKey, Locker,
     Release, Renewal,
 };

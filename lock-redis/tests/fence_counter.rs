@@ -7,9 +7,9 @@ mod common;
 use std::time::Duration;
 
 use common::RedisFactory;
+use distlock_core::{LockBackend, LockError, LockKey, Release};
 use futures::future::join_all;
 use harness::redis::RespValue;
-use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(10);
@@ -174,7 +174,7 @@ async fn a_lease_renewed_past_its_counters_retention_stays_current() {
         loop {
             assert!(matches!(
                 redis.renew(&lease).await.unwrap(),
-                lock_api::Renewal::Renewed { .. }
+                distlock_core::Renewal::Renewed { .. }
             ));
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -183,7 +183,10 @@ async fn a_lease_renewed_past_its_counters_retention_stays_current() {
         () = counter_gone(&f, &redis, &key) => {}
         () = renewing => unreachable!(),
     }
-    assert_eq!(redis.fence(&lease).await.unwrap(), lock_api::Fence::Current);
+    assert_eq!(
+        redis.fence(&lease).await.unwrap(),
+        distlock_core::Fence::Current
+    );
     let other = redis.acquire(&key, ttl).await.unwrap();
     assert!(other.is_none(), "the key was granted twice: {other:?}");
     assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);

@@ -6,7 +6,9 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
-use lock_api::{Admission, EnforcementMode, FencedResource, FencingToken, LockBackend, LockKey};
+use distlock_core::{
+    Admission, EnforcementMode, FencedResource, FencingToken, LockBackend, LockKey,
+};
 use lock_redis::{RedisBackend, RedisFencedResource};
 
 const RESOURCE: &str = "account:7";

@@ -6,8 +6,8 @@ mod common;
 use std::time::Duration;
 
 use common::RedisClusterFactory;
+use distlock_core::{Lease, LockBackend, LockKey, Release, Renewal};
 use harness::{redis::RedisServer, redis::RespValue, redis::key_slot};
-use lock_api::{Lease, LockBackend, LockKey, Release, Renewal};
 use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(20);

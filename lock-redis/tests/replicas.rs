@@ -5,8 +5,8 @@ mod common;
 
 use std::time::Duration;
 
+use distlock_core::{LockBackend, LockError, LockKey, Release};
 use harness::{redis::RedisServer, redis::RespValue};
-use lock_api::{LockBackend, LockError, LockKey, Release};
 use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(10);

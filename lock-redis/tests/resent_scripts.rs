@@ -8,8 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
+use distlock_core::{LockBackend, LockError, LockKey};
 use harness::{proxy::FaultProxy, redis::RespValue};
-use lock_api::{LockBackend, LockError, LockKey};
 use lock_redis::RedisBackend;
 use tokio::time::Instant;
 

@@ -7,7 +7,7 @@ mod common;
 use std::time::Duration;
 
 use common::{RedisFactory, command_calls, info_field};
-use lock_api::{LockBackend, LockKey, Renewal};
+use distlock_core::{LockBackend, LockKey, Renewal};
 
 const TTL: Duration = Duration::from_secs(30);
 

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
+use distlock_core::LockError;
 use harness::redis::RedisServer;
-use lock_api::LockError;
 use lock_redis::RedisBackend;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpListener;

@@ -7,8 +7,8 @@ mod common;
 
 use std::time::Duration;
 
+use distlock_core::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use harness::redis::{RedisServer, RedisTls, RespValue, resp_command};
-use lock_api::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use lock_redis::RedisBackend;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 

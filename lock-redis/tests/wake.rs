@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::RedisFactory;
+use distlock_core::{LockBackend, LockKey, Locker, RetryPolicy};
 use harness::redis::RespValue;
-use lock_api::{LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::{Instant, sleep};
 
 /// Far longer than a woken handoff takes, so a waiter that polls is obvious.
@@ -101,7 +101,7 @@ async fn many_waiters_share_one_subscription_and_leave_none_when_cancelled() {
 fn wait_for(
     backend: &Arc<dyn LockBackend>,
     k: &LockKey,
-) -> tokio::task::JoinHandle<Result<Instant, lock_api::LockError>> {
+) -> tokio::task::JoinHandle<Result<Instant, distlock_core::LockError>> {
     let locker = waiting_locker(backend.clone());
     let k = k.clone();
     tokio::spawn(async move {

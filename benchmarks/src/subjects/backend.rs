@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use async_trait::async_trait;
-use lock_api::{LockBackend, Release};
+use distlock_core::{LockBackend, Release};
 use sqlx::PgPool;
 
 use super::{BenchKey, Cycle, Subject, SubjectId, TTL};

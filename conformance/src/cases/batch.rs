@@ -1,6 +1,6 @@
 //! Cases on the batch forms: each result equals what the single form returns, in order.
 
-use lock_api::{Fence, Release, Renewal};
+use distlock_core::{Fence, Release, Renewal};
 
 use super::{forged, release_held};
 use crate::factory::Factory;

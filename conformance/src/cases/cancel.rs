@@ -17,7 +17,7 @@
 //! Here: the cut and the checks after it. The cases: `backend_calls` (the
 //! [`LockBackend`] calls), `locker_calls` (the [`Locker`] calls) and `two_runtimes`.
 //!
-//! [`Locker`]: lock_api::Locker
+//! [`Locker`]: distlock_core::Locker
 
 mod backend_calls;
 mod locker_calls;
@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use lock_api::{Lease, LockBackend, LockKey, Renewal};
+use distlock_core::{Lease, LockBackend, LockKey, Renewal};
 use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;

@@ -10,11 +10,11 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::StreamExt;
-use lock_api::{
+use distlock_core::{
     BackendLayer, Election, Fence, FencingToken, Layered, Leader, Leadership, Lease, LockBackend,
     LockError, LockInfo, LockKey, Locker, Release, Renewal, RetryPolicy,
 };
+use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 

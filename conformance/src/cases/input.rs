@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lock_api::{
+use distlock_core::{
     BackendId, Capabilities, Lease, LockError, LockKey, MAX_KEY_BYTES, Release, Renewal,
 };
 use tokio::time::{Instant, timeout};

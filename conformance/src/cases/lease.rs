@@ -3,8 +3,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock_core::{Fence, Lease, LockBackend, LockKey, Release, Renewal};
 use futures::future::join_all;
-use lock_api::{Fence, Lease, LockBackend, LockKey, Release, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
 use super::{forged, late_write_rejected, release_held, token_above};
@@ -267,8 +267,8 @@ async fn holder_kept(
 /// its TTL left; and that its fence check is Current.
 async fn holder_untouched(
     ctx: &Ctx<'_>,
-    client: &std::sync::Arc<dyn lock_api::LockBackend>,
-    lease: &lock_api::Lease,
+    client: &std::sync::Arc<dyn distlock_core::LockBackend>,
+    lease: &distlock_core::Lease,
     ttl: std::time::Duration,
 ) -> Result<(), Failure> {
     let fence = ctx.ok("fence of the holder's lease", client.fence(lease).await)?;
@@ -327,10 +327,10 @@ async fn takeover(
     ctx: &Ctx<'_>,
 ) -> Result<
     (
-        std::sync::Arc<dyn lock_api::LockBackend>,
-        lock_api::Lease,
-        std::sync::Arc<dyn lock_api::LockBackend>,
-        lock_api::Lease,
+        std::sync::Arc<dyn distlock_core::LockBackend>,
+        distlock_core::Lease,
+        std::sync::Arc<dyn distlock_core::LockBackend>,
+        distlock_core::Lease,
         crate::suite::Timing,
     ),
     Failure,

@@ -1,4 +1,4 @@
-//! Cases on [`Locker`] and [`lock_api::LockGuard`] over the backend: contention, the
+//! Cases on [`Locker`] and [`distlock_core::LockGuard`] over the backend: contention, the
 //! watchdog, loss handling and builder validation.
 
 use std::sync::Arc;
@@ -6,11 +6,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use futures::future::join_all;
-use lock_api::{
+use distlock_core::{
     BackendLayer, Fence, FencingToken, Layered, Lease, LockBackend, LockError, LockKey, Locker,
     Renewal, RetryPolicy,
 };
+use futures::future::join_all;
 use tokio::time::{Instant, sleep, timeout_at};
 
 use super::{guard_released, release_held};

@@ -2,7 +2,7 @@
 //!
 //! Every case takes a [`crate::Factory`], works under its own random key prefix,
 //! records its calls in a [`crate::history::History`], checks what the contract in
-//! [`lock_api::LockBackend`] requires at each step, checks the history against I1–I5 at
+//! [`distlock_core::LockBackend`] requires at each step, checks the history against I1–I5 at
 //! the end, and releases what it took. TTLs come from the backend's capabilities
 //! ([`crate::suite::Timing`]), and every wait on the store is a deadline with slack,
 //! never a speed assertion. A case never returns early: what it needs beyond a store
@@ -29,7 +29,7 @@ pub use wake::*;
 
 use std::sync::Arc;
 
-use lock_api::{Admission, FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
+use distlock_core::{Admission, FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
 
 use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure};

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
+use distlock_core::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
 use super::{late_write_rejected, release_held, token_above};

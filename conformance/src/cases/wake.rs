@@ -1,4 +1,4 @@
-//! Cases on waiters woken by releases ([`lock_api::Capabilities::wakes_waiters`]): a
+//! Cases on waiters woken by releases ([`distlock_core::Capabilities::wakes_waiters`]): a
 //! release wakes a waiter long before its backoff would, a waiter whose wake is lost
 //! still takes the key by its backoff, and a cancelled waiter leaves no subscription.
 
@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::wake::{AllKeys, ReleaseHub, ReleaseWatch};
-use lock_api::{BackendLayer, Layered, LockBackend, LockError, LockKey, Locker, RetryPolicy};
+use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use distlock_core::{BackendLayer, Layered, LockBackend, LockError, LockKey, Locker, RetryPolicy};
 use tokio::time::{Instant, sleep};
 
 use crate::factory::Factory;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::time::Duration;
 
-use lock_api::{DRIFT_FACTOR, FencingToken, LockKey, OwnerId};
+use distlock_core::{DRIFT_FACTOR, FencingToken, LockKey, OwnerId};
 use tokio::time::Instant;
 
 use super::event::{Event, Op, Reply};

@@ -4,7 +4,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use lock_api::{
+use distlock_core::{
     Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey,
     MemoryFencedResource,
 };

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use lock_api::{FencingToken, LockKey, OwnerId};
+use distlock_core::{FencingToken, LockKey, OwnerId};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use lock_api::{
+use distlock_core::{
     BackendLayer, Fence, Layered, Lease, LockBackend, LockError, LockKey, Release, Renewal,
 };
 use tokio::time::Instant;

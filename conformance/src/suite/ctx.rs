@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use lock_api::{Lease, LockBackend, LockError, LockKey};
+use distlock_core::{Lease, LockBackend, LockError, LockKey};
 use tokio::time::Instant;
 
 use super::{Failure, Outcome, Timing};

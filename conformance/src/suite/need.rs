@@ -4,7 +4,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use lock_api::LockKey;
+use distlock_core::LockKey;
 
 use super::fit_ttl;
 use crate::factory::Factory;
@@ -20,8 +20,8 @@ pub enum Need {
     ServerFaults,
     /// [`LockBackend::inspect`] works: [`Capabilities::inspect`] (`inspect`).
     ///
-    /// [`LockBackend::inspect`]: lock_api::LockBackend::inspect
-    /// [`Capabilities::inspect`]: lock_api::Capabilities::inspect
+    /// [`LockBackend::inspect`]: distlock_core::LockBackend::inspect
+    /// [`Capabilities::inspect`]: distlock_core::Capabilities::inspect
     Inspect,
     /// Every [`Factory::backend`] call returns a separate backend instance, so a lease of
     /// one is foreign to another (`distinct_clients`).
@@ -29,7 +29,7 @@ pub enum Need {
     /// The backend announces releases to waiters: [`Capabilities::wakes_waiters`]
     /// (`wakes_waiters`).
     ///
-    /// [`Capabilities::wakes_waiters`]: lock_api::Capabilities::wakes_waiters
+    /// [`Capabilities::wakes_waiters`]: distlock_core::Capabilities::wakes_waiters
     WakesWaiters,
     /// Session faults: [`Factory::sessions`] is `Some` (`session_kill`).
     SessionKill,

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use lock_api::Capabilities;
+use distlock_core::Capabilities;
 use tokio::time::Instant;
 
 /// TTLs and waits fitted to a backend's capabilities, so the same case runs on a store

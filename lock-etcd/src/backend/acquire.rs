@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock_core::{FencingToken, Lease, LockError, LockKey, OwnerId, valid_until};
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnResponse};
-use lock_api::{FencingToken, Lease, LockError, LockKey, OwnerId, valid_until};
 use tokio::time::Instant;
 use tracing::debug;
 
@@ -125,9 +125,9 @@ fn header_revision(resp: &TxnResponse) -> Result<u64, LockError> {
 
 #[cfg(test)]
 mod tests {
+    use distlock_core::LockBackend;
     use harness::etcd::EtcdServer;
     use harness::require;
-    use lock_api::LockBackend;
 
     use super::*;
 

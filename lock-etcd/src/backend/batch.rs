@@ -1,7 +1,7 @@
 //! Batches: one call per item, all in flight at once, and the items' results folded into
 //! the batch's answer as the batch contract says.
 
-use lock_api::{Lease, LockBackend, LockError, LockKey};
+use distlock_core::{Lease, LockBackend, LockError, LockKey};
 
 use super::EtcdBackend;
 
@@ -58,7 +58,7 @@ pub(super) fn waves(leases: &[Lease]) -> Vec<Vec<usize>> {
 
 #[cfg(test)]
 mod tests {
-    use lock_api::Release;
+    use distlock_core::Release;
 
     use super::*;
     use crate::error::NAME;

@@ -13,8 +13,8 @@
 
 use std::time::Duration;
 
+use distlock_core::{Lease, LockError, Renewal, valid_until};
 use etcd_client::Txn;
-use lock_api::{Lease, LockError, Renewal, valid_until};
 use tokio::time::Instant;
 
 use super::{EtcdBackend, is_held_by};

@@ -1,7 +1,7 @@
 //! How a lock name becomes an advisory-lock key: a stable hash of the schema and the
 //! name, and its `(classid, objid)` halves as `pg_locks` shows them.
 
-use lock_api::LockKey;
+use distlock_core::LockKey;
 use sha2::{Digest, Sha256};
 
 use crate::schema::Schema;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lock_api::{FencingToken, Lease, LockError, LockKey, OwnerId, Renewal, valid_until};
+use distlock_core::{FencingToken, Lease, LockError, LockKey, OwnerId, Renewal, valid_until};
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Postgres};
 use tokio::sync::{Mutex, OwnedSemaphorePermit};
@@ -295,7 +295,7 @@ pub(super) fn unpin(slot: &mut Option<Pinned>) {
 
 #[cfg(test)]
 mod tests {
-    use lock_api::LockBackend;
+    use distlock_core::LockBackend;
 
     use super::*;
 

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults, WithFencedResource};
+use distlock_core::{EnforcementMode, LockBackend};
 use harness::{postgres::PostgresServer, proxy::FaultProxy};
-use lock_api::{EnforcementMode, LockBackend};
 use lock_postgres::{PgBuilder, PgFencedResource};
 
 /// The server shared by the tests of one binary. Only a `Weak` is kept here: the server

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use lock_api::{Lease, LockBackend, LockError, LockKey, OwnerId};
+use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
 use tokio::time::Instant;
 

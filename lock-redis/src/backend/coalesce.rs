@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use lock_api::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
+use distlock_core::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;

@@ -8,12 +8,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
+use distlock_core::{Lease, LockBackend, LockKey};
 use harness::{
     faults::ProxyGroup,
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer},
 };
-use lock_api::{Lease, LockBackend, LockKey};
 use lock_redis::RedisBackend;
 
 /// The response timeout the tests use: short, so blackholes are noticed quickly.

@@ -1,7 +1,7 @@
 //! Cancellation cases on the [`LockBackend`] calls: `acquire`, `renew` and `release`, and
 //! their batch forms, dropped after their 1st, 2nd, 3rd … poll.
 
-use lock_api::{Release, Renewal};
+use distlock_core::{Release, Renewal};
 use tokio::time::Instant;
 
 use super::{BATCH, Clients, MAX_POLLS, cut_after, cut_keys, never_completed, record_given_up};

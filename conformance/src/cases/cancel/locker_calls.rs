@@ -2,7 +2,7 @@
 //! `release`, dropped after their 1st, 2nd, 3rd … poll; the watchdog must renew nothing
 //! a dropped call took.
 
-use lock_api::{LockKey, Locker};
+use distlock_core::{LockKey, Locker};
 use tokio::time::Instant;
 
 use super::{
@@ -97,7 +97,7 @@ pub async fn dropped_with_lock_frees_the_key(factory: &dyn Factory) -> Result<Ou
     let locker = locker(&ctx, c.first.clone(), &c.t)?;
     for polls in 1..=MAX_POLLS {
         let keys = cut_keys(&ctx, polls, 1)?;
-        let job = |_: &lock_api::LockGuard| async move {
+        let job = |_: &distlock_core::LockGuard| async move {
             // A few suspensions, so some cuts fall inside the job.
             for _ in 0..3 {
                 tokio::task::yield_now().await;

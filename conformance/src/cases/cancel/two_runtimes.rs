@@ -1,13 +1,13 @@
 //! A backend and a [`Locker`] shared by two tokio runtimes, one of which shuts down in the
 //! middle of a call.
 //!
-//! [`Locker`]: lock_api::Locker
+//! [`Locker`]: distlock_core::Locker
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use lock_api::Release;
+use distlock_core::Release;
 use tokio::time::{Instant, sleep};
 
 use super::{after_the_cut, record_given_up, served_within};
@@ -22,7 +22,7 @@ use crate::suite::{Ctx, Failure, Outcome};
 /// was using is free by its TTL), and the guard taken on A stays renewed on B for three
 /// TTLs more.
 ///
-/// [`Locker`]: lock_api::Locker
+/// [`Locker`]: distlock_core::Locker
 pub async fn runtime_shutdown_spares_the_other_runtime(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
