@@ -157,18 +157,7 @@ fn url_from_env(
     name: &str,
     lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
 ) -> Result<String, LockError> {
-    match lookup(name) {
-        Ok(url) if !url.trim().is_empty() => Ok(url),
-        Ok(_) => Err(LockError::Config(format!(
-            "the environment variable {name} is empty: set it to a lock URL such as redis://host:6379"
-        ))),
-        Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
-            "the environment variable {name} is not set: set it to a lock URL such as redis://host:6379"
-        ))),
-        Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
-            "the environment variable {name} is not valid UTF-8"
-        ))),
-    }
+    distlock_core::url_from_env(name, "a lock URL such as redis://host:6379", lookup)
 }
 
 /// Prepares the store a URL names for [`connect`]: for PostgreSQL, creates the schema and

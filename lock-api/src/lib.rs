@@ -2,6 +2,7 @@
 
 mod backend;
 mod election;
+mod env;
 mod error;
 mod failure;
 mod fencing;
@@ -19,6 +20,7 @@ mod watchdog;
 
 pub use backend::LockBackend;
 pub use election::{ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key};
+pub use env::url_from_env;
 pub use error::{BoxError, LockError};
 pub use failure::{DriverFailure, Effect, FailureKind};
 pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};

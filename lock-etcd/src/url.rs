@@ -187,18 +187,11 @@ impl EtcdBuilder {
         name: &str,
         lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
     ) -> Result<Self, LockError> {
-        match lookup(name) {
-            Ok(url) if !url.trim().is_empty() => Self::from_url(&url),
-            Ok(_) => Err(LockError::Config(format!(
-                "the environment variable {name} is empty: set it to an etcd:// URL"
-            ))),
-            Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
-                "the environment variable {name} is not set: set it to an etcd:// URL"
-            ))),
-            Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
-                "the environment variable {name} is not valid UTF-8"
-            ))),
-        }
+        Self::from_url(&distlock_core::url_from_env(
+            name,
+            "an etcd:// URL",
+            lookup,
+        )?)
     }
 }
 
@@ -266,26 +259,10 @@ fn endpoint(i: usize, member: &str, tls: bool) -> Result<String, LockError> {
 /// Decodes `%XX` escapes; a `%` not followed by two hex digits stays as written (as the
 /// other stores' drivers read it). `None` when the result is not UTF-8.
 fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let escape = (bytes[i] == b'%')
-            .then(|| s.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        match escape {
-            Some(byte) => {
-                out.push(byte);
-                i += 3;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(std::borrow::Cow::into_owned)
 }
 
 #[cfg(test)]

@@ -124,18 +124,11 @@ impl PgBuilder {
         name: &str,
         lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
     ) -> Result<Self, LockError> {
-        match lookup(name) {
-            Ok(url) if !url.trim().is_empty() => Self::from_url(&url),
-            Ok(_) => Err(LockError::Config(format!(
-                "the environment variable {name} is empty: set it to a postgres:// URL"
-            ))),
-            Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
-                "the environment variable {name} is not set: set it to a postgres:// URL"
-            ))),
-            Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
-                "the environment variable {name} is not valid UTF-8"
-            ))),
-        }
+        Self::from_url(&distlock_core::url_from_env(
+            name,
+            "a postgres:// URL",
+            lookup,
+        )?)
     }
 }
 

@@ -145,18 +145,11 @@ impl RedisBackendBuilder {
         name: &str,
         lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
     ) -> Result<Self, LockError> {
-        match lookup(name) {
-            Ok(url) if !url.trim().is_empty() => Self::from_url(&url),
-            Ok(_) => Err(LockError::Config(format!(
-                "the environment variable {name} is empty: set it to a redis:// URL"
-            ))),
-            Err(std::env::VarError::NotPresent) => Err(LockError::Config(format!(
-                "the environment variable {name} is not set: set it to a redis:// URL"
-            ))),
-            Err(std::env::VarError::NotUnicode(_)) => Err(LockError::Config(format!(
-                "the environment variable {name} is not valid UTF-8"
-            ))),
-        }
+        Self::from_url(&distlock_core::url_from_env(
+            name,
+            "a redis:// URL",
+            lookup,
+        )?)
     }
 
     /// One node, or a cluster seed with the `redis+cluster://` scheme.
