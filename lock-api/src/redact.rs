@@ -145,26 +145,9 @@ fn is_secret_name(name: &str) -> bool {
 
 /// `text` with `%XX` escapes decoded; anything else, broken escapes included, as written.
 fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let escape = (bytes[i] == b'%')
-            .then(|| text.get(i + 1..i + 3))
-            .flatten()
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        match escape {
-            Some(byte) => {
-                out.push(byte);
-                i += 3;
-            }
-            None => {
-                out.push(bytes[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(text)
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// `text` with each run of overlapping or adjacent non-empty `secrets` replaced by `***`.
