@@ -460,14 +460,11 @@ mod tests {
     use super::session::Session;
     use super::*;
 
-    /// One item of a renewal batch whose session answers with an error (here: another
-    /// server session answers, as behind a pooling proxy) is `Unreachable`; the others
-    /// are renewed.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn renew_many_reports_a_failing_item_as_unreachable_and_renews_the_rest() {
-        use harness::postgres::PostgresServer;
-
-        let server = harness::require(PostgresServer::start().await);
+    /// An advisory backend, set up, on a PostgreSQL server of its own (kept alive by the
+    /// returned handle).
+    pub(super) async fn on_a_private_server()
+    -> (harness::postgres::PostgresServer, PgAdvisoryBackend) {
+        let server = harness::require(harness::postgres::PostgresServer::start().await);
         harness::require(
             server
                 .psql("GRANT CREATE ON DATABASE postgres TO distlock")
@@ -477,6 +474,15 @@ mod tests {
             .build_advisory_backend()
             .unwrap();
         backend.setup().await.unwrap();
+        (server, backend)
+    }
+
+    /// One item of a renewal batch whose session answers with an error (here: another
+    /// server session answers, as behind a pooling proxy) is `Unreachable`; the others
+    /// are renewed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn renew_many_reports_a_failing_item_as_unreachable_and_renews_the_rest() {
+        let (_server, backend) = on_a_private_server().await;
         let ttl = Duration::from_secs(30);
         let [a, b, c] = ["batch:a", "batch:b", "batch:c"].map(|k| LockKey::new(k).unwrap());
         let a = backend.acquire(&a, ttl).await.unwrap().expect("free");

@@ -304,18 +304,7 @@ mod tests {
     /// that, on a real server.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_lease_answered_by_another_server_session_names_the_pooling_proxy() {
-        use harness::postgres::PostgresServer;
-
-        let server = harness::require(PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
-        let backend = crate::PgBuilder::new(server.url())
-            .build_advisory_backend()
-            .unwrap();
-        backend.setup().await.unwrap();
+        let (_server, backend) = crate::advisory::tests::on_a_private_server().await;
         let ttl = Duration::from_secs(30);
         let (ka, kb) = (
             LockKey::new("pooled:a").unwrap(),
