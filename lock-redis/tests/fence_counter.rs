@@ -198,3 +198,99 @@ async fn a_lease_renewed_past_its_counters_retention_stays_current() {
         lease.token()
     );
 }
+
+/// The counter of `key` as the server holds it, and its PTTL in milliseconds.
+async fn counter_and_pttl(f: &RedisFactory, redis: &RedisBackend, key: &LockKey) -> (u64, i64) {
+    let (_, fence_key) = redis.redis_keys(key);
+    let value = match harness::require(f.server.command(&["GET", fence_key.as_str()]).await) {
+        RespValue::Bulk(Some(v)) => String::from_utf8(v).unwrap().parse().unwrap(),
+        other => panic!("GET {fence_key}: {other:?}"),
+    };
+    match harness::require(f.server.command(&["PTTL", fence_key.as_str()]).await) {
+        RespValue::Integer(ms) => (value, ms),
+        other => panic!("PTTL {fence_key}: {other:?}"),
+    }
+}
+
+/// Acquires `keys` together, as one `acquire_many` or as single acquires polled at once
+/// (which coalesce into one batch behind the first), releases them, and returns the tokens.
+async fn take_together(redis: &RedisBackend, keys: &[LockKey], coalesced: bool) -> Vec<u64> {
+    let ttl = Duration::from_millis(100);
+    let leases: Vec<_> = if coalesced {
+        join_all(keys.iter().map(|k| redis.acquire(k, ttl)))
+            .await
+            .into_iter()
+            .map(|l| l.unwrap().expect("free key"))
+            .collect()
+    } else {
+        redis
+            .acquire_many(keys, ttl)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|l| l.expect("free key"))
+            .collect()
+    };
+    let tokens = leases.iter().map(|l| l.token().get()).collect();
+    for released in redis.release_many(&leases).await.unwrap() {
+        assert_eq!(released, Release::Released);
+    }
+    tokens
+}
+
+/// Keys taken together get their counters made at the server's clock when there are none,
+/// counted up when they are kept, and made again, higher, after they expire.
+async fn counters_are_made_counted_and_made_again_higher(coalesced: bool) {
+    let f = RedisFactory::start().await;
+    let redis = with_retention(&f, Duration::from_millis(300)).await;
+    let keys: Vec<LockKey> = (0..5)
+        .map(|i| LockKey::new(format!("together-{i}")).unwrap())
+        .collect();
+
+    let made = take_together(&redis, &keys, coalesced).await;
+    let clock_us = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros(),
+    )
+    .unwrap();
+    for (key, &token) in keys.iter().zip(&made) {
+        let (counter, pttl) = counter_and_pttl(&f, &redis, key).await;
+        assert_eq!(counter, token, "the new counter holds the token it issued");
+        assert!(
+            pttl > 0 && pttl <= 300,
+            "PTTL {pttl} ms, not within the retention"
+        );
+        assert!(
+            token > clock_us - 60_000_000 && token <= clock_us,
+            "a new counter starts at the server's clock in µs (now {clock_us}), not {token}"
+        );
+    }
+
+    let counted = take_together(&redis, &keys, coalesced).await;
+    for (before, after) in made.iter().zip(&counted) {
+        assert_eq!(*after, before + 1, "a kept counter is counted up");
+    }
+
+    for key in &keys {
+        counter_gone(&f, &redis, key).await;
+    }
+    let remade = take_together(&redis, &keys, coalesced).await;
+    for (before, after) in counted.iter().zip(&remade) {
+        assert!(
+            after > before,
+            "token {after} after the counter expired, not above {before}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_makes_counts_and_remakes_its_counters_with_rising_tokens() {
+    counters_are_made_counted_and_made_again_higher(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coalesced_acquires_make_count_and_remake_their_counters_with_rising_tokens() {
+    counters_are_made_counted_and_made_again_higher(true).await;
+}

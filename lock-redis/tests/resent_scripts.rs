@@ -45,6 +45,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
                 &fence_key,
                 &owner,
                 "10000",
+                "1",
                 "86400000",
             ])
             .await,

@@ -20,6 +20,17 @@ use crate::scripts::ACQUIRE_MANY_SCRIPT;
 /// meanwhile, so a long batch is split into several calls (pipelined together).
 const CHUNK: usize = 128;
 
+/// What an acquire batch expects of its keys' fence counters, which decides only which
+/// path the script tries first (see `acquire_many.lua`).
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Counters {
+    /// Keys claimed in one call, as with a lock per job id: most were never locked, and
+    /// their counters are made at once.
+    MostlyNew,
+    /// Single acquires sent together: counted first, as `acquire.lua` does.
+    MostlyKept,
+}
+
 impl RedisBackend {
     /// Runs a batch under [`Self::timed`]. In a cluster each node's pipeline has the
     /// response timeout of its own (a silent node makes only its items unreachable), so
@@ -97,10 +108,12 @@ impl RedisBackend {
 
     /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
     /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
+    /// `counters` only orders the script's work for the cheaper path; tokens are the same.
     pub(super) async fn send_acquires(
         &self,
         operation: &'static str,
         attempts: &[(LockKeys, OwnerId, Duration)],
+        counters: Counters,
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
         let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
         let longest = attempts
@@ -114,8 +127,12 @@ impl RedisBackend {
             keys.extend([k.lock.clone(), k.fence.clone()]);
             args.extend([owner.to_string(), ttl.as_millis().to_string()]);
         });
+        let new_first = match counters {
+            Counters::MostlyNew => "1",
+            Counters::MostlyKept => "0",
+        };
         for call in &mut calls {
-            call.args.push(retention.clone());
+            call.args.extend([new_first.to_owned(), retention.clone()]);
         }
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, attempts.len()))
@@ -135,7 +152,9 @@ impl RedisBackend {
             .map(|k| (self.keys(k), OwnerId::random(), ttl))
             .collect();
         let sent = Instant::now();
-        let replies = self.send_acquires("acquire_many", &with_ttl).await;
+        let replies = self
+            .send_acquires("acquire_many", &with_ttl, Counters::MostlyNew)
+            .await;
         let attempts: Vec<(LockKeys, OwnerId)> =
             with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
         let replies = match replies {

@@ -15,6 +15,7 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
+use super::batch::Counters;
 use super::{NAME, RedisBackend, parse_token, release};
 use crate::error::map_error;
 use crate::keys::LockKeys;
@@ -190,7 +191,10 @@ impl RedisBackend {
             .map(|p| (self.keys(&p.key), OwnerId::random(), p.ttl))
             .collect();
         let longest = batch.iter().map(|p| p.ttl).max().unwrap_or_default();
-        let replies = match self.send_acquires("acquire", &attempts).await {
+        let replies = match self
+            .send_acquires("acquire", &attempts, Counters::MostlyKept)
+            .await
+        {
             Ok(replies) => replies,
             Err(e) => {
                 if matches!(e, LockError::OutcomeUnknown { .. }) {
