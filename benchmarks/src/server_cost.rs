@@ -4,7 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use capacity::scenarios::{FenceRetentionMemory, RedisServerCost, usec_of, usec_per_call};
+use capacity::load::{self, Keys};
+use capacity::scenarios::{
+    FenceRetentionMemory, LoadedCycleCost, RedisServerCost, calls_of_all, usec_of, usec_per_call,
+    used_cpu,
+};
 use distlock_core::{LockBackend, LockKey};
 use tokio::time::Instant;
 
@@ -86,7 +90,63 @@ pub async fn redis_server_cost(
         set_nx_us,
         del_us,
         cycle_us,
+        loaded: Vec::new(),
         retention: None,
+    })
+}
+
+/// Runs `a` and `b` in alternation, `rounds` times each, with `concurrency` tasks on
+/// per-task keys for `duration` a run, and measures what the server spent per cycle.
+pub async fn loaded_cycle_costs(
+    servers: &Servers,
+    a: &Arc<dyn Subject>,
+    b: &Arc<dyn Subject>,
+    concurrency: usize,
+    rounds: usize,
+    duration: Duration,
+) -> Result<Vec<LoadedCycleCost>, BenchError> {
+    let mut out = Vec::with_capacity(2 * rounds);
+    for round in 0..rounds.max(1) {
+        let order = if round % 2 == 0 { [a, b] } else { [b, a] };
+        for subject in order {
+            out.push(loaded_cycle_cost(servers, subject, concurrency, duration).await?);
+        }
+    }
+    Ok(out)
+}
+
+/// One closed-loop run of `subject` (no warm-up: every cycle the server saw is counted),
+/// with the server's CPU time and commands per cycle.
+pub async fn loaded_cycle_cost(
+    servers: &Servers,
+    subject: &Arc<dyn Subject>,
+    concurrency: usize,
+    duration: Duration,
+) -> Result<LoadedCycleCost, BenchError> {
+    let missing = || BenchError::Unexpected {
+        subject: "redis",
+        detail: "INFO cpu has no used_cpu_user / used_cpu_sys".into(),
+    };
+    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+    let before = used_cpu(&servers.redis_command(&["INFO", "cpu"]).await?).ok_or_else(missing)?;
+    let sample = load::closed_loop(
+        subject.clone(),
+        concurrency,
+        Keys::PerTask,
+        Duration::ZERO,
+        duration,
+    )
+    .await?;
+    let after = used_cpu(&servers.redis_command(&["INFO", "cpu"]).await?).ok_or_else(missing)?;
+    let commands = calls_of_all(&servers.redis_command(&["INFO", "commandstats"]).await?);
+    // The INFO call that read `before` is counted too: one command, negligible.
+    let cycles = sample.ops.max(1) as f64;
+    Ok(LoadedCycleCost {
+        subject: subject.id(),
+        concurrency,
+        cycles_per_sec: sample.ops_per_sec(),
+        cpu_us_per_cycle: (after - before) * 1e6 / cycles,
+        commands_per_cycle: commands / cycles,
     })
 }
 

@@ -86,7 +86,34 @@ fn output_err(path: &Path, e: impl std::fmt::Display) -> BenchError {
 impl Report {
     /// The issue's targets judged on this run.
     pub fn targets(&self) -> Vec<Target> {
-        self.results.targets()
+        let mut out = self.results.targets();
+        let cost = self.redis_cost.as_ref();
+        let at_most = |what: &str, goal: f64, value: Option<f64>| Target {
+            what: what.to_owned(),
+            goal: format!("<= {goal:.2}x"),
+            measured: value.map_or("not measured in this run".into(), |v| format!("{v:.3}x")),
+            met: value.map(|v| v <= goal),
+        };
+        out.push(at_most(
+            "Redis server µs per cycle / rslock's, one task, fresh keys (INFO commandstats)",
+            2.0,
+            cost.and_then(RedisServerCost::sequential_ratio),
+        ));
+        out.push(at_most(
+            "Redis server CPU per cycle / rslock's, 64 tasks (INFO cpu)",
+            2.0,
+            cost.and_then(RedisServerCost::loaded_ratio),
+        ));
+        let retention = cost.and_then(|c| c.retention.as_ref());
+        out.push(Target {
+            what: "Redis used_memory left after one-off keys (1,000,000 in a full run) and their retention".into(),
+            goal: "<= 1,048,576 B".into(),
+            measured: retention.map_or("not measured in this run".into(), |r| {
+                format!("{} B ({} keys)", r.left_behind(), r.keys)
+            }),
+            met: retention.map(|r| r.left_behind() <= 1 << 20),
+        });
+        out
     }
 
     /// Writes every file into `dir` (created if needed) and returns their paths.
@@ -336,6 +363,38 @@ impl Report {
                     let ratio =
                         rslock.map_or_else(|| "—".to_owned(), |r| format!("{:.2}×", us / r));
                     let _ = writeln!(md, "| {name} | {us:.2} | {ratio} |");
+                }
+            }
+            if !cost.loaded.is_empty() {
+                let _ = writeln!(
+                    md,
+                    "\nUnder load: {} tasks on per-task keys, distlock and rslock in alternation; \
+                     the server's CPU time (`INFO cpu`: commands, scripts and socket work) and \
+                     the commands it ran (scripts' own commands included) per cycle. distlock \
+                     sends single calls that arrive while one is on its way as one multi-key \
+                     script call, so its script overhead is shared here.\n",
+                    cost.loaded[0].concurrency
+                );
+                let _ = writeln!(
+                    md,
+                    "| subject | cycles/s | server CPU µs per cycle | commands per cycle |\n\
+                     |---|---:|---:|---:|"
+                );
+                for l in &cost.loaded {
+                    let _ = writeln!(
+                        md,
+                        "| {} | {:.0} | {:.2} | {:.2} |",
+                        l.subject.slug(),
+                        l.cycles_per_sec,
+                        l.cpu_us_per_cycle,
+                        l.commands_per_cycle
+                    );
+                }
+                if let Some(ratio) = cost.loaded_ratio() {
+                    let _ = writeln!(
+                        md,
+                        "\nMedian server CPU per cycle, distlock over rslock: {ratio:.2}×."
+                    );
                 }
             }
             if let Some(r) = &cost.retention {

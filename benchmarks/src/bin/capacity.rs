@@ -40,6 +40,10 @@ struct Args {
     /// notifications), printed as a table; no report is written.
     #[arg(long)]
     handoff_only: bool,
+    /// Only the interleaved pairs behind the throughput and latency targets, and the batch
+    /// rates, printed round by round; no report is written.
+    #[arg(long)]
+    pairs_only: bool,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     guard_memory: Option<usize>,
@@ -56,6 +60,7 @@ async fn main() -> ExitCode {
             .await
             .map(|m| println!("{}", m.to_line())),
         None if args.handoff_only => handoff_only(&args).await,
+        None if args.pairs_only => pairs_only(&args).await,
         None => run(&args).await,
     };
     match result {
@@ -130,6 +135,92 @@ async fn handoff_only(args: &Args) -> Result<(), BenchError> {
                 row.p99_us,
                 row.acquires_per_handoff
             );
+        }
+        subject.close().await;
+    }
+    Ok(())
+}
+
+/// The interleaved target pairs and the batch rates alone, for every selected backend.
+async fn pairs_only(args: &Args) -> Result<(), BenchError> {
+    let plan = if args.quick {
+        Plan::quick()
+    } else {
+        Plan::full()
+    };
+    let backends = selected_backends(args)?;
+    let mut stores: Vec<Store> = backends.iter().map(|b| b.store()).collect();
+    stores.sort();
+    stores.dedup();
+    let servers = Servers::start(&stores).await?;
+    for (a, b, level) in scenarios::TARGET_PAIRS {
+        if !backends.contains(&a) {
+            continue;
+        }
+        let sa = subjects::open(a, &servers).await?;
+        let sb = subjects::open(b, &servers).await?;
+        for s in [&sa, &sb] {
+            if a.store() == Store::Redis {
+                let cost =
+                    benchmarks::server_cost::loaded_cycle_cost(&servers, s, level, plan.duration)
+                        .await?;
+                println!(
+                    "{:>16} {level:>3} tasks {:>9.0} cycles/s  server: {:.2} µs CPU and {:.2} \
+                     commands per cycle",
+                    s.id().slug(),
+                    cost.cycles_per_sec,
+                    cost.cpu_us_per_cycle,
+                    cost.commands_per_cycle
+                );
+            }
+        }
+        let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, &plan).await;
+        sa.close().await;
+        sb.close().await;
+        let pair = pair?;
+        let rounds = |r: &[f64]| {
+            r.iter()
+                .map(|v| format!("{v:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "{} / {} at {level} tasks: cycles/s {:.2}x (rounds {}), acquire p50 {:.2}x (rounds {})",
+            a.slug(),
+            b.slug(),
+            pair.throughput_ratio(),
+            rounds(&pair.throughput_ratios),
+            pair.acquire_p50_ratio(),
+            rounds(&pair.acquire_p50_ratios)
+        );
+    }
+    for id in backends {
+        let subject = subjects::open(id, &servers).await?;
+        if let Some(backend) = subject.backend() {
+            for &size in &plan.batch_sizes {
+                let redis = id.store() == Store::Redis;
+                if redis {
+                    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+                }
+                let row = scenarios::batch(id, &backend, size, plan.batch_reps).await?;
+                let server = if redis {
+                    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+                    let keys = (size * plan.batch_reps.max(1)) as f64;
+                    format!(
+                        ", server µs per key: {:.2} (acquire, renew and release)",
+                        scenarios::usec_of(&info, &["evalsha"]) / keys
+                    )
+                } else {
+                    String::new()
+                };
+                let rate = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.0}"));
+                println!(
+                    "{} batches of {size}: acquire_many {} keys/s, renew_many {} keys/s{server}",
+                    id.slug(),
+                    rate(row.acquire_keys_per_sec),
+                    rate(row.renew_keys_per_sec)
+                );
+            }
         }
         subject.close().await;
     }
@@ -314,6 +405,16 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         bar.set_message(format!(
             "redis: {keys} one-off keys, then their counters' retention"
         ));
+        bar.set_message("redis: server CPU per cycle at 64 tasks, beside rslock");
+        cost.loaded = benchmarks::server_cost::loaded_cycle_costs(
+            &servers,
+            &redis,
+            &rslock,
+            64,
+            plan.pair_rounds.min(5),
+            plan.duration / 3,
+        )
+        .await?;
         cost.retention =
             Some(benchmarks::server_cost::fence_retention_memory(&servers, keys).await?);
         Some(cost)
