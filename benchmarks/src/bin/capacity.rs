@@ -93,18 +93,29 @@ fn selected_backends(args: &Args) -> Result<Vec<SubjectId>, BenchError> {
     Ok(backends)
 }
 
-/// The handoff measurement alone, for every selected backend, notified and polling.
-async fn handoff_only(args: &Args) -> Result<(), BenchError> {
-    let plan = if args.quick {
+/// The plan of the run's size.
+fn plan(args: &Args) -> Plan {
+    if args.quick {
         Plan::quick()
     } else {
         Plan::full()
-    };
+    }
+}
+
+/// For the single-measurement modes: the plan, the selected backends, and their stores'
+/// servers, started.
+async fn start_selected(args: &Args) -> Result<(Plan, Vec<SubjectId>, Servers), BenchError> {
     let backends = selected_backends(args)?;
     let mut stores: Vec<Store> = backends.iter().map(|b| b.store()).collect();
     stores.sort();
     stores.dedup();
     let servers = Servers::start(&stores).await?;
+    Ok((plan(args), backends, servers))
+}
+
+/// The handoff measurement alone, for every selected backend, notified and polling.
+async fn handoff_only(args: &Args) -> Result<(), BenchError> {
+    let (plan, backends, servers) = start_selected(args).await?;
     println!(
         "{:>12} {:>12} {:>8} {:>9} {:>9} {:>20}",
         "backend", "woken by", "handoffs", "p50 µs", "p99 µs", "acquires per handoff"
@@ -143,16 +154,7 @@ async fn handoff_only(args: &Args) -> Result<(), BenchError> {
 
 /// The interleaved target pairs and the batch rates alone, for every selected backend.
 async fn pairs_only(args: &Args) -> Result<(), BenchError> {
-    let plan = if args.quick {
-        Plan::quick()
-    } else {
-        Plan::full()
-    };
-    let backends = selected_backends(args)?;
-    let mut stores: Vec<Store> = backends.iter().map(|b| b.store()).collect();
-    stores.sort();
-    stores.dedup();
-    let servers = Servers::start(&stores).await?;
+    let (plan, backends, servers) = start_selected(args).await?;
     for (a, b, level) in scenarios::TARGET_PAIRS {
         if !backends.contains(&a) {
             continue;
@@ -228,11 +230,7 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
 }
 
 async fn run(args: &Args) -> Result<(), BenchError> {
-    let plan = if args.quick {
-        Plan::quick()
-    } else {
-        Plan::full()
-    };
+    let plan = plan(args);
     let backends = selected_backends(args)?;
     let stores: Vec<Store> = {
         let mut s: Vec<Store> = backends.iter().map(|b| b.store()).collect();
