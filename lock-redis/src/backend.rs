@@ -49,13 +49,21 @@ const RESEND_PAUSE: Duration = Duration::from_millis(5);
 /// [`LockError::Config`].
 pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 
+/// How many single calls of one kind (`acquire`, `release`) a backend on a single node
+/// has on their way at once; calls that come while that many are in flight wait for one
+/// of them to return and go together as one multi-key script call. Few concurrent callers
+/// are sent without waiting; many still share script calls (docs/DESIGN.md has the
+/// measurements behind 4).
+pub const SENT_AT_ONCE: usize = 4;
+
 /// The Redis lock backend: one script (one round trip) per operation, one pipeline per
 /// node for batches, on a single node or a Redis Cluster.
 ///
 /// Batches send one multi-key script call per hash slot (per node on a single node), of
 /// at most 128 locks each. On a single node, concurrent `acquire` (and `release`) calls
-/// coalesce: while one is in flight, the ones that arrive meanwhile wait and then go
-/// together as one multi-key call; a caller that finds nothing in flight sends at once.
+/// coalesce: while [`SENT_AT_ONCE`] are in flight, the ones that arrive meanwhile wait
+/// and then go together as one multi-key call; a caller that finds fewer in flight sends
+/// at once.
 /// In a cluster single calls are sent one by one (calls on different slots could not
 /// share a script anyway).
 ///

@@ -62,7 +62,7 @@ mod scripts;
 mod tls;
 mod version;
 
-pub use backend::{LONGEST_TTL, RedisBackend};
+pub use backend::{LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL,
     DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::RedisFactory;
 use distlock_core::{Lease, LockBackend, LockError, LockKey, Release};
 use futures::future::join_all;
-use lock_redis::RedisBackend;
+use lock_redis::{RedisBackend, SENT_AT_ONCE};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -120,7 +120,8 @@ async fn mixed_concurrent_acquires_give_one_winner_per_key() {
 }
 
 // One thread: the connection's reader cannot run while the callers are polled, so the
-// first caller is in flight and every other one is queued when they all give up.
+// first `SENT_AT_ONCE` callers are in flight and every other one is queued when they all
+// give up.
 #[tokio::test(flavor = "current_thread")]
 async fn acquires_whose_callers_left_are_given_back_in_the_background() {
     let f = RedisFactory::start().await;
@@ -129,8 +130,8 @@ async fn acquires_whose_callers_left_are_given_back_in_the_background() {
     let mut answered = Vec::new();
     {
         let mut pending: Vec<_> = keys.iter().map(|k| redis.acquire(k, TTL)).collect();
-        // Polled once: the first goes out, the others join the queue; then every caller
-        // gives up before any reply.
+        // Polled once: the first ones go out, the others join the queue; then every
+        // caller gives up before any reply.
         for fut in &mut pending {
             if let std::task::Poll::Ready(result) = futures::poll!(fut.as_mut()) {
                 answered.extend(result.unwrap());
@@ -145,7 +146,7 @@ async fn acquires_whose_callers_left_are_given_back_in_the_background() {
         assert_eq!(redis.release(lease).await.unwrap(), Release::Released);
     }
     // The queued ones still ran (their fence counters exist), and nothing stays held
-    // anywhere near the 60 s TTL.
+    // anywhere near the 60 s TTL (the ones sent directly may or may not have run).
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let mut held = 0;
@@ -155,7 +156,7 @@ async fn acquires_whose_callers_left_are_given_back_in_the_background() {
             held += usize::from(info.owner.is_some());
             ran += usize::from(info.token.is_some());
         }
-        if held == 0 && ran >= keys.len() - 1 {
+        if held == 0 && ran >= keys.len() - SENT_AT_ONCE {
             break;
         }
         assert!(
@@ -221,13 +222,13 @@ async fn call(
     }
 }
 
-/// The call in flight belongs to a runtime that shuts down, with a caller of another
-/// runtime queued behind it: that caller is served, and the queue does not stay busy.
+/// The calls in flight belong to a runtime that shuts down, with a caller of another
+/// runtime queued behind them: that caller is served, and the queue does not stay busy.
 async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
     let f = RedisFactory::start().await;
     let redis = f.redis_with(Duration::from_secs(2)).await;
     let mut held = Vec::new();
-    for key in keys("held", 3) {
+    for key in keys("held", SENT_AT_ONCE + 2) {
         held.push(redis.acquire(&key, TTL).await.unwrap().expect("free key"));
     }
     f.proxy.delay(Duration::from_millis(200));
@@ -236,11 +237,14 @@ async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
         .enable_all()
         .build()
         .unwrap();
-    let (first, lease) = (redis.clone(), held[0].clone());
-    other.spawn(async move { call(&first, kind, "first", &lease).await });
-    // The other runtime's call is on its way (a round trip takes 400 ms); this one queues.
+    for (i, lease) in held.iter().take(SENT_AT_ONCE).enumerate() {
+        let (first, lease) = (redis.clone(), lease.clone());
+        other.spawn(async move { call(&first, kind, &format!("first-{i}"), &lease).await });
+    }
+    // The other runtime's calls are on their way (a round trip takes 400 ms); this one
+    // queues.
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let (second, lease) = (redis.clone(), held[1].clone());
+    let (second, lease) = (redis.clone(), held[SENT_AT_ONCE].clone());
     let queued = tokio::spawn(async move { call(&second, kind, "queued", &lease).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
     other.shutdown_background();
@@ -258,7 +262,7 @@ async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
     f.proxy.heal();
     let later = tokio::time::timeout(
         Duration::from_secs(30),
-        call(&redis, kind, "later", &held[2]),
+        call(&redis, kind, "later", &held[SENT_AT_ONCE + 1]),
     )
     .await
     .expect("a later call was wedged behind the dropped batch");

@@ -78,8 +78,8 @@ async fn a_batch_with_a_full_counter_fails_and_keeps_nothing() {
     );
 }
 
-// One thread: the first acquire is in flight while every other one joins the queue, so
-// the others go together as one multi-key script call.
+// One thread: the first `SENT_AT_ONCE` acquires are in flight while every other one joins
+// the queue, so the others go together as one multi-key script call.
 #[tokio::test(flavor = "current_thread")]
 async fn a_full_counter_fails_only_its_own_caller_in_a_coalesced_batch() {
     let f = RedisFactory::start().await;
@@ -89,7 +89,7 @@ async fn a_full_counter_fails_only_its_own_caller_in_a_coalesced_batch() {
     let mut keys: Vec<LockKey> = (0..10)
         .map(|i| LockKey::new(format!("fine-{i}")).unwrap())
         .collect();
-    keys.insert(5, full.clone());
+    keys.insert(lock_redis::SENT_AT_ONCE + 1, full.clone());
 
     let results = join_all(keys.iter().map(|k| redis.acquire(k, TTL))).await;
     for (key, result) in keys.iter().zip(results) {
@@ -213,7 +213,8 @@ async fn counter_and_pttl(f: &RedisFactory, redis: &RedisBackend, key: &LockKey)
 }
 
 /// Acquires `keys` together, as one `acquire_many` or as single acquires polled at once
-/// (which coalesce into one batch behind the first), releases them, and returns the tokens.
+/// (which coalesce into one batch behind the first `SENT_AT_ONCE`), releases them, and
+/// returns the tokens.
 async fn take_together(redis: &RedisBackend, keys: &[LockKey], coalesced: bool) -> Vec<u64> {
     let ttl = Duration::from_millis(100);
     let leases: Vec<_> = if coalesced {
@@ -243,7 +244,7 @@ async fn take_together(redis: &RedisBackend, keys: &[LockKey], coalesced: bool) 
 async fn counters_are_made_counted_and_made_again_higher(coalesced: bool) {
     let f = RedisFactory::start().await;
     let redis = with_retention(&f, Duration::from_millis(300)).await;
-    let keys: Vec<LockKey> = (0..5)
+    let keys: Vec<LockKey> = (0..lock_redis::SENT_AT_ONCE + 4)
         .map(|i| LockKey::new(format!("together-{i}")).unwrap())
         .collect();
 

@@ -2,10 +2,10 @@
 //!
 //! Every Lua script call costs the server a few microseconds of fixed overhead, whatever
 //! it does; under concurrency that overhead, not the network, caps the throughput. So
-//! while one call of a kind (acquire, release) is on its way, the calls that arrive
-//! meanwhile wait in a [`Queue`] and go together, as one multi-key script call, when it
-//! returns. A caller that finds nothing in flight sends at once: batching never waits on
-//! a timer, it only forms while the server is busy answering.
+//! while [`SENT_AT_ONCE`] calls of a kind (acquire, release) are on their way, the calls
+//! that arrive meanwhile wait in a [`Queue`] and go together, as one multi-key script
+//! call, when one of them returns. A caller that finds fewer in flight sends at once:
+//! batching never waits on a timer, it only forms while the server is busy answering.
 
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::batch::Counters;
-use super::{NAME, RedisBackend, parse_token, release};
+use super::{NAME, RedisBackend, SENT_AT_ONCE, parse_token, release};
 use crate::error::map_error;
 use crate::keys::LockKeys;
 use crate::scripts::RELEASE_MANY_SCRIPT;
@@ -27,8 +27,9 @@ pub(super) struct Queue<T> {
 }
 
 struct State<T> {
-    /// A call (direct, or a batch of queued ones) of this kind is on its way.
-    busy: bool,
+    /// Calls (direct, or batches of queued ones) of this kind on their way: at most
+    /// [`SENT_AT_ONCE`], and exactly that many while any call waits.
+    busy: usize,
     waiting: Vec<T>,
 }
 
@@ -36,7 +37,7 @@ impl<T> Default for Queue<T> {
     fn default() -> Self {
         Self {
             state: Mutex::new(State {
-                busy: false,
+                busy: 0,
                 waiting: Vec::new(),
             }),
         }
@@ -44,25 +45,27 @@ impl<T> Default for Queue<T> {
 }
 
 impl<T> Queue<T> {
-    /// True when nothing was in flight: the caller sends directly and is now the call in
-    /// flight (it must call [`Queue::next`] when done). Otherwise `item()` joins the queue.
+    /// True when fewer than [`SENT_AT_ONCE`] calls were in flight: the caller sends
+    /// directly and is now one of them (it must call [`Queue::next`] when done). Otherwise
+    /// `item()` joins the queue.
     pub(super) fn join(&self, item: impl FnOnce() -> T) -> bool {
         let mut state = self.state.lock();
-        if state.busy {
+        if state.busy >= SENT_AT_ONCE {
             state.waiting.push(item());
             false
         } else {
-            state.busy = true;
+            state.busy += 1;
             true
         }
     }
 
-    /// For the call in flight, once it is done: the calls queued meanwhile, to send next
-    /// as one batch (which stays in flight), or `None` (nothing queued; the queue is idle).
+    /// For a call in flight, once it is done: the calls queued meanwhile, to send next as
+    /// one batch (which takes its place in flight), or `None` (nothing queued; its place
+    /// is free).
     pub(super) fn next(&self) -> Option<Vec<T>> {
         let mut state = self.state.lock();
         if state.waiting.is_empty() {
-            state.busy = false;
+            state.busy -= 1;
             None
         } else {
             Some(std::mem::take(&mut state.waiting))
@@ -309,20 +312,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_lone_caller_goes_directly_and_later_ones_queue_until_it_is_done() {
+    fn callers_go_directly_until_the_limit_and_later_ones_queue_until_one_is_done() {
         let q = Queue::default();
-        assert!(q.join(|| 0), "nothing in flight: direct");
-        assert!(!q.join(|| 1), "one in flight: queued");
-        assert!(!q.join(|| 2));
+        for i in 0..SENT_AT_ONCE {
+            assert!(q.join(|| i), "{i} in flight: direct");
+        }
+        assert!(!q.join(|| 100), "the limit in flight: queued");
+        assert!(!q.join(|| 101));
         assert_eq!(
             q.next(),
-            Some(vec![1, 2]),
-            "the queued ones form the next batch"
+            Some(vec![100, 101]),
+            "the queued ones form the next batch, in the place of the call done"
         );
-        assert!(!q.join(|| 3), "the batch is in flight now");
-        assert_eq!(q.next(), Some(vec![3]));
-        assert_eq!(q.next(), None, "nothing left: idle");
-        assert!(q.join(|| 4), "idle again: direct");
-        assert_eq!(q.next(), None);
+        assert!(
+            !q.join(|| 102),
+            "the batch is in flight now: still the limit"
+        );
+        assert_eq!(q.next(), Some(vec![102]));
+        assert_eq!(q.next(), None, "nothing queued: a place is free");
+        assert!(q.join(|| 103), "below the limit again: direct");
+        assert!(!q.join(|| 104), "at the limit again: queued");
+        assert_eq!(q.next(), Some(vec![104]));
+        for _ in 0..SENT_AT_ONCE {
+            assert_eq!(q.next(), None);
+        }
+        assert!(q.join(|| 105), "idle: direct");
     }
 }
