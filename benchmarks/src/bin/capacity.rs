@@ -106,11 +106,16 @@ fn plan(args: &Args) -> Plan {
 /// servers, started.
 async fn start_selected(args: &Args) -> Result<(Plan, Vec<SubjectId>, Servers), BenchError> {
     let backends = selected_backends(args)?;
+    let servers = Servers::start(&stores_of(&backends)).await?;
+    Ok((plan(args), backends, servers))
+}
+
+/// The stores `backends` run on, each once.
+fn stores_of(backends: &[SubjectId]) -> Vec<Store> {
     let mut stores: Vec<Store> = backends.iter().map(|b| b.store()).collect();
     stores.sort();
     stores.dedup();
-    let servers = Servers::start(&stores).await?;
-    Ok((plan(args), backends, servers))
+    stores
 }
 
 /// The handoff measurement alone, for every selected backend, notified and polling.
@@ -161,8 +166,9 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
         }
         let sa = subjects::open(a, &servers).await?;
         let sb = subjects::open(b, &servers).await?;
-        for s in [&sa, &sb] {
-            if a.store() == Store::Redis {
+        // The server's cost under load only where the report has it: Redis.
+        if a.store() == Store::Redis {
+            for s in [&sa, &sb] {
                 let cost =
                     benchmarks::server_cost::loaded_cycle_cost(&servers, s, level, plan.duration)
                         .await?;
@@ -232,12 +238,7 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
 async fn run(args: &Args) -> Result<(), BenchError> {
     let plan = plan(args);
     let backends = selected_backends(args)?;
-    let stores: Vec<Store> = {
-        let mut s: Vec<Store> = backends.iter().map(|b| b.store()).collect();
-        s.sort();
-        s.dedup();
-        s
-    };
+    let stores = stores_of(&backends);
     let subjects: Vec<SubjectId> = SubjectId::ALL
         .into_iter()
         .filter(|s| backends.contains(s) || (!s.is_backend() && stores.contains(&s.store())))
