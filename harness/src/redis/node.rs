@@ -276,10 +276,15 @@ mod tests {
             require(master.command(&["WAIT", "1", "5000"]).await),
             RespValue::Integer(1)
         );
-        assert_eq!(
-            text(require(replica.command(&["GET", "replicated"]).await)).as_deref(),
-            Some("yes")
-        );
+        // WAIT counts the replica's acknowledged offset, which may run a moment ahead of
+        // the write being readable there: read until it shows, for a bounded time.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let mut seen = text(require(replica.command(&["GET", "replicated"]).await));
+        while seen.is_none() && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            seen = text(require(replica.command(&["GET", "replicated"]).await));
+        }
+        assert_eq!(seen.as_deref(), Some("yes"));
         let readonly = require(replica.command(&["SET", "x", "1"]).await);
         assert!(
             matches!(&readonly, RespValue::Error(e) if e.starts_with("READONLY")),
