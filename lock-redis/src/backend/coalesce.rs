@@ -7,6 +7,7 @@
 //! call, when one of them returns. A caller that finds fewer in flight sends at once:
 //! batching never waits on a timer, it only forms while the server is busy answering.
 
+use std::future::Future;
 use std::time::Duration;
 
 use distlock_core::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
@@ -90,6 +91,24 @@ pub(super) struct PendingRelease {
     pub(super) reply: oneshot::Sender<Result<Release, LockError>>,
 }
 
+/// A call waiting in a [`Queue`].
+pub(super) trait Pending {
+    /// Its caller's runtime, where its batch runs (see [`RedisBackend::hand_off`]).
+    fn runtime(&self) -> Option<&Handle>;
+}
+
+impl Pending for PendingAcquire {
+    fn runtime(&self) -> Option<&Handle> {
+        self.runtime.as_ref()
+    }
+}
+
+impl Pending for PendingRelease {
+    fn runtime(&self) -> Option<&Handle> {
+        self.runtime.as_ref()
+    }
+}
+
 /// The two kinds of coalesced calls.
 #[derive(Clone, Copy)]
 pub(super) enum Kind {
@@ -122,40 +141,42 @@ impl RedisBackend {
     /// hands off again (the batch's callers learn from their closed channels) instead of
     /// leaving the queue busy forever.
     fn hand_off(&self, kind: Kind) {
-        let current = Handle::try_current().ok();
         match kind {
             Kind::Acquire => {
-                while let Some(batch) = self.inner.acquires.next() {
-                    let callers = batch.iter().map(|p| &p.runtime);
-                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
-                        // Nothing can be sent without a runtime: dropping the batch closes
-                        // its callers' channels, which tells them so.
-                        continue;
-                    };
-                    let runtime = runtime.clone();
-                    let in_flight = self.in_flight(kind);
-                    runtime.spawn(async move {
-                        in_flight.backend.acquire_queued(batch).await;
-                        drop(in_flight);
-                    });
-                    return;
-                }
+                self.send_next(kind, &self.inner.acquires, |backend, batch| async move {
+                    backend.acquire_queued(batch).await
+                })
             }
             Kind::Release => {
-                while let Some(batch) = self.inner.releases.next() {
-                    let callers = batch.iter().map(|p| &p.runtime);
-                    let Some(runtime) = callers.flatten().next().or(current.as_ref()) else {
-                        continue;
-                    };
-                    let runtime = runtime.clone();
-                    let in_flight = self.in_flight(kind);
-                    runtime.spawn(async move {
-                        in_flight.backend.release_queued(batch).await;
-                        drop(in_flight);
-                    });
-                    return;
-                }
+                self.send_next(kind, &self.inner.releases, |backend, batch| async move {
+                    backend.release_queued(batch).await
+                })
             }
+        }
+    }
+
+    /// [`RedisBackend::hand_off`] for one queue: `send` answers the batch's callers.
+    fn send_next<T, F, Fut>(&self, kind: Kind, queue: &Queue<T>, send: F)
+    where
+        T: Pending,
+        F: FnOnce(RedisBackend, Vec<T>) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let current = Handle::try_current().ok();
+        while let Some(batch) = queue.next() {
+            let callers = batch.iter().map(Pending::runtime);
+            let Some(runtime) = callers.flatten().next().or(current.as_ref()).cloned() else {
+                // Nothing can be sent without a runtime: dropping the batch closes its
+                // callers' channels, which tells them so.
+                continue;
+            };
+            let in_flight = self.in_flight(kind);
+            let batch = send(in_flight.backend.clone(), batch);
+            runtime.spawn(async move {
+                batch.await;
+                drop(in_flight);
+            });
+            return;
         }
     }
 
