@@ -67,11 +67,12 @@ pub async fn redis_server_cost(
 
     // Whole cycles on fresh keys, each subject counted by the commands it sends itself.
     let mut cycle_us = Vec::new();
-    for (subject, sent, name) in [
-        (redis, &["evalsha"][..], "distlock"),
-        (rslock, &["set", "evalsha", "eval"][..], "rslock"),
-        (raw_set_nx, &["set", "del"][..], "raw SET NX PX + DEL"),
+    for (subject, sent) in [
+        (redis, &["evalsha"][..]),
+        (rslock, &["set", "evalsha", "eval"][..]),
+        (raw_set_nx, &["set", "del"][..]),
     ] {
+        let name = subject.id().slug();
         let keys = (0..calls)
             .map(|i| BenchKey::new(format!("bench:redis:cycle-cost:{name}:{i}")))
             .collect::<Result<Vec<_>, _>>()?;
@@ -80,7 +81,7 @@ pub async fn redis_server_cost(
             subject.cycle(key).await?;
         }
         let info = servers.redis_command(&["INFO", "commandstats"]).await?;
-        cycle_us.push((name.to_owned(), usec_of(&info, sent) / calls as f64));
+        cycle_us.push((subject.id(), usec_of(&info, sent) / calls as f64));
     }
 
     Ok(RedisServerCost {

@@ -357,12 +357,12 @@ impl Report {
                 let rslock = cost
                     .cycle_us
                     .iter()
-                    .find(|(name, _)| name == "rslock")
+                    .find(|(subject, _)| *subject == SubjectId::Rslock)
                     .map(|(_, us)| *us);
-                for (name, us) in &cost.cycle_us {
+                for (subject, us) in &cost.cycle_us {
                     let ratio =
                         rslock.map_or_else(|| "—".to_owned(), |r| format!("{:.2}×", us / r));
-                    let _ = writeln!(md, "| {name} | {us:.2} | {ratio} |");
+                    let _ = writeln!(md, "| {} | {us:.2} | {ratio} |", subject.slug());
                 }
             }
             if !cost.loaded.is_empty() {

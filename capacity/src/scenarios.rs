@@ -315,7 +315,7 @@ pub struct RedisServerCost {
     /// Server µs per acquire + release cycle on fresh keys (every command the cycle sent,
     /// summed over `INFO commandstats`), for each subject measured: distlock, `rslock`,
     /// the raw `SET NX PX` + `DEL`.
-    pub cycle_us: Vec<(String, f64)>,
+    pub cycle_us: Vec<(SubjectId, f64)>,
     /// The server's CPU per cycle while many tasks run cycles at once (where distlock
     /// coalesces), for distlock and `rslock`, alternating.
     pub loaded: Vec<LoadedCycleCost>,
@@ -326,13 +326,15 @@ pub struct RedisServerCost {
 impl RedisServerCost {
     /// distlock's server µs per sequential cycle on fresh keys over `rslock`'s.
     pub fn sequential_ratio(&self) -> Option<f64> {
-        let of = |name: &str| {
+        let of = |subject: SubjectId| {
             self.cycle_us
                 .iter()
-                .find(|(n, _)| n == name)
+                .find(|(s, _)| *s == subject)
                 .map(|(_, us)| *us)
         };
-        of("distlock").zip(of("rslock")).map(|(d, r)| d / r)
+        of(SubjectId::Redis)
+            .zip(of(SubjectId::Rslock))
+            .map(|(d, r)| d / r)
     }
 
     /// distlock's median server CPU per cycle under load over `rslock`'s.
