@@ -20,6 +20,7 @@ use distlock_core::{
     BackendId, Capabilities, DriverFailure, FailureKind, Fence, FencingToken, Lease, LockBackend,
     LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
+use futures::FutureExt;
 use redis::{RedisError, Script, Value};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
@@ -162,17 +163,32 @@ impl RedisBackend {
 
     /// Waits for a reply at most the response timeout. No reply in time means the request
     /// may have run: `OutcomeUnknown` for an operation that changes state.
-    async fn timed<T>(
+    ///
+    /// Not an `async fn`, nor an `async` block: either would keep `request` twice in its
+    /// state (as it came and inside the timeout), doubling the size of every call's future.
+    fn timed<T>(
         &self,
         operation: &'static str,
         changes_state: bool,
         request: impl Future<Output = Result<T, RedisError>>,
+    ) -> impl Future<Output = Result<T, LockError>> {
+        let response_timeout = self.inner.response_timeout;
+        tokio::time::timeout(response_timeout, request)
+            .map(move |reply| Self::judged(reply, operation, changes_state, response_timeout))
+    }
+
+    /// What [`Self::timed`] makes of a reply, or of none in time.
+    fn judged<T>(
+        reply: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+        operation: &'static str,
+        changes_state: bool,
+        response_timeout: Duration,
     ) -> Result<T, LockError> {
-        match tokio::time::timeout(self.inner.response_timeout, request).await {
+        match reply {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(map_error(operation, changes_state, &e)),
             Err(_) => {
-                let message = format!("no reply within {:?}", self.inner.response_timeout);
+                let message = format!("no reply within {response_timeout:?}");
                 let effect = crate::error::effect(operation, changes_state);
                 Err(DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect))
             }
@@ -274,7 +290,8 @@ impl RedisBackend {
                 match self.inner.conn.invoke::<Option<u64>>(&call).await {
                     Err(e) if !self.inner.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
                         debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
-                        self.inner.conn.invoke::<Option<u64>>(&call).await
+                        // Boxed: a rare path should not double the size of every call.
+                        Box::pin(self.inner.conn.invoke::<Option<u64>>(&call)).await
                     }
                     reply => reply,
                 }
@@ -324,12 +341,9 @@ impl RedisBackend {
         let mut failed = failed;
         loop {
             if let Some(e) = &unsure {
-                match self
-                    .inner
-                    .conn
-                    .invoke::<(i64, u64)>(&self.fence_call(lease))
-                    .await
-                {
+                // Boxed: a rare path should not double the size of every release.
+                let fence_call = self.fence_call(lease);
+                match Box::pin(self.inner.conn.invoke::<(i64, u64)>(&fence_call)).await {
                     // Still held: the release did not run.
                     Ok((1, _)) => unsure = None,
                     // Gone: it ran, or the lease ran out; nobody can say which.

@@ -104,12 +104,15 @@ impl Conn {
     /// Runs one script call.
     pub(crate) async fn invoke<T: FromRedisValue>(&self, call: &Call) -> RedisResult<T> {
         let inv = call.invocation();
+        // The cluster paths are boxed: their futures are several times the size of the
+        // single node's, which every call's future would otherwise carry.
         match self {
             Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
             Conn::Cluster(..) if runs_once(call.script) => {
-                T::from_redis_value(self.invoke_once(call).await?).map_err(RedisError::from)
+                let reply = Box::pin(self.invoke_once(call)).await?;
+                T::from_redis_value(reply).map_err(RedisError::from)
             }
-            Conn::Cluster(c, _) => inv.invoke_async(&mut c.clone()).await,
+            Conn::Cluster(c, _) => Box::pin(inv.invoke_async(&mut c.clone())).await,
         }
     }
 
@@ -191,7 +194,7 @@ impl Conn {
                 self.node_batch(calls, &all, SingleNodeRoutingInfo::Random, false)
                     .await
             }
-            Conn::Cluster(..) => self.cluster_batch(calls, node_timeout).await,
+            Conn::Cluster(..) => Box::pin(self.cluster_batch(calls, node_timeout)).await,
         }
     }
 

@@ -41,10 +41,13 @@ impl RedisBackend {
         calls: &[Call],
     ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
         let node_timeout = self.inner.response_timeout;
-        let request = self.inner.conn.batch(calls, node_timeout);
         if !self.inner.cluster {
+            let request = self.inner.conn.batch(calls, node_timeout);
             return self.timed(operation, true, request).await;
         }
+        // Boxed, as in `Conn`: the cluster's request should not add its size to every
+        // single node's batch.
+        let request = Box::pin(self.inner.conn.batch(calls, node_timeout));
         match tokio::time::timeout(node_timeout * 2, request).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(map_error(operation, true, &e)),
