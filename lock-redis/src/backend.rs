@@ -172,23 +172,38 @@ impl RedisBackend {
         changes_state: bool,
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> impl Future<Output = Result<T, LockError>> {
-        let response_timeout = self.inner.response_timeout;
-        tokio::time::timeout(response_timeout, request)
-            .map(move |reply| Self::judged(reply, operation, changes_state, response_timeout))
+        self.timed_within(
+            self.inner.response_timeout,
+            operation,
+            changes_state,
+            request,
+        )
     }
 
-    /// What [`Self::timed`] makes of a reply, or of none in time.
+    /// [`Self::timed`] with a limit of its own (a cluster's batch waits longer).
+    fn timed_within<T>(
+        &self,
+        limit: Duration,
+        operation: &'static str,
+        changes_state: bool,
+        request: impl Future<Output = Result<T, RedisError>>,
+    ) -> impl Future<Output = Result<T, LockError>> {
+        tokio::time::timeout(limit, request)
+            .map(move |reply| Self::judged(reply, operation, changes_state, limit))
+    }
+
+    /// What [`Self::timed_within`] makes of a reply, or of none within `limit`.
     fn judged<T>(
         reply: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
         operation: &'static str,
         changes_state: bool,
-        response_timeout: Duration,
+        limit: Duration,
     ) -> Result<T, LockError> {
         match reply {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(map_error(operation, changes_state, &e)),
             Err(_) => {
-                let message = format!("no reply within {response_timeout:?}");
+                let message = format!("no reply within {limit:?}");
                 let effect = crate::error::effect(operation, changes_state);
                 Err(DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect))
             }

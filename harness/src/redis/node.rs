@@ -278,13 +278,19 @@ mod tests {
         );
         // WAIT counts the replica's acknowledged offset, which may run a moment ahead of
         // the write being readable there: read until it shows, for a bounded time.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-        let mut seen = text(require(replica.command(&["GET", "replicated"]).await));
-        while seen.is_none() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-            seen = text(require(replica.command(&["GET", "replicated"]).await));
-        }
-        assert_eq!(seen.as_deref(), Some("yes"));
+        let seen = require(
+            crate::wait_until_ready(
+                "the write on the replica",
+                Duration::from_secs(5),
+                Duration::from_millis(10),
+                || async {
+                    let reply = replica.command(&["GET", "replicated"]).await;
+                    text(reply.map_err(|e| e.to_string())?).ok_or_else(|| "not there yet".into())
+                },
+            )
+            .await,
+        );
+        assert_eq!(seen, "yes");
         let readonly = require(replica.command(&["SET", "x", "1"]).await);
         assert!(
             matches!(&readonly, RespValue::Error(e) if e.starts_with("READONLY")),

@@ -10,7 +10,7 @@ use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
 use tokio::time::Instant;
 
-use super::{NAME, RedisBackend, parse_token};
+use super::{RedisBackend, parse_token};
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{is_unreachable, map_error};
 use crate::keys::LockKeys;
@@ -32,7 +32,7 @@ pub(super) enum Counters {
 }
 
 impl RedisBackend {
-    /// Runs a batch under [`Self::timed`]. In a cluster each node's pipeline has the
+    /// Runs a batch under [`Self::timed_within`]. In a cluster each node's pipeline has the
     /// response timeout of its own (a silent node makes only its items unreachable), so
     /// the whole batch gets twice that, room for the redirected calls sent again after.
     async fn timed_batch(
@@ -41,22 +41,13 @@ impl RedisBackend {
         calls: &[Call],
     ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
         let node_timeout = self.inner.response_timeout;
-        if !self.inner.cluster {
-            let request = self.inner.conn.batch(calls, node_timeout);
-            return self.timed(operation, true, request).await;
-        }
-        // Boxed, as in `Conn`: the cluster's request should not add its size to every
-        // single node's batch.
-        let request = Box::pin(self.inner.conn.batch(calls, node_timeout));
-        match tokio::time::timeout(node_timeout * 2, request).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(operation, true, &e)),
-            Err(_) => Err(LockError::outcome_unknown(
-                NAME,
-                operation,
-                format!("no reply within {:?}", node_timeout * 2),
-            )),
-        }
+        let limit = if self.inner.cluster {
+            node_timeout * 2
+        } else {
+            node_timeout
+        };
+        let request = self.inner.conn.batch(calls, node_timeout);
+        self.timed_within(limit, operation, true, request).await
     }
 
     /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`

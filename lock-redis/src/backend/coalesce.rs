@@ -22,7 +22,7 @@ use crate::error::map_error;
 use crate::keys::LockKeys;
 use crate::scripts::RELEASE_MANY_SCRIPT;
 
-/// Calls of one kind waiting for the one in flight to return.
+/// Calls of one kind waiting for one of the [`SENT_AT_ONCE`] in flight to return.
 pub(super) struct Queue<T> {
     state: Mutex<State<T>>,
 }
@@ -162,10 +162,10 @@ impl RedisBackend {
         F: FnOnce(RedisBackend, Vec<T>) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        let current = Handle::try_current().ok();
         while let Some(batch) = queue.next() {
-            let callers = batch.iter().map(Pending::runtime);
-            let Some(runtime) = callers.flatten().next().or(current.as_ref()).cloned() else {
+            // Looked up only for a batch: most calls end with nothing queued behind them.
+            let runtime = batch.iter().find_map(Pending::runtime).cloned();
+            let Some(runtime) = runtime.or_else(|| Handle::try_current().ok()) else {
                 // Nothing can be sent without a runtime: dropping the batch closes its
                 // callers' channels, which tells them so.
                 continue;
