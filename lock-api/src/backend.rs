@@ -84,7 +84,10 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// ([`Capabilities::wakes_waiters`]); `None` otherwise, and callers poll.
     ///
     /// The watch is a hint: it may miss a release (a reconnect, a TTL that ran out) or
-    /// wake for nothing, so a waiter keeps a backoff as its fallback. Watches of one key
+    /// wake for nothing, so a waiter keeps a backoff as its fallback. A store may announce
+    /// only the releases of keys an `acquire` found held while the lease was granted (Redis
+    /// does, so a release nobody waits for costs nothing): a waiter watches, then tries,
+    /// and waits only after a refused attempt, as [`crate::Locker::lock`] does. Watches of one key
     /// share one subscription per backend instance (see [`crate::wake::ReleaseHub`]);
     /// dropping the last one unsubscribes.
     ///

@@ -136,9 +136,13 @@ impl ElectionBuilder {
 /// if jobs.admit("queue:reports", leadership.token()).await?.is_admitted() {
 ///     // enqueue the job in the same transaction as the admission
 /// }
-/// tokio::select! {
-///     () = leadership.lost() => { /* stop triggering at once */ }
-///     () = tokio::time::sleep(Duration::from_millis(10)) => { leadership.resign().await?; }
+/// // Act while leading: once the lease is lost or past its local deadline, the loop is
+/// // dropped before its next step, even right after a pause no timer has noticed yet.
+/// let acting = leadership.status().while_held(async {
+///     tokio::time::sleep(Duration::from_millis(10)).await; // trigger the next run here
+/// });
+/// if acting.await.is_ok() {
+///     leadership.resign().await?;
 /// }
 /// # Ok(()) }
 /// ```
@@ -353,8 +357,11 @@ async fn campaign_until_elected(
 /// [`Leadership::resign`] or a loss.
 ///
 /// Attach [`Leadership::token`] to every side effect (through a
-/// [`crate::FencedResource`]), and stop at once when [`Leadership::lost`] resolves: a lost
-/// lease ends leadership, and another process may already lead with a higher token.
+/// [`crate::FencedResource`]), and run the leader's loop under
+/// [`LeaseStatus::while_held`] (`leadership.status().while_held(..)`), which stops it
+/// before its next step once the lease is lost: another process may already lead with a
+/// higher token. A hand-written `select!` on [`Leadership::lost`] must poll `lost()`
+/// first (`biased`), or a loop woken after a pause may trigger once more.
 ///
 /// Dropping it without `resign().await` releases the lease in a background task: best
 /// effort and late. Resign explicitly on shutdown, so a standby takes over at once.
@@ -404,7 +411,8 @@ impl Leadership {
     }
 
     /// Resolves when the lease is lost: renewal said `Lost`, or its local validity
-    /// deadline passed without a renewal. Leadership has ended then.
+    /// deadline passed without a renewal. Leadership has ended then. It is ready at every
+    /// poll at which [`Leadership::is_leader`] would say false.
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future has no effect on the lease.

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::task::Poll;
 
 use tokio::time::Instant;
 use tracing::debug;
@@ -74,7 +75,10 @@ impl LockGuard {
     }
 
     /// Resolves when the lease is lost: renewal reported `Lost`, or `valid_until` passed
-    /// without a successful renewal.
+    /// without a successful renewal. It agrees with [`LockGuard::is_held`] at every
+    /// instant: each poll checks the clock, so it is ready at the first poll after the
+    /// deadline even when no timer has fired yet (after a pause). To stop a job before
+    /// its next step, run it under [`LeaseStatus::while_held`].
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future has no effect on the lease.
@@ -154,11 +158,50 @@ impl LeaseStatus {
         self.state.valid_until()
     }
 
-    /// Resolves when the lease is no longer held (lost, released, or expired locally).
+    /// Resolves when the lease is no longer held (lost, released, or expired locally):
+    /// ready at every poll at which [`LeaseStatus::is_held`] would say false.
     ///
     /// # Cancel safety
     /// Cancel safe.
     pub async fn lost(&self) {
         self.state.wait_ended().await;
+    }
+
+    /// Runs `work` while the lease is held: `Ok` with its output, or
+    /// `Err(LockError::Lost)` once the lease is lost, released, or past its local
+    /// validity deadline, after which `work` is dropped without being polled again.
+    ///
+    /// Every wake-up checks the lease, by the local monotonic clock, **before** it polls
+    /// `work`: a job that was paused (a stopped process, a runtime whose threads were
+    /// blocked) past its deadline does not take another step when it resumes, even if the
+    /// timer that marks the lease lost has not fired yet. An output that `work` produced
+    /// at a poll made while the lease was held is kept: that step began under a valid
+    /// lease and is done; `Ok` does not prove the lease outlived the step, which is what
+    /// the fencing token is for.
+    ///
+    /// This is how [`crate::Locker::with_lock`] runs its job; use it for a leader's loop
+    /// (`leadership.status().while_held(..)`) or any task that acts under the lease.
+    ///
+    /// The future holds a clone of this status, not a borrow, so
+    /// `guard.status().while_held(..)` can be awaited or spawned as it is.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future drops `work` and has no effect on the lease.
+    pub fn while_held<F: Future>(
+        &self,
+        work: F,
+    ) -> impl Future<Output = Result<F::Output, LockError>> + use<F> {
+        let status = self.clone();
+        async move {
+            let lost = status.lost();
+            tokio::pin!(lost, work);
+            std::future::poll_fn(|cx| {
+                if lost.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Err(LockError::Lost));
+                }
+                work.as_mut().poll(cx).map(Ok)
+            })
+            .await
+        }
     }
 }

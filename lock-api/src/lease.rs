@@ -24,8 +24,9 @@ pub fn valid_until(sent: Instant, ttl: Duration) -> Instant {
     sent + trusted_for(ttl)
 }
 
-/// How long after its send instant a lease granted for `ttl` may be trusted.
-pub(crate) fn trusted_for(ttl: Duration) -> Duration {
+/// How long after its send instant a lease granted for `ttl` may be trusted; zero for a
+/// TTL too short to be trusted at all, which [`Capabilities::check_ttl`] refuses.
+pub fn trusted_for(ttl: Duration) -> Duration {
     ttl.mul_f64(1.0 - DRIFT_FACTOR)
         .saturating_sub(VALIDITY_MARGIN)
 }
@@ -196,7 +197,9 @@ pub enum Fence {
 pub struct LockInfo {
     /// The current holder, if any.
     pub owner: Option<OwnerId>,
-    /// The newest token issued for the key, if any was.
+    /// The newest token issued for the key, if the store knows it: a held key's is its
+    /// holder's; for a free key a store may keep it (a counter) or not (Redis keeps nothing
+    /// after a release, its next token being its clock).
     pub token: Option<FencingToken>,
     /// How long the current holder's lease still runs, as the store sees it.
     pub remaining: Option<Duration>,
@@ -280,12 +283,23 @@ impl Capabilities {
         self
     }
 
-    /// Checks that the store can honour `ttl` exactly; never rounds it.
+    /// Checks that the store can honour `ttl` exactly, and that a lease of `ttl` is
+    /// trusted for some time at all ([`trusted_for`] above zero); never rounds it.
     pub fn check_ttl(&self, ttl: Duration) -> Result<(), LockError> {
         if ttl.is_zero() {
             return Err(LockError::invalid_ttl(
                 ttl,
                 "a TTL must be greater than zero",
+            ));
+        }
+        if trusted_for(ttl).is_zero() {
+            return Err(LockError::invalid_ttl(
+                ttl,
+                format!(
+                    "a lease of {ttl:?} would be trusted for no time at all once the clock \
+                     drift allowance ({}%) and the {VALIDITY_MARGIN:?} margin are taken off",
+                    DRIFT_FACTOR * 100.0
+                ),
             ));
         }
         if ttl < self.min_ttl {
@@ -341,6 +355,24 @@ mod tests {
                 "{bad:?} should be refused"
             );
         }
+    }
+
+    #[test]
+    fn a_ttl_trusted_for_no_time_is_refused_whatever_the_store_allows() {
+        let c = Capabilities::new(
+            Duration::from_millis(1),
+            Duration::from_millis(1),
+            Duration::from_secs(60),
+        );
+        for bad in [Duration::from_millis(1), Duration::from_millis(2)] {
+            let refused = c.check_ttl(bad);
+            assert!(
+                matches!(&refused, Err(LockError::InvalidTtl { ttl, reason }) if *ttl == bad && reason.contains("trusted for no time")),
+                "{bad:?}: {refused:?}"
+            );
+        }
+        assert!(c.check_ttl(Duration::from_millis(3)).is_ok());
+        assert!(!trusted_for(Duration::from_millis(3)).is_zero());
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub use key::{FencingToken, LockKey, MAX_KEY_BYTES, OwnerId};
 pub use layer::{BackendLayer, Layered};
 pub use lease::{
     BackendId, Capabilities, DRIFT_FACTOR, Fence, Lease, LockInfo, Release, Renewal,
-    VALIDITY_MARGIN, valid_until,
+    VALIDITY_MARGIN, trusted_for, valid_until,
 };
 pub use locker::{Locker, LockerBuilder, RetryPolicy};
 pub use redact::{redact_url, url_userinfo_is_ambiguous};

@@ -277,14 +277,19 @@ impl Locker {
     /// Waits for the lock, runs the job, and releases the lock.
     ///
     /// `job` receives the guard to read its token and status (clone
-    /// [`LockGuard::status`] into the future to check `is_held` inside it). If the lease is
-    /// lost while the job runs, the job's future is dropped at its next await point and
-    /// `Err(LockError::Lost)` is returned.
+    /// [`LockGuard::status`] into the future to check `is_held` inside it). The job runs
+    /// under [`LeaseStatus::while_held`](crate::LeaseStatus::while_held): once the lease is
+    /// lost, or past its local validity deadline by this process's monotonic clock, the
+    /// job's future is dropped without being polled again and `Err(LockError::Lost)` is
+    /// returned.
     ///
-    /// A finished job wins: when the job completes in the same poll in which the loss is
-    /// seen, its value is returned, because the work is done and running it again would
-    /// only repeat it. `Ok` therefore does not prove the lease was held to the end; the
-    /// job's writes are guarded by the fencing token, not by this result.
+    /// At the boundary: every wake-up checks the lease **before** it polls the job, so a
+    /// job paused past its TTL (a stopped process, blocked runtime threads) never takes
+    /// another step when it resumes, even before any timer or the watchdog has run. A job
+    /// that completes at a poll made while the lease was still valid returns its value:
+    /// that last step began under the lease and is done, and running it again would only
+    /// repeat it. `Ok` therefore does not prove the lease was held to the end of the last
+    /// step; the job's writes are guarded by the fencing token, not by this result.
     ///
     /// Neither outcome waits on an unreachable store: after a loss the release runs in the
     /// background, and after success it waits at most until the lease's `valid_until`.
@@ -298,17 +303,14 @@ impl Locker {
     {
         let guard = self.lock(key).await?;
         let work = job(&guard);
-        let outcome = tokio::select! {
-            // The job first, so a result that is ready is never thrown away.
-            biased;
-            value = work => Some(value),
-            () = guard.lost() => None,
-        };
-        let Some(value) = outcome else {
-            // The store may be unreachable: release in the background (on drop) instead
-            // of making the caller wait for it.
-            drop(guard);
-            return Err(LockError::Lost);
+        let value = match guard.status().while_held(work).await {
+            Ok(value) => value,
+            Err(lost) => {
+                // The store may be unreachable: release in the background (on drop)
+                // instead of making the caller wait for it.
+                drop(guard);
+                return Err(lost);
+            }
         };
         // Waiting past the lease's validity gains nothing: it frees itself by then.
         let deadline = guard.valid_until();

@@ -82,12 +82,13 @@ impl Default for MemoryBackend {
 }
 
 impl MemoryBackend {
-    /// A backend with TTLs from 1 ms to 1 day, in whole milliseconds.
+    /// A backend with TTLs from 3 ms (the shortest a lease is trusted for at all) to 1
+    /// day, in whole milliseconds.
     pub fn new() -> Self {
         Self::with_capabilities(
             Capabilities::new(
                 Duration::from_millis(1),
-                Duration::from_millis(1),
+                Duration::from_millis(3),
                 Duration::from_secs(24 * 3600),
             )
             .inspect(true)

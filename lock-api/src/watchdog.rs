@@ -17,6 +17,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
+use std::task::Poll;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -60,15 +61,36 @@ impl LeaseState {
     }
 
     /// True while the lease is neither lost nor released and its deadline has not passed.
+    ///
+    /// A lease found past its deadline is marked lost here, under the deadline's lock, so
+    /// a renewal reply applied after this call cannot bring it back: once this says
+    /// false it says false for good, and every `wait_ended` future is woken.
     pub(crate) fn is_held(&self) -> bool {
-        self.state.load(Ordering::Acquire) == HELD_STATE && Instant::now() < self.valid_until()
+        if self.state.load(Ordering::Acquire) != HELD_STATE {
+            return false;
+        }
+        let valid_until = self.valid_until.lock();
+        if Instant::now() < *valid_until {
+            return true;
+        }
+        self.mark_lost();
+        drop(valid_until);
+        false
     }
 
-    fn extend(&self, until: Instant) {
+    /// Moves the deadline to `until` if the lease is still held by the local clock; a
+    /// lease already past its deadline (or ended) stays as it is and `false` is returned,
+    /// for the caller to give it up. Checked and applied under the deadline's lock, so it
+    /// never races [`LeaseState::is_held`]'s verdict.
+    fn extend(&self, until: Instant) -> bool {
         let mut valid_until = self.valid_until.lock();
+        if self.state.load(Ordering::Acquire) != HELD_STATE || Instant::now() >= *valid_until {
+            return false;
+        }
         if until > *valid_until {
             *valid_until = until;
         }
+        true
     }
 
     /// Marks the lease lost (once) and wakes every waiter.
@@ -97,19 +119,34 @@ impl LeaseState {
     }
 
     /// Resolves once the lease is no longer held: lost, released, or past `valid_until`.
+    ///
+    /// Every poll asks [`LeaseState::is_held`] first, so the future is ready at the first
+    /// poll after the deadline passes, whether or not its timer or the watchdog has run:
+    /// after a pause (a stopped process, a blocked runtime) the timer that would wake it
+    /// may not have fired yet when the task is polled again.
     pub(crate) async fn wait_ended(&self) {
+        let woken = self.wait_woken();
+        tokio::pin!(woken);
+        std::future::poll_fn(|cx| {
+            if !self.is_held() {
+                return Poll::Ready(());
+            }
+            woken.as_mut().poll(cx)
+        })
+        .await;
+    }
+
+    /// Ends when a change is announced or the deadline's timer fires after the lease has
+    /// ended; `wait_ended` checks the clock around it.
+    async fn wait_woken(&self) {
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if self.state.load(Ordering::Acquire) != HELD_STATE {
+            if !self.is_held() {
                 return;
             }
             let deadline = self.valid_until();
-            if Instant::now() >= deadline {
-                self.mark_lost();
-                return;
-            }
             tokio::select! {
                 () = changed => {}
                 () = sleep_until(deadline) => {}
@@ -415,11 +452,17 @@ impl Watchdog {
             Ok(Ok(renewals)) if renewals.len() == members.len() => {
                 for (member, renewal) in members.into_iter().zip(renewals) {
                     match renewal {
-                        _ if now >= member.state.valid_until() => self.lose(&member),
+                        // A reply read after the lease's own deadline (the watchdog was
+                        // slow, the process paused) loses it whatever it says: its guard
+                        // may already have reported it not held. `extend` decides that
+                        // under the deadline's lock, so no `is_held` falls between.
                         Renewal::Renewed { valid_until } => {
-                            member.state.extend(valid_until);
-                            let due = sent + self.interval(member.lease.ttl());
-                            self.registry.lock().schedule(member.id, due);
+                            if member.state.extend(valid_until) {
+                                let due = sent + self.interval(member.lease.ttl());
+                                self.registry.lock().schedule(member.id, due);
+                            } else {
+                                self.lose(&member);
+                            }
                         }
                         Renewal::Lost => self.lose(&member),
                         Renewal::Unreachable => self.retry_later(&member, now),

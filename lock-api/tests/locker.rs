@@ -388,32 +388,30 @@ async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn with_lock_keeps_a_result_that_is_ready_when_the_lease_is_lost() {
+async fn with_lock_keeps_a_result_ready_before_the_deadline_and_polls_nothing_at_it() {
     let backend = Arc::new(MemoryBackend::new());
     let locker = locker(backend.clone());
-    let deadline = Arc::new(parking_lot::Mutex::new(None));
-    let job = {
+    // No renewal gets through: each lease runs out at its first deadline.
+    let job = |finish_before: Duration| {
         let backend = backend.clone();
-        let deadline = deadline.clone();
         move |guard: &distlock_core::LockGuard| {
-            // No renewal gets through: the lease runs out at its first deadline, the
-            // very instant the job finishes.
             backend.faults().partition();
             let until = guard.valid_until();
-            *deadline.lock() = Some(until);
             async move {
-                sleep_until(until).await;
+                sleep_until(until - finish_before).await;
                 42
             }
         }
     };
-    let result = locker.with_lock(&key("job"), job).await;
-    assert_eq!(
-        Some(Instant::now()),
-        *deadline.lock(),
-        "not the same instant"
-    );
-    assert_eq!(result.unwrap(), 42, "the finished job's result was dropped");
+    // A step that ends while the lease is valid is kept, however near the deadline.
+    let kept = locker
+        .with_lock(&key("job"), job(Duration::from_millis(1)))
+        .await;
+    assert_eq!(kept.unwrap(), 42, "the finished job's result was dropped");
+    backend.faults().heal();
+    // A job woken at its lease's deadline is not polled again.
+    let late = locker.with_lock(&key("job"), job(Duration::ZERO)).await;
+    assert!(matches!(late, Err(LockError::Lost)), "{late:?}");
     backend.faults().heal();
 }
 
@@ -576,6 +574,66 @@ fn a_ttl_too_short_to_renew_is_invalid() {
         "{built:?}"
     );
     assert!(with_ttl(Duration::from_millis(10)).is_ok());
+}
+
+#[tokio::test]
+async fn a_direct_acquire_with_a_ttl_trusted_for_no_time_is_refused() {
+    let backend = MemoryBackend::new();
+    for tiny in [Duration::from_millis(1), Duration::from_millis(2)] {
+        let granted = backend.acquire(&key("job"), tiny).await;
+        assert!(
+            matches!(&granted, Err(LockError::InvalidTtl { ttl, .. }) if *ttl == tiny),
+            "{tiny:?}: {granted:?}"
+        );
+    }
+    let granted = backend.acquire(&key("job"), Duration::from_millis(3)).await;
+    assert!(matches!(granted, Ok(Some(_))), "{granted:?}");
+}
+
+/// Holds every renewal's reply for `delay` once armed.
+#[derive(Debug, Default)]
+struct SlowReplies {
+    delay: parking_lot::Mutex<Duration>,
+}
+
+#[async_trait]
+impl BackendLayer for SlowReplies {
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
+        let renewals = next.renew_many(leases).await?;
+        let delay = *self.delay.lock();
+        sleep(delay).await;
+        Ok(renewals)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_renewal_reply_read_after_a_leases_deadline_does_not_bring_it_back() {
+    let slow = Arc::new(SlowReplies::default());
+    let locker = locker(on_memory(slow.clone()));
+    let start = Instant::now();
+    // Two leases close enough to be renewed in one batch, which waits for its reply until
+    // the later one's deadline.
+    let early = locker.try_lock(&key("early")).await.unwrap().unwrap();
+    sleep(Duration::from_millis(200)).await;
+    let late = locker.try_lock(&key("late")).await.unwrap().unwrap();
+    let (early_until, late_until) = (early.valid_until(), late.valid_until());
+    // The first renewal (at TTL / 3) is answered between the two deadlines.
+    let renewal_sent = start + TTL / 3;
+    *slow.delay.lock() = (early_until - renewal_sent) + Duration::from_millis(100);
+    sleep_until(early_until + Duration::from_millis(150)).await;
+    assert!(Instant::now() < late_until);
+    // Nothing looked at `early` before the reply came: only the watchdog decides.
+    assert!(
+        !early.is_held(),
+        "a reply read after the lease's deadline brought it back"
+    );
+    assert!(late.is_held(), "the other lease of the batch is renewed");
+    assert_eq!(locker.held(), 1, "the lost lease is still being renewed");
+    late.release().await.unwrap();
 }
 
 #[test]

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use distlock_core::{
     BackendId, Capabilities, Lease, LockError, LockKey, MAX_KEY_BYTES, Release, Renewal,
+    VALIDITY_MARGIN,
 };
 use tokio::time::{Instant, timeout};
 
@@ -12,10 +13,11 @@ use crate::factory::Factory;
 use crate::history::SEND_INSTANT_SLACK;
 use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
 
-/// TTLs a backend with `caps` must refuse: zero, below the minimum, above the maximum,
-/// and finer than the granularity (`ok` is a TTL it accepts).
+/// TTLs a backend with `caps` must refuse: zero, one a lease would be trusted for no
+/// time at all (the validity margin itself), below the minimum, above the maximum, and
+/// finer than the granularity (`ok` is a TTL it accepts).
 pub(crate) fn bad_ttls(caps: &Capabilities, ok: Duration) -> Vec<Duration> {
-    let mut bad = vec![Duration::ZERO];
+    let mut bad = vec![Duration::ZERO, VALIDITY_MARGIN];
     let grain = caps.ttl_granularity;
     if let Some(below) = caps.min_ttl.checked_sub(grain.max(Duration::from_nanos(1)))
         && !below.is_zero()
