@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-test-deps.sh
 
 missing=()
-for bin in redis-server redis-cli etcd etcdctl protoc; do
+for bin in redis-server redis-cli etcd etcdctl protoc pgbouncer; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
 pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)

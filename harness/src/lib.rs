@@ -48,11 +48,12 @@
 //! * `etcd`: the module `etcd` (single members, 3-member clusters, TLS, auth); building
 //!   `etcd-client` needs `protoc` (Debian package `protobuf-compiler`).
 //!
-//! [`postgres`] and [`proxy`] need no feature.
+//! [`postgres`], [`pgbouncer`] and [`proxy`] need no feature.
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod faults;
+pub mod pgbouncer;
 pub mod postgres;
 mod process;
 pub mod proxy;
@@ -267,6 +268,7 @@ pub fn apt_package_for(binary: &str) -> &'static str {
         "psql" | "pg_isready" => "postgresql-client-15",
         "postgres" | "initdb" | "pg_ctl" => "postgresql-15",
         "protoc" => "protobuf-compiler",
+        "pgbouncer" => "pgbouncer",
         _ => "the package providing it",
     }
 }

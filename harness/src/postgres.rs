@@ -46,7 +46,7 @@ pub fn pg_bin_dir() -> Option<PathBuf> {
 
 /// uid/gid of the `postgres` OS user when running as root (PostgreSQL refuses to run as
 /// root), `None` otherwise.
-fn run_as() -> Result<Option<(u32, u32)>, HarnessError> {
+pub(crate) fn run_as() -> Result<Option<(u32, u32)>, HarnessError> {
     if !nix::unistd::geteuid().is_root() {
         return Ok(None);
     }
@@ -63,7 +63,7 @@ fn run_as() -> Result<Option<(u32, u32)>, HarnessError> {
 }
 
 /// Runs a helper command to completion with a time limit, returning its stdout.
-async fn run(
+pub(crate) async fn run(
     mut cmd: tokio::process::Command,
     command_line: String,
     timeout: Duration,
@@ -97,7 +97,7 @@ async fn run(
 }
 
 /// Removes the single trailing newline psql prints.
-fn trim_output(mut s: String) -> String {
+pub(crate) fn trim_output(mut s: String) -> String {
     while s.ends_with('\n') || s.ends_with('\r') {
         s.pop();
     }
@@ -130,14 +130,7 @@ impl ServerKind for Postgres {
     }
 
     async fn probe(server: &PostgresServer) -> Result<(), String> {
-        if let Err(e) = tokio::net::TcpStream::connect(server.addr()).await {
-            return Err(format!("TCP connect: {e}"));
-        }
-        match server.psql("select 1").await {
-            Ok(out) if out == "1" => Ok(()),
-            Ok(out) => Err(format!("select 1 returned {out:?}")),
-            Err(e) => Err(e.to_string()),
-        }
+        probe_select_one(server.addr(), server.psql("select 1")).await
     }
 }
 
@@ -322,26 +315,50 @@ impl PostgresServer {
         password: &str,
         sql: &str,
     ) -> Result<String, HarnessError> {
-        let mut cmd = tokio::process::Command::new(&self.kind().psql);
-        cmd.args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &self.port().to_string(),
-            "-U",
-            user,
-        ])
+        psql_over_tcp(&self.kind().psql, self.port(), user, password, sql).await
+    }
+}
+
+/// Runs `sql` with `psql` over TCP to 127.0.0.1:`port` as `user` with `password` (SCRAM),
+/// stopping at the first error; returns the unaligned, tuples-only output.
+pub(crate) async fn psql_over_tcp(
+    psql: &Path,
+    port: u16,
+    user: &str,
+    password: &str,
+    sql: &str,
+) -> Result<String, HarnessError> {
+    let mut cmd = tokio::process::Command::new(psql);
+    cmd.args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", user])
         .args(["-d", "postgres", "-X", "-q", "-A", "-t", "-w"])
         .args(["-v", "ON_ERROR_STOP=1", "-c", sql])
         .env("PGPASSWORD", password)
         .env("PGCONNECT_TIMEOUT", "5");
-        run(
-            cmd,
-            format!("psql (tcp, user {user}) -c {sql:?}"),
-            PSQL_TIMEOUT,
-        )
-        .await
-        .map(trim_output)
+    run(
+        cmd,
+        format!("psql (tcp port {port}, user {user}) -c {sql:?}"),
+        PSQL_TIMEOUT,
+    )
+    .await
+    .map(trim_output)
+}
+
+/// The readiness probe of a server that speaks the PostgreSQL protocol on `addr`: a TCP
+/// connect, then `select 1` through `psql`.
+pub(crate) async fn probe_select_one<F>(
+    addr: std::net::SocketAddr,
+    select_one: F,
+) -> Result<(), String>
+where
+    F: Future<Output = Result<String, HarnessError>>,
+{
+    if let Err(e) = tokio::net::TcpStream::connect(addr).await {
+        return Err(format!("TCP connect: {e}"));
+    }
+    match select_one.await {
+        Ok(out) if out == "1" => Ok(()),
+        Ok(out) => Err(format!("select 1 returned {out:?}")),
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -8,8 +8,10 @@ mod builder;
 mod cluster;
 mod node;
 mod resp;
+mod user;
 
-pub use builder::{RedisServerBuilder, RedisTls};
+pub use builder::{AppendFsync, RedisServerBuilder, RedisTls};
 pub use cluster::{RedisCluster, key_slot};
 pub use node::{Redis, RedisServer};
 pub use resp::{COMMAND_TIMEOUT, RespValue, resp_command};
+pub use user::RedisUser;

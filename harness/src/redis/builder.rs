@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use super::node::{Redis, RedisServer};
+use super::user::RedisUser;
 use crate::process::Spec;
 use crate::{
     HarnessError, Server, find_binary, free_port, free_port_with_bus, start_on_free_ports, temp_dir,
@@ -31,11 +32,24 @@ impl std::fmt::Debug for RedisTls {
     }
 }
 
+/// When the append-only file is fsynced (`appendfsync`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AppendFsync {
+    /// After every write: nothing acknowledged is lost, even on power loss.
+    #[default]
+    Always,
+    /// Once a second, Redis's default: a `kill -9` loses nothing written, a power loss up
+    /// to a second of writes.
+    EverySec,
+}
+
 /// Options for a [`RedisServer`]; see [`RedisServer::builder`].
 #[derive(Debug, Clone, Default)]
 #[must_use]
 pub struct RedisServerBuilder {
-    appendonly: bool,
+    appendonly: Option<AppendFsync>,
+    snapshots: Vec<(u32, u32)>,
+    users: Vec<RedisUser>,
     password: Option<String>,
     cluster: bool,
     extra_args: Vec<String>,
@@ -48,7 +62,29 @@ impl RedisServerBuilder {
     /// survive [`RedisServer::kill`] + [`RedisServer::restart`]. Without it the server runs
     /// with `--save ""` and loses everything on restart.
     pub fn appendonly(mut self, on: bool) -> Self {
-        self.appendonly = on;
+        self.appendonly = on.then_some(AppendFsync::Always);
+        self
+    }
+
+    /// Turns on the append-only file with the given `appendfsync` policy.
+    pub fn appendfsync(mut self, policy: AppendFsync) -> Self {
+        self.appendonly = Some(policy);
+        self
+    }
+
+    /// RDB snapshots, one `save SECONDS CHANGES` rule each: a background save once
+    /// `changes` keys changed within `seconds`. Without rules the server takes no
+    /// snapshots, unless the append-only file is on, which keeps Redis's default rules.
+    pub fn snapshots(mut self, rules: &[(u32, u32)]) -> Self {
+        self.snapshots = rules.to_vec();
+        self
+    }
+
+    /// Also creates this ACL user, from the command line (`--user`), so it exists again
+    /// after [`RedisServer::restart`]. The default user keeps every right (and the
+    /// [`password`](Self::password), if any): [`RedisServer::command`] goes through it.
+    pub fn user(mut self, user: RedisUser) -> Self {
+        self.users.push(user);
         self
     }
 
@@ -118,11 +154,26 @@ impl RedisServerBuilder {
             "--logfile".into(),
             String::new(),
         ];
-        if self.appendonly {
-            args.extend(["--appendonly", "yes", "--appendfsync", "always"].map(String::from));
-        } else {
+        match self.appendonly {
+            Some(policy) => {
+                let policy = match policy {
+                    AppendFsync::Always => "always",
+                    AppendFsync::EverySec => "everysec",
+                };
+                args.extend(["--appendonly", "yes", "--appendfsync", policy].map(String::from));
+            }
+            None => args.extend(["--appendonly", "no"].map(String::from)),
+        }
+        // The first `save` line replaces Redis's default rules, the next ones add to it.
+        if !self.snapshots.is_empty() {
+            for (seconds, changes) in &self.snapshots {
+                args.extend(["--save".to_string(), format!("{seconds} {changes}")]);
+            }
+        } else if self.appendonly.is_none() {
             args.extend(["--save".to_string(), String::new()]);
-            args.extend(["--appendonly", "no"].map(String::from));
+        }
+        for user in &self.users {
+            args.extend(user.directive());
         }
         match &self.password {
             Some(pw) => args.extend(["--requirepass".to_string(), pw.clone()]),
@@ -198,6 +249,7 @@ impl RedisServerBuilder {
             port,
             tls_port,
             password: self.password,
+            users: self.users,
             replica: self.replica_of.is_some(),
         };
         let server = Server::spawn(spec, kind, dir)?;

@@ -6,21 +6,26 @@ use std::time::Duration;
 
 use super::builder::RedisServerBuilder;
 use super::resp::{COMMAND_TIMEOUT, RespValue, resp_command};
+use super::user::RedisUser;
 use crate::{HarnessError, Server, ServerKind};
 
 /// `scheme://127.0.0.1:PORT/`, with the password percent-encoded as user info when given.
 fn server_url(scheme: &str, port: u16, password: Option<&str>) -> String {
-    let plain = format!("{scheme}://127.0.0.1:{port}/");
-    let Some(password) = password else {
-        return plain;
+    url_with_login(&format!("{scheme}://127.0.0.1:{port}/"), None, password)
+}
+
+/// `plain` (a URL with a host) with `user` and `password`, percent-encoded, as user info.
+pub(crate) fn url_with_login(plain: &str, user: Option<&str>, password: Option<&str>) -> String {
+    let Ok(mut url) = url::Url::parse(plain) else {
+        return plain.to_owned();
     };
-    let Ok(mut url) = url::Url::parse(&plain) else {
-        return plain;
-    };
-    // Cannot fail: the URL has a host, so it takes a password.
-    match url.set_password(Some(password)) {
+    // Neither can fail: the URL has a host, so it takes a user name and a password.
+    let login = url
+        .set_username(user.unwrap_or_default())
+        .and_then(|()| url.set_password(password));
+    match login {
         Ok(()) => url.into(),
-        Err(()) => plain,
+        Err(()) => plain.to_owned(),
     }
 }
 
@@ -32,13 +37,14 @@ fn server_url(scheme: &str, port: u16, password: Option<&str>) -> String {
 /// keeps its identity and slots in `nodes.conf`).
 pub type RedisServer = Server<Redis>;
 
-/// What a `redis-server` adds to [`Server`]: its ports, its password, and whether it is a
-/// replica.
+/// What a `redis-server` adds to [`Server`]: its ports, its password, its ACL users, and
+/// whether it is a replica.
 #[derive(Debug)]
 pub struct Redis {
     pub(super) port: u16,
     pub(super) tls_port: Option<u16>,
     pub(super) password: Option<String>,
+    pub(super) users: Vec<RedisUser>,
     pub(super) replica: bool,
 }
 
@@ -111,6 +117,47 @@ impl RedisServer {
     pub fn tls_url(&self) -> Option<String> {
         let tls_port = self.tls_port()?;
         Some(server_url("rediss", tls_port, self.password()))
+    }
+
+    /// `redis://NAME:PASSWORD@127.0.0.1:PORT/` for the ACL user `name` the server was
+    /// started with ([`RedisServerBuilder::user`]); `None` if it has no such user.
+    pub fn url_as(&self, name: &str) -> Option<String> {
+        Some(self.user(name)?.url(self.addr()))
+    }
+
+    /// The ACL user `name` the server was started with, if any.
+    pub fn user(&self, name: &str) -> Option<&RedisUser> {
+        self.kind().users.iter().find(|u| u.name() == name)
+    }
+
+    /// `ACL LOG`: one `(reason, object)` per refusal since the server started, newest
+    /// first, e.g. `("command", "set")` or `("channel", "distlock:{}")`; empty when no
+    /// user was refused anything.
+    pub async fn acl_refusals(&self) -> Result<Vec<(String, String)>, HarnessError> {
+        let protocol = |detail: String| HarnessError::Protocol {
+            what: format!("ACL LOG on {}", self.what()),
+            detail,
+        };
+        let RespValue::Array(Some(entries)) = self.command(&["ACL", "LOG"]).await? else {
+            return Err(protocol("not an array".into()));
+        };
+        entries
+            .iter()
+            .map(|entry| {
+                let RespValue::Array(Some(fields)) = entry else {
+                    return Err(protocol(format!("an entry is not an array: {entry:?}")));
+                };
+                let fields: Vec<String> = fields.iter().filter_map(RespValue::as_text).collect();
+                let field = |name: &str| {
+                    fields
+                        .iter()
+                        .position(|f| f == name)
+                        .and_then(|i| fields.get(i + 1).cloned())
+                        .ok_or_else(|| protocol(format!("an entry has no {name}: {fields:?}")))
+                };
+                Ok((field("reason")?, field("object")?))
+            })
+            .collect()
     }
 
     /// The password, if the server requires one.
@@ -222,6 +269,92 @@ mod tests {
             text(require(redis.command(&["GET", "durable"]).await)).as_deref(),
             Some("yes")
         );
+    }
+
+    #[tokio::test]
+    async fn snapshots_aof_everysec_and_an_acl_user_survive_kill_and_restart() {
+        let user = RedisUser::new(
+            "worker",
+            "w0rker/pw",
+            ["~jobs:*", "resetchannels", "-@all", "+get", "+set"],
+        )
+        .unwrap();
+        let redis = require(
+            RedisServer::builder()
+                .appendfsync(crate::redis::AppendFsync::EverySec)
+                .snapshots(&[(1, 1), (60, 5)])
+                .user(user)
+                .start()
+                .await,
+        );
+        let config = |name: &'static str| {
+            let redis = &redis;
+            async move {
+                match require(redis.command(&["CONFIG", "GET", name]).await) {
+                    RespValue::Array(Some(items)) => items[1].as_text().unwrap(),
+                    other => panic!("{other:?}"),
+                }
+            }
+        };
+        assert_eq!(config("save").await, "1 1 60 5");
+        assert_eq!(config("appendonly").await, "yes");
+        assert_eq!(config("appendfsync").await, "everysec");
+        let url = redis.url_as("worker").expect("the user exists");
+        assert_eq!(
+            url,
+            format!("redis://worker:w0rker%2Fpw@127.0.0.1:{}/", redis.port())
+        );
+        assert!(redis.url_as("nobody").is_none());
+        let as_worker = |args: &'static [&'static str]| {
+            let addr = redis.addr();
+            let url = url.clone();
+            async move {
+                let client = ::redis::Client::open(url).unwrap();
+                let mut conn = tokio::time::timeout(
+                    COMMAND_TIMEOUT,
+                    client.get_multiplexed_async_connection(),
+                )
+                .await
+                .unwrap_or_else(|_| panic!("{addr} did not answer"))
+                .unwrap();
+                let mut cmd = ::redis::cmd(args[0]);
+                for arg in &args[1..] {
+                    cmd.arg(*arg);
+                }
+                cmd.query_async::<::redis::Value>(&mut conn).await
+            }
+        };
+        assert!(as_worker(&["SET", "jobs:1", "v"]).await.is_ok());
+        let refused = as_worker(&["SET", "other:1", "v"]).await.unwrap_err();
+        assert!(
+            refused.to_string().to_uppercase().contains("NOPERM"),
+            "{refused}"
+        );
+        let refusal = [("key".to_owned(), "other:1".to_owned())];
+        assert_eq!(require(redis.acl_refusals().await), refusal);
+
+        require(redis.kill());
+        require(redis.restart().await);
+        assert_eq!(
+            text(require(redis.command(&["GET", "jobs:1"]).await)).as_deref(),
+            Some("v"),
+            "the AOF kept the write"
+        );
+        assert!(
+            as_worker(&["GET", "jobs:1"]).await.is_ok(),
+            "the user exists again"
+        );
+        assert_eq!(
+            require(redis.acl_refusals().await),
+            [],
+            "the refusal before the restart went with the old process"
+        );
+        let refused = as_worker(&["GET", "other:1"]).await.unwrap_err();
+        assert!(
+            refused.to_string().to_uppercase().contains("NOPERM"),
+            "{refused}"
+        );
+        assert_eq!(require(redis.acl_refusals().await), refusal);
     }
 
     #[tokio::test]
