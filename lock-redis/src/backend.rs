@@ -2,7 +2,7 @@
 //! its single calls and the trait impl. The rest of it lives in the submodules: `connect`
 //! (building one), `batch` (multi-key script calls per hash slot, one pipeline per node),
 //! `coalesce` (single calls that arrive while one is in flight go together as one batch)
-//! and `replicas` (`WAIT` after each acquire).
+//! and `replicas` (`WAIT` after each acquire, over connections of their own).
 
 mod batch;
 mod coalesce;
@@ -31,17 +31,23 @@ use self::coalesce::{Kind, PendingAcquire, PendingRelease, Queue};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
-use crate::keys::LockKeys;
+use crate::keys::{LockKeys, parse_held};
 use crate::releases::ReleaseListener;
 use crate::scripts::{
     ABANDON_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT, RELEASE_SCRIPT,
     RENEW_MANY_SCRIPT, RENEW_SCRIPT,
 };
 
+pub use self::replicas::ACKED_CONNECTIONS;
+
 pub(crate) const NAME: &str = "redis";
 
 /// The first pause before a release that did not run is sent again; it doubles each time.
 const RESEND_PAUSE: Duration = Duration::from_millis(5);
+
+/// How many response timeouts the cleanup after an acquire with an unknown outcome may
+/// take in all (see [`RedisBackend::abandon`]).
+const CLEANUP_TIMEOUTS: u32 = 2;
 
 /// The longest TTL a [`RedisBackend`] accepts, whatever
 /// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
@@ -68,12 +74,13 @@ pub const SENT_AT_ONCE: usize = 4;
 /// In a cluster single calls are sent one by one (calls on different slots could not
 /// share a script anyway).
 ///
-/// Keys: `<prefix>:{<name>}` holds the owner id with the lease's TTL;
-/// `<prefix>:{<name>}:fence` holds the newest token, kept for the fence retention
-/// ([`RedisBackendBuilder::fence_retention`], default 24 h) from when it is made. A token
-/// is the counter plus one, or the server's time in µs when the counter is new, expired or
-/// was lost in a restart or failover, so tokens keep increasing across all of these (as
-/// long as the server clock does not go back).
+/// Keys: `<prefix>:{<name>}` holds `<owner id>:<token>` with the lease's TTL, and
+/// nothing is kept once it is released or expired. A token is the server's clock in µs,
+/// read when the key is granted; a release returns only once the clock is past its token.
+/// So tokens keep increasing across restarts (with or without persistence, from a
+/// snapshot behind the last grants), `FLUSHALL` and failovers, as long as the clock of
+/// the server that grants next does not read earlier than the tokens already granted
+/// (docs/DESIGN.md has the argument).
 ///
 /// Cheap to clone: clones share the connection.
 ///
@@ -99,12 +106,15 @@ struct Inner {
     caps: Capabilities,
     response_timeout: Duration,
     replica_acks: Option<(usize, Duration)>,
-    /// How long a new token counter is kept (at least the lease's TTL).
-    fence_retention: Duration,
+    /// The connections acquires with `WAIT` go over (with `replica_acks` only).
+    acked: Option<Arc<replicas::AckedConns>>,
     id: BackendId,
     /// The URLs with passwords hidden, for `Debug`.
     shown_urls: Vec<String>,
     cluster: bool,
+    /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
+    /// `PUBLISH`.
+    sharded: bool,
     /// Acquires waiting for the one in flight (single node only).
     acquires: Queue<PendingAcquire>,
     /// Releases waiting for the one in flight (single node only).
@@ -119,12 +129,16 @@ struct AbandonOnDrop<'a> {
     backend: &'a RedisBackend,
     attempt: Option<(LockKeys, OwnerId)>,
     ttl: Duration,
+    /// The connection of its own the attempt went over, if any: the cleanup goes over it
+    /// too, so that it runs after the attempt.
+    over: Option<replicas::AckedConn>,
 }
 
 impl Drop for AbandonOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(attempt) = self.attempt.take() {
-            self.backend.abandon(vec![attempt], self.ttl);
+            self.backend
+                .abandon_over(self.over.take(), vec![attempt], self.ttl);
         }
     }
 }
@@ -151,10 +165,10 @@ impl RedisBackend {
         &self.inner.prefix
     }
 
-    /// The two Redis keys of `key`: `(<prefix>:{<name>}, <prefix>:{<name>}:fence)`.
-    pub fn redis_keys(&self, key: &LockKey) -> (String, String) {
-        let k = LockKeys::new(&self.inner.prefix, key);
-        (k.lock, k.fence)
+    /// The Redis key of `key`, `<prefix>:{<name>}`, which holds `<owner id>:<token>`
+    /// while the lock is held; it is also the channel its releases are announced on.
+    pub fn redis_key(&self, key: &LockKey) -> String {
+        LockKeys::new(&self.inner.prefix, key).lock
     }
 
     fn keys(&self, key: &LockKey) -> LockKeys {
@@ -212,28 +226,67 @@ impl RedisBackend {
 
     /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
     /// taken, in the background, checked against their owner ids. Best effort: the keys
-    /// expire on their own anyway.
+    /// expire on their own anyway. Bounded: each try waits at most the response timeout,
+    /// a try whose connection dropped is made again, and the cleanup gives up after
+    /// [`CLEANUP_TIMEOUTS`] response timeouts (or the TTL, if shorter), so a hung server
+    /// does not keep a task per attempt alive for the lease's TTL.
     fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
+        self.abandon_over(None, attempts, ttl);
+    }
+
+    /// [`Self::abandon`] over `over`, the connection the attempts went over, when it is not
+    /// the shared one.
+    fn abandon_over(
+        &self,
+        over: Option<replicas::AckedConn>,
+        attempts: Vec<(LockKeys, OwnerId)>,
+        ttl: Duration,
+    ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let conn = self.inner.conn.clone();
+        let conn = over
+            .as_ref()
+            .map_or_else(|| self.inner.conn.clone(), |c| c.conn().clone());
         let node_timeout = self.inner.response_timeout;
+        let announce = self.announce_arg();
         runtime.spawn(async move {
+            // Kept until the cleanup is done: it is not handed to another call meanwhile.
+            let _over = over;
             let calls: Vec<Call> = attempts
                 .into_iter()
                 .map(|(keys, owner)| Call {
                     script: &ABANDON_SCRIPT,
                     keys: vec![keys.lock],
-                    args: vec![owner.to_string()],
+                    args: [Some(owner.to_string().into()), announce.clone()]
+                        .into_iter()
+                        .flatten()
+                        .collect(),
                 })
                 .collect();
             // Requests on the same connection run in order, so this runs after the
-            // acquire if that ever reached the server.
-            let outcome = tokio::time::timeout(ttl, conn.batch(&calls, node_timeout)).await;
+            // acquire if that ever reached the server. A hung server gets one try: the
+            // cleanup must not outlive its caller by more than a few response timeouts.
+            let give_up = Instant::now() + ttl.min(node_timeout * CLEANUP_TIMEOUTS);
+            let mut pause = RESEND_PAUSE;
+            let done = loop {
+                let left = give_up.saturating_duration_since(Instant::now());
+                let reply =
+                    tokio::time::timeout(left.min(node_timeout), conn.batch(&calls, node_timeout))
+                        .await;
+                match reply {
+                    Ok(Ok(_)) => break true,
+                    // A connection that dropped: the one made again may serve the next try.
+                    Ok(Err(e)) if is_resendable(&e) && Instant::now() + pause < give_up => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                    }
+                    _ => break false,
+                }
+            };
             tracing::debug!(
                 keys = calls.len(),
-                done = matches!(outcome, Ok(Ok(_))),
+                done,
                 "cleanup after an acquire with an unknown outcome"
             );
         });
@@ -242,26 +295,18 @@ impl RedisBackend {
     fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
         Call {
             script: &ACQUIRE_SCRIPT,
-            keys: vec![keys.lock.clone(), keys.fence.clone()],
-            args: vec![
-                owner.to_string(),
-                ttl.as_millis().to_string(),
-                self.retention_ms(ttl),
-            ],
+            keys: vec![keys.lock.clone()],
+            args: vec![owner.to_string().into(), ttl.as_millis().to_string().into()],
         }
     }
 
-    /// How long a new token counter is kept, in milliseconds: the configured retention,
-    /// never shorter than the lease it is made for.
-    fn retention_ms(&self, ttl: Duration) -> String {
-        self.inner.fence_retention.max(ttl).as_millis().to_string()
-    }
-
-    /// A release or renew call: the lock key and the owner id (with the TTL for a renew).
-    fn owner_call(&self, script: &'static redis::Script, lease: &Lease, ttl: bool) -> Call {
-        let mut args = vec![lease.owner().to_string()];
-        if ttl {
-            args.push(lease.ttl().as_millis().to_string());
+    /// A renew, release or fence call: the lock key, the value the lease holds it with,
+    /// and `extra` (the TTL of a renew, the token of the others; see [`Extra::Release`]).
+    fn lease_call(&self, script: &'static redis::Script, lease: &Lease, extra: Extra) -> Call {
+        let (value, token_or_ttl) = lease_args(lease, extra);
+        let mut args = vec![value.into(), token_or_ttl.into()];
+        if let Extra::Release = extra {
+            args.extend(self.announce_arg());
         }
         Call {
             script,
@@ -270,14 +315,10 @@ impl RedisBackend {
         }
     }
 
-    /// A fence call: both keys (the counter names the newest token of a stale lease).
-    fn fence_call(&self, lease: &Lease) -> Call {
-        let keys = self.keys(lease.key());
-        Call {
-            script: &FENCE_SCRIPT,
-            keys: vec![keys.lock, keys.fence],
-            args: vec![lease.owner().to_string(), lease.token().get().to_string()],
-        }
+    /// The last argument of the release and abandon scripts: `S` makes them announce with
+    /// `SPUBLISH`, on the key's shard only; without it they `PUBLISH`.
+    pub(super) fn announce_arg(&self) -> Option<Vec<u8>> {
+        self.inner.sharded.then(|| b"S".to_vec())
     }
 
     /// One acquire sent directly, with the single-key script.
@@ -294,6 +335,7 @@ impl RedisBackend {
             backend: self,
             attempt: Some((keys, owner)),
             ttl,
+            over: None,
         };
         // A single node's connection that dropped is sent the same call once more, on the
         // connection it makes again: the script answers a resent attempt with the token it
@@ -348,7 +390,7 @@ impl RedisBackend {
         lease: &Lease,
         failed: Option<RedisError>,
     ) -> redis::RedisResult<i64> {
-        let call = self.owner_call(&RELEASE_SCRIPT, lease, false);
+        let call = self.lease_call(&RELEASE_SCRIPT, lease, Extra::Release);
         let give_up = Instant::now() + self.inner.response_timeout / 2;
         let mut pause = RESEND_PAUSE;
         // The error of the last send when it may have run: ask before sending again.
@@ -357,7 +399,7 @@ impl RedisBackend {
         loop {
             if let Some(e) = &unsure {
                 // Boxed: a rare path should not double the size of every release.
-                let fence_call = self.fence_call(lease);
+                let fence_call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
                 match Box::pin(self.inner.conn.invoke::<(i64, u64)>(&fence_call)).await {
                     // Still held: the release did not run.
                     Ok((1, _)) => unsure = None,
@@ -402,14 +444,17 @@ impl RedisBackend {
                 &self.inner.prefix,
                 resource,
             )],
-            args: vec![token.to_string()],
+            args: vec![token.to_string().into()],
         };
         self.timed(operation, true, self.inner.conn.invoke(&call))
             .await
     }
 
     /// Runs `script` on `keys` (all of one hash slot) with `args` sent as bytes, so a
-    /// caller's value reaches the script unchanged.
+    /// caller's value reaches the script unchanged. A script that [runs once] is never
+    /// sent again after a connection error.
+    ///
+    /// [runs once]: crate::scripts::runs_once
     pub(crate) async fn run_script_on<T: redis::FromRedisValue>(
         &self,
         operation: &'static str,
@@ -417,20 +462,13 @@ impl RedisBackend {
         keys: &[String],
         args: &[&[u8]],
     ) -> Result<T, LockError> {
-        let mut invocation = script.prepare_invoke();
-        for key in keys {
-            invocation.key(key);
-        }
-        for arg in args {
-            invocation.arg(*arg);
-        }
-        let request = async {
-            match &self.inner.conn {
-                Conn::Single(c) => invocation.invoke_async(&mut c.clone()).await,
-                Conn::Cluster(c, _) => invocation.invoke_async(&mut c.clone()).await,
-            }
+        let call = Call {
+            script,
+            keys: keys.to_vec(),
+            args: args.iter().map(|a| a.to_vec()).collect(),
         };
-        self.timed(operation, true, request).await
+        self.timed(operation, true, self.inner.conn.invoke(&call))
+            .await
     }
 
     /// Runs a command that only reads (routed by its first key in a cluster).
@@ -504,7 +542,7 @@ impl LockBackend for RedisBackend {
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
         lease.check_backend(self.inner.id, NAME)?;
-        let call = self.owner_call(&RENEW_SCRIPT, lease, true);
+        let call = self.lease_call(&RENEW_SCRIPT, lease, Extra::Ttl);
         let sent = Instant::now();
         let renewed: i64 = self
             .timed("renew", true, self.inner.conn.invoke(&call))
@@ -538,7 +576,7 @@ impl LockBackend for RedisBackend {
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         lease.check_backend(self.inner.id, NAME)?;
-        let call = self.fence_call(lease);
+        let call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
         let (current, newest): (i64, u64) = self
             .timed("fence", false, self.inner.conn.invoke(&call))
             .await?;
@@ -551,12 +589,15 @@ impl LockBackend for RedisBackend {
         })
     }
 
+    /// The holder, its token and what is left of its TTL, from the lock key. A free key
+    /// has no token: nothing is kept after a release or an expiry (the next grant's
+    /// token is the server clock then, above every earlier one).
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         let keys = self.keys(key);
         let mut pipe = redis::pipe();
-        pipe.get(&keys.lock).pttl(&keys.lock).get(&keys.fence);
+        pipe.get(&keys.lock).pttl(&keys.lock);
         let conn = self.inner.conn.clone();
-        let (owner, pttl, token): (Option<String>, i64, Option<u64>) = self
+        let (held, pttl): (Option<String>, i64) = self
             .timed("inspect", false, async move {
                 match conn {
                     Conn::Single(mut c) => pipe.query_async(&mut c).await,
@@ -564,9 +605,10 @@ impl LockBackend for RedisBackend {
                 }
             })
             .await?;
+        let (owner, token) = held.as_deref().and_then(parse_held).unzip();
         Ok(LockInfo {
-            owner: owner.as_deref().and_then(|o| OwnerId::parse(o).ok()),
-            token: token.map(FencingToken),
+            owner,
+            token,
             remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
         })
     }
@@ -601,12 +643,12 @@ impl LockBackend for RedisBackend {
         ))
     }
 
-    /// Deletes the lock key and the fence key (the token counter) with one `DEL`: the two
-    /// keys share a hash slot, so this is one command on one node, also in a cluster.
+    /// Deletes the lock key with one `DEL`, whoever holds it. The next grant's token is
+    /// still above the purged one: a `DEL` and a new grant take longer than a microsecond.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
         let keys = self.keys(key);
         let mut del = redis::cmd("DEL");
-        del.arg(&keys.lock).arg(&keys.fence);
+        del.arg(&keys.lock);
         let _deleted: i64 = self
             .timed("purge", true, self.inner.conn.command(&del))
             .await?;
@@ -642,7 +684,7 @@ impl LockBackend for RedisBackend {
         let sent = Instant::now();
         let all: Vec<&Lease> = leases.iter().collect();
         let replies = self
-            .send_lease_batch("renew_many", &RENEW_MANY_SCRIPT, &all, true)
+            .send_lease_batch("renew_many", &RENEW_MANY_SCRIPT, &all, Extra::Ttl)
             .await?;
         Ok(self
             .lease_outcomes("renew_many", replies)?
@@ -668,31 +710,41 @@ impl LockBackend for RedisBackend {
         }
         let all: Vec<&Lease> = leases.iter().collect();
         let mut replies = self
-            .send_lease_batch("release_many", &RELEASE_MANY_SCRIPT, &all, false)
+            .send_lease_batch("release_many", &RELEASE_MANY_SCRIPT, &all, Extra::Release)
             .await?;
         if self.inner.cluster {
             // Items a node refused for now, or whose connection dropped, are settled one by
             // one, as a single release is: a restarted or failed-over node's connection is
             // often not ready for the batch that finds it gone.
-            let settle = replies.iter_mut().zip(leases).filter_map(|(reply, lease)| {
-                let failed = match reply {
-                    Err(e) if is_resendable(e) => e.clone(),
-                    _ => return None,
-                };
-                Some(async move {
-                    *reply = self
-                        .release_until_settled(lease, Some(failed))
-                        .await
-                        .map(Value::Int);
-                })
-            });
-            futures::future::join_all(settle).await;
+            self.settle_releases(&mut replies, &all).await;
         }
         Ok(self
             .lease_outcomes("release_many", replies)?
             .into_iter()
             .map(|outcome| outcome.map_or(Release::Unreachable, release))
             .collect())
+    }
+}
+
+/// What a lease call sends after the value the lease holds its key with.
+#[derive(Clone, Copy)]
+pub(super) enum Extra {
+    /// The lease's TTL in milliseconds (renewals).
+    Ttl,
+    /// The lease's token (fence checks).
+    Token,
+    /// The lease's token, whose reply waits for the clock to pass it, and after the
+    /// leases the announcing command ([`RedisBackend::announce_arg`]): releases.
+    Release,
+}
+
+/// `<owner id>:<token>`, what the lock key holds while `lease` holds it, and `extra`.
+pub(super) fn lease_args(lease: &Lease, extra: Extra) -> (String, String) {
+    let token = lease.token().get().to_string();
+    let value = format!("{}:{token}", lease.owner());
+    match extra {
+        Extra::Ttl => (value, lease.ttl().as_millis().to_string()),
+        Extra::Token | Extra::Release => (value, token),
     }
 }
 

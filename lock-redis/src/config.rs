@@ -4,15 +4,17 @@
 use std::fmt;
 use std::time::Duration;
 
-use distlock_core::LockError;
 pub(crate) use distlock_core::redact_url;
+use distlock_core::{LockError, trusted_for};
 
 use crate::RedisBackend;
 
 /// The key prefix used when none is set.
 pub const DEFAULT_PREFIX: &str = "distlock";
-/// The shortest TTL accepted by default: Redis keeps expiries in whole milliseconds.
-pub const DEFAULT_MIN_TTL: Duration = Duration::from_millis(1);
+/// The shortest TTL accepted by default: Redis keeps expiries in whole milliseconds, and
+/// 3 ms is the shortest whole number of them a lease is trusted for at all
+/// ([`distlock_core::trusted_for`]).
+pub const DEFAULT_MIN_TTL: Duration = Duration::from_millis(3);
 /// The longest TTL accepted by default (one week): a longer lease is almost always a bug,
 /// since a crashed holder keeps the key for the whole TTL.
 pub const DEFAULT_MAX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -20,9 +22,6 @@ pub const DEFAULT_MAX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long establishing a connection may take by default.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long a key's token counter is kept after it is made (see
-/// [`RedisBackendBuilder::fence_retention`]).
-pub const DEFAULT_FENCE_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// The environment variable [`RedisBackendBuilder::from_env`] reads the URL from.
 pub const REDIS_URL_ENV: &str = "DISTLOCK_REDIS_URL";
 
@@ -65,7 +64,6 @@ pub struct RedisBackendBuilder {
     pub(crate) connect_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
     pub(crate) tls_root_ca: Option<Vec<u8>>,
-    pub(crate) fence_retention: Duration,
 }
 
 impl Default for RedisBackendBuilder {
@@ -80,7 +78,6 @@ impl Default for RedisBackendBuilder {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             replica_acks: None,
             tls_root_ca: None,
-            fence_retention: DEFAULT_FENCE_RETENTION,
         }
     }
 }
@@ -178,7 +175,8 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// The shortest TTL to accept (default 1 ms).
+    /// The shortest TTL to accept (default 3 ms). A minimum a lease would be trusted for
+    /// no time at all ([`distlock_core::trusted_for`]) is refused by `build`.
     pub fn min_ttl(mut self, ttl: Duration) -> Self {
         self.min_ttl = ttl;
         self
@@ -198,17 +196,6 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// How long a key's token counter (`<prefix>:{<name>}:fence`) is kept after it is made
-    /// (default 24 h; never shorter than the TTL of the lease that makes it). Without it,
-    /// Redis would keep one counter per key ever locked: with a lock per job id, one per
-    /// job ever run. When a counter has expired, the next token of its key is the
-    /// server's clock in microseconds, still above every token granted before (see the
-    /// acquire script), so fencing holds across the expiry.
-    pub fn fence_retention(mut self, retention: Duration) -> Self {
-        self.fence_retention = retention;
-        self
-    }
-
     /// How long opening a connection may take (default 2 s).
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
@@ -221,6 +208,11 @@ impl RedisBackendBuilder {
     /// `timeout` must be shorter than the [response timeout](Self::response_timeout),
     /// which the acquire's reply (after `WAIT`) has to meet; otherwise `build` fails with
     /// [`LockError::Config`]. Batches of acquires then run one key at a time.
+    ///
+    /// Redis answers nothing else of a connection blocked in `WAIT`, so acquires with
+    /// `WAIT` go over connections of their own, one acquire at a time each, at most
+    /// [`ACKED_CONNECTIONS`](crate::ACKED_CONNECTIONS): renewals and releases never wait
+    /// behind a `WAIT`, even while a replica is down.
     pub fn replica_acks(mut self, replicas: usize, timeout: Duration) -> Self {
         self.replica_acks = Some((replicas, timeout));
         self
@@ -279,9 +271,10 @@ impl RedisBackendBuilder {
                 self.prefix
             )));
         }
-        if self.min_ttl.is_zero() || self.min_ttl > self.max_ttl {
+        if trusted_for(self.min_ttl).is_zero() || self.min_ttl > self.max_ttl {
             return Err(LockError::Config(format!(
-                "invalid TTL bounds {:?}..={:?}: need 0 < min <= max",
+                "invalid TTL bounds {:?}..={:?}: need min <= max, and a min a lease is \
+                 trusted for at all (3 ms or more)",
                 self.min_ttl, self.max_ttl
             )));
         }
@@ -289,13 +282,6 @@ impl RedisBackendBuilder {
             return Err(LockError::Config(
                 "TTL bounds must be whole milliseconds".into(),
             ));
-        }
-        if self.fence_retention.as_millis() == 0 || self.fence_retention.as_nanos() % 1_000_000 != 0
-        {
-            return Err(LockError::Config(format!(
-                "invalid fence retention {:?}: it must be a positive whole number of milliseconds",
-                self.fence_retention
-            )));
         }
         if self.response_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(LockError::Config(
@@ -335,7 +321,6 @@ impl fmt::Debug for RedisBackendBuilder {
             .field("prefix", &self.prefix)
             .field("min_ttl", &self.min_ttl)
             .field("max_ttl", &self.max_ttl)
-            .field("fence_retention", &self.fence_retention)
             .field("response_timeout", &self.response_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("replica_acks", &self.replica_acks)
@@ -512,6 +497,7 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
             base.clone().key_prefix(""),
             base.clone().key_prefix("a{b"),
             base.clone().min_ttl(Duration::ZERO),
+            base.clone().min_ttl(Duration::from_millis(2)),
             base.clone()
                 .min_ttl(Duration::from_secs(10))
                 .max_ttl(Duration::from_secs(1)),

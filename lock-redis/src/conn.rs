@@ -25,7 +25,8 @@ use redis::{
 pub(crate) struct Call {
     pub(crate) script: &'static Script,
     pub(crate) keys: Vec<String>,
-    pub(crate) args: Vec<String>,
+    /// Sent as they are: a fenced write's value may be any bytes.
+    pub(crate) args: Vec<Vec<u8>>,
 }
 
 impl Call {
@@ -36,7 +37,7 @@ impl Call {
             cmd.arg(k);
         }
         for a in &self.args {
-            cmd.arg(a);
+            cmd.arg(a.as_slice());
         }
         cmd
     }
@@ -47,7 +48,7 @@ impl Call {
             inv.key(k);
         }
         for a in &self.args {
-            inv.arg(a);
+            inv.arg(a.as_slice());
         }
         inv
     }

@@ -6,8 +6,11 @@
 //! * **One round trip per operation.** Acquire, renew, release and fence are one Lua script
 //!   each, run with `EVALSHA` (the script is loaded again when the server answers
 //!   `NOSCRIPT`, for example after a restart or `SCRIPT FLUSH`).
-//! * **Tokens that survive restarts.** Acquire sets the lock with `SET NX PX` and, only on
-//!   success, issues `max(counter + 1, server time in µs)` as the token and stores it.
+//! * **Tokens that never go back.** Acquire sets the lock with `SET NX PX` to
+//!   `<owner id>:<token>`, the token being the server's clock in µs; nothing is kept after
+//!   a release, which returns only once the clock is past the token. Tokens keep
+//!   increasing across restarts (whatever persistence brings back), `FLUSHALL` and
+//!   failovers, as long as the server clock does not go back.
 //! * **Batches.** `acquire_many`, `renew_many` and `release_many` send one pipeline per
 //!   node of multi-key script calls (one per hash slot in a cluster, at most 128 locks
 //!   each), so a watchdog renews thousands of leases in one round trip and a few script
@@ -19,7 +22,8 @@
 //!   of the same kind is in flight wait for it and then go together as one multi-key
 //!   script call (each caller gets its own result; a lone caller sends at once). A script
 //!   call's fixed server cost is then paid once per batch, not once per lock.
-//! * **Cluster.** A lock's two keys share a hash tag, hence a slot; redirects are followed.
+//! * **Cluster.** A lock's key has a hash tag, so batches group keys by slot; redirects
+//!   are followed.
 //!   The cluster client sends a request again after a connection error, so the scripts
 //!   are safe to run twice (an acquire sent again with its owner id returns its token),
 //!   except release, which goes over a second connection that never resends (a second
@@ -29,7 +33,7 @@
 //!   checked against its owner id, whatever it may have taken.
 //!
 //! * **Tools.** `adopt` rebuilds a lease from an owner id and token (the scripts check
-//!   both, so a wrong pair changes nothing); `purge` deletes a lock's two keys with one `DEL`.
+//!   both, so a wrong pair changes nothing); `purge` deletes a lock's key with one `DEL`.
 //!
 //! [`RedisFencedResource`] gates downstream writes on tokens with one script.
 //!
@@ -62,9 +66,9 @@ mod scripts;
 mod tls;
 mod version;
 
-pub use backend::{LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
+pub use backend::{ACKED_CONNECTIONS, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_FENCE_RETENTION, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL,
-    DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
+    DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
 };
 pub use fenced::RedisFencedResource;

@@ -7,9 +7,14 @@
 //! separate namespaces) when they delete a lock. The listener `SUBSCRIBE`s to the keys
 //! waiters in this process watch, and only those: a process hears the releases it waits
 //! for, not every release of the deployment, and a release nobody waits for costs the
-//! server one lookup. On a Redis Cluster a `PUBLISH` reaches every node, so the listener
-//! may subscribe on any of them. Expiries are not announced (that would take keyspace
+//! server one lookup. Expiries are not announced (that would take keyspace
 //! notifications, a server setting); waiters find an expired key by their backoff.
+//!
+//! On a Redis Cluster of 7.0 or newer the scripts `SPUBLISH` instead, which stays on the
+//! shard that owns the key (a `PUBLISH` goes to every node over the cluster bus), and the
+//! listener `SSUBSCRIBE`s to each key on its shard through one cluster connection
+//! ([`Servers::Shards`]), which subscribes again by itself after a reconnect or a slot
+//! move. An older cluster `PUBLISH`es, and the listener subscribes on any one node.
 //!
 //! # Subscriptions follow the hub
 //!
@@ -18,26 +23,44 @@
 //! other (the last waiter of a key leaving while a new one arrives) end in the right
 //! state.
 //!
+//! # Users without channel rights
+//!
+//! The scripts announce with `redis.pcall`, so a `PUBLISH` the server refuses (an ACL
+//! user without rights on the channel, Redis 7's default for new users) never fails or
+//! undoes a release. [`announcements_refused`] finds such a user when the backend is
+//! built: the backend then runs without a listener and says so in its capabilities, and
+//! waiters poll. A `SUBSCRIBE` (or `SSUBSCRIBE`) refused later ends the listener for good
+//! (with a warning) instead of connecting again every few seconds.
+//!
 //! # Reconnects and lifetime
 //!
 //! When the connection drops, the listener connects again (to the next node, on a
 //! cluster), subscribes to every watched key, and wakes one waiter of each, since releases
-//! while it was away were not heard. The task holds no reference to the backend: it ends
+//! while it was away were not heard. A cluster connection with shard channels subscribes
+//! again by itself; each confirmation it hears wakes a waiter of that key, for the same
+//! reason. The task holds no reference to the backend: it ends
 //! once the backend's last clone is dropped. A runtime that shuts down drops it; the next
 //! watch, on another runtime, starts it again.
 
 use std::collections::{HashMap, HashSet};
+use std::convert::Infallible;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use distlock_core::LockKey;
 use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
 use futures::StreamExt;
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{ErrorKind, PushInfo, PushKind, RedisError, RedisResult, ServerErrorKind, Value};
 use tokio::runtime::Handle;
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
-use tracing::debug;
+use tracing::{debug, warn};
 
+use crate::conn::Conn;
+use crate::error::KindName;
 use crate::keys::LockKeys;
 
 /// The pause after the first failed attempt to connect; it doubles up to
@@ -58,11 +81,28 @@ struct Shared {
     hub: ReleaseHub,
     /// Nudged when the hub's watched keys change.
     changed: Arc<Notify>,
-    /// The servers to subscribe on, tried in turn.
-    clients: Vec<redis::Client>,
+    servers: Servers,
     prefix: String,
     connect_timeout: Duration,
 }
+
+/// Where the listener subscribes.
+pub(crate) enum Servers {
+    /// Nowhere: this user may not announce releases, so waiters poll.
+    Off,
+    /// `SUBSCRIBE` on one of these (one node, or any node of a cluster older than 7.0),
+    /// tried in turn.
+    Nodes(Vec<redis::Client>),
+    /// `SSUBSCRIBE`, each key on its shard, through a cluster connection of a client this
+    /// makes, given the sender the pushes (messages, confirmations) are to go to.
+    Shards(Box<ShardClient>),
+}
+
+/// Makes the cluster client of [`Servers::Shards`].
+pub(crate) type ShardClient = dyn Fn(PushSender) -> RedisResult<ClusterClient> + Send + Sync;
+
+/// Where a cluster connection sends what the servers push.
+pub(crate) type PushSender = UnboundedSender<PushInfo>;
 
 /// Tells the listener that the watched keys changed.
 struct Nudge(Arc<Notify>);
@@ -77,19 +117,15 @@ impl Subscriptions for Nudge {
 }
 
 impl ReleaseListener {
-    /// A listener subscribing on `clients` (one per server it may use) to the lock keys
-    /// under `prefix`; nothing is opened until a key is watched.
-    pub(crate) fn new(
-        clients: Vec<redis::Client>,
-        prefix: String,
-        connect_timeout: Duration,
-    ) -> Self {
+    /// A listener subscribing on `servers` to the lock keys under `prefix`; nothing is
+    /// opened until a key is watched.
+    pub(crate) fn new(servers: Servers, prefix: String, connect_timeout: Duration) -> Self {
         let changed = Arc::new(Notify::new());
         Self {
             shared: Arc::new(Shared {
                 hub: ReleaseHub::new(Nudge(changed.clone())),
                 changed,
-                clients,
+                servers,
                 prefix,
                 connect_timeout,
             }),
@@ -110,7 +146,7 @@ impl ReleaseListener {
     }
 
     fn ensure_running(&self) -> bool {
-        if self.shared.clients.is_empty() {
+        if let Servers::Off = self.shared.servers {
             return false;
         }
         let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
@@ -129,18 +165,29 @@ impl ReleaseListener {
 /// until the backend is dropped.
 async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
     let mut pause = FIRST_PAUSE;
-    let mut next_client = 0;
+    let mut attempt = 0;
     loop {
-        let client = &shared.clients[next_client % shared.clients.len()];
-        next_client += 1;
         // `changed` fails once the sender is dropped with the backend; nothing is sent.
-        let followed = tokio::select! {
+        let mut connected = false;
+        let ended = tokio::select! {
             _ = stop.changed() => return,
-            followed = shared.follow(client) => followed,
+            ended = shared.follow_any(attempt, &mut connected) => ended,
         };
-        match followed {
-            Ok(()) => pause = FIRST_PAUSE,
-            Err(e) => debug!(error = %e, "release subscription lost; connecting again"),
+        attempt += 1;
+        let Err(e) = ended;
+        if is_refused(&e) {
+            warn!(
+                error = %e.kind_name(),
+                "release wake-ups are off: the server refuses this user's SUBSCRIBE (or \
+                 SSUBSCRIBE) to the release channels; waiters poll instead"
+            );
+            return;
+        }
+        debug!(error = %e, "release subscription lost; connecting again");
+        // A connection that was made and subscribed starts the backoff afresh: only
+        // failures in a row lengthen it.
+        if connected {
+            pause = FIRST_PAUSE;
         }
         tokio::select! {
             _ = stop.changed() => return,
@@ -151,34 +198,84 @@ async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
 }
 
 impl Shared {
-    /// One connection's life: connect, subscribe to the watched keys, wake their waiters
-    /// (releases may have been missed), then deliver messages and keep the subscriptions
-    /// matching the hub until the connection drops.
-    async fn follow(&self, client: &redis::Client) -> redis::RedisResult<()> {
-        let pubsub = tokio::time::timeout(self.connect_timeout, client.get_async_pubsub())
+    /// [`Self::follow`] on the next node, or [`Self::follow_shards`].
+    async fn follow_any(&self, attempt: usize, connected: &mut bool) -> RedisResult<Infallible> {
+        match &self.servers {
+            Servers::Off => std::future::pending().await,
+            Servers::Nodes(clients) => {
+                self.follow(&clients[attempt % clients.len()], connected)
+                    .await
+            }
+            Servers::Shards(client) => self.follow_shards(client, connected).await,
+        }
+    }
+
+    /// One connection's life on one node: connect, then [`Self::deliver`] its messages.
+    async fn follow(
+        &self,
+        client: &redis::Client,
+        connected: &mut bool,
+    ) -> redis::RedisResult<Infallible> {
+        let pubsub = self.connecting(client.get_async_pubsub()).await?;
+        let (mut sink, stream) = pubsub.split();
+        let heard = stream.map(|message| message.get_channel_name().to_owned());
+        self.deliver(Subscriber::Node(&mut sink), heard, connected)
             .await
-            .map_err(|_| {
-                redis::RedisError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "connecting for release notifications timed out",
-                ))
-            })??;
-        let (mut sink, mut stream) = pubsub.split();
+    }
+
+    /// [`Self::follow`] with shard channels, through one cluster connection, which
+    /// subscribes again by itself after reconnecting to a node or when a slot moves, and
+    /// whose pushes come on a channel. It ends when a subscription fails (the cluster
+    /// unreachable, or the command refused).
+    async fn follow_shards(
+        &self,
+        client: &ShardClient,
+        connected: &mut bool,
+    ) -> RedisResult<Infallible> {
+        let (sender, mut pushes) = unbounded_channel();
+        let client = client(sender)?;
+        let mut cluster = self.connecting(client.get_async_connection()).await?;
+        // A message is a release; a confirmation may come from subscribing again after a
+        // reconnect, when releases may have been missed: both wake a waiter.
+        let heard = futures::stream::poll_fn(move |cx| pushes.poll_recv(cx)).filter_map(|push| {
+            let channel = match (push.kind, push.data.first()) {
+                (PushKind::SMessage | PushKind::SSubscribe, Some(Value::BulkString(channel))) => {
+                    Some(String::from_utf8_lossy(channel).into_owned())
+                }
+                _ => None,
+            };
+            std::future::ready(channel)
+        });
+        self.deliver(Subscriber::Shards(&mut cluster), heard, connected)
+            .await
+    }
+
+    /// One connection's life once made: subscribe to the watched keys, wake their waiters
+    /// (releases may have been missed while there was no connection), then wake a waiter
+    /// of each channel `heard`, keeping the subscriptions matching the hub, until the
+    /// connection drops, which is the only way it ends. `connected` is set once the
+    /// watched keys are subscribed.
+    async fn deliver(
+        &self,
+        mut sink: Subscriber<'_>,
+        heard: impl futures::Stream<Item = String>,
+        connected: &mut bool,
+    ) -> RedisResult<Infallible> {
         let mut subscribed: HashMap<String, LockKey> = HashMap::new();
-        // Every watched key is new to this connection, so `reconcile` wakes a waiter of
-        // each: releases while there was no connection were not heard.
         self.reconcile(&mut sink, &mut subscribed).await?;
+        *connected = true;
+        tokio::pin!(heard);
         loop {
             tokio::select! {
                 () = self.changed.notified() => self.reconcile(&mut sink, &mut subscribed).await?,
-                message = stream.next() => {
-                    let Some(message) = message else {
-                        return Err(redis::RedisError::from(std::io::Error::new(
+                channel = heard.next() => {
+                    let Some(channel) = channel else {
+                        return Err(RedisError::from(std::io::Error::new(
                             std::io::ErrorKind::ConnectionReset,
                             "the release subscription's connection closed",
                         )));
                     };
-                    if let Some(key) = subscribed.get(message.get_channel_name()) {
+                    if let Some(key) = subscribed.get(&channel) {
                         self.hub.notify(key);
                     }
                 }
@@ -186,10 +283,22 @@ impl Shared {
         }
     }
 
+    /// `connect`, given at most the connect timeout.
+    async fn connecting<T>(&self, connect: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+        tokio::time::timeout(self.connect_timeout, connect)
+            .await
+            .map_err(|_| {
+                RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "connecting for release notifications timed out",
+                ))
+            })?
+    }
+
     /// Subscribes to the watched keys not yet subscribed, and unsubscribes from the rest.
     async fn reconcile(
         &self,
-        sink: &mut redis::aio::PubSubSink,
+        sink: &mut Subscriber<'_>,
         subscribed: &mut HashMap<String, LockKey>,
     ) -> redis::RedisResult<()> {
         let wanted: HashMap<String, LockKey> = self
@@ -224,4 +333,77 @@ impl Shared {
         }
         Ok(())
     }
+}
+
+/// What [`Shared::reconcile`] subscribes with.
+enum Subscriber<'a> {
+    /// A pub/sub connection to one node.
+    Node(&'a mut redis::aio::PubSubSink),
+    /// A cluster connection, which sends each shard channel's command to its key's shard.
+    Shards(&'a mut ClusterConnection),
+}
+
+impl Subscriber<'_> {
+    async fn subscribe(&mut self, channels: &[String]) -> RedisResult<()> {
+        match self {
+            Self::Node(sink) => sink.subscribe(channels).await,
+            Self::Shards(cluster) => each_shard_channel(cluster, channels, true).await,
+        }
+    }
+
+    async fn unsubscribe(&mut self, channels: &[String]) -> RedisResult<()> {
+        match self {
+            Self::Node(sink) => sink.unsubscribe(channels).await,
+            Self::Shards(cluster) => each_shard_channel(cluster, channels, false).await,
+        }
+    }
+}
+
+/// `SSUBSCRIBE` (or `SUNSUBSCRIBE`) to `channels`, one command per channel: a command's
+/// shard channels must share a slot, and each lock key has a slot of its own.
+async fn each_shard_channel(
+    cluster: &ClusterConnection,
+    channels: &[String],
+    subscribe: bool,
+) -> RedisResult<()> {
+    futures::future::try_join_all(channels.iter().map(|channel| {
+        let mut cluster = cluster.clone();
+        async move {
+            if subscribe {
+                cluster.ssubscribe(channel).await
+            } else {
+                cluster.sunsubscribe(channel).await
+            }
+        }
+    }))
+    .await?;
+    Ok(())
+}
+
+/// Why this backend's user may not announce releases, or `None` when it may: a `PUBLISH`
+/// (`SPUBLISH` when `sharded`) to `<prefix>:{}`, a channel under the prefix that no lock
+/// uses (a lock name is never empty), which the server refuses with `NOPERM` when the
+/// user has no rights on the release channels or on the command.
+pub(crate) async fn announcements_refused(
+    conn: &Conn,
+    prefix: &str,
+    sharded: bool,
+) -> Result<Option<String>, RedisError> {
+    let channel = format!("{prefix}:{{}}");
+    let command = if sharded { "SPUBLISH" } else { "PUBLISH" };
+    let mut publish = redis::cmd(command);
+    publish.arg(&channel).arg("");
+    match conn.command::<i64>(&publish).await {
+        Ok(_) => Ok(None),
+        Err(e) if is_refused(&e) => Ok(Some(format!(
+            "the server refuses {command} to {channel} for this user ({})",
+            e.kind_name()
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// `NOPERM`: the user's ACL does not allow it.
+fn is_refused(e: &RedisError) -> bool {
+    matches!(e.kind(), ErrorKind::Server(ServerErrorKind::NoPerm))
 }

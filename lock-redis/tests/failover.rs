@@ -88,7 +88,7 @@ async fn leases_on_a_failed_over_master_are_renewed_once_the_cluster_has_healed(
     let moving = LockKey::new("failing-over").unwrap();
     let master = harness::require(
         f.cluster
-            .node_for_key(redis.redis_keys(&moving).0.as_bytes())
+            .node_for_key(redis.redis_key(&moving).as_bytes())
             .await,
     );
     // A lock on another master, which answers throughout.
@@ -97,7 +97,7 @@ async fn leases_on_a_failed_over_master_are_renewed_once_the_cluster_has_healed(
         let key = LockKey::new(format!("staying-{i}")).unwrap();
         let node = harness::require(
             f.cluster
-                .node_for_key(redis.redis_keys(&key).0.as_bytes())
+                .node_for_key(redis.redis_key(&key).as_bytes())
                 .await,
         );
         if node.port() != master.port() {

@@ -7,8 +7,9 @@ use std::time::Duration;
 
 use common::{RedisClusterFactory, RedisFactory};
 use distlock_core::{
-    Admission, EnforcementMode, FencedResource, FencingToken, LockBackend, LockKey,
+    Admission, EnforcementMode, FencedResource, FencingToken, LockBackend, LockError, LockKey,
 };
+use harness::redis::RespValue;
 use lock_redis::{RedisBackend, RedisFencedResource};
 
 const RESOURCE: &str = "account:7";
@@ -149,5 +150,85 @@ async fn shadow_mode_lets_a_stale_write_through_and_reports_it_stale() {
         Admission::ShadowStale {
             latest: FencingToken(5)
         }
+    );
+}
+
+/// A fenced write on a cluster whose reply is lost after it was applied, while a newer
+/// holder writes: sent again, it would meet the newer token and say `Stale`, "wrote
+/// nothing", for a write that landed. It is never sent again; its outcome is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluster() {
+    let f = RedisClusterFactory::behind_proxies().await;
+    let proxies = f.proxies.clone().expect("behind proxies");
+    let redis = f.redis().await;
+    // The resource's keys, `<prefix>:fenced:{<resource>}` and its `:data` hash, read and
+    // written on their node directly, past the proxies.
+    let fence = format!("{}:fenced:{{{RESOURCE}}}", redis.key_prefix());
+    let data = format!("{fence}:data");
+    let ledger = RedisFencedResource::new(redis, EnforcementMode::Enforce);
+    assert_eq!(
+        ledger
+            .write(RESOURCE, FencingToken(4), FIELD, b"40")
+            .await
+            .unwrap(),
+        Admission::Admitted
+    );
+    // The node that has the keys (the others answer MOVED).
+    let mut node = None;
+    for n in f.cluster.nodes() {
+        if n.command(&["EXISTS", &fence]).await.ok() == Some(RespValue::Integer(1)) {
+            node = Some(n);
+        }
+    }
+    let node = node.expect("a node holds the resource");
+    let on_node = |args: &[&str]| {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        async move {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            harness::require(node.command(&args).await).as_text()
+        }
+    };
+
+    // 300 ms each way: the write lands a round trip before its reply could come back.
+    proxies
+        .iter()
+        .for_each(|p| p.delay(Duration::from_millis(300)));
+    let old = tokio::spawn({
+        let ledger = ledger.clone();
+        async move { ledger.write(RESOURCE, FencingToken(5), FIELD, b"50").await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while on_node(&["HGET", &data, FIELD]).await.as_deref() != Some("50") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the write never landed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A newer holder writes, as its own fenced write would.
+    on_node(&["SET", &fence, "6"]).await;
+    on_node(&["HSET", &data, FIELD, "60"]).await;
+    // The connection drops before the write's reply gets through.
+    proxies.iter().for_each(|p| {
+        p.reset();
+        p.heal();
+    });
+
+    let outcome = old.await.unwrap();
+    assert!(
+        !matches!(outcome, Ok(Admission::Stale { .. })),
+        "an applied write was reported stale: {outcome:?}"
+    );
+    assert!(
+        matches!(
+            outcome,
+            Ok(Admission::Admitted) | Err(LockError::OutcomeUnknown { .. })
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(
+        on_node(&["HGET", &data, FIELD]).await.as_deref(),
+        Some("60"),
+        "the old write ran again"
     );
 }

@@ -47,7 +47,6 @@ async fn migrate_keys(
     target: &RedisServer,
     slot: u16,
     lock_key: &str,
-    fence_key: &str,
 ) -> String {
     let (source_id, target_id) = (node_id(source).await, node_id(target).await);
     let slot_text = slot.to_string();
@@ -73,7 +72,6 @@ async fn migrate_keys(
                 "5000",
                 "KEYS",
                 lock_key,
-                fence_key,
             ])
             .await,
     ));
@@ -86,7 +84,7 @@ async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
     let redis = f.redis().await;
     let moving = LockKey::new("migrating").unwrap();
     let staying = LockKey::new("staying-put").unwrap();
-    let (lock_key, fence_key) = redis.redis_keys(&moving);
+    let lock_key = redis.redis_key(&moving);
     let slot = key_slot(lock_key.as_bytes());
     let source = harness::require(f.cluster.node_for_slot(slot).await);
     let target = other_node(&f, source);
@@ -94,8 +92,8 @@ async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
     // The first batch caches which master serves which slot.
     let leases = acquire_and_cache(&redis, &[moving.clone(), staying.clone()]).await;
 
-    // Move the slot, with both keys of the lock, to the target master.
-    let target_id = migrate_keys(source, target, slot, &lock_key, &fence_key).await;
+    // Move the slot, with the lock's key, to the target master.
+    let target_id = migrate_keys(source, target, slot, &lock_key).await;
     let slot_text = slot.to_string();
     for node in f.cluster.nodes() {
         ok(harness::require(
@@ -118,17 +116,13 @@ async fn batches_follow_a_slot_migrated_after_the_slot_map_was_cached() {
         redis.renew(&leases[0]).await.unwrap(),
         Renewal::Renewed { .. }
     ));
+    let exists_on_target =
+        || async { harness::require(target.command(&["EXISTS", lock_key.as_str()]).await) };
+    assert_eq!(exists_on_target().await, RespValue::Integer(1));
     let released = redis.release_many(&leases).await.unwrap();
     assert_eq!(released, vec![Release::Released, Release::Released]);
-    // The lock was freed on its new master, and its token counter moved with it.
-    assert_eq!(
-        harness::require(
-            target
-                .command(&["EXISTS", lock_key.as_str(), fence_key.as_str()])
-                .await
-        ),
-        RespValue::Integer(1)
-    );
+    // The lock was freed on its new master.
+    assert_eq!(exists_on_target().await, RespValue::Integer(0));
     let again = redis
         .acquire(&moving, TTL)
         .await
@@ -151,11 +145,11 @@ async fn releases_follow_a_slot_in_the_middle_of_a_migration() {
     for lease in &leases {
         // The slot stays MIGRATING / IMPORTING, with the lock's keys already moved: the
         // source answers ASK, and only `ASKING` first gets the target to run the call.
-        let (lock_key, fence_key) = redis.redis_keys(lease.key());
+        let lock_key = redis.redis_key(lease.key());
         let slot = key_slot(lock_key.as_bytes());
         let source = harness::require(f.cluster.node_for_slot(slot).await);
         let target = other_node(&f, source);
-        migrate_keys(source, target, slot, &lock_key, &fence_key).await;
+        migrate_keys(source, target, slot, &lock_key).await;
     }
 
     assert_eq!(redis.release(&leases[0]).await.unwrap(), Release::Released);

@@ -23,31 +23,19 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     let redis = f.redis().await;
     let key = LockKey::new("resent").unwrap();
     let lease = redis.acquire(&key, TTL).await.unwrap().expect("free key");
-    let (lock_key, fence_key) = redis.redis_keys(&key);
+    let lock_key = redis.redis_key(&key);
     let owner = lease.owner().to_string();
     let token = RespValue::Bulk(Some(lease.token().get().to_string().into_bytes()));
 
     let again = harness::require(
         f.server
-            .command(&[
-                "EVAL", ACQUIRE, "2", &lock_key, &fence_key, &owner, "10000", "86400000",
-            ])
+            .command(&["EVAL", ACQUIRE, "1", &lock_key, &owner, "10000"])
             .await,
     );
     assert_eq!(again, token, "the single-key script");
     let again = harness::require(
         f.server
-            .command(&[
-                "EVAL",
-                ACQUIRE_MANY,
-                "2",
-                &lock_key,
-                &fence_key,
-                &owner,
-                "10000",
-                "1",
-                "86400000",
-            ])
+            .command(&["EVAL", ACQUIRE_MANY, "1", &lock_key, &owner, "10000"])
             .await,
     );
     assert_eq!(
@@ -59,16 +47,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     // Someone else's attempt is still refused, and the token did not move.
     let other = harness::require(
         f.server
-            .command(&[
-                "EVAL",
-                ACQUIRE,
-                "2",
-                &lock_key,
-                &fence_key,
-                "someone-else",
-                "10000",
-                "86400000",
-            ])
+            .command(&["EVAL", ACQUIRE, "1", &lock_key, "someone-else", "10000"])
             .await,
     );
     assert_eq!(other, RespValue::Bulk(None));
@@ -83,7 +62,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
 async fn cluster_behind_a_proxy(key: &LockKey) -> (RedisClusterFactory, FaultProxy, RedisBackend) {
     let f = RedisClusterFactory::start().await;
     let probe = f.redis().await;
-    let (lock_key, _) = probe.redis_keys(key);
+    let lock_key = probe.redis_key(key);
     let master = harness::require(f.cluster.node_for_key(lock_key.as_bytes()).await);
     let proxy = harness::require(FaultProxy::start(master.addr()).await);
     let proxy_port = proxy.port().to_string();

@@ -91,11 +91,11 @@ async fn scripts_are_loaded_once_when_connecting() {
         .collect();
     let first = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(first.iter().all(Option::is_some));
-    // The nine scripts were loaded by `build`; the batch needed no reload.
-    assert_eq!(command_calls(&f.server, "script|load").await, 9);
+    // The ten scripts were loaded by `build`; the batch needed no reload.
+    assert_eq!(command_calls(&f.server, "script|load").await, 10);
     let leases: Vec<_> = first.into_iter().flatten().collect();
     redis.release_many(&leases).await.unwrap();
     let again = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(again.iter().all(Option::is_some));
-    assert_eq!(command_calls(&f.server, "script|load").await, 9);
+    assert_eq!(command_calls(&f.server, "script|load").await, 10);
 }

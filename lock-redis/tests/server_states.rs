@@ -35,7 +35,7 @@ async fn an_acquire_sent_to_a_replica_is_unavailable() {
 
     assert_unavailable(redis.acquire(&key, TTL).await);
     assert_unavailable(redis.acquire_many(std::slice::from_ref(&key), TTL).await);
-    let (lock_key, _) = redis.redis_keys(&key);
+    let lock_key = redis.redis_key(&key);
     assert_eq!(
         harness::require(master.command(&["EXISTS", lock_key.as_str()]).await),
         RespValue::Integer(0)
@@ -47,7 +47,7 @@ async fn an_acquire_on_a_server_out_of_memory_is_unavailable_until_memory_is_fre
     let server = harness::require(RedisServer::start().await);
     let redis = connect(server.url()).await;
     let key = LockKey::new("no-memory").unwrap();
-    let (lock_key, _) = redis.redis_keys(&key);
+    let lock_key = redis.redis_key(&key);
     for (name, value) in [("maxmemory-policy", "noeviction"), ("maxmemory", "1")] {
         harness::require(server.command(&["CONFIG", "SET", name, value]).await);
     }

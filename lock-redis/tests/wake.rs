@@ -31,20 +31,26 @@ fn waiting_locker(backend: Arc<dyn LockBackend>) -> Locker {
         .unwrap()
 }
 
-/// Subscribers of `channel`, as the server counts them (`PUBSUB NUMSUB`).
-async fn subscribers(factory: &RedisFactory, channel: &str) -> i64 {
-    match factory
-        .server
-        .command(&["PUBSUB", "NUMSUB", channel])
-        .await
-        .unwrap()
-    {
+/// The count in a `PUBSUB NUMSUB` or `SHARDNUMSUB` reply for one channel.
+fn count_in(reply: RespValue) -> i64 {
+    match &reply {
         RespValue::Array(Some(items)) => match items.get(1) {
             Some(RespValue::Integer(n)) => *n,
-            other => panic!("PUBSUB NUMSUB answered {other:?}"),
+            _ => panic!("PUBSUB answered {reply:?}"),
         },
-        other => panic!("PUBSUB NUMSUB answered {other:?}"),
+        _ => panic!("PUBSUB answered {reply:?}"),
     }
+}
+
+/// Subscribers of `channel`, as the server counts them (`PUBSUB NUMSUB`).
+async fn subscribers(factory: &RedisFactory, channel: &str) -> i64 {
+    count_in(
+        factory
+            .server
+            .command(&["PUBSUB", "NUMSUB", channel])
+            .await
+            .unwrap(),
+    )
 }
 
 /// Polls `subscribers` until it equals `want`, for at most 5 s.
@@ -65,7 +71,7 @@ async fn many_waiters_share_one_subscription_and_leave_none_when_cancelled() {
     let holder = factory.redis().await;
     let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
     let k = key("wake:shared");
-    let (channel, _) = holder.redis_keys(&k);
+    let channel = holder.redis_key(&k);
     let _held = holder
         .acquire(&k, Duration::from_secs(30))
         .await
@@ -112,13 +118,25 @@ fn wait_for(
     })
 }
 
+/// Releases `lease` of `holder`: how long `waiting` then took to hold its key.
+async fn handoff(
+    holder: &lock_redis::RedisBackend,
+    lease: &distlock_core::Lease,
+    waiting: tokio::task::JoinHandle<Result<Instant, distlock_core::LockError>>,
+) -> Duration {
+    let released = Instant::now();
+    holder.release(lease).await.unwrap();
+    let granted = waiting.await.unwrap().unwrap();
+    granted - released
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_subscribes_again_after_a_server_restart() {
     let factory = RedisFactory::start().await;
     let holder = factory.redis().await;
     let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
     let k = key("wake:restart");
-    let (channel, _) = holder.redis_keys(&k);
+    let channel = holder.redis_key(&k);
     holder
         .acquire(&k, Duration::from_secs(30))
         .await
@@ -152,12 +170,209 @@ async fn the_listener_subscribes_again_after_a_server_restart() {
     let lease = lease.expect("the holder reconnected");
     let waiting = wait_for(&waiter, &k);
     assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
-    let released = Instant::now();
-    holder.release(&lease).await.unwrap();
+    let handoff = handoff(&holder, &lease, waiting).await;
+    assert!(
+        handoff < Duration::from_secs(2),
+        "the waiter held the key {:?} after the release; its backoff is {BACKOFF:?}",
+        handoff
+    );
+}
+
+/// The listener's backoff lengthens only over failed connects in a row: after many drops,
+/// each followed by a good connection, the next drop is followed again at once, not after
+/// the longest pause (2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listeners_backoff_starts_afresh_after_each_good_connection() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let key = key("reconnects");
+    let channel = redis.redis_key(&key);
+    let _watch = redis.watch_releases(&key).expect("wake-ups are on");
+    assert_eq!(await_subscribers(&f, &channel, 1).await, 1);
+    let mut back_after = Duration::ZERO;
+    for _ in 0..8 {
+        harness::require(
+            f.server
+                .command(&["CLIENT", "KILL", "TYPE", "pubsub"])
+                .await,
+        );
+        let killed = Instant::now();
+        assert_eq!(
+            await_subscribers(&f, &channel, 1).await,
+            1,
+            "subscribed again"
+        );
+        back_after = killed.elapsed();
+    }
+    // Without the reset, the pause has doubled from 50 ms to its 2 s ceiling by now.
+    assert!(
+        back_after < Duration::from_millis(1_500),
+        "the 8th drop was followed after {back_after:?}"
+    );
+}
+
+/// Shard-channel subscribers of `channel` over every node of `cluster`
+/// (`PUBSUB SHARDNUMSUB`).
+async fn shard_subscribers(cluster: &common::RedisClusterFactory, channel: &str) -> i64 {
+    let mut total = 0;
+    for node in cluster.cluster.nodes() {
+        total += count_in(
+            node.command(&["PUBSUB", "SHARDNUMSUB", channel])
+                .await
+                .unwrap(),
+        );
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waited_release_on_a_cluster_is_announced_on_the_keys_shard_only() {
+    let factory = common::RedisClusterFactory::start().await;
+    let holder = factory.redis().await;
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let k = key("wake:sharded");
+    let channel = holder.redis_key(&k);
+    let lease = holder
+        .acquire(&k, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    let woken = wait_for(&waiter, &k);
+    // The listener follows the key on its shard, not with a node-wide SUBSCRIBE.
+    await_shard_subscription(&factory, &channel).await;
+    sleep(Duration::from_millis(200)).await;
+    let (publishes, spublishes) = (
+        common::cluster_calls(&factory.cluster, "publish").await,
+        common::cluster_calls(&factory.cluster, "spublish").await,
+    );
+
+    let handoff = handoff(&holder, &lease, woken).await;
+    assert!(
+        handoff < BACKOFF / 4,
+        "the waiter polled instead of being woken: {handoff:?}"
+    );
+    assert_eq!(
+        common::cluster_calls(&factory.cluster, "publish").await,
+        publishes,
+        "a release on a cluster PUBLISHed, which goes to every node"
+    );
+    assert!(
+        common::cluster_calls(&factory.cluster, "spublish").await > spublishes,
+        "the waited release was not announced with SPUBLISH"
+    );
+}
+
+/// Waits, at most 5 s, for one shard-channel subscriber of `channel`.
+async fn await_shard_subscription(cluster: &common::RedisClusterFactory, channel: &str) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while shard_subscribers(cluster, channel).await != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "no shard-channel subscription to {channel}"
+        );
+        sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Ends the connection of `node`'s one client with shard-channel subscriptions.
+async fn kill_shard_subscriber(node: &harness::redis::RedisServer) {
+    let clients = harness::require(node.command(&["CLIENT", "LIST"]).await)
+        .as_text()
+        .unwrap_or_default();
+    let ids: Vec<String> = clients
+        .lines()
+        .filter(|l| l.split(' ').any(|field| field == "ssub=1"))
+        .filter_map(|l| l.split(' ').find_map(|f| f.strip_prefix("id=")))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(ids.len(), 1, "one shard subscriber: {clients}");
+    harness::require(
+        node.command(&["CLIENT", "KILL", "ID", ids[0].as_str()])
+            .await,
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_listener_subscribes_again_after_a_drop_and_wakes_the_waiters() {
+    let factory = common::RedisClusterFactory::start().await;
+    let holder = factory.redis().await;
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let k = key("wake:sharded-drop");
+    let channel = holder.redis_key(&k);
+    holder
+        .acquire(&k, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    let waiting = wait_for(&waiter, &k);
+    await_shard_subscription(&factory, &channel).await;
+
+    // The key goes without an announcement (as when a release came while the listener
+    // was away), then the listener's connection to the key's shard drops. The cluster
+    // connection subscribes again by itself; hearing it do so, the listener wakes the
+    // waiter to look, and it finds the key free.
+    let node = harness::require(factory.cluster.node_for_key(channel.as_bytes()).await);
+    harness::require(node.command(&["DEL", channel.as_str()]).await);
+    let dropped = Instant::now();
+    kill_shard_subscriber(node).await;
     let granted = waiting.await.unwrap().unwrap();
     assert!(
-        granted - released < Duration::from_secs(2),
+        granted - dropped < Duration::from_secs(5),
+        "the waiter held the key {:?} after the drop; its backoff is {BACKOFF:?}",
+        granted - dropped
+    );
+
+    // And the subscription made again carries the next release.
+    let lease = holder
+        .acquire(&k, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("the key is free");
+    let waiting = wait_for(&waiter, &k);
+    await_shard_subscription(&factory, &channel).await;
+    sleep(Duration::from_millis(200)).await;
+    let handoff = handoff(&holder, &lease, waiting).await;
+    assert!(
+        handoff < Duration::from_secs(2),
         "the waiter held the key {:?} after the release; its backoff is {BACKOFF:?}",
-        granted - released
+        handoff
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_release_on_a_cluster_announces_each_waited_key_on_its_shard() {
+    let factory = common::RedisClusterFactory::start().await;
+    let holder = factory.redis().await;
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    // Keys of different slots, and one nobody waits for.
+    let keys: Vec<LockKey> = (0..3).map(|i| key(&format!("wake:batch:{i}"))).collect();
+    let leases = common::acquire_all(&holder, &keys, Duration::from_secs(30)).await;
+    let waiting: Vec<_> = keys[..2].iter().map(|k| wait_for(&waiter, k)).collect();
+    for k in &keys[..2] {
+        await_shard_subscription(&factory, &holder.redis_key(k)).await;
+    }
+    sleep(Duration::from_millis(200)).await;
+    let (publishes, spublishes) = (
+        common::cluster_calls(&factory.cluster, "publish").await,
+        common::cluster_calls(&factory.cluster, "spublish").await,
+    );
+
+    let released = Instant::now();
+    holder.release_many(&leases).await.unwrap();
+    for w in waiting {
+        let granted = w.await.unwrap().unwrap();
+        assert!(
+            granted - released < BACKOFF / 4,
+            "a waiter polled instead of being woken: {:?}",
+            granted - released
+        );
+    }
+    assert_eq!(
+        common::cluster_calls(&factory.cluster, "publish").await,
+        publishes
+    );
+    assert_eq!(
+        common::cluster_calls(&factory.cluster, "spublish").await,
+        spublishes + 2
     );
 }

@@ -12,7 +12,8 @@ use crate::keys::is_memory;
 /// Prints the leader of `role` on the store at `url`: owner id, token, TTL left.
 ///
 /// When nobody leads, it says so and prints the newest token issued for the role (the
-/// last leader's), which the next leader's token will exceed.
+/// last leader's, which the next leader's token will exceed) where the store keeps it;
+/// Redis keeps none after a release, its next token being its clock.
 pub async fn show(url: &str, role: &str, json: bool) -> Result<ExitCode, LockError> {
     // The role is checked before anything is sent.
     let key = election_key(role)?;
@@ -57,8 +58,9 @@ pub async fn show(url: &str, role: &str, json: bool) -> Result<ExitCode, LockErr
             println!("leader:   none");
             println!(
                 "token:    {}",
-                info.token
-                    .map_or("none issued".into(), |t| format!("{t} (the last leader's)"))
+                info.token.map_or("none kept by the store".into(), |t| {
+                    format!("{t} (the last leader's)")
+                })
             );
         }
     }

@@ -181,39 +181,36 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
     let ttl = fit_ttl(&a.capabilities(), FAILOVER_TTL);
     let key = ctx.key("k")?;
     let lease = ctx.take(&a, &key, ttl).await?;
-    // The clients learn where the key lives before the fail-over.
+    // The clients learn where the key lives before the fail-over, on every path: the
+    // single calls and the batches (a client may route them by a map of its own, which
+    // the fail-over makes wrong).
     ctx.expect_held(&b, &key, ttl, "just granted").await?;
-
-    failover.fail_over(&key).await;
-
-    let valid_until = lease.valid_until();
-    loop {
-        match a.renew(&lease).await {
-            Ok(Renewal::Renewed { .. }) => break,
-            Ok(other) => {
-                return Err(ctx.fail(
-                    "the live lease to renew after the fail-over",
-                    format!("{other:?}"),
-                ));
-            }
-            Err(e) if Instant::now() >= valid_until => {
-                return Err(ctx.fail(
-                    "the live lease to renew after the fail-over, within its validity",
-                    format!("still failing at its end: {e}"),
-                ));
-            }
-            Err(_) => sleep(Duration::from_millis(100)).await,
-        }
-    }
-    let batch = ctx.ok(
-        "renew_many after the fail-over",
+    let before = ctx.ok(
+        "renew_many before the fail-over",
         a.renew_many(std::slice::from_ref(&lease)).await,
     )?;
     ctx.ensure(
-        matches!(batch.as_slice(), [Renewal::Renewed { .. }]),
-        "the live lease to renew in a batch after the fail-over",
-        || format!("{batch:?}"),
+        matches!(before.as_slice(), [Renewal::Renewed { .. }]),
+        "the lease to renew in a batch before the fail-over",
+        || format!("{before:?}"),
     )?;
+
+    failover.fail_over(&key).await;
+
+    // Until the clients learn the new map, a call may fail or find the part of the
+    // store that keeps the lease unreachable; each form must renew it again before its
+    // validity runs out.
+    let valid_until = lease.valid_until();
+    let single = || async { a.renew(&lease).await };
+    renewed_again(&ctx, "renew", valid_until, single).await?;
+    let batched = || async {
+        let batch = a.renew_many(std::slice::from_ref(&lease)).await?;
+        match batch.as_slice() {
+            [renewal] => Ok(*renewal),
+            _ => Ok(Renewal::Lost),
+        }
+    };
+    renewed_again(&ctx, "renew_many", valid_until, batched).await?;
     ctx.expect_held(&b, &key, ttl, "renewed after the fail-over")
         .await?;
     release_held(&ctx, &a, &lease).await?;
@@ -226,6 +223,41 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
     )?;
     release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)
+}
+
+/// Retries `renew` (a single or a one-lease batch renewal) while it fails or finds the
+/// lease's node unreachable, until it renews; fails if it says `Lost` (or the batch
+/// answered for other than one lease), or if `valid_until` passes first.
+async fn renewed_again<F, Fut>(
+    ctx: &Ctx<'_>,
+    what: &str,
+    valid_until: Instant,
+    mut renew: F,
+) -> Result<(), Failure>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Renewal, LockError>>,
+{
+    loop {
+        let failing = match renew().await {
+            Ok(Renewal::Renewed { .. }) => return Ok(()),
+            Ok(Renewal::Unreachable) => "its node unreachable".to_owned(),
+            Ok(other) => {
+                return Err(ctx.fail(
+                    format!("the live lease to {what} after the fail-over"),
+                    format!("{other:?}"),
+                ));
+            }
+            Err(e) => format!("error: {e}"),
+        };
+        if Instant::now() >= valid_until {
+            return Err(ctx.fail(
+                format!("the live lease to {what} after the fail-over, within its validity"),
+                format!("still failing at its end: {failing}"),
+            ));
+        }
+        sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// The first answer of `call`, retried while it fails with an error until `deadline`

@@ -10,26 +10,15 @@ use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
 use tokio::time::Instant;
 
-use super::{RedisBackend, parse_token};
+use super::{Extra, RedisBackend, lease_args, parse_token};
 use crate::conn::{Call, key_slot, reply_error};
-use crate::error::{is_unreachable, map_error};
+use crate::error::{is_resendable, is_unreachable, map_error};
 use crate::keys::LockKeys;
 use crate::scripts::ACQUIRE_MANY_SCRIPT;
 
 /// Most locks in one multi-key script call. A script runs atomically and holds the server
 /// meanwhile, so a long batch is split into several calls (pipelined together).
 const CHUNK: usize = 128;
-
-/// What an acquire batch expects of its keys' fence counters, which decides only which
-/// path the script tries first (see `acquire_many.lua`).
-#[derive(Clone, Copy, Debug)]
-pub(super) enum Counters {
-    /// Keys claimed in one call, as with a lock per job id: most were never locked, and
-    /// their counters are made at once.
-    MostlyNew,
-    /// Single acquires sent together: counted first, as `acquire.lua` does.
-    MostlyKept,
-}
 
 impl RedisBackend {
     /// Runs a batch under [`Self::timed_within`]. In a cluster each node's pipeline has the
@@ -102,32 +91,17 @@ impl RedisBackend {
 
     /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
     /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
-    /// `counters` only orders the script's work for the cheaper path; tokens are the same.
     pub(super) async fn send_acquires(
         &self,
         operation: &'static str,
         attempts: &[(LockKeys, OwnerId, Duration)],
-        counters: Counters,
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
         let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
-        let longest = attempts
-            .iter()
-            .map(|(.., ttl)| *ttl)
-            .max()
-            .unwrap_or_default();
-        let retention = self.retention_ms(longest);
-        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+        let calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
             let (k, owner, ttl) = &attempts[i];
-            keys.extend([k.lock.clone(), k.fence.clone()]);
-            args.extend([owner.to_string(), ttl.as_millis().to_string()]);
+            keys.push(k.lock.clone());
+            args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
         });
-        let new_first = match counters {
-            Counters::MostlyNew => "1",
-            Counters::MostlyKept => "0",
-        };
-        for call in &mut calls {
-            call.args.extend([new_first.to_owned(), retention.clone()]);
-        }
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, attempts.len()))
     }
@@ -146,9 +120,7 @@ impl RedisBackend {
             .map(|k| (self.keys(k), OwnerId::random(), ttl))
             .collect();
         let sent = Instant::now();
-        let replies = self
-            .send_acquires("acquire_many", &with_ttl, Counters::MostlyNew)
-            .await;
+        let replies = self.send_acquires("acquire_many", &with_ttl).await;
         let attempts: Vec<(LockKeys, OwnerId)> =
             with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
         let replies = match replies {
@@ -218,20 +190,57 @@ impl RedisBackend {
         operation: &'static str,
         script: &'static Script,
         leases: &[&Lease],
-        with_ttl: bool,
+        extra: Extra,
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
-        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
-        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
-        let calls = grouped_calls(script, &groups, |i, call_keys, args| {
-            let (k, lease) = (&keys[i], leases[i]);
-            call_keys.push(k.lock.clone());
-            args.push(lease.owner().to_string());
-            if with_ttl {
-                args.push(lease.ttl().as_millis().to_string());
-            }
-        });
+        let (groups, calls) = self.lease_calls(script, leases, extra);
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, leases.len()))
+    }
+
+    /// The multi-key calls of a renew or release batch, and the groups of leases they
+    /// carry (for [`spread`]).
+    pub(super) fn lease_calls(
+        &self,
+        script: &'static Script,
+        leases: &[&Lease],
+        extra: Extra,
+    ) -> (Vec<Vec<usize>>, Vec<Call>) {
+        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
+        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
+        let mut calls = grouped_calls(script, &groups, |i, call_keys, args| {
+            let (value, token_or_ttl) = lease_args(leases[i], extra);
+            call_keys.push(keys[i].lock.clone());
+            args.extend([value.into(), token_or_ttl.into()]);
+        });
+        if let Extra::Release = extra {
+            for call in &mut calls {
+                call.args.extend(self.announce_arg());
+            }
+        }
+        (groups, calls)
+    }
+
+    /// Settles the releases of a batch that failed for a reason a single release is sent
+    /// again after (see [`Self::release_until_settled`]), one by one: a connection that
+    /// dropped, or a node that refused for now.
+    pub(super) async fn settle_releases(
+        &self,
+        replies: &mut [RedisResult<Value>],
+        leases: &[&Lease],
+    ) {
+        let settle = replies.iter_mut().zip(leases).filter_map(|(reply, lease)| {
+            let failed = match reply {
+                Err(e) if is_resendable(e) => e.clone(),
+                _ => return None,
+            };
+            Some(async move {
+                *reply = self
+                    .release_until_settled(lease, Some(failed))
+                    .await
+                    .map(Value::Int);
+            })
+        });
+        futures::future::join_all(settle).await;
     }
 }
 
@@ -239,13 +248,13 @@ impl RedisBackend {
 fn grouped_calls(
     script: &'static Script,
     groups: &[Vec<usize>],
-    mut item: impl FnMut(usize, &mut Vec<String>, &mut Vec<String>),
+    mut item: impl FnMut(usize, &mut Vec<String>, &mut Vec<Vec<u8>>),
 ) -> Vec<Call> {
     groups
         .iter()
         .map(|group| {
-            let mut keys = Vec::with_capacity(group.len() * 2);
-            let mut args = Vec::with_capacity(group.len() * 3);
+            let mut keys = Vec::with_capacity(group.len());
+            let mut args = Vec::with_capacity(group.len() * 2);
             for &i in group {
                 item(i, &mut keys, &mut args);
             }
@@ -256,7 +265,7 @@ fn grouped_calls(
 
 /// One reply per item from the replies of the grouped calls: a call's array is split over
 /// its items (an error inside it is its item's own); a call's error is each of its items' error.
-fn spread(
+pub(super) fn spread(
     groups: &[Vec<usize>],
     replies: Vec<RedisResult<Value>>,
     items: usize,

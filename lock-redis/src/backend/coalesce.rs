@@ -16,9 +16,9 @@ use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 
-use super::batch::Counters;
-use super::{NAME, RedisBackend, SENT_AT_ONCE, parse_token, release};
-use crate::error::map_error;
+use super::batch::spread;
+use super::{Extra, NAME, RedisBackend, SENT_AT_ONCE, parse_token, release};
+use crate::error::{is_resendable, map_error};
 use crate::keys::LockKeys;
 use crate::scripts::RELEASE_MANY_SCRIPT;
 
@@ -215,10 +215,7 @@ impl RedisBackend {
             .map(|p| (self.keys(&p.key), OwnerId::random(), p.ttl))
             .collect();
         let longest = batch.iter().map(|p| p.ttl).max().unwrap_or_default();
-        let replies = match self
-            .send_acquires("acquire", &attempts, Counters::MostlyKept)
-            .await
-        {
+        let replies = match self.send_acquires("acquire", &attempts).await {
             Ok(replies) => replies,
             Err(e) => {
                 if matches!(e, LockError::OutcomeUnknown { .. }) {
@@ -268,12 +265,28 @@ impl RedisBackend {
         }
     }
 
-    /// Sends queued releases as one batch and answers each caller.
+    /// Sends queued releases as one batch and answers each caller. When the batch's
+    /// connection drops, each release is settled as a direct one is
+    /// ([`RedisBackend::release_until_settled`]): asked on the new connection and sent
+    /// again if it did not run, all within the response timeout.
     async fn release_queued(&self, batch: Vec<PendingRelease>) {
         let leases: Vec<&Lease> = batch.iter().map(|p| &p.lease).collect();
-        let replies = self
-            .send_lease_batch("release", &RELEASE_MANY_SCRIPT, &leases, false)
-            .await;
+        let (groups, calls) = self.lease_calls(&RELEASE_MANY_SCRIPT, &leases, Extra::Release);
+        let request = async {
+            let mut replies = match self
+                .inner
+                .conn
+                .batch(&calls, self.inner.response_timeout)
+                .await
+            {
+                Ok(replies) => spread(&groups, replies, leases.len()),
+                Err(e) if is_resendable(&e) => leases.iter().map(|_| Err(e.clone())).collect(),
+                Err(e) => return Err(e),
+            };
+            self.settle_releases(&mut replies, &leases).await;
+            Ok(replies)
+        };
+        let replies = self.timed("release", true, request).await;
         let replies = match replies {
             Ok(replies) => replies,
             Err(e) => {

@@ -8,16 +8,18 @@ use std::time::Duration;
 use distlock_core::{BackendId, Capabilities, LockError};
 use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster::ClusterClientBuilder;
+use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Value};
+use redis::{ProtocolVersion, RedisError, Value};
+use tracing::warn;
 
 use super::coalesce::Queue;
+use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend};
 use crate::config::{RedisBackendBuilder, redact_url};
 use crate::conn::{ClusterState, Conn};
 use crate::error::{config_error, connect_error};
-use crate::releases::ReleaseListener;
+use crate::releases::{ReleaseListener, Servers, announcements_refused};
 
 impl RedisBackend {
     pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
@@ -36,6 +38,10 @@ impl RedisBackend {
             root_cert: Some(pem),
         });
         let mut listen_on = Vec::new();
+        // The seed nodes of a cluster, for the listener's connection with shard channels.
+        let mut cluster_nodes = None;
+        // Connections of their own for acquires with `WAIT` (see `AckedConns`).
+        let mut acked = None;
         let conn = if b.cluster {
             for (url, shown) in b.urls.iter().zip(&shown_urls) {
                 if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
@@ -51,8 +57,9 @@ impl RedisBackend {
                 .iter()
                 .map(|u| parse_url(u))
                 .collect::<Result<Vec<_>, _>>()?;
+            cluster_nodes = Some(nodes.clone());
             // A PUBLISH reaches every node of a cluster: release notifications can be
-            // heard on any of them.
+            // heard on any of them (before Redis 7.0, which has shard channels).
             for node in &nodes {
                 listen_on.push(
                     match certificates.clone() {
@@ -68,7 +75,11 @@ impl RedisBackend {
             // Two connections: one that retries (reads, and scripts safe to run twice), one
             // that never sends a request again (see `Conn`).
             let c = cluster_connection(&b, nodes.clone(), certificates.clone(), 2, &shown).await?;
-            let once = cluster_connection(&b, nodes, certificates, 0, &shown).await?;
+            let once_client = cluster_client(&b, nodes, certificates.clone(), 0, &shown)?;
+            let once = connect_cluster(&once_client, b.connect_timeout, &shown).await?;
+            if b.replica_acks.is_some() {
+                acked = Some(Connector::Cluster(once_client, b.connect_timeout));
+            }
             Conn::Cluster(
                 c,
                 Arc::new(ClusterState {
@@ -78,7 +89,7 @@ impl RedisBackend {
             )
         } else {
             let info = parse_url(&b.urls[0])?;
-            let client = match certificates {
+            let client = match certificates.clone() {
                 Some(certificates) => redis::Client::build_with_tls(info, certificates),
                 None => redis::Client::open(info),
             }
@@ -93,10 +104,13 @@ impl RedisBackend {
                 .set_max_delay(Duration::from_millis(500));
             let c = with_timeout(
                 b.connect_timeout * 2,
-                ConnectionManager::new_with_config(client, config),
+                ConnectionManager::new_with_config(client.clone(), config.clone()),
             )
             .await
             .map_err(|e| connect_error(&shown_urls[0], e))?;
+            if b.replica_acks.is_some() {
+                acked = Some(Connector::Single(client, config, b.connect_timeout * 2));
+            }
             Conn::Single(c)
         };
         // Connecting does not prove the credentials: a server with a password accepts the
@@ -116,36 +130,100 @@ impl RedisBackend {
         let infos = with_timeout(b.connect_timeout, conn.server_infos())
             .await
             .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-        for info in infos {
-            crate::version::check(&info)
+        for info in &infos {
+            crate::version::check(info)
                 .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
         }
+        // Releases are announced on their key's shard when every master has shard
+        // channels (SPUBLISH, Redis 7.0).
+        let mut sharded = b.cluster
+            && infos.iter().all(|info| {
+                crate::version::server_version(info)
+                    .is_some_and(|(major, minor, _)| (major, minor) >= SHARD_CHANNELS)
+            });
         with_timeout(b.connect_timeout, conn.load_all())
             .await
             .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        let refused_to = async |sharded| {
+            with_timeout(
+                b.connect_timeout,
+                announcements_refused(&conn, &b.prefix, sharded),
+            )
+            .await
+            .map_err(|e| connect_error(&shown_urls.join(","), e))
+        };
+        let mut refused = refused_to(sharded).await?;
+        if let Some(why) = refused.as_ref().filter(|_| sharded) {
+            // A user with README's rules from before shard channels may PUBLISH: it keeps
+            // its wake-ups, announced to every node.
+            if refused_to(false).await?.is_none() {
+                warn!(
+                    "releases are announced with PUBLISH, which reaches every node of the \
+                     cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
+                     keep them on their key's shard"
+                );
+                (sharded, refused) = (false, None);
+            }
+        }
+        if let Some(why) = &refused {
+            warn!(
+                "release wake-ups are off: {why}; waiters poll with backoff instead. Grant \
+                 the user the channels &{}:* to turn them on",
+                b.prefix
+            );
+        }
+        let servers = match cluster_nodes {
+            _ if refused.is_some() => Servers::Off,
+            Some(nodes) if sharded => {
+                let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
+                Servers::Shards(Box::new(move |pushes| {
+                    let mut client = ClusterClientBuilder::new(nodes.clone())
+                        .connection_timeout(connect_timeout)
+                        .use_protocol(ProtocolVersion::RESP3)
+                        .push_sender(pushes);
+                    if let Some(certificates) = certificates.clone() {
+                        client = client.certs(certificates);
+                    }
+                    client.build()
+                }))
+            }
+            _ => Servers::Nodes(listen_on),
+        };
+        let acked = match acked {
+            Some(connector) => Some(
+                AckedConns::open(connector)
+                    .await
+                    .map_err(|e| connect_error(&shown_urls.join(","), e))?,
+            ),
+            None => None,
+        };
         let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
             .native_batch(true)
             .server_side_ttl(true)
             .inspect(true)
-            .wakes_waiters(true);
+            .wakes_waiters(refused.is_none());
         Ok(Self {
             inner: Arc::new(Inner {
                 conn,
-                listener: ReleaseListener::new(listen_on, b.prefix.clone(), b.connect_timeout),
+                listener: ReleaseListener::new(servers, b.prefix.clone(), b.connect_timeout),
                 prefix: b.prefix,
                 caps,
                 response_timeout: b.response_timeout,
                 replica_acks: b.replica_acks,
-                fence_retention: b.fence_retention,
+                acked,
                 id: BackendId::next(),
                 shown_urls,
                 cluster: b.cluster,
+                sharded,
                 acquires: Queue::default(),
                 releases: Queue::default(),
             }),
         })
     }
 }
+
+/// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).
+const SHARD_CHANNELS: (u32, u32) = (7, 0);
 
 async fn cluster_connection(
     b: &RedisBackendBuilder,
@@ -154,6 +232,18 @@ async fn cluster_connection(
     retries: u32,
     shown_urls: &str,
 ) -> Result<ClusterConnection, LockError> {
+    let client = cluster_client(b, nodes, certificates, retries, shown_urls)?;
+    connect_cluster(&client, b.connect_timeout, shown_urls).await
+}
+
+/// A cluster client that sends a request at most `retries` more times after an error.
+fn cluster_client(
+    b: &RedisBackendBuilder,
+    nodes: Vec<redis::ConnectionInfo>,
+    certificates: Option<redis::TlsCertificates>,
+    retries: u32,
+    shown_urls: &str,
+) -> Result<ClusterClient, LockError> {
     let mut client = ClusterClientBuilder::new(nodes)
         .connection_timeout(b.connect_timeout)
         .response_timeout(b.response_timeout)
@@ -161,13 +251,20 @@ async fn cluster_connection(
     if let Some(certificates) = certificates {
         client = client.certs(certificates);
     }
-    let client = client.build().map_err(|e| config_error(shown_urls, &e))?;
-    with_timeout(b.connect_timeout, client.get_async_connection())
+    client.build().map_err(|e| config_error(shown_urls, &e))
+}
+
+async fn connect_cluster(
+    client: &ClusterClient,
+    connect_timeout: Duration,
+    shown_urls: &str,
+) -> Result<ClusterConnection, LockError> {
+    with_timeout(connect_timeout, client.get_async_connection())
         .await
         .map_err(|e| connect_error(shown_urls, e))
 }
 
-async fn with_timeout<T>(
+pub(super) async fn with_timeout<T>(
     limit: Duration,
     f: impl Future<Output = Result<T, RedisError>>,
 ) -> Result<T, RedisError> {
@@ -179,7 +276,12 @@ async fn with_timeout<T>(
     })
 }
 
+/// The connection settings of `url`. A connection sends no `CLIENT SETINFO` (the client
+/// library's name): a user limited to the commands README names may not run it, and Redis
+/// 7.2 and later log every refusal.
 fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
-    redis::IntoConnectionInfo::into_connection_info(url)
-        .map_err(|e| config_error(&redact_url(url), &e))
+    let info = redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(|e| config_error(&redact_url(url), &e))?;
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    Ok(info.set_redis_settings(settings))
 }

@@ -1,11 +1,24 @@
 -- Frees a lock taken by an acquire whose reply was lost: the token is unknown, and the
--- owner id alone identifies that attempt (it is random per attempt). Waiters are told,
--- as on a release.
--- KEYS[1] = lock key, ARGV[1] = owner id
+-- owner id alone identifies that attempt (it is random per attempt). Waiters are told
+-- if any marked the key, and the clock waited for past the token, as on a release.
+-- KEYS[1] = lock key, ARGV[1] = owner id, ARGV[2] = 'S' to announce with SPUBLISH, as
+-- release.lua's ARGV[3]
 -- Returns 1 when the key was deleted, 0 otherwise.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  redis.call('PUBLISH', KEYS[1], '')
-  return 1
+local held = redis.call('GET', KEYS[1])
+if not held then
+  return 0
 end
-return 0
+local owner, token, waited = string.match(held, '^(%x+):(%d+)(:?w?)$')
+if owner ~= ARGV[1] then
+  return 0
+end
+redis.call('DEL', KEYS[1])
+if waited ~= '' then
+  redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
+end
+token = tonumber(token)
+for _ = 1, 1000 do
+  local now = redis.call('TIME')
+  if now[1] * 1000000 + now[2] > token then break end
+end
+return 1

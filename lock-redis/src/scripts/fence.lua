@@ -1,11 +1,17 @@
--- Tells whether a lease still holds its lock with its token. The owner id is random per
--- acquisition, so it identifies the lease; the token is compared with the counter too
--- while the counter is kept (it may expire under a lease renewed past the retention).
--- KEYS[1] = lock key, KEYS[2] = fence key
--- ARGV[1] = owner id, ARGV[2] = the lease's token
--- Returns {1, the lease's token} when current, {0, newest token or '0'} when stale.
-local newest = redis.call('GET', KEYS[2])
-if redis.call('GET', KEYS[1]) == ARGV[1] and (not newest or newest == ARGV[2]) then
+-- Tells whether a lease still holds its lock with its token.
+-- KEYS[1] = lock key
+-- ARGV[1] = '<owner id>:<token>', ARGV[2] = the lease's token
+-- Returns {1, the lease's token} when current, and {0, token} when stale: the holder's
+-- token when someone else holds the key, otherwise the server's clock in microseconds,
+-- which is above every token granted for the key so far and below every later one
+-- (see acquire.lua); a free key keeps no token.
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[1] or held == ARGV[1] .. ':w' then
   return {1, ARGV[2]}
 end
-return {0, newest or '0'}
+local token = held and string.match(held, '^%x+:(%d+)')
+if token then
+  return {0, token}
+end
+local now = redis.call('TIME')
+return {0, now[1] .. string.sub('00000' .. now[2], -6)}

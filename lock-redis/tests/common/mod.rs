@@ -12,7 +12,7 @@ use distlock_core::{Lease, LockBackend, LockKey};
 use harness::{
     faults::ProxyGroup,
     proxy::FaultProxy,
-    redis::{RedisCluster, RedisServer},
+    redis::{RedisCluster, RedisServer, RedisServerBuilder, RedisUser},
 };
 use lock_redis::RedisBackend;
 
@@ -23,21 +23,45 @@ pub const RESPONSE_TIMEOUT: Duration = Duration::from_millis(300);
 pub struct RedisFactory {
     pub server: Arc<RedisServer>,
     pub proxy: Arc<FaultProxy>,
+    /// The factory's name in the suite's messages and summary.
+    name: &'static str,
+    /// The ACL user clients log in as; the default user when `None`.
+    login: Option<RedisUser>,
 }
 
 impl RedisFactory {
+    /// A server with the harness's defaults (no persistence), clients as the default user.
     pub async fn start() -> Self {
-        let server = harness::require(RedisServer::start().await);
+        Self::start_with("redis", RedisServer::builder(), None).await
+    }
+
+    /// A server started from `builder`, with `login` added to its users when given, whose
+    /// clients log in as `login`; `name` names the factory in the suite's summary.
+    pub async fn start_with(
+        name: &'static str,
+        builder: RedisServerBuilder,
+        login: Option<RedisUser>,
+    ) -> Self {
+        let builder = match &login {
+            Some(user) => builder.user(user.clone()),
+            None => builder,
+        };
+        let server = harness::require(builder.start().await);
         let proxy = harness::require(FaultProxy::start(server.addr()).await);
         Self {
             server: Arc::new(server),
             proxy: Arc::new(proxy),
+            name,
+            login,
         }
     }
 
-    /// `redis://` URL through the proxy.
+    /// `redis://` URL through the proxy, with the login's name and password if any.
     pub fn url(&self) -> String {
-        format!("redis://{}/", self.proxy.addr())
+        match &self.login {
+            Some(user) => user.url(self.proxy.addr()),
+            None => format!("redis://{}/", self.proxy.addr()),
+        }
     }
 
     /// A client with the short [`RESPONSE_TIMEOUT`], for the fault tests.
@@ -63,7 +87,7 @@ impl RedisFactory {
 #[async_trait]
 impl Factory for RedisFactory {
     fn name(&self) -> &str {
-        "redis"
+        self.name
     }
 
     async fn backend(&self) -> Arc<dyn LockBackend> {
@@ -237,7 +261,7 @@ struct ReplicaPromotion {
 #[async_trait]
 impl Failover for ReplicaPromotion {
     async fn fail_over(&self, key: &LockKey) {
-        let redis_key = self.keys.redis_keys(key).0;
+        let redis_key = self.keys.redis_key(key);
         let master = harness::require(self.cluster.node_for_key(redis_key.as_bytes()).await);
         let index = self
             .cluster
@@ -269,6 +293,15 @@ impl Failover for ReplicaPromotion {
         }
         harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
     }
+}
+
+/// The user of README's `ACL SETUSER` line (key prefix `distlock`, the default), with
+/// `password`.
+pub fn readme_user(password: &str) -> RedisUser {
+    harness::require(RedisUser::from_doc(
+        include_str!("../../../README.md"),
+        password,
+    ))
 }
 
 /// Acquires every one of `keys` (all free) in one `acquire_many`; the leases, in order.
@@ -305,6 +338,15 @@ pub async fn command_calls(server: &RedisServer, command: &str) -> u64 {
         .and_then(|rest| rest.split(',').next())
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
+}
+
+/// Calls of `command` (lowercase) over every node of `cluster`.
+pub async fn cluster_calls(cluster: &RedisCluster, command: &str) -> u64 {
+    let mut total = 0;
+    for node in cluster.nodes() {
+        total += command_calls(node, command).await;
+    }
+    total
 }
 
 /// A field of `INFO <section>` as a number.

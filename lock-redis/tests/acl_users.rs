@@ -1,0 +1,358 @@
+//! The backend as an ACL user limited to its key prefix and the commands it needs (the
+//! line README gives), with and without rights on the release channels. Without them
+//! (Redis 7's default for a new user) every call still works and nothing stays held: the
+//! scripts' announcement is best effort, and the backend turns wake-ups off at `build`.
+
+mod common;
+
+use std::time::Duration;
+
+use distlock_core::{Fence, LockBackend, LockKey, Release, Renewal};
+use harness::redis::{RedisServer, RespValue};
+use lock_redis::RedisBackend;
+
+const TTL: Duration = Duration::from_secs(10);
+const PASSWORD: &str = "acl-test-pw";
+/// The channel rule of README's line, which a user without channel rights lacks.
+const CHANNEL_RULE: &str = "&distlock:*";
+
+/// Makes `user` on `server` with the rules of README's `ACL SETUSER` line (key prefix
+/// `distlock`, the default), less its channel rule unless `channels`, plus `extra`.
+async fn set_user(server: &RedisServer, user: &str, channels: bool, extra: &[&str]) {
+    let mut readme = common::readme_user(PASSWORD);
+    if !channels {
+        readme = harness::require(readme.without_rule(CHANNEL_RULE));
+    }
+    let password = format!(">{PASSWORD}");
+    let mut setuser = vec!["ACL", "SETUSER", user, "reset", password.as_str()];
+    setuser.extend(readme.rules().iter().map(String::as_str));
+    setuser.extend(extra);
+    let reply = harness::require(server.command(&setuser).await);
+    assert_eq!(reply, RespValue::Simple("OK".into()), "{setuser:?}");
+}
+
+/// Makes `user` as [`set_user`] says; returns a backend logged in as that user.
+async fn backend_as(server: &RedisServer, user: &str, channels: bool) -> RedisBackend {
+    set_user(server, user, channels, &[]).await;
+    RedisBackend::builder()
+        .url(format!(
+            "redis://{user}:{PASSWORD}@127.0.0.1:{}/",
+            server.port()
+        ))
+        .build()
+        .await
+        .expect("the limited user connects")
+}
+
+/// Every call of the backend on a few keys: single and batch, held and free.
+async fn every_call_works(redis: &RedisBackend) {
+    let key = LockKey::new("payout:1").unwrap();
+    let lease = redis.acquire(&key, TTL).await.unwrap().expect("a free key");
+    assert!(redis.acquire(&key, TTL).await.unwrap().is_none());
+    assert!(matches!(
+        redis.renew(&lease).await.unwrap(),
+        Renewal::Renewed { .. }
+    ));
+    assert_eq!(redis.fence(&lease).await.unwrap(), Fence::Current);
+    let info = redis.inspect(&key).await.unwrap();
+    assert_eq!(
+        (info.owner, info.token),
+        (Some(lease.owner()), Some(lease.token()))
+    );
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+    assert!(matches!(
+        redis.fence(&lease).await.unwrap(),
+        Fence::Stale { .. }
+    ));
+
+    let keys: Vec<LockKey> = (0..10)
+        .map(|i| LockKey::new(format!("payout:batch:{i}")).unwrap())
+        .collect();
+    let leases = common::acquire_all(redis, &keys, TTL).await;
+    assert_eq!(leases.len(), keys.len());
+    let renewed = redis.renew_many(&leases).await.unwrap();
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    assert_eq!(
+        redis.release_many(&leases).await.unwrap(),
+        vec![Release::Released; keys.len()]
+    );
+
+    // Single releases made at once go together as one batch call.
+    let leases = common::acquire_all(redis, &keys, TTL).await;
+    let released = futures::future::join_all(leases.iter().map(|l| redis.release(l))).await;
+    assert!(
+        released.iter().all(|r| matches!(r, Ok(Release::Released))),
+        "{released:?}"
+    );
+    redis.purge(&key).await.unwrap();
+}
+
+async fn assert_nothing_held(server: &RedisServer) {
+    assert_eq!(
+        harness::require(server.command(&["DBSIZE"]).await),
+        RespValue::Integer(0),
+        "a lock was left held"
+    );
+}
+
+/// `ACL LOG` as `(reason, object)` pairs: empty when the user had every right it used.
+async fn refusals(server: &RedisServer) -> Vec<(String, String)> {
+    harness::require(server.acl_refusals().await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_limited_to_the_prefix_and_the_listed_commands_does_everything() {
+    let server = harness::require(RedisServer::start().await);
+    let redis = backend_as(&server, "locker", true).await;
+    assert!(redis.capabilities().wakes_waiters);
+    every_call_works(&redis).await;
+
+    // The release listener subscribes with the user's rights and hears a release.
+    let key = LockKey::new("payout:watched").unwrap();
+    let lease = redis.acquire(&key, TTL).await.unwrap().expect("a free key");
+    let mut watch = redis.watch_releases(&key).expect("wake-ups are on");
+    let channel = redis.redis_key(&key);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while harness::require(server.command(&["PUBSUB", "NUMSUB", &channel]).await)
+        != RespValue::Array(Some(vec![
+            RespValue::Bulk(Some(channel.clone().into_bytes())),
+            RespValue::Integer(1),
+        ]))
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never subscribed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The listener wakes a new watcher once when it subscribes (a release may have come
+    // just before): that wake is not the one looked for.
+    let _ = tokio::time::timeout(Duration::from_millis(200), watch.released()).await;
+    // A waiter tries first, which marks the key waited for (with `APPEND`).
+    assert!(redis.acquire(&key, TTL).await.unwrap().is_none());
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+    tokio::time::timeout(Duration::from_secs(5), watch.released())
+        .await
+        .expect("the waiter was woken by the release");
+
+    assert_nothing_held(&server).await;
+    assert_eq!(refusals(&server).await, [], "nothing was refused");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_channel_rights_releases_everything_and_runs_without_wake_ups() {
+    let server = harness::require(RedisServer::start().await);
+    let redis = backend_as(&server, "no-channels", false).await;
+    assert!(!redis.capabilities().wakes_waiters);
+    assert!(
+        redis
+            .watch_releases(&LockKey::new("payout:watched").unwrap())
+            .is_none(),
+        "no listener is started"
+    );
+
+    every_call_works(&redis).await;
+
+    assert_nothing_held(&server).await;
+    // The refusals are the announcements only: the probe at build and the scripts'.
+    let refused = refusals(&server).await;
+    assert!(!refused.is_empty());
+    for (reason, object) in refused {
+        assert_eq!(reason, "channel", "refused {object}");
+    }
+}
+
+/// Connecting and a whole cycle send nothing the server refuses or does not know (redis-rs
+/// would send `CLIENT SETINFO`, which 7.0 does not know and 7.2 refuses to a user without
+/// it): the server counts no error replies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backend_sends_no_command_the_server_answers_with_an_error() {
+    let server = harness::require(RedisServer::start().await);
+    harness::require(server.command(&["CONFIG", "RESETSTAT"]).await);
+    let redis = backend_as(&server, "locker", true).await;
+    every_call_works(&redis).await;
+    let errors = harness::require(server.command(&["INFO", "errorstats"]).await)
+        .as_text()
+        .expect("INFO is text");
+    let counted: Vec<&str> = errors
+        .lines()
+        .filter(|line| line.starts_with("errorstat_"))
+        .collect();
+    assert_eq!(counted, Vec::<&str>::new(), "error replies the server sent");
+}
+
+/// The commands a user needs beyond README's line on a Redis 7 cluster for its releases to
+/// be announced on their key's shard (README says so).
+const SHARD_COMMANDS: &[&str] = &["+spublish", "+ssubscribe", "+sunsubscribe"];
+
+/// What a cluster client needs beyond README's line: the slot map (README says so).
+const CLUSTER_COMMANDS: &[&str] = &["+cluster|slots"];
+
+/// Makes `user` on every node of `cluster` as [`set_user`] says (channels included), with
+/// [`CLUSTER_COMMANDS`] and `extra`; returns a backend logged in as that user.
+async fn cluster_backend_as(
+    cluster: &harness::redis::RedisCluster,
+    user: &str,
+    extra: &[&str],
+) -> RedisBackend {
+    let extra: Vec<&str> = CLUSTER_COMMANDS.iter().chain(extra).copied().collect();
+    for node in cluster.nodes() {
+        set_user(node, user, true, &extra).await;
+    }
+    let built = RedisBackend::builder()
+        .cluster_urls(
+            cluster
+                .nodes()
+                .iter()
+                .map(|n| format!("redis://{user}:{PASSWORD}@127.0.0.1:{}/", n.port())),
+        )
+        .build()
+        .await;
+    match built {
+        Ok(b) => b,
+        Err(e) => panic!(
+            "{e}; a node's ACL LOG: {:?}",
+            refusals(&cluster.nodes()[0]).await
+        ),
+    }
+}
+
+/// A locker on `waiter` that backs off from `initial` to `max` and waits up to `wait`.
+fn waiting_locker(
+    waiter: RedisBackend,
+    initial: Duration,
+    max: Duration,
+    wait: Duration,
+) -> distlock_core::Locker {
+    distlock_core::Locker::builder(std::sync::Arc::new(waiter))
+        .ttl(TTL)
+        .retry(distlock_core::RetryPolicy { initial, max })
+        .wait_timeout(Some(wait))
+        .build()
+        .unwrap()
+}
+
+/// A waiter on `waiter` for a key `holder` holds, then the release: how long the waiter
+/// took to hold the key after it, and the `(PUBLISH, SPUBLISH)` calls the cluster ran
+/// meanwhile.
+async fn one_woken_handoff(
+    cluster: &harness::redis::RedisCluster,
+    holder: &RedisBackend,
+    waiter: RedisBackend,
+) -> (Duration, (u64, u64)) {
+    let backoff = Duration::from_secs(20);
+    let key = LockKey::new("acl:handoff").unwrap();
+    let lease = holder
+        .acquire(&key, TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    let locker = waiting_locker(waiter, backoff, backoff, backoff * 2);
+    let waiting = tokio::spawn({
+        let key = key.clone();
+        async move {
+            let guard = locker.lock(&key).await.expect("the waiter holds the key");
+            let held = tokio::time::Instant::now();
+            guard.release().await.unwrap();
+            held
+        }
+    });
+    // The waiter has tried, marked the key waited for, and subscribed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = (
+        common::cluster_calls(cluster, "publish").await,
+        common::cluster_calls(cluster, "spublish").await,
+    );
+    let released = tokio::time::Instant::now();
+    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+    let held = waiting.await.unwrap();
+    let after = (
+        common::cluster_calls(cluster, "publish").await,
+        common::cluster_calls(cluster, "spublish").await,
+    );
+    (held - released, (after.0 - before.0, after.1 - before.1))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_user_with_the_shard_channel_commands_is_woken_over_spublish() {
+    let cluster = harness::require(harness::redis::RedisCluster::start().await);
+    let holder = cluster_backend_as(&cluster, "locker", SHARD_COMMANDS).await;
+    let waiter = cluster_backend_as(&cluster, "locker", SHARD_COMMANDS).await;
+    assert!(waiter.capabilities().wakes_waiters);
+    let (after_release, (publishes, spublishes)) =
+        one_woken_handoff(&cluster, &holder, waiter).await;
+    assert!(after_release < Duration::from_secs(5), "{after_release:?}");
+    assert_eq!((publishes, spublishes), (0, 1));
+    for node in cluster.nodes() {
+        assert_eq!(refusals(node).await, Vec::new(), "node {}", node.port());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_user_without_the_shard_channel_commands_is_still_woken_over_publish() {
+    let cluster = harness::require(harness::redis::RedisCluster::start().await);
+    let holder = cluster_backend_as(&cluster, "locker", &[]).await;
+    let waiter = cluster_backend_as(&cluster, "locker", &[]).await;
+    assert!(waiter.capabilities().wakes_waiters);
+    let (after_release, (publishes, spublishes)) =
+        one_woken_handoff(&cluster, &holder, waiter).await;
+    assert!(after_release < Duration::from_secs(5), "{after_release:?}");
+    assert_eq!((publishes, spublishes), (1, 0));
+}
+
+/// The `count` of each `ACL LOG` entry of `server` (a refusal repeated within a minute is
+/// counted in one entry).
+async fn refusal_counts(server: &RedisServer) -> Vec<i64> {
+    let RespValue::Array(Some(entries)) = harness::require(server.command(&["ACL", "LOG"]).await)
+    else {
+        panic!("ACL LOG is an array")
+    };
+    entries
+        .into_iter()
+        .map(|entry| match entry {
+            RespValue::Array(Some(fields)) => fields
+                .chunks(2)
+                .find_map(|pair| match pair {
+                    [RespValue::Bulk(Some(name)), RespValue::Integer(n)] if name == b"count" => {
+                        Some(*n)
+                    }
+                    _ => None,
+                })
+                .expect("an ACL LOG entry has a count"),
+            other => panic!("an ACL LOG entry is an array: {other:?}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_ssubscribe_ends_the_listener_and_waiters_poll() {
+    let cluster = harness::require(harness::redis::RedisCluster::start().await);
+    let holder = cluster_backend_as(&cluster, "locker", &["+spublish"]).await;
+    let waiter = cluster_backend_as(&cluster, "locker", &["+spublish"]).await;
+    let key = LockKey::new("acl:refused").unwrap();
+    let lease = holder
+        .acquire(&key, TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    let locker = waiting_locker(
+        waiter,
+        Duration::from_millis(50),
+        Duration::from_millis(200),
+        TTL,
+    );
+    let waiting = tokio::spawn({
+        let key = key.clone();
+        async move { locker.lock(&key).await.map(drop) }
+    });
+    // Long enough for a listener that connected again after each refusal (pauses from
+    // 50 ms, doubling) to be refused many more times.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut counts = Vec::new();
+    for node in cluster.nodes() {
+        counts.extend(refusal_counts(node).await);
+    }
+    assert_eq!(counts, [1], "one SSUBSCRIBE refused, once");
+    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+    waiting
+        .await
+        .unwrap()
+        .expect("the waiter polled and got the key");
+}

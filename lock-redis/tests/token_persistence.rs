@@ -1,0 +1,177 @@
+//! Tokens never go back, whatever the server comes back with: a restart without
+//! persistence, a restart from an RDB snapshot or an AOF that is behind the last grants
+//! (after `kill -9`), `FLUSHALL`, and a failover to a replica that missed the last
+//! grants. Each case runs lock cycles (single and batch calls), brings the server back
+//! that way, runs more, and checks that every later token is above every earlier one.
+
+mod common;
+
+use std::path::Path;
+use std::time::Duration;
+
+use distlock_core::{LockBackend, LockKey, Release};
+use harness::redis::{RedisServer, RespValue};
+use lock_redis::RedisBackend;
+
+const TTL: Duration = Duration::from_secs(10);
+const CYCLES: usize = 4;
+
+async fn backend(server: &RedisServer) -> RedisBackend {
+    RedisBackend::builder()
+        .url(server.url())
+        .build()
+        .await
+        .expect("connect to the test server")
+}
+
+fn key() -> LockKey {
+    LockKey::new("report:nightly").unwrap()
+}
+
+/// `n` acquire + release cycles on `key`, every other one through the batch calls;
+/// returns the tokens in the order they were granted.
+async fn cycles(redis: &RedisBackend, key: &LockKey, n: usize) -> Vec<u64> {
+    let mut tokens = Vec::with_capacity(n);
+    for i in 0..n {
+        if i % 2 == 0 {
+            let lease = redis.acquire(key, TTL).await.unwrap().expect("a free key");
+            tokens.push(lease.token().get());
+            assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+        } else {
+            let leases = redis
+                .acquire_many(std::slice::from_ref(key), TTL)
+                .await
+                .unwrap();
+            let lease = leases.into_iter().flatten().next().expect("a free key");
+            tokens.push(lease.token().get());
+            assert_eq!(
+                redis.release_many(&[lease]).await.unwrap(),
+                [Release::Released]
+            );
+        }
+    }
+    tokens
+}
+
+/// Every token of `after` is above every token of `before`, and `after` increases.
+fn assert_above(before: &[u64], after: &[u64], what: &str) {
+    let highest = before.iter().max().expect("tokens before");
+    assert!(
+        after.iter().all(|t| t > highest) && after.windows(2).all(|w| w[0] < w[1]),
+        "{what}: tokens {after:?} after, {before:?} before"
+    );
+}
+
+async fn command(server: &RedisServer, args: &[&str]) -> RespValue {
+    let reply = harness::require(server.command(args).await);
+    assert!(!matches!(reply, RespValue::Error(_)), "{args:?}: {reply:?}");
+    reply
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_a_restart_without_persistence() {
+    let server = harness::require(RedisServer::start().await);
+    let before = cycles(&backend(&server).await, &key(), CYCLES).await;
+
+    harness::require(server.kill());
+    harness::require(server.restart().await);
+
+    let after = cycles(&backend(&server).await, &key(), CYCLES).await;
+    assert_above(&before, &after, "after a restart with nothing kept");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_a_restart_from_an_rdb_snapshot_behind_the_last_grants() {
+    let server = harness::require(RedisServer::start().await);
+    let redis = backend(&server).await;
+    let mut before = cycles(&redis, &key(), CYCLES).await;
+    command(&server, &["SAVE"]).await;
+    before.extend(cycles(&redis, &key(), CYCLES).await);
+
+    // No shutdown save: the server comes back with the snapshot, behind the last grants.
+    harness::require(server.kill());
+    assert!(
+        server.dir().join("dump.rdb").exists(),
+        "the snapshot was written"
+    );
+    harness::require(server.restart().await);
+
+    let after = cycles(&backend(&server).await, &key(), CYCLES).await;
+    assert_above(&before, &after, "after a restart from an older snapshot");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_a_restart_from_an_aof_behind_the_last_grants() {
+    let server = harness::require(
+        RedisServer::builder()
+            .appendonly(true)
+            .args(["--appendfsync", "everysec"])
+            .start()
+            .await,
+    );
+    let redis = backend(&server).await;
+    let mut before = cycles(&redis, &key(), CYCLES).await;
+    // What a machine that lost power would find: the AOF as of its last `everysec` fsync,
+    // which the later grants did not reach.
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    let aof = server.dir().join("appendonlydir");
+    let synced = server.dir().join("aof-as-synced");
+    copy_dir(&aof, &synced);
+    before.extend(cycles(&redis, &key(), CYCLES).await);
+
+    harness::require(server.kill());
+    std::fs::remove_dir_all(&aof).unwrap();
+    copy_dir(&synced, &aof);
+    harness::require(server.restart().await);
+
+    let after = cycles(&backend(&server).await, &key(), CYCLES).await;
+    assert_above(
+        &before,
+        &after,
+        "after a restart from an AOF behind the grants",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_flushall() {
+    let server = harness::require(RedisServer::start().await);
+    let redis = backend(&server).await;
+    let before = cycles(&redis, &key(), CYCLES).await;
+
+    command(&server, &["FLUSHALL"]).await;
+
+    let after = cycles(&redis, &key(), CYCLES).await;
+    assert_above(&before, &after, "after FLUSHALL");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_after_a_failover_to_a_replica_that_missed_the_last_grants() {
+    let (master, replica) = common::master_and_replica().await;
+    let redis = backend(&master).await;
+    let mut before = cycles(&redis, &key(), CYCLES).await;
+    assert_eq!(
+        command(&master, &["WAIT", "1", "5000"]).await,
+        RespValue::Integer(1),
+        "the replica has the first grants"
+    );
+    // The replica stops following (as a partitioned one would) and is promoted; the
+    // master grants on without it.
+    command(&replica, &["REPLICAOF", "NO", "ONE"]).await;
+    before.extend(cycles(&redis, &key(), CYCLES).await);
+
+    let promoted = backend(&replica).await;
+    let after = cycles(&promoted, &key(), CYCLES).await;
+    assert_above(
+        &before,
+        &after,
+        "after a failover to a replica behind the grants",
+    );
+}
