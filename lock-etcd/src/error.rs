@@ -23,6 +23,7 @@ const INVALID_ARGUMENT: i32 = 3;
 const NOT_FOUND: i32 = 5;
 const DEADLINE_EXCEEDED: i32 = 4;
 const PERMISSION_DENIED: i32 = 7;
+const RESOURCE_EXHAUSTED: i32 = 8;
 const INTERNAL: i32 = 13;
 const UNAVAILABLE: i32 = 14;
 const UNAUTHENTICATED: i32 = 16;
@@ -130,6 +131,16 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
             format!("the lease expired before the request reached etcd: {message}"),
         );
     }
+    if code == RESOURCE_EXHAUSTED && message.contains(TOO_MANY_REQUESTS) {
+        // The member's applied index lags its committed index: etcd refuses new requests
+        // before proposing them, so nothing was applied, and the overload passes. (Its
+        // other `ResourceExhausted`, "database space exceeded", needs an operator and
+        // stays final.)
+        return DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("etcd is overloaded and refused the request: {message}"),
+        );
+    }
     let lost_reply = match code {
         CANCELLED | DEADLINE_EXCEEDED => true,
         UNAVAILABLE => !never_sent_status(code, message, link),
@@ -149,6 +160,9 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
     };
     DriverFailure::new(kind, message)
 }
+
+/// What an overloaded etcd member answers (`ErrTooManyRequests`), before proposing.
+const TOO_MANY_REQUESTS: &str = "too many requests";
 
 /// What etcd answers to a request whose auth token it does not know (expired, or issued
 /// before the member restarted).
@@ -321,6 +335,26 @@ mod tests {
         );
         assert!(matches!(e, LockError::OutcomeUnknown { .. }));
         assert!(from_status(UNKNOWN, "transport error", Link::Broken, Effect::None).is_retryable());
+    }
+
+    #[test]
+    fn an_overloaded_member_is_retryable_and_nothing_was_applied_but_a_full_database_is_final() {
+        let e = from_status(
+            RESOURCE_EXHAUSTED,
+            "etcdserver: too many requests",
+            Link::Answered,
+            Effect::Write("acquire"),
+        );
+        assert!(matches!(e, LockError::Unavailable { .. }), "{e:?}");
+        assert!(e.is_retryable());
+        let full = from_status(
+            RESOURCE_EXHAUSTED,
+            "etcdserver: mvcc: database space exceeded",
+            Link::Answered,
+            Effect::Write("acquire"),
+        );
+        assert!(matches!(full, LockError::Backend { .. }), "{full:?}");
+        assert!(!full.is_retryable());
     }
 
     #[test]

@@ -23,11 +23,11 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 
 use self::keys::{lock_id, split};
-use self::session::{session_moved, unpin};
+use self::session::{Releasing, session_moved};
 use crate::client::{PgClient, on_conn, token_from, with_clock};
 use crate::error::Operation;
 use crate::key_row;
-use crate::releases::{ReleaseListener, channel};
+use crate::releases::ReleaseListener;
 
 const NAME: &str = "postgres-advisory";
 
@@ -45,11 +45,14 @@ struct Statements {
 /// connection can serve the pool again. The CTE runs the unlock of this key first, and
 /// only in the server session that took the lock (pid `$2`): in any other session the
 /// statement does nothing and returns no row.
-/// When the key was unlocked, it notifies the backend's release channel (`$3`) with the
-/// name (`$4`), which goes out as the statement ends.
+/// When the key was unlocked and some process waits for it (the waiter id `$5`, `$6` is
+/// registered, see `crate::waiters`), it notifies the backend's release channel (`$3`)
+/// with the name (`$4`), which goes out as the statement ends. Nobody waiting, nothing is
+/// sent: the statement then gets no transaction id and writes nothing to the WAL.
 const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
                 WHERE pg_backend_pid() = $2), \
-     n AS (SELECT pg_notify($3, $4) FROM u WHERE u.released) \
+     n AS (SELECT pg_notify($3, $4) FROM u \
+            WHERE u.released AND NOT pg_try_advisory_xact_lock($5, $6)) \
      SELECT u.released, (SELECT count(*) FROM n), pg_advisory_unlock_all(), \
      set_config('idle_session_timeout', NULL, false), \
      set_config('tcp_user_timeout', NULL, false), \
@@ -90,9 +93,10 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 ///   database's or role's own defaults come back), and gives the connection back to the
 ///   pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
-/// - **Waiters.** The release statement also notifies the backend's channel with the
-///   name (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`] in every
-///   process that listens (one `LISTEN` session per backend, opened with the first waiter;
+/// - **Waiters.** When some process waits for the key, the release statement also
+///   notifies the backend's channel with the name (`pg_notify`); a release nobody waits
+///   for sends nothing and writes nothing to the WAL. The notification wakes a waiter in
+///   [`distlock_core::Locker::lock`] in every process that listens (one `LISTEN` session per backend, opened with the first waiter;
 ///   see [`LockBackend::watch_releases`]). A lock freed by its session ending is not
 ///   announced: waiters take it at their next backoff step. A waiter blocked in
 ///   `pg_advisory_lock` would instead pin a connection, and so a lock slot, per waiter.
@@ -121,7 +125,12 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 /// Session locks need the session: behind PgBouncer in `transaction` (or `statement`)
 /// pooling mode, consecutive statements run on different server sessions, so locks leak
 /// to other clients and checks see the wrong session. Connect directly or through a
-/// `session`-mode pool. The backend notices: acquire refuses a server session that
+/// `session`-mode pool. The backend notices: before its first lock (or in
+/// [`connect`](Self::connect)) it opens two connections of its own and checks that a
+/// session setting one makes is neither seen by the other nor gone at its own next
+/// statement, and refuses every acquire with [`LockError::Config`] naming the pooling
+/// mode otherwise, before anything is locked or counted (`tests/pgbouncer.rs` runs this
+/// through a real PgBouncer in both modes). Acquire also refuses a server session that
 /// already holds advisory locks, and renew, fence and release compare the server
 /// session's pid with the one that took the lock, failing with [`LockError::Config`]
 /// that names the pooling mode (release then unlocks nothing in the wrong session).
@@ -142,6 +151,9 @@ pub struct PgAdvisoryBackend {
     /// Locks held right now, so a full backend fails at once instead of waiting.
     held: Arc<AtomicUsize>,
     sql: Statements,
+    /// Why locks are refused here, once the pooling check found that connections do not
+    /// keep their server sessions; empty when they do. Checked before the first lock.
+    pooling: tokio::sync::OnceCell<Option<String>>,
     pub(crate) releases: ReleaseListener,
 }
 
@@ -202,9 +214,11 @@ impl PgAdvisoryBackend {
             purge: s.sql("DELETE FROM {s}.distlock_advisory_tokens WHERE name = $1"),
         };
         let releases = ReleaseListener::new(
-            channel("advisory", s),
+            "advisory",
+            s,
             (*client.pool.connect_options()).clone(),
             client.connect_timeout,
+            client.request_timeout,
         );
         Self {
             id: BackendId::next(),
@@ -214,6 +228,7 @@ impl PgAdvisoryBackend {
             slots: Arc::new(Semaphore::new(max_held)),
             held: Arc::new(AtomicUsize::new(0)),
             sql,
+            pooling: tokio::sync::OnceCell::new(),
         }
     }
 
@@ -222,7 +237,24 @@ impl PgAdvisoryBackend {
     /// [`LockError::Config`] on a refused login or a database without `setup()`.
     /// Optional: without it, connections open on first use.
     pub async fn connect(&self) -> Result<(), LockError> {
-        self.client.warm_up(NAME, "distlock_advisory_tokens").await
+        self.client
+            .warm_up(NAME, "distlock_advisory_tokens")
+            .await?;
+        self.check_pooling().await
+    }
+
+    /// Fails with [`LockError::Config`] naming the pooling mode when client connections
+    /// do not keep their server sessions (a transaction-pooling proxy). Runs the check
+    /// once; a check that could not run is an error and is tried again next time.
+    async fn check_pooling(&self) -> Result<(), LockError> {
+        let refused = self
+            .pooling
+            .get_or_try_init(|| session::sessions_shared(&self.client))
+            .await?;
+        match refused {
+            Some(reason) => Err(LockError::Config(reason.clone())),
+            None => Ok(()),
+        }
     }
 
     /// Creates the schema and tables if they do not exist. Idempotent; run it once at
@@ -370,14 +402,20 @@ impl LockBackend for PgAdvisoryBackend {
         self.renew_sent(lease, Instant::now()).await
     }
 
+    /// # Cancel safety
+    /// A release cancelled after its statement may have been sent closes the lease's
+    /// connection (which frees the lock if the statement did not run) and unpins it: a
+    /// clone of the lease then renews as [`Renewal::Lost`], never as held.
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         let Some(session) = self.session(lease)? else {
             return Ok(Release::NotHeld);
         };
         let mut slot = session.pinned.lock().await;
-        let Some(pinned) = slot.as_mut() else {
+        let Some(pinned) = slot.take() else {
             return Ok(Release::NotHeld);
         };
+        let mut releasing = Releasing::new(pinned);
+        let (class, obj) = self.releases.waiter_id(lease.key());
         let result = self
             .client
             .timed(
@@ -388,25 +426,31 @@ impl LockBackend for PgAdvisoryBackend {
                     .bind(session.pid)
                     .bind(self.releases.channel())
                     .bind(lease.key().as_str())
-                    .fetch_optional(&mut *pinned.conn),
+                    .bind(class)
+                    .bind(obj)
+                    .fetch_optional(&mut **releasing.conn()),
             )
             .await;
-        if let Ok(None) = result {
-            // Another server session answered, and nothing was done in it; the connection
-            // stays pinned, as in `holds`.
-            return Err(session_moved(session.pid, None));
-        }
-        if result
-            .as_ref()
-            .is_ok_and(|unlocked| *unlocked == Some(true))
-        {
+        match result {
             // Unlocked and reset: the connection goes back to the pool.
-            slot.take();
-            Ok(Release::Released)
-        } else {
-            // Not held, or the session is gone: closing it frees whatever it held.
-            unpin(&mut slot);
-            Ok(Release::NotHeld)
+            Ok(Some(true)) => {
+                releasing.give_back();
+                Ok(Release::Released)
+            }
+            // Not held: dropping `releasing` closes the session, freeing whatever it held.
+            Ok(Some(false)) => Ok(Release::NotHeld),
+            Ok(None) => {
+                // Another server session answered, and nothing was done in it; the
+                // connection stays pinned, as in `holds`.
+                *slot = releasing.keep();
+                Err(session_moved(session.pid, None))
+            }
+            // The server had ended the session, and with it the lock, before the unlock.
+            Err(failed) if failed.session_ended => Ok(Release::NotHeld),
+            // Whether the unlock ran is not known from here (a lost reply, a failed
+            // connection): an error, not `NotHeld`, which would report a possible overlap.
+            // Closing the session frees the lock now if it did not run.
+            Err(failed) => Err(failed.error),
         }
     }
 

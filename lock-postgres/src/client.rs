@@ -31,6 +31,8 @@ pub(crate) struct PgClient {
 pub(crate) struct Failed {
     pub(crate) error: LockError,
     pub(crate) broken: bool,
+    /// The server ended the session before the statement ran.
+    pub(crate) session_ended: bool,
 }
 
 impl PgClient {
@@ -66,11 +68,13 @@ impl PgClient {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(Failed {
                 broken: error::connection_broken(&e),
+                session_ended: error::session_ended(&e),
                 error: error::from_sqlx(backend, op, &self.schema, e),
             }),
             Err(_) => Err(Failed {
                 error: error::timed_out(backend, op, self.request_timeout),
                 broken: true,
+                session_ended: false,
             }),
         }
     }

@@ -5,13 +5,17 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::{LockBackend, LockError, redact_url};
+use distlock_core::{LockBackend, LockError, redact_url, trusted_for};
+use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 use crate::advisory::PgAdvisoryBackend;
 use crate::client::PgClient;
 use crate::lease_table::PgLeaseBackend;
 use crate::schema::{DEFAULT_SCHEMA, Schema};
+
+/// A pooled connection idle for longer than this is pinged before a call uses it.
+const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
 
 /// The largest pool a builder accepts.
 pub const MAX_POOL_SIZE: u32 = 1_000;
@@ -211,9 +215,22 @@ impl PgBuilder {
             }
         }
         let options = connect_options(&self.url)?;
+        // No ping on every checkout: it would double every call's round trips. Only a
+        // connection idle for longer than `PING_IF_IDLE_FOR` is pinged first, as the server
+        // (`idle_session_timeout`) or the network may have ended it meanwhile; under load
+        // none is.
         let pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(self.connect_timeout)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > PING_IF_IDLE_FOR {
+                        conn.ping().await?;
+                    }
+                    Ok(true)
+                })
+            })
             .connect_lazy_with(options);
         Ok(PgClient {
             pool,
@@ -231,7 +248,7 @@ impl PgBuilder {
         let whole_ms = |d: Duration| d.as_nanos() % 1_000_000 == 0;
         // The advisory backend hands the TTL to `idle_session_timeout`, a 32-bit count of ms.
         let limit = Duration::from_millis(i32::MAX as u64);
-        if self.min_ttl.is_zero()
+        if trusted_for(self.min_ttl).is_zero()
             || self.min_ttl > self.max_ttl
             || self.max_ttl > limit
             || !whole_ms(self.min_ttl)
@@ -239,7 +256,8 @@ impl PgBuilder {
         {
             return Err(LockError::Config(format!(
                 "TTL bounds {:?}..={:?} are invalid: both must be whole milliseconds, \
-                 0 < min <= max <= {limit:?}",
+                 min <= max <= {limit:?}, and min a TTL a lease is trusted for at all \
+                 (3 ms or more)",
                 self.min_ttl, self.max_ttl
             )));
         }

@@ -22,6 +22,8 @@ pub(crate) enum Operation {
     Admit,
     RecordKey,
     Purge,
+    /// The advisory backend's check that connections keep their server sessions.
+    CheckPooling,
 }
 
 impl Operation {
@@ -36,6 +38,7 @@ impl Operation {
             Self::Admit => "admit",
             Self::RecordKey => "record",
             Self::Purge => "purge",
+            Self::CheckPooling => "pooling check",
         }
     }
 
@@ -43,7 +46,7 @@ impl Operation {
     /// effect unknown.
     fn effect(self) -> Effect {
         match self {
-            Self::Fence | Self::Inspect => Effect::None,
+            Self::Fence | Self::Inspect | Self::CheckPooling => Effect::None,
             _ => Effect::Write(self.as_str()),
         }
     }
@@ -174,9 +177,15 @@ pub(crate) fn timed_out(backend: &'static str, op: Operation, after: Duration) -
 }
 
 /// True when the error means the connection itself is gone or unusable.
+/// Whether the server ended the session (`57P*`: shutdown, `pg_terminate_backend`, idle
+/// timeout): a session lock it held is gone, and no statement ran after that.
+pub(crate) fn session_ended(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("57P")))
+}
+
 pub(crate) fn connection_broken(e: &sqlx::Error) -> bool {
     matches!(
         e,
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_)
-    ) || matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("57P")))
+    ) || session_ended(e)
 }

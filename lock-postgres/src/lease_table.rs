@@ -20,7 +20,8 @@ use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms
 use crate::config::PgBuilder;
 use crate::error::Operation;
 use crate::key_row;
-use crate::releases::{ReleaseListener, channel};
+use crate::releases::ReleaseListener;
+use crate::waiters::notify_if_waited;
 
 const NAME: &str = "postgres-lease";
 
@@ -50,12 +51,13 @@ struct Statements {
 ///   never issues a token twice, as long as the server's clock does not go back.
 /// - **renew** and **release** match name, owner *and* token, and only while
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
-/// - **release** clears the owner and keeps the row, so the next token is still higher,
-///   and in the same statement notifies the backend's channel with the name
-///   (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`] in every process
-///   that listens (one `LISTEN` session per backend, opened with the first waiter; see
-///   [`LockBackend::watch_releases`]). A lease that runs out is not announced: waiters
-///   take it at their next backoff step.
+/// - **release** clears the owner and keeps the row, so the next token is still higher.
+///   When some process waits for the key (its release listener registered the key; see
+///   [`LockBackend::watch_releases`]), the same statement notifies the backend's channel
+///   with the name (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`]
+///   in every process that listens. A release nobody waits for sends nothing, so it
+///   never takes PostgreSQL's cluster-wide notify lock. A lease that runs out is not
+///   announced: waiters take it at their next backoff step.
 ///
 /// Expiry uses the server's clock only (`now()`); the client's own deadline
 /// ([`Lease::valid_until`]) is counted from the instant the request was sent, so it always
@@ -110,26 +112,31 @@ impl PgLeaseBackend {
                     AND l.expires_at > now() \
                  RETURNING l.name, l.token",
             ),
-            // The notification goes out when the release commits, in the same statement.
-            release_many: s.sql(
-                "WITH r AS (UPDATE {s}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
-                   FROM unnest($1::text[], $2::uuid[], $3::bigint[]) AS k(name, owner, token) \
+            // The notification goes out when the release commits, and only for a key some
+            // process waits for (`crate::waiters`); the filter is always true and is there to
+            // run the check once per released row.
+            release_many: s.sql(&format!(
+                "WITH r AS (UPDATE {{s}}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
+                   FROM unnest($1::text[], $2::uuid[], $3::bigint[], $5::int4[], $6::int4[]) \
+                        AS k(name, owner, token, wclass, wobj) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
                     AND l.expires_at > now() \
-                 RETURNING l.name, l.token) \
-                 SELECT r.name, r.token FROM r, pg_notify($4, r.name)",
-            ),
+                 RETURNING l.name, l.token, k.wclass, k.wobj) \
+                 SELECT r.name, r.token FROM r WHERE {} >= 0",
+                notify_if_waited("$4", "r.name", "r.wclass", "r.wobj")
+            )),
             renew: s.sql(
                 "UPDATE {s}.distlock_leases \
                     SET expires_at = now() + $4::bigint * interval '1 millisecond' \
                   WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
             ),
-            release: s.sql(
-                "WITH r AS (UPDATE {s}.distlock_leases SET owner = NULL, expires_at = NULL \
+            release: s.sql(&format!(
+                "WITH r AS (UPDATE {{s}}.distlock_leases SET owner = NULL, expires_at = NULL \
                   WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now() \
                  RETURNING name) \
-                 SELECT count(*) FROM r, pg_notify($4, r.name)",
-            ),
+                 SELECT count(*) FROM r WHERE {} >= 0",
+                notify_if_waited("$4", "r.name", "$5", "$6")
+            )),
             fence: s.sql(
                 "SELECT token, (owner = $2 AND token = $3 AND expires_at > now()) AS held \
                    FROM {s}.distlock_leases WHERE name = $1",
@@ -144,9 +151,11 @@ impl PgLeaseBackend {
             purge: s.sql("DELETE FROM {s}.distlock_leases WHERE name = $1"),
         };
         let releases = ReleaseListener::new(
-            channel("lease", s),
+            "lease",
+            s,
             (*client.pool.connect_options()).clone(),
             client.connect_timeout,
+            client.request_timeout,
         );
         Self {
             id: BackendId::next(),
@@ -196,11 +205,15 @@ impl PgLeaseBackend {
         for lease in leases {
             self.check(lease)?;
         }
+        // Sent sorted by name, so concurrent batches lock rows in the same order and cannot
+        // deadlock (as `acquire_many` does).
+        let mut sorted: Vec<&Lease> = leases.iter().collect();
+        sorted.sort_by(|a, b| a.key().as_str().cmp(b.key().as_str()));
         let mut conn = self.client.conn(NAME).await?;
-        let names: Vec<&str> = leases.iter().map(|l| l.key().as_str()).collect();
-        let owners: Vec<Uuid> = leases.iter().map(|l| owner_uuid(l.owner())).collect();
-        let tokens: Vec<i64> = leases.iter().map(|l| token_i64(l.token())).collect();
-        let ttls: Vec<i64> = leases.iter().map(|l| ttl_ms(l.ttl())).collect();
+        let names: Vec<&str> = sorted.iter().map(|l| l.key().as_str()).collect();
+        let owners: Vec<Uuid> = sorted.iter().map(|l| owner_uuid(l.owner())).collect();
+        let tokens: Vec<i64> = sorted.iter().map(|l| token_i64(l.token())).collect();
+        let ttls: Vec<i64> = sorted.iter().map(|l| ttl_ms(l.ttl())).collect();
         let mut query = sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql.clone()))
             .bind(names)
             .bind(owners)
@@ -208,7 +221,11 @@ impl PgLeaseBackend {
         if op == Operation::Renew {
             query = query.bind(ttls);
         } else {
-            query = query.bind(self.releases.channel());
+            let (classes, objs): (Vec<i32>, Vec<i32>) = sorted
+                .iter()
+                .map(|l| self.releases.waiter_id(l.key()))
+                .unzip();
+            query = query.bind(self.releases.channel()).bind(classes).bind(objs);
         }
         let rows = on_conn!(self.client, NAME, op, conn, query.fetch_all(&mut *conn))?;
         let mut updated: HashSet<(String, i64)> = rows.into_iter().collect();
@@ -393,6 +410,7 @@ impl LockBackend for PgLeaseBackend {
 
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check(lease)?;
+        let (class, obj) = self.releases.waiter_id(lease.key());
         let mut conn = self.client.conn(NAME).await?;
         let released: i64 = on_conn!(
             self.client,
@@ -404,6 +422,8 @@ impl LockBackend for PgLeaseBackend {
                 .bind(owner_uuid(lease.owner()))
                 .bind(token_i64(lease.token()))
                 .bind(self.releases.channel())
+                .bind(class)
+                .bind(obj)
                 .fetch_one(&mut *conn)
         )?;
         Ok(if released == 1 {

@@ -27,10 +27,12 @@ mod lease_table;
 mod releases;
 mod schema;
 mod url;
+mod waiters;
 
 pub use advisory::PgAdvisoryBackend;
 pub use config::{MAX_POOL_SIZE, PgBuilder, PgMode, URL_PARAMS, is_url_param};
 pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;
+pub use releases::LISTENER_APPLICATION_NAME;
 pub use schema::{DEFAULT_SCHEMA, Schema};
 pub use url::{PARAMS, POSTGRES_URL_ENV};

@@ -3,15 +3,16 @@
 //!
 //! # One channel per schema and mode, the key as payload
 //!
-//! Every release statement runs `pg_notify(channel, name)` (both bind parameters) in the
-//! same statement, so the notification goes out when the release commits, never before.
-//! The channel is [`channel`]: one per schema and backend mode (the two modes' locks are
+//! A release statement runs `pg_notify(channel, name)` (both bind parameters) in the same
+//! statement, so the notification goes out when the release commits, never before, and
+//! only when some process waits for that key: the listener registers the keys its waiters
+//! watch in the waiters' registry (see [`crate::waiters`]), which the release reads. The
+//! channel is [`channel`]: one per schema and backend mode (the two modes' locks are
 //! separate), named after a hash of the schema because a channel name is an identifier of
 //! at most 63 bytes and a schema name alone may be that long. A channel per key would need
-//! a `LISTEN` round trip before each new key's first wait (racing the waiter's first
-//! attempt) and could not hold long key names; the one channel is already listened to when
-//! a waiter looks. The price is that the process also hears releases of keys nobody in it
-//! waits for: one small message each, dropped at once.
+//! a `LISTEN` round trip before each new key's first wait and could not hold long key
+//! names. The price is that the process also hears releases of keys that only another
+//! process waits for: one small message each, dropped at once.
 //!
 //! # Not announced
 //!
@@ -23,8 +24,19 @@
 //!
 //! The listener runs on a connection of its own (same settings as the backend's pool, not
 //! one of its slots). When that connection is lost, it connects again, pausing longer after
-//! each attempt that fails, `LISTEN`s again and wakes a waiter of every watched key, since
-//! releases in between were not heard. It does the same after the first `LISTEN`.
+//! each attempt that fails, `LISTEN`s again, registers every watched key again and wakes a
+//! waiter of each, since releases in between were not heard. It does the same after the
+//! first `LISTEN`, and wakes the waiters of a key each time it registers that key.
+//!
+//! # A connection that dies silently
+//!
+//! A NAT or load balancer that drops an idle flow, a crashed host or a failover can leave
+//! the socket open with nothing behind it: no error ever comes. So the listener waits for
+//! a notification at most the request time limit, then pings (`SELECT 1`, under the same
+//! limit); no answer, and it drops the connection and connects again. It is told the
+//! state of its connection within twice the request time limit. The session also runs
+//! with the server's TCP keepalives and `tcp_user_timeout` at about that time, so the
+//! server ends the session of a listener that vanished, and with it its registrations.
 //!
 //! # Lifetime
 //!
@@ -32,24 +44,31 @@
 //! stop channel closes), closing its connection. A runtime that shuts down drops it; the
 //! next watch, on another runtime, starts it again.
 
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use distlock_core::LockKey;
-use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
 use sha2::{Digest, Sha256};
-use sqlx::PgPool;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool};
 use tokio::runtime::Handle;
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tracing::debug;
 
 use crate::schema::Schema;
+use crate::waiters::{REGISTER, UNREGISTER, waiter_id};
 
 /// The pause after the first failed attempt to listen; it doubles up to [`LONGEST_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(100);
 const LONGEST_PAUSE: Duration = Duration::from_secs(2);
+
+/// The `application_name` of the listener's sessions, so operators (and tests) can tell
+/// them from the backend's pool.
+pub const LISTENER_APPLICATION_NAME: &str = "distlock-releases";
 
 /// The notification channel of the releases of one backend mode (`lease`, `advisory`) in
 /// `schema`: `distlock_<mode>_` and the first 8 bytes of SHA-256 of the schema name in hex.
@@ -70,28 +89,57 @@ pub(crate) struct ReleaseListener {
 /// What the listener task uses.
 struct Shared {
     hub: ReleaseHub,
+    /// Signalled when the set of watched keys changes.
+    changed: Arc<Notify>,
+    mode: &'static str,
+    schema: Schema,
     channel: String,
     options: PgConnectOptions,
     connect_timeout: Duration,
+    /// How long the listener waits for a reply, and how long it lets its connection stay
+    /// quiet before it pings.
+    request_timeout: Duration,
+    /// [`keepalive_sql`] for `request_timeout`.
+    keepalive: Arc<str>,
     /// Hears releases but wakes no one, as a connection that silently lost them would.
     #[cfg(test)]
     deaf: std::sync::atomic::AtomicBool,
 }
 
+/// Tells the listener task that the watched keys changed.
+struct Nudge(Arc<Notify>);
+
+impl Subscriptions for Nudge {
+    fn subscribe(&self, _: &LockKey) {
+        self.0.notify_one();
+    }
+    fn unsubscribe(&self, _: &LockKey) {
+        self.0.notify_one();
+    }
+}
+
 impl ReleaseListener {
-    /// A listener on `channel` that connects with `options`; nothing is opened until a key
-    /// is watched.
+    /// A listener for the releases of backend mode `mode` (`lease`, `advisory`) in
+    /// `schema` that connects with `options`; nothing is opened until a key is watched.
     pub(crate) fn new(
-        channel: String,
+        mode: &'static str,
+        schema: &Schema,
         options: PgConnectOptions,
         connect_timeout: Duration,
+        request_timeout: Duration,
     ) -> Self {
+        let changed = Arc::new(Notify::new());
         Self {
             shared: Arc::new(Shared {
-                hub: ReleaseHub::new(AllKeys),
-                channel,
-                options,
+                hub: ReleaseHub::new(Nudge(changed.clone())),
+                changed,
+                mode,
+                schema: schema.clone(),
+                channel: channel(mode, schema),
+                options: options.application_name(LISTENER_APPLICATION_NAME),
                 connect_timeout,
+                request_timeout,
+                keepalive: keepalive_sql(request_timeout).into(),
                 #[cfg(test)]
                 deaf: std::sync::atomic::AtomicBool::new(false),
             }),
@@ -103,6 +151,11 @@ impl ReleaseListener {
     /// The channel the backend's releases notify.
     pub(crate) fn channel(&self) -> &str {
         &self.shared.channel
+    }
+
+    /// The waiter id of `key`, which the backend's releases of `key` check.
+    pub(crate) fn waiter_id(&self, key: &LockKey) -> (i32, i32) {
+        waiter_id(self.shared.mode, &self.shared.schema, key)
     }
 
     /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
@@ -143,18 +196,41 @@ impl ReleaseListener {
     }
 }
 
+/// The statement that shows an idle listener connection is alive.
+const PING: &str = "SELECT 1";
+
+/// How many keepalive probes the server sends to an unanswering listener client before it
+/// drops the session (and with it the session's waiter registrations).
+const KEEPALIVE_PROBES: u64 = 3;
+
+/// Sets the server's TCP keepalives and `tcp_user_timeout` on the listener's session, so
+/// that the server ends the session of a client that vanished (its registrations would
+/// otherwise make releases notify for no one). The time is `request_timeout`, rounded up
+/// to whole seconds: the client pings that often.
+fn keepalive_sql(request_timeout: Duration) -> String {
+    let secs = request_timeout.as_secs() + u64::from(request_timeout.subsec_nanos() > 0);
+    let secs = secs.max(1);
+    format!(
+        "SELECT set_config('tcp_keepalives_idle', '{secs}', false), \
+                set_config('tcp_keepalives_interval', '{secs}', false), \
+                set_config('tcp_keepalives_count', '{KEEPALIVE_PROBES}', false), \
+                set_config('tcp_user_timeout', '{}', false)",
+        secs * 1000 * (KEEPALIVE_PROBES + 1)
+    )
+}
+
 /// Listens, connecting again whenever the connection is lost, until the backend is dropped.
 async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
-    // A pool of one, only so that `PgListener` can open its connection; its connection
-    // closes when the task ends.
-    let pool = PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(shared.connect_timeout)
-        .idle_timeout(None)
-        .max_lifetime(None)
-        .connect_lazy_with(shared.options.clone());
     let mut pause = FIRST_PAUSE;
     loop {
+        // A pool of one per connection, only so that `PgListener` can open it: a connection
+        // given up on goes back to its own pool, never blocking the next one.
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(shared.connect_timeout)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .connect_lazy_with(shared.options.clone());
         // `changed` fails once the sender is dropped with the backend; nothing is ever sent.
         let listened = tokio::select! {
             _ = stop.changed() => return,
@@ -171,9 +247,12 @@ async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
     }
 }
 
+/// Why the listener stopped following its connection, for the log.
+type Lost = String;
+
 impl Shared {
-    /// Connects, listens, and wakes waiters from the notifications until the connection is
-    /// lost. True if the `LISTEN` ran.
+    /// Connects, listens, registers the watched keys and wakes waiters from the
+    /// notifications until the connection is lost. True if the `LISTEN` ran.
     async fn follow(&self, pool: &PgPool) -> bool {
         let mut listener = match PgListener::connect_with(pool).await {
             Ok(listener) => listener,
@@ -188,36 +267,119 @@ impl Shared {
             debug!(error = %e, "cannot LISTEN for releases");
             return false;
         }
-        // Releases before the LISTEN took effect were not heard.
-        self.wake_all();
+        let keepalive = sqlx::query(AssertSqlSafe(self.keepalive.clone())).execute(&mut listener);
+        if let Err(lost) = self.timed(keepalive).await {
+            debug!(%lost, "cannot set the release listener's TCP timeouts");
+            return true;
+        }
+        let mut registered = HashMap::new();
+        let lost = self.follow_listening(&mut listener, &mut registered).await;
+        debug!(%lost, "the release listener's connection was lost");
+        true
+    }
+
+    /// Keeps the registered keys in step with the watched ones and wakes waiters from the
+    /// notifications, until the connection is lost.
+    async fn follow_listening(
+        &self,
+        listener: &mut PgListener,
+        registered: &mut HashMap<LockKey, (i32, i32)>,
+    ) -> Lost {
         loop {
-            match listener.try_recv().await {
-                Ok(Some(notification)) => {
-                    if let Ok(key) = LockKey::new(notification.payload()) {
-                        self.wake(&key);
+            if let Err(lost) = self.register(listener, registered).await {
+                return lost;
+            }
+            tokio::select! {
+                () = self.changed.notified() => {}
+                received = tokio::time::timeout(self.request_timeout, listener.try_recv()) => {
+                    match received {
+                        Ok(Ok(Some(notification))) => {
+                            if let Ok(key) = LockKey::new(notification.payload()) {
+                                self.wake(&key);
+                            }
+                        }
+                        Ok(Ok(None)) => return "closed".to_owned(),
+                        Ok(Err(e)) => return e.to_string(),
+                        // Quiet for a while: a connection that died silently would stay
+                        // quiet forever, so it must answer a ping.
+                        Err(_) => {
+                            let ping = sqlx::query(PING).execute(&mut *listener);
+                            if let Err(lost) = self.timed(ping).await {
+                                return lost;
+                            }
+                        }
                     }
                 }
-                Ok(None) => {
-                    debug!("the release listener's connection was lost");
-                    return true;
-                }
-                Err(e) => {
-                    debug!(error = %e, "the release listener's connection failed");
-                    return true;
-                }
             }
+        }
+    }
+
+    /// Registers the keys watched now and not yet registered, then wakes their waiters
+    /// (a release before the registration was not announced); unregisters the keys no
+    /// longer watched.
+    async fn register(
+        &self,
+        listener: &mut PgListener,
+        registered: &mut HashMap<LockKey, (i32, i32)>,
+    ) -> Result<(), Lost> {
+        let watched: HashSet<LockKey> = self.hub.watched_keys().into_iter().collect();
+        let gone: Vec<LockKey> = registered
+            .keys()
+            .filter(|k| !watched.contains(*k))
+            .cloned()
+            .collect();
+        if !gone.is_empty() {
+            let ids: Vec<(i32, i32)> = gone.iter().filter_map(|k| registered.remove(k)).collect();
+            self.run(listener, UNREGISTER, &ids).await?;
+        }
+        let new: Vec<LockKey> = watched
+            .into_iter()
+            .filter(|k| !registered.contains_key(k))
+            .collect();
+        if !new.is_empty() {
+            let ids: Vec<(i32, i32)> = new
+                .iter()
+                .map(|k| waiter_id(self.mode, &self.schema, k))
+                .collect();
+            self.run(listener, REGISTER, &ids).await?;
+            for (key, id) in new.into_iter().zip(ids) {
+                self.wake(&key);
+                registered.insert(key, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs `REGISTER` or `UNREGISTER` for `ids`.
+    async fn run(
+        &self,
+        listener: &mut PgListener,
+        sql: &'static str,
+        ids: &[(i32, i32)],
+    ) -> Result<(), Lost> {
+        let (classes, objs): (Vec<i32>, Vec<i32>) = ids.iter().copied().unzip();
+        let query = sqlx::query(sql)
+            .bind(classes)
+            .bind(objs)
+            .execute(&mut *listener);
+        self.timed(query).await
+    }
+
+    /// Awaits a statement on the listener's connection under the request time limit.
+    async fn timed<T>(
+        &self,
+        statement: impl Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<(), Lost> {
+        match tokio::time::timeout(self.request_timeout, statement).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(_) => Err(format!("no reply within {:?}", self.request_timeout)),
         }
     }
 
     fn wake(&self, key: &LockKey) {
         if !self.is_deaf() {
             self.hub.notify(key);
-        }
-    }
-
-    fn wake_all(&self) {
-        if !self.is_deaf() {
-            self.hub.notify_all();
         }
     }
 
@@ -314,7 +476,10 @@ mod tests {
         drop(watch);
         // Its session is closed: nobody listens any more.
         let listening = server
-            .psql("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %'")
+            .psql(&format!(
+                "SELECT count(*) FROM pg_stat_activity \
+                  WHERE application_name = '{LISTENER_APPLICATION_NAME}'"
+            ))
             .await
             .unwrap();
         assert_eq!(listening, "0");

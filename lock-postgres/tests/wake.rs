@@ -11,6 +11,7 @@ use std::time::Duration;
 use common::{builder, shared_server, start_server};
 use distlock_core::{Lease, LockBackend, LockGuard, LockKey, Locker, RetryPolicy};
 use harness::postgres::PostgresServer;
+use lock_postgres::LISTENER_APPLICATION_NAME;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -61,13 +62,13 @@ fn locker(backend: Arc<dyn LockBackend>) -> Locker {
         .unwrap()
 }
 
-/// The pids of the sessions that listen for releases (their last statement was `LISTEN`).
+/// The pids of the sessions that listen for releases.
 async fn listeners(server: &PostgresServer) -> Vec<String> {
     let out = server
-        .psql(
+        .psql(&format!(
             "SELECT pid FROM pg_stat_activity \
-              WHERE query LIKE 'LISTEN %' AND state IS NOT NULL",
-        )
+              WHERE application_name = '{LISTENER_APPLICATION_NAME}' AND state IS NOT NULL"
+        ))
         .await
         .unwrap();
     out.lines().map(str::to_owned).collect()
@@ -216,5 +217,69 @@ async fn lease_a_cancelled_waiter_leaves_no_watched_key() {
 async fn advisory_a_cancelled_waiter_leaves_no_watched_key() {
     let server = shared_server().await;
     a_cancelled_waiter_leaves_nothing_watched(advisory_pair(&server).await, "cancel:advisory")
+        .await;
+}
+
+/// The waiter's instance reaches the server through a proxy that then stops forwarding
+/// without closing anything, as a NAT that dropped the flow would: its listener gets no
+/// error, only silence. It notices by its ping within two request time limits and
+/// connects again; once the network is back, its waiter is woken for the release it
+/// missed, long before its backoff ends.
+async fn a_silently_dead_listener_connection_is_replaced(kind: common::Kind, name: &str) {
+    const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+    let server = start_server().await;
+    let proxy = harness::require(harness::proxy::FaultProxy::start(server.addr()).await);
+    let url = format!(
+        "postgres://{}:{}@{}/postgres",
+        harness::postgres::USER,
+        harness::postgres::PASSWORD,
+        proxy.addr()
+    );
+    let waiter_settings = common::builder_at(&url).request_timeout(REQUEST_TIMEOUT);
+    let pair = match kind {
+        common::Kind::Lease => Pair {
+            holder: Arc::new(builder(&server).build_lease_backend().unwrap()),
+            waiter: Arc::new(waiter_settings.build_lease_backend().unwrap()),
+        },
+        common::Kind::Advisory => Pair {
+            holder: Arc::new(builder(&server).build_advisory_backend().unwrap()),
+            waiter: Arc::new(waiter_settings.build_advisory_backend().unwrap()),
+        },
+    };
+    let k = key(name);
+    let (held, waiting) = held_with_a_waiter(&pair, &k).await;
+    wait_for_listener(&server, &[]).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let connections = proxy.active_connections();
+
+    proxy.blackhole();
+    let cut_at = Instant::now();
+    pair.holder.release(&held).await.unwrap();
+    // The listener gives up on its connection and opens another (held by the proxy
+    // until the network heals).
+    while proxy.active_connections() <= connections {
+        assert!(
+            cut_at.elapsed() < REQUEST_TIMEOUT * 4,
+            "the listener still trusts its silent connection after {:?}",
+            cut_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.heal();
+    let healed_at = Instant::now();
+    let (granted_at, guard) = waiting.await.unwrap();
+    assert!(granted_at - healed_at < WOKEN_WITHIN + REQUEST_TIMEOUT);
+    assert!(guard.token() > held.token());
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_a_silently_dead_listener_connection_is_replaced_and_its_waiters_woken() {
+    a_silently_dead_listener_connection_is_replaced(common::Kind::Lease, "silent:lease").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_a_silently_dead_listener_connection_is_replaced_and_its_waiters_woken() {
+    a_silently_dead_listener_connection_is_replaced(common::Kind::Advisory, "silent:advisory")
         .await;
 }

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::keys::split;
 use super::{NAME, PgAdvisoryBackend};
-use crate::client::{owner_uuid, token_from, ttl_ms};
+use crate::client::{PgClient, owner_uuid, token_from, ttl_ms};
 use crate::error::Operation;
 
 /// How many keepalive probes go unanswered before the server drops a session.
@@ -97,8 +97,58 @@ impl Drop for Session {
     fn drop(&mut self) {
         // Still pinned: the lease was dropped without release. Closing the session frees
         // the lock; returning it to the pool would leak the lock to the next user.
-        if let Some(pinned) = self.pinned.get_mut().as_mut() {
-            pinned.conn.close_on_drop();
+        if let Some(pinned) = self.pinned.get_mut().take() {
+            close(pinned);
+        }
+    }
+}
+
+/// Closes a pinned connection, which ends its server session and so frees any lock it
+/// still holds. Inside a tokio runtime the pool closes it (in a task of its own);
+/// outside one (a lease dropped after `block_on` returned) no task can be spawned, so
+/// the connection leaves the pool and its socket is closed at once.
+pub(super) fn close(pinned: Pinned) {
+    let Pinned { mut conn, .. } = pinned;
+    if tokio::runtime::Handle::try_current().is_ok() {
+        conn.close_on_drop();
+    } else {
+        drop(conn.detach());
+    }
+}
+
+/// A pinned connection taken out of its session while a release runs on it: closed on
+/// drop unless [`give_back`](Self::give_back) or [`keep`](Self::keep) took it. Once the
+/// release's statement is sent, a cancelled release leaves the reply pending and the lock
+/// perhaps already freed: the session must not stay pinned to a lease (a later renewal
+/// would read the pending reply and report the lock held), nor go back to the pool
+/// (where it may still hold the lock).
+pub(super) struct Releasing(Option<Pinned>);
+
+impl Releasing {
+    pub(super) fn new(pinned: Pinned) -> Self {
+        Self(Some(pinned))
+    }
+
+    /// The connection, while it is held here.
+    pub(super) fn conn(&mut self) -> &mut PoolConnection<Postgres> {
+        &mut self.0.as_mut().expect("held until given back or kept").conn
+    }
+
+    /// The lock is freed and the session reset: the connection goes back to the pool.
+    pub(super) fn give_back(mut self) {
+        self.0.take();
+    }
+
+    /// The connection stays pinned to its lease after all.
+    pub(super) fn keep(mut self) -> Option<Pinned> {
+        self.0.take()
+    }
+}
+
+impl Drop for Releasing {
+    fn drop(&mut self) {
+        if let Some(pinned) = self.0.take() {
+            close(pinned);
         }
     }
 }
@@ -131,6 +181,7 @@ impl PgAdvisoryBackend {
         ttl: Duration,
         sent: Instant,
     ) -> Result<Option<Lease>, LockError> {
+        self.check_pooling().await?;
         if self.held.load(Ordering::SeqCst) >= self.max_held {
             return Err(self.exhausted());
         }
@@ -285,11 +336,93 @@ pub(super) fn session_moved(took: i32, now: Option<i32>) -> LockError {
     ))
 }
 
+/// The session setting the pooling check marks a server session with.
+const PROBE_SETTING: &str = "distlock.pooling_probe";
+
+/// Whether client connections keep their server sessions, checked once per backend
+/// before its first lock: two connections of their own, opened outside the pool. The
+/// first marks its server session with a random value; the second reads the setting in
+/// its session, and the first reads it again. Behind a pooler that hands server sessions
+/// out per transaction (PgBouncer `pool_mode = transaction` or `statement`), the second
+/// is given the session the first just let go (PgBouncer reuses the last one first), or
+/// the first gets another one: either shows. Directly or through a session-mode pool,
+/// each keeps its own session. Statements carry no values (the marker is made on the
+/// server), so nothing is prepared on a pooled session.
+///
+/// `Ok(Some(reason))` when the pooler shares sessions; an error when the check could not
+/// run (nothing is concluded then).
+pub(super) async fn sessions_shared(client: &PgClient) -> Result<Option<String>, LockError> {
+    use sqlx::{Connection, PgConnection};
+    let options = client.pool.connect_options();
+    let connect = || async {
+        match tokio::time::timeout(client.connect_timeout, PgConnection::connect_with(&options))
+            .await
+        {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(crate::error::from_connect(
+                NAME,
+                &client.schema,
+                client.pool_size,
+                client.connect_timeout,
+                e,
+            )),
+            Err(_) => Err(LockError::unavailable(
+                NAME,
+                format!("no connection within {:?}", client.connect_timeout),
+            )),
+        }
+    };
+    let current = format!("SELECT current_setting('{PROBE_SETTING}', true)");
+    let mut first = connect().await?;
+    let marker = probe_read(
+        client,
+        &mut first,
+        format!("SELECT set_config('{PROBE_SETTING}', gen_random_uuid()::text, false)"),
+    )
+    .await?;
+    let mut second = connect().await?;
+    let seen_by_second = probe_read(client, &mut second, current.clone()).await?;
+    let seen_by_first = probe_read(client, &mut first, current).await?;
+    // Closing them tells a session-mode pooler to reset their sessions.
+    let _ = second.close().await;
+    let _ = first.close().await;
+    Ok(
+        (seen_by_second == marker || seen_by_first != marker).then(|| {
+            "client connections do not keep their server sessions: a setting one connection \
+         made was seen by another, or was gone at its own next statement. A \
+         transaction-pooling proxy (PgBouncer pool_mode = transaction or statement) is \
+         between client and server, and advisory locks need the session: connect \
+         directly or through a session-mode pool (pool_mode = session)"
+                .to_owned()
+        }),
+    )
+}
+
+/// One text value read by a statement without parameters (simple protocol: nothing is
+/// prepared) under the request time limit.
+async fn probe_read(
+    client: &PgClient,
+    conn: &mut sqlx::PgConnection,
+    sql: String,
+) -> Result<Option<String>, LockError> {
+    use sqlx::Row;
+    client
+        .timed(
+            NAME,
+            Operation::CheckPooling,
+            sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(conn),
+        )
+        .await
+        .map_err(|failed| failed.error)?
+        .try_get::<Option<String>, _>(0)
+        .map_err(|e| crate::error::from_sqlx(NAME, Operation::CheckPooling, &client.schema, e))
+}
+
 /// Takes the pinned connection out of its session and closes it, which ends the server
 /// session and so frees any lock it still holds.
 pub(super) fn unpin(slot: &mut Option<Pinned>) {
-    if let Some(mut pinned) = slot.take() {
-        pinned.conn.close_on_drop();
+    if let Some(pinned) = slot.take() {
+        close(pinned);
     }
 }
 
