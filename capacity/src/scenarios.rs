@@ -304,7 +304,7 @@ pub async fn guard_memory(count: usize, ttl: Duration) -> Result<GuardMemory, Be
 pub struct RedisServerCost {
     /// Calls measured per command.
     pub calls: usize,
-    /// µs per distlock acquire script (`SET NX PX` and the fence counter, in Lua).
+    /// µs per distlock acquire script (the server clock read and `SET NX PX`, in Lua).
     pub acquire_script_us: f64,
     /// µs per distlock release script (owner-checked `DEL` of the lock).
     pub release_script_us: f64,
@@ -314,8 +314,11 @@ pub struct RedisServerCost {
     pub del_us: f64,
     /// Server µs per acquire + release cycle on fresh keys (every command the cycle sent,
     /// summed over `INFO commandstats`), for each subject measured: distlock, `rslock`,
-    /// the raw `SET NX PX` + `DEL`.
+    /// the raw `SET NX PX` + `DEL`; the median of [`RedisServerCost::cycle_rounds`].
     pub cycle_us: Vec<(SubjectId, f64)>,
+    /// The same, round by round: the subjects run in alternation (the order turning each
+    /// round), so a busy spell of the machine falls on all of them alike.
+    pub cycle_rounds: Vec<Vec<(SubjectId, f64)>>,
     /// The server's CPU per cycle while many tasks run cycles at once (where distlock
     /// coalesces), for distlock and `rslock`, alternating.
     pub loaded: Vec<LoadedCycleCost>,
@@ -324,8 +327,14 @@ pub struct RedisServerCost {
 }
 
 impl RedisServerCost {
-    /// distlock's server µs per sequential cycle on fresh keys over `rslock`'s.
+    /// distlock's server µs per sequential cycle on fresh keys over `rslock`'s: the median
+    /// of the rounds' ratios, or the ratio of the medians when no rounds were kept.
     pub fn sequential_ratio(&self) -> Option<f64> {
+        let mut ratios = self.sequential_ratios();
+        if !ratios.is_empty() {
+            ratios.sort_by(f64::total_cmp);
+            return Some(ratios[ratios.len() / 2]);
+        }
         let of = |subject: SubjectId| {
             self.cycle_us
                 .iter()
@@ -335,6 +344,21 @@ impl RedisServerCost {
         of(SubjectId::Redis)
             .zip(of(SubjectId::Rslock))
             .map(|(d, r)| d / r)
+    }
+
+    /// distlock's server µs per sequential cycle over `rslock`'s, round by round.
+    pub fn sequential_ratios(&self) -> Vec<f64> {
+        self.cycle_rounds
+            .iter()
+            .filter_map(|round| {
+                let of = |subject: SubjectId| {
+                    round.iter().find(|(s, _)| *s == subject).map(|(_, us)| *us)
+                };
+                of(SubjectId::Redis)
+                    .zip(of(SubjectId::Rslock))
+                    .map(|(d, r)| d / r)
+            })
+            .collect()
     }
 
     /// distlock's median server CPU per cycle under load over `rslock`'s.

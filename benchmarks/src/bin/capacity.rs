@@ -202,6 +202,37 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
             rounds(&pair.acquire_p50_ratios)
         );
     }
+    if backends.contains(&SubjectId::Redis) {
+        let redis = subjects::open(SubjectId::Redis, &servers).await?;
+        let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
+        let rslock = subjects::open(SubjectId::Rslock, &servers).await?;
+        let calls = if args.quick { 200 } else { 5_000 };
+        let cost =
+            benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, &rslock, calls)
+                .await?;
+        let us = |subject: SubjectId| {
+            cost.cycle_us
+                .iter()
+                .find(|(s, _)| *s == subject)
+                .map_or(f64::NAN, |(_, us)| *us)
+        };
+        let ratios: Vec<String> = cost
+            .sequential_ratios()
+            .iter()
+            .map(|r| format!("{r:.2}"))
+            .collect();
+        println!(
+            "redis server µs per fresh-key cycle (median of {} rounds, {calls} cycles each): \
+             distlock {:.2}, rslock {:.2}, raw SET NX + DEL {:.2}; distlock / rslock {:.2}x \
+             (rounds {})",
+            cost.cycle_rounds.len(),
+            us(SubjectId::Redis),
+            us(SubjectId::Rslock),
+            us(SubjectId::RedisSetNx),
+            cost.sequential_ratio().unwrap_or(f64::NAN),
+            ratios.join(" ")
+        );
+    }
     for id in backends {
         let subject = subjects::open(id, &servers).await?;
         if let Some(backend) = subject.backend() {
