@@ -205,14 +205,19 @@ async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluste
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // A newer holder writes, as its own fenced write would.
+    // The reply is held back; a newer holder writes, as its own fenced write would.
+    proxies.iter().for_each(|p| p.blackhole());
     on_node(&["SET", &fence, "6"]).await;
     on_node(&["HSET", &data, FIELD, "60"]).await;
-    // The connection drops before the write's reply gets through.
+    // The connection drops with the reply still held back (the reset takes effect within
+    // a scheduler tick); then the links work again, without delay, so a client that sent
+    // the write again would have its answer at once.
     proxies.iter().for_each(|p| {
+        p.delay(Duration::ZERO);
         p.reset();
-        p.heal();
     });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxies.iter().for_each(|p| p.heal());
 
     let outcome = old.await.unwrap();
     assert!(
