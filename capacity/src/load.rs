@@ -109,7 +109,10 @@ struct TaskResult {
 
 /// Runs `concurrency` tasks for `warmup` (not recorded), then for `duration`, and returns
 /// what the measured window saw. Cycles that start inside the window are counted; the
-/// window ends when the last of them finishes.
+/// window ends when the last of them finishes. Every task measures at least one cycle: a
+/// task whose cycles outlast the window (a store stalled on a slow disk) keeps going until
+/// one started after the warm-up has finished, so the level reports its rate over the
+/// longer window instead of no progress at all.
 pub async fn closed_loop(
     subject: Arc<dyn Subject>,
     concurrency: usize,
@@ -135,7 +138,7 @@ pub async fn closed_loop(
                 };
                 loop {
                     let start = Instant::now();
-                    if start >= measure_until {
+                    if start >= measure_until && result.ops > 0 {
                         break;
                     }
                     let cycle = subject.cycle(&key).await?;
@@ -237,4 +240,55 @@ pub async fn fixed_cycles(
         })??;
     }
     Ok(start.elapsed())
+}
+
+#[cfg(test)]
+mod tests {
+    use async_trait::async_trait;
+
+    use super::*;
+    use crate::subject::Cycle;
+
+    /// A subject whose every cycle takes `took`.
+    struct Slow {
+        took: Duration,
+    }
+
+    #[async_trait]
+    impl Subject for Slow {
+        fn id(&self) -> SubjectId {
+            SubjectId::Memory
+        }
+
+        async fn cycle(&self, _key: &BenchKey) -> Result<Cycle, BenchError> {
+            tokio::time::sleep(self.took).await;
+            Ok(Cycle {
+                acquire: self.took / 2,
+                acquired: true,
+            })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn cycles_longer_than_the_window_are_still_measured_once_per_task() {
+        // Each task's first cycle spans the warm-up and the whole window; without the
+        // at-least-one rule the next would start after the window and nothing be counted.
+        let slow = Arc::new(Slow {
+            took: Duration::from_millis(300),
+        });
+        let sample = closed_loop(
+            slow,
+            16,
+            Keys::PerTask,
+            Duration::from_millis(20),
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap();
+        assert_eq!(sample.ops, 16, "cycles measured");
+        assert_eq!(sample.acquired, 16);
+        // The rate is over the window it took: 16 cycles ending 600 ms after the start,
+        // 580 ms after the warm-up.
+        assert_eq!(sample.elapsed, Duration::from_millis(580));
+    }
 }
