@@ -18,6 +18,7 @@ use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     Release, Renewal,
 };
+use futures::future::join_all;
 use sqlx::AssertSqlSafe;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
@@ -370,31 +371,26 @@ impl LockBackend for PgAdvisoryBackend {
         Ok(out)
     }
 
-    /// One check after another, each on its lease's session; every new validity counts
-    /// from the batch's start. Every lease is checked to be this backend's before any
-    /// session is asked. An item whose session answers with an error is
-    /// [`Renewal::Unreachable`] (the watchdog retries it); only when every item fails
-    /// does the call fail, with the first error.
+    /// Every lease's check at once, each on its own session, so a session that stops
+    /// answering costs the batch one request timeout, not one per such session, and delays
+    /// none of the others; every new validity counts from the batch's start. Every lease
+    /// is checked to be this backend's before any session is asked. An item whose session
+    /// answers with an error is [`Renewal::Unreachable`] (the watchdog retries it); only
+    /// when every item fails does the call fail, with the first error.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         self.check_all(leases)?;
         let sent = Instant::now();
-        let mut out = Vec::with_capacity(leases.len());
-        for lease in leases {
-            out.push(self.renew_sent(lease, sent).await);
-        }
+        let out = join_all(leases.iter().map(|lease| self.renew_sent(lease, sent))).await;
         per_item(out, Renewal::Unreachable)
     }
 
-    /// One release after another, each on its lease's session. Every lease is checked to
-    /// be this backend's before any is released. An item whose release fails is
-    /// [`Release::Unreachable`]; only when every item fails does the call fail, with the
-    /// first error.
+    /// Every lease's release at once, each on its own session (see
+    /// [`Self::renew_many`]). Every lease is checked to be this backend's before any is
+    /// released. An item whose release fails is [`Release::Unreachable`]; only when every
+    /// item fails does the call fail, with the first error.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         self.check_all(leases)?;
-        let mut out = Vec::with_capacity(leases.len());
-        for lease in leases {
-            out.push(self.release(lease).await);
-        }
+        let out = join_all(leases.iter().map(|lease| self.release(lease))).await;
         per_item(out, Release::Unreachable)
     }
 
@@ -519,6 +515,77 @@ mod tests {
             .unwrap();
         backend.setup().await.unwrap();
         (server, backend)
+    }
+
+    /// Stops a server process (`SIGSTOP`) until dropped, as a host that stops answering
+    /// would; `SIGCONT` on drop, so a failing test leaves no stopped process behind.
+    struct Stopped(i32);
+
+    impl Stopped {
+        fn new(pid: i32) -> Self {
+            signal(pid, "-STOP");
+            Self(pid)
+        }
+    }
+
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            signal(self.0, "-CONT");
+        }
+    }
+
+    fn signal(pid: i32, which: &str) {
+        let status = std::process::Command::new("kill")
+            .args([which, &pid.to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {which} {pid}");
+    }
+
+    /// Sessions that stop answering cost a renewal batch one request timeout in all, not
+    /// one each, and the healthy session behind them renews within it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn renew_many_asks_every_session_at_once() {
+        const TIMEOUT: Duration = Duration::from_secs(1);
+        let server = harness::require(harness::postgres::PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let backend = crate::PgBuilder::new(server.url())
+            .request_timeout(TIMEOUT)
+            .build_advisory_backend()
+            .unwrap();
+        backend.setup().await.unwrap();
+        let ttl = Duration::from_secs(30);
+        let mut leases = Vec::new();
+        for name in ["stalled:a", "stalled:b", "stalled:c", "healthy"] {
+            let key = LockKey::new(name).unwrap();
+            leases.push(backend.acquire(&key, ttl).await.unwrap().expect("free"));
+        }
+        let stopped: Vec<_> = leases[..3]
+            .iter()
+            .map(|l| Stopped::new(l.handle::<Session>().unwrap().pid))
+            .collect();
+
+        let started = Instant::now();
+        let renewals = backend.renew_many(&leases).await.unwrap();
+        let took = started.elapsed();
+        drop(stopped);
+
+        // A session that did not answer within the timeout is given up (its connection
+        // is closed, which ends its locks); the healthy one is renewed.
+        assert_eq!(renewals[..3], [Renewal::Lost; 3], "{renewals:?}");
+        assert!(
+            matches!(renewals[3], Renewal::Renewed { .. }),
+            "{renewals:?}"
+        );
+        // One after another, the three stalled sessions would take three timeouts.
+        assert!(
+            took < TIMEOUT * 2,
+            "the batch took {took:?} for request timeouts of {TIMEOUT:?}"
+        );
     }
 
     /// One item of a renewal batch whose session answers with an error (here: another
