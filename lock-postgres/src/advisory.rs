@@ -504,13 +504,20 @@ mod tests {
     /// returned handle).
     pub(super) async fn on_a_private_server()
     -> (harness::postgres::PostgresServer, PgAdvisoryBackend) {
+        on_a_private_server_with(|b| b).await
+    }
+
+    /// [`on_a_private_server`] with the builder's settings changed by `settings`.
+    async fn on_a_private_server_with(
+        settings: impl FnOnce(crate::PgBuilder) -> crate::PgBuilder,
+    ) -> (harness::postgres::PostgresServer, PgAdvisoryBackend) {
         let server = harness::require(harness::postgres::PostgresServer::start().await);
         harness::require(
             server
                 .psql("GRANT CREATE ON DATABASE postgres TO distlock")
                 .await,
         );
-        let backend = crate::PgBuilder::new(server.url())
+        let backend = settings(crate::PgBuilder::new(server.url()))
             .build_advisory_backend()
             .unwrap();
         backend.setup().await.unwrap();
@@ -547,17 +554,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn renew_many_asks_every_session_at_once() {
         const TIMEOUT: Duration = Duration::from_secs(1);
-        let server = harness::require(harness::postgres::PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
-        let backend = crate::PgBuilder::new(server.url())
-            .request_timeout(TIMEOUT)
-            .build_advisory_backend()
-            .unwrap();
-        backend.setup().await.unwrap();
+        let (_server, backend) = on_a_private_server_with(|b| b.request_timeout(TIMEOUT)).await;
         let ttl = Duration::from_secs(30);
         let mut leases = Vec::new();
         for name in ["stalled:a", "stalled:b", "stalled:c", "healthy"] {
