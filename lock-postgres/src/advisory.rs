@@ -29,6 +29,7 @@ use crate::client::{PgClient, on_conn, token_from, with_clock};
 use crate::error::Operation;
 use crate::key_row;
 use crate::releases::ReleaseListener;
+use crate::retention::{Sweeper, Table};
 
 const NAME: &str = "postgres-advisory";
 
@@ -143,6 +144,8 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 /// vanished process frees itself when the server ends that session.
 ///
 /// Call [`PgAdvisoryBackend::setup`] once per database (idempotent) for the token table.
+/// A token row of a name nobody holds is deleted once its token is older than the
+/// [token retention](crate::PgBuilder::token_retention) (24 h by default).
 pub struct PgAdvisoryBackend {
     id: BackendId,
     client: PgClient,
@@ -155,6 +158,7 @@ pub struct PgAdvisoryBackend {
     /// Why locks are refused here, once the pooling check found that connections do not
     /// keep their server sessions; empty when they do. Checked before the first lock.
     pooling: tokio::sync::OnceCell<Option<String>>,
+    sweeper: Sweeper,
     pub(crate) releases: ReleaseListener,
 }
 
@@ -223,13 +227,14 @@ impl PgAdvisoryBackend {
         );
         Self {
             id: BackendId::next(),
-            client,
             releases,
             max_held,
             slots: Arc::new(Semaphore::new(max_held)),
             held: Arc::new(AtomicUsize::new(0)),
             sql,
             pooling: tokio::sync::OnceCell::new(),
+            sweeper: Sweeper::new(&client, NAME, Table::AdvisoryTokens),
+            client,
         }
     }
 
@@ -344,6 +349,7 @@ impl LockBackend for PgAdvisoryBackend {
     /// to the pool with the lock held.
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        self.sweeper.poke(&self.client);
         self.acquire_sent(key, ttl, Instant::now()).await
     }
 
@@ -355,6 +361,7 @@ impl LockBackend for PgAdvisoryBackend {
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        self.sweeper.poke(&self.client);
         let sent = Instant::now();
         let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
         for key in keys {

@@ -22,6 +22,8 @@ pub(crate) struct PgClient {
     pub(crate) request_timeout: Duration,
     pub(crate) min_ttl: Duration,
     pub(crate) max_ttl: Duration,
+    /// How long a free token row is kept (`crate::retention`).
+    pub(crate) token_retention: Duration,
     /// The URL with the password redacted.
     pub(crate) url: String,
 }

@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::advisory::PgAdvisoryBackend;
 use crate::client::PgClient;
 use crate::lease_table::PgLeaseBackend;
+use crate::retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 use crate::schema::{DEFAULT_SCHEMA, Schema};
 
 /// A pooled connection idle for longer than this is pinged before a call uses it.
@@ -99,14 +100,15 @@ pub struct PgBuilder {
     max_ttl: Duration,
     connect_timeout: Duration,
     request_timeout: Duration,
+    token_retention: Duration,
 }
 
 impl PgBuilder {
     /// Settings for the server at `url` (`postgres://user:password@host:port/database`,
     /// with PostgreSQL's own connection parameters only; [`from_url`](Self::from_url)
     /// also reads distlock's), for the lease-table backend, with schema
-    /// [`DEFAULT_SCHEMA`], 10 connections, TTLs from 10 ms to 24 h, and 5 s connect and
-    /// request time limits.
+    /// [`DEFAULT_SCHEMA`], 10 connections, TTLs from 10 ms to 24 h, 5 s connect and
+    /// request time limits, and free token rows kept for [`DEFAULT_TOKEN_RETENTION`].
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -117,6 +119,7 @@ impl PgBuilder {
             max_ttl: Duration::from_secs(24 * 3600),
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(5),
+            token_retention: DEFAULT_TOKEN_RETENTION,
         }
     }
 
@@ -157,6 +160,19 @@ impl PgBuilder {
     /// `OutcomeUnknown` (writes) or `Unavailable` (reads).
     pub fn request_timeout(mut self, timeout: Duration) -> Self {
         self.request_timeout = timeout;
+        self
+    }
+
+    /// How long the row of a lock name nobody holds is kept after its last grant
+    /// (default [`DEFAULT_TOKEN_RETENTION`], 24 h; from [`MIN_TOKEN_RETENTION`] to
+    /// [`MAX_TOKEN_RETENTION`]). With a lock per job id, each name leaves a row behind;
+    /// acquires start a sweep in the background, at most once per a 24th of the
+    /// retention (between 1 s and 1 h), that deletes free rows whose token is older than
+    /// the retention. Tokens still never go back: a name's next token is at least the
+    /// server's clock in microseconds, past a deleted token by the retention, so only a
+    /// server clock stepped back by more than the retention could repeat one.
+    pub fn token_retention(mut self, retention: Duration) -> Self {
+        self.token_retention = retention;
         self
     }
 
@@ -214,6 +230,12 @@ impl PgBuilder {
                 )));
             }
         }
+        if !(MIN_TOKEN_RETENTION..=MAX_TOKEN_RETENTION).contains(&self.token_retention) {
+            return Err(LockError::Config(format!(
+                "token retention {:?} is out of range {MIN_TOKEN_RETENTION:?}..={MAX_TOKEN_RETENTION:?}",
+                self.token_retention
+            )));
+        }
         let options = connect_options(&self.url)?;
         // No ping on every checkout: it would double every call's round trips. Only a
         // connection idle for longer than `PING_IF_IDLE_FOR` is pinged first, as the server
@@ -240,6 +262,7 @@ impl PgBuilder {
             request_timeout: self.request_timeout,
             min_ttl: self.min_ttl,
             max_ttl: self.max_ttl,
+            token_retention: self.token_retention,
             url: redact_url(&self.url),
         })
     }
@@ -276,6 +299,7 @@ impl fmt::Debug for PgBuilder {
             .field("max_ttl", &self.max_ttl)
             .field("connect_timeout", &self.connect_timeout)
             .field("request_timeout", &self.request_timeout)
+            .field("token_retention", &self.token_retention)
             .finish()
     }
 }
@@ -368,6 +392,11 @@ mod tests {
             PgBuilder::new("postgres://u:s3cret@h/db")
                 .ttl_bounds(Duration::from_micros(1500), Duration::from_secs(1)),
             PgBuilder::new("postgres://u:s3cret@h/db").request_timeout(Duration::ZERO),
+            PgBuilder::new("postgres://u:s3cret@h/db").token_retention(Duration::ZERO),
+            PgBuilder::new("postgres://u:s3cret@h/db")
+                .token_retention(MIN_TOKEN_RETENTION - Duration::from_millis(1)),
+            PgBuilder::new("postgres://u:s3cret@h/db")
+                .token_retention(MAX_TOKEN_RETENTION + Duration::from_secs(1)),
             PgBuilder::new("postgres://u@h/db?password=s3cret").pool_size(0),
             // The driver would log a parameter it does not read, value and all.
             PgBuilder::new("postgres://u@h/db?sslpassword=s3cret"),

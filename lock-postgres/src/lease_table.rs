@@ -21,6 +21,7 @@ use crate::config::PgBuilder;
 use crate::error::Operation;
 use crate::key_row;
 use crate::releases::ReleaseListener;
+use crate::retention::{Sweeper, Table};
 use crate::waiters::notify_if_waited;
 
 const NAME: &str = "postgres-lease";
@@ -51,7 +52,9 @@ struct Statements {
 ///   never issues a token twice, as long as the server's clock does not go back.
 /// - **renew** and **release** match name, owner *and* token, and only while
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
-/// - **release** clears the owner and keeps the row, so the next token is still higher.
+/// - **release** clears the owner and keeps the row, so the next token is still higher;
+///   free rows are deleted once their token is older than the
+///   [token retention](PgBuilder::token_retention) (24 h by default).
 ///   When some process waits for the key (its release listener registered the key; see
 ///   [`LockBackend::watch_releases`]), the same statement notifies the backend's channel
 ///   with the name (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`]
@@ -71,6 +74,7 @@ pub struct PgLeaseBackend {
     id: BackendId,
     client: PgClient,
     sql: Statements,
+    sweeper: Sweeper,
     pub(crate) releases: ReleaseListener,
 }
 
@@ -159,6 +163,7 @@ impl PgLeaseBackend {
         );
         Self {
             id: BackendId::next(),
+            sweeper: Sweeper::new(&client, NAME, Table::Leases),
             client,
             sql,
             releases,
@@ -272,6 +277,7 @@ impl LockBackend for PgLeaseBackend {
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        self.sweeper.poke(&self.client);
         let owner = OwnerId::random();
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
@@ -306,6 +312,7 @@ impl LockBackend for PgLeaseBackend {
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        self.sweeper.poke(&self.client);
         // Each name once (a repeat in the same batch finds it held), in sorted order, so
         // concurrent batches lock rows in the same order and cannot deadlock.
         let unique: BTreeMap<&str, OwnerId> = keys
