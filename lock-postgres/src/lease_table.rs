@@ -49,7 +49,10 @@ struct Statements {
 ///   (`owner IS NULL`) or expired (`expires_at <= now()`), bumping the token either way.
 ///   The new token is `greatest(token + 1, server clock in µs)`, so a row that lost its
 ///   last updates (asynchronous commit, failover to a lagging replica) or was deleted
-///   never issues a token twice, as long as the server's clock does not go back.
+///   never issues a token twice, as long as the server's clock does not go back. An
+///   attempt on a name its snapshot shows held inserts nothing and locks nothing: a
+///   refused attempt writes no WAL, commits nothing durable and never waits for the
+///   holder's row.
 /// - **renew** and **release** match name, owner *and* token, and only while
 ///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
 /// - **release** clears the owner and keeps the row, so the next token is still higher;
@@ -87,9 +90,15 @@ impl PgLeaseBackend {
     pub(crate) fn from_client(client: PgClient) -> Self {
         let s = &client.schema;
         let sql = Statements {
+            // A name its snapshot shows held is filtered out before the upsert: the
+            // refused attempt then inserts nothing and locks no row, so it writes no WAL,
+            // takes no transaction id, and never waits for the holder's renew. The
+            // upsert's own condition still decides when the row changed meanwhile.
             acquire: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
-                 VALUES ($1, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond') \
+                 SELECT $1, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond' \
+                  WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
+                                     WHERE h.name = $1 AND h.expires_at > now()) \
                  ON CONFLICT (name) DO UPDATE \
                     SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
@@ -101,6 +110,8 @@ impl PgLeaseBackend {
                  SELECT k.name, k.owner, {clock_us}, \
                         now() + $3::bigint * interval '1 millisecond' \
                    FROM unnest($1::text[], $2::uuid[]) AS k(name, owner) \
+                  WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
+                                     WHERE h.name = k.name AND h.expires_at > now()) \
                  ON CONFLICT (name) DO UPDATE \
                     SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
