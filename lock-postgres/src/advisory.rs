@@ -56,6 +56,7 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
      n AS (SELECT pg_notify($3, $4) FROM u \
             WHERE u.released AND NOT pg_try_advisory_xact_lock($5, $6)) \
      SELECT u.released, (SELECT count(*) FROM n), pg_advisory_unlock_all(), \
+     set_config('distlock.holds', NULL, false), \
      set_config('idle_session_timeout', NULL, false), \
      set_config('tcp_user_timeout', NULL, false), \
      set_config('tcp_keepalives_idle', NULL, false), \
@@ -133,7 +134,8 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 /// statement, and refuses every acquire with [`LockError::Config`] naming the pooling
 /// mode otherwise, before anything is locked or counted (`tests/pgbouncer.rs` runs this
 /// through a real PgBouncer in both modes). Acquire also refuses a server session that
-/// already holds advisory locks, and renew, fence and release compare the server
+/// already holds a lock this backend took (the lock's statement marks its session with
+/// the setting `distlock.holds`, which the unlock resets), and renew, fence and release compare the server
 /// session's pid with the one that took the lock, failing with [`LockError::Config`]
 /// that names the pooling mode (release then unlocks nothing in the wrong session).
 ///
@@ -173,18 +175,22 @@ impl PgAdvisoryBackend {
         let s = &client.schema;
         let sql = Statements {
             // The CTEs hold volatile calls, so each is evaluated exactly once, in the
-            // order they read each other: first the advisory locks this session already
-            // holds (a pooled session must hold none, so that it holds exactly one after
-            // the acquire and one unlock frees the key), then the try; the session
-            // settings and the token bump only happen when the lock was taken.
+            // order they read each other: first whether this session already holds a lock
+            // of this backend's (a pooled session must hold none, so that it holds exactly
+            // one after the acquire and one unlock frees the key), then the try; the session
+            // settings and the token bump only happen when the lock was taken. The mark is a
+            // session setting the lock's statement sets and the unlock resets: reading it
+            // costs nothing, where `pg_locks` would take every lock-manager partition lock
+            // and visit every backend's fast-path locks on each acquire.
             acquire: s.sql(&with_clock(
-                "WITH pre AS (SELECT count(*) AS held FROM pg_locks \
-                               WHERE locktype = 'advisory' AND pid = pg_backend_pid()), \
+                "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
+                                          THEN 1 ELSE 0 END::bigint AS held), \
                  l AS (SELECT pre.held, \
                               CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) \
                                    ELSE false END AS ok \
                          FROM pre), \
-                 cfg AS (SELECT set_config('idle_session_timeout', $3, false), \
+                 cfg AS (SELECT set_config('distlock.holds', 'yes', false), \
+                                set_config('idle_session_timeout', $3, false), \
                                 set_config('tcp_user_timeout', $3, false), \
                                 set_config('tcp_keepalives_idle', $4, false), \
                                 set_config('tcp_keepalives_interval', $4, false), \
@@ -621,5 +627,51 @@ mod tests {
             backend.release_many(&[a, b, c]).await.unwrap(),
             [Release::Released; 3]
         );
+    }
+
+    /// A session that holds a lock and goes back to the pool anyway (as behind a pooling
+    /// proxy that hands one server session to several clients) is never used to grant
+    /// its key again: advisory locks are reentrant, so a try on that session would
+    /// succeed while the first lease is held.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_pooled_session_that_holds_a_lock_grants_nothing() {
+        let (_server, backend) = on_a_private_server_with(|b| b.pool_size(1)).await;
+        let ttl = Duration::from_secs(30);
+        let key = LockKey::new("leaked").unwrap();
+        let first = backend.acquire(&key, ttl).await.unwrap().expect("free");
+        let session = first.handle::<Session>().unwrap();
+        // Its connection goes back to the pool with the lock held.
+        let pinned = session.pinned.lock().await.take().expect("pinned");
+        drop(pinned);
+        // Every attempt runs on the other session (the key is held: no grant) until one
+        // runs on the leaked session, which is refused and closed.
+        let mut refused = false;
+        for attempt in 0..8 {
+            match backend.acquire(&key, ttl).await {
+                Ok(None) => {}
+                Ok(Some(again)) => panic!(
+                    "attempt {attempt}: granted again ({}) while {} holds it",
+                    again.token(),
+                    first.token()
+                ),
+                Err(LockError::Unavailable { message, .. }) => {
+                    assert!(message.contains("distlock.holds"), "{message}");
+                    refused = true;
+                    break;
+                }
+                Err(e) => panic!("attempt {attempt}: {e}"),
+            }
+        }
+        assert!(refused, "no attempt ran on the leaked session");
+        // Closing it ended its lock: the key is free again.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        let again = loop {
+            if let Some(l) = backend.acquire(&key, ttl).await.unwrap() {
+                break l;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "never freed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(again.token() > first.token());
     }
 }

@@ -225,11 +225,10 @@ impl PgAdvisoryBackend {
             // Dropping the attempt closes the session, and so frees what it held.
             return Err(LockError::unavailable(
                 NAME,
-                format!(
-                    "the pooled session already held {held_before} advisory lock(s) that this \
-                     backend did not take; it was closed. Behind a transaction-pooling proxy \
-                     (PgBouncer pool_mode = transaction or statement) advisory locks cannot work"
-                ),
+                "the pooled session already held a lock taken through another connection \
+                 (its session setting distlock.holds says so); it was closed. Behind a \
+                 transaction-pooling proxy (PgBouncer pool_mode = transaction or statement) \
+                 advisory locks cannot work",
             ));
         }
         attempt.finish();
