@@ -152,7 +152,8 @@ impl Report {
         let _ = writeln!(
             md,
             "\nEvery server runs on this machine, on 127.0.0.1, started by the benchmark \
-             (PostgreSQL with `fsync=off`), and shares its cores with the client. Compare \
+             (PostgreSQL as deployed: `fsync=on`, `synchronous_commit=on`), and shares its \
+             cores with the client. Compare \
              ratios within this report, not absolute numbers across machines or runs. Each \
              level ran {:?} after {:?} of warm-up; a cycle is one acquire then one release \
              of a free key (one key per task); TTL {:?}.\n",

@@ -2,9 +2,11 @@
 //! run as the `postgres` OS user when the tests run as root. Creates the login role
 //! [`USER`] with password [`PASSWORD`] (SCRAM over TCP, so wrong-password tests work).
 //!
-//! The server runs with `fsync=off`: **tests only**. Data still survives
-//! [`PostgresServer::kill`] + [`PostgresServer::restart`] (the OS page cache keeps it), but
-//! not a machine crash.
+//! [`PostgresServer::start`] runs the server with `fsync=off`: **tests only**. Data still
+//! survives [`PostgresServer::kill`] + [`PostgresServer::restart`] (the OS page cache keeps
+//! it), but not a machine crash. [`PostgresServer::start_durable`] runs it as deployed
+//! (`fsync=on`, `synchronous_commit=on`: every commit waits for its flush), for
+//! measurements.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -141,10 +143,16 @@ impl PostgresServer {
     /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
     /// `postgres`) and gives [`SUPERUSER`] its TCP password.
     pub async fn start() -> Result<Self, HarnessError> {
-        start_on_free_ports(Self::start_once).await
+        start_on_free_ports(|| Self::start_once(false)).await
     }
 
-    async fn start_once() -> Result<Self, HarnessError> {
+    /// [`start`](Self::start) with the server's durability as deployed: `fsync=on` and
+    /// `synchronous_commit=on`, so every commit that writes waits for its WAL flush.
+    pub async fn start_durable() -> Result<Self, HarnessError> {
+        start_on_free_ports(|| Self::start_once(true)).await
+    }
+
+    async fn start_once(durable: bool) -> Result<Self, HarnessError> {
         let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         let initdb = find_binary("initdb", &bin_dir)?;
         let postgres = find_binary("postgres", &bin_dir)?;
@@ -202,9 +210,11 @@ impl PostgresServer {
             dir.path().display().to_string(),
             "-c".into(),
             "listen_addresses=127.0.0.1".into(),
-            // Tests only: a machine crash could corrupt the cluster.
+            // `fsync=off` is for tests only: a machine crash could corrupt the cluster.
             "-c".into(),
-            "fsync=off".into(),
+            if durable { "fsync=on" } else { "fsync=off" }.into(),
+            "-c".into(),
+            "synchronous_commit=on".into(),
             "-c".into(),
             "max_connections=200".into(),
         ];
@@ -366,6 +376,21 @@ where
 mod tests {
     use super::*;
     use crate::require;
+
+    #[tokio::test]
+    async fn a_durable_server_flushes_every_commit_and_keeps_it_across_a_restart() {
+        let pg = require(PostgresServer::start_durable().await);
+        assert_eq!(
+            require(pg.psql("show fsync; show synchronous_commit").await),
+            "on\non"
+        );
+        require(pg.psql("CREATE TABLE kept (v int); INSERT INTO kept VALUES (7)").await);
+        require(pg.restart().await);
+        assert_eq!(
+            require(pg.psql("show fsync; SELECT v FROM kept").await),
+            "on\n7"
+        );
+    }
 
     #[tokio::test]
     async fn starts_authenticates_pauses_and_survives_restart() {

@@ -24,7 +24,9 @@ impl Servers {
             servers.redis = Some(RedisServer::start().await?);
         }
         if stores.contains(&Store::Postgres) {
-            let postgres = PostgresServer::start().await?;
+            // As deployed: every commit waits for its WAL flush (`fsync=on`,
+            // `synchronous_commit=on`).
+            let postgres = PostgresServer::start_durable().await?;
             // The role the benchmarks connect as may create the backends' schema, as a
             // deployment grants once.
             postgres
