@@ -6,23 +6,14 @@ mod common;
 
 use std::time::Duration;
 
-use common::{builder, start_server};
+use common::{builder, start_server, wal_insert_lsn};
 use distlock_core::{LockBackend, LockKey};
-use harness::postgres::PostgresServer;
 use sqlx::Connection;
 
 const TTL: Duration = Duration::from_secs(60);
 
 fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
-}
-
-async fn wal_insert_lsn(server: &PostgresServer) -> u64 {
-    let bytes = server
-        .psql("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
-        .await
-        .unwrap();
-    bytes.parse().unwrap()
 }
 
 /// Forty refused single attempts and a refused batch of forty write no WAL: each would

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{builder, start_server};
+use common::{builder, start_server, wal_insert_lsn};
 use distlock_core::{LockBackend, LockKey, Locker, Release, RetryPolicy};
 use harness::postgres::PostgresServer;
 use sha2::{Digest, Sha256};
@@ -110,14 +110,6 @@ async fn advisory_a_release_is_announced_only_when_someone_waits_for_its_key() {
     let waiter = builder(&server).build_advisory_backend().unwrap();
     only_a_waited_for_key_is_announced(&server, "advisory", Arc::new(holder), Arc::new(waiter))
         .await;
-}
-
-async fn wal_insert_lsn(server: &PostgresServer) -> u64 {
-    let bytes = server
-        .psql("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
-        .await
-        .unwrap();
-    bytes.parse().unwrap()
 }
 
 /// Forty advisory releases nobody waits for write no WAL: each would otherwise write a

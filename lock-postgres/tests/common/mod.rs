@@ -47,6 +47,16 @@ pub async fn start_server() -> PostgresServer {
     server
 }
 
+/// How far the server's WAL has been written, in bytes: the difference over a stretch is
+/// what the statements in between (and the server on its own) wrote.
+pub async fn wal_insert_lsn(server: &PostgresServer) -> u64 {
+    let bytes = server
+        .psql("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
+        .await
+        .unwrap();
+    bytes.parse().unwrap()
+}
+
 /// Settings for the test role on `server`, with short time limits.
 pub fn builder(server: &PostgresServer) -> PgBuilder {
     builder_at(&server.url())
