@@ -384,7 +384,10 @@ mod tests {
             require(pg.psql("show fsync; show synchronous_commit").await),
             "on\non"
         );
-        require(pg.psql("CREATE TABLE kept (v int); INSERT INTO kept VALUES (7)").await);
+        require(
+            pg.psql("CREATE TABLE kept (v int); INSERT INTO kept VALUES (7)")
+                .await,
+        );
         require(pg.restart().await);
         assert_eq!(
             require(pg.psql("show fsync; SELECT v FROM kept").await),
