@@ -47,15 +47,14 @@ struct Statements {
 /// connection can serve the pool again. The CTE runs the unlock of this key first, and
 /// only in the server session that took the lock (pid `$2`): in any other session the
 /// statement does nothing and returns no row.
-/// When the key was unlocked and some process waits for it (the waiter id `$5`, `$6` is
-/// registered, see `crate::waiters`), it notifies the backend's release channel (`$3`)
-/// with the name (`$4`), which goes out as the statement ends. Nobody waiting, nothing is
-/// sent: the statement then gets no transaction id and writes nothing to the WAL.
+/// The second column says whether the key was unlocked and some process waits for it (the
+/// waiter id `$3`, `$4` is registered, see `crate::waiters`): the backend then has the
+/// release announced. The statement gets no transaction id and writes nothing to the WAL.
 const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
-                WHERE pg_backend_pid() = $2), \
-     n AS (SELECT pg_notify($3, $4) FROM u \
-            WHERE u.released AND NOT pg_try_advisory_xact_lock($5, $6)) \
-     SELECT u.released, (SELECT count(*) FROM n), pg_advisory_unlock_all(), \
+                WHERE pg_backend_pid() = $2) \
+     SELECT u.released, \
+     CASE WHEN u.released THEN NOT pg_try_advisory_xact_lock($3, $4) ELSE false END, \
+     pg_advisory_unlock_all(), \
      set_config('distlock.holds', NULL, false), \
      set_config('idle_session_timeout', NULL, false), \
      set_config('tcp_user_timeout', NULL, false), \
@@ -96,9 +95,10 @@ const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
 ///   database's or role's own defaults come back), and gives the connection back to the
 ///   pool. A lease dropped without release closes its connection, which frees
 ///   the lock; a pinned connection never returns to the pool still holding a lock.
-/// - **Waiters.** When some process waits for the key, the release statement also
-///   notifies the backend's channel with the name (`pg_notify`); a release nobody waits
-///   for sends nothing and writes nothing to the WAL. The notification wakes a waiter in
+/// - **Waiters.** When some process waits for the key, the release statement says so,
+///   and once it returned the backend's announcer notifies the backend's channel with the
+///   name (`pg_notify`, many names in one transaction); the unlock itself never notifies
+///   and writes nothing to the WAL. The notification wakes a waiter in
 ///   [`distlock_core::Locker::lock`] in every process that listens (one `LISTEN` session per backend, opened with the first waiter;
 ///   see [`LockBackend::watch_releases`]). A lock freed by its session ending is not
 ///   announced: waiters take it at their next backoff step. A waiter blocked in
@@ -430,11 +430,9 @@ impl LockBackend for PgAdvisoryBackend {
             .timed(
                 NAME,
                 Operation::Release,
-                sqlx::query_scalar::<_, bool>(UNLOCK)
+                sqlx::query_as::<_, (bool, bool)>(UNLOCK)
                     .bind(session.key)
                     .bind(session.pid)
-                    .bind(self.releases.channel())
-                    .bind(lease.key().as_str())
                     .bind(class)
                     .bind(obj)
                     .fetch_optional(&mut **releasing.conn()),
@@ -442,12 +440,15 @@ impl LockBackend for PgAdvisoryBackend {
             .await;
         match result {
             // Unlocked and reset: the connection goes back to the pool.
-            Ok(Some(true)) => {
+            Ok(Some((true, waited))) => {
                 releasing.give_back();
+                if waited {
+                    self.releases.announce(lease.key().as_str());
+                }
                 Ok(Release::Released)
             }
             // Not held: dropping `releasing` closes the session, freeing whatever it held.
-            Ok(Some(false)) => Ok(Release::NotHeld),
+            Ok(Some((false, _))) => Ok(Release::NotHeld),
             Ok(None) => {
                 // Another server session answered, and nothing was done in it; the
                 // connection stays pinned, as in `holds`.

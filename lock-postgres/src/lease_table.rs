@@ -22,7 +22,7 @@ use crate::error::Operation;
 use crate::key_row;
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
-use crate::waiters::notify_if_waited;
+use crate::waiters::waited;
 
 const NAME: &str = "postgres-lease";
 
@@ -59,10 +59,11 @@ struct Statements {
 ///   free rows are deleted once their token is older than the
 ///   [token retention](PgBuilder::token_retention) (24 h by default).
 ///   When some process waits for the key (its release listener registered the key; see
-///   [`LockBackend::watch_releases`]), the same statement notifies the backend's channel
-///   with the name (`pg_notify`), which wakes a waiter in [`distlock_core::Locker::lock`]
-///   in every process that listens. A release nobody waits for sends nothing, so it
-///   never takes PostgreSQL's cluster-wide notify lock. A lease that runs out is not
+///   [`LockBackend::watch_releases`]), the statement says so, and once it committed the
+///   backend's announcer notifies the backend's channel with the name (`pg_notify`, many
+///   names in one transaction), which wakes a waiter in [`distlock_core::Locker::lock`]
+///   in every process that listens. The release's own transaction never notifies, so it
+///   never waits for PostgreSQL's cluster-wide notify lock. A lease that runs out is not
 ///   announced: waiters take it at their next backoff step.
 ///
 /// Expiry uses the server's clock only (`now()`); the client's own deadline
@@ -125,32 +126,32 @@ impl PgLeaseBackend {
                         AS k(name, owner, token, ttl_ms) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
                     AND l.expires_at > now() \
-                 RETURNING l.name, l.token",
+                 RETURNING l.name, l.token, false AS waited",
             ),
-            // The notification goes out when the release commits, and only for a key some
-            // process waits for (`crate::waiters`); the filter is always true and is there to
-            // run the check once per released row.
+            // Each released row says whether some process waits for its key
+            // (`crate::waiters`); the backend then has it announced.
             release_many: s.sql(&format!(
                 "WITH r AS (UPDATE {{s}}.distlock_leases AS l SET owner = NULL, expires_at = NULL \
-                   FROM unnest($1::text[], $2::uuid[], $3::bigint[], $5::int4[], $6::int4[]) \
+                   FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::int4[], $5::int4[]) \
                         AS k(name, owner, token, wclass, wobj) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
                     AND l.expires_at > now() \
                  RETURNING l.name, l.token, k.wclass, k.wobj) \
-                 SELECT r.name, r.token FROM r WHERE {} >= 0",
-                notify_if_waited("$4", "r.name", "r.wclass", "r.wobj")
+                 SELECT r.name, r.token, {} AS waited FROM r",
+                waited("r.wclass", "r.wobj")
             )),
             renew: s.sql(
                 "UPDATE {s}.distlock_leases \
                     SET expires_at = now() + $4::bigint * interval '1 millisecond' \
                   WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
             ),
+            // A row when released, saying whether some process waits for the key.
             release: s.sql(&format!(
                 "WITH r AS (UPDATE {{s}}.distlock_leases SET owner = NULL, expires_at = NULL \
                   WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now() \
                  RETURNING name) \
-                 SELECT count(*) FROM r WHERE {} >= 0",
-                notify_if_waited("$4", "r.name", "$5", "$6")
+                 SELECT {} AS waited FROM r",
+                waited("$4", "$5")
             )),
             fence: s.sql(
                 "SELECT token, (owner = $2 AND token = $3 AND expires_at > now()) AS held \
@@ -230,7 +231,7 @@ impl PgLeaseBackend {
         let owners: Vec<Uuid> = sorted.iter().map(|l| owner_uuid(l.owner())).collect();
         let tokens: Vec<i64> = sorted.iter().map(|l| token_i64(l.token())).collect();
         let ttls: Vec<i64> = sorted.iter().map(|l| ttl_ms(l.ttl())).collect();
-        let mut query = sqlx::query_as::<_, (String, i64)>(AssertSqlSafe(sql.clone()))
+        let mut query = sqlx::query_as::<_, (String, i64, bool)>(AssertSqlSafe(sql.clone()))
             .bind(names)
             .bind(owners)
             .bind(tokens);
@@ -241,10 +242,16 @@ impl PgLeaseBackend {
                 .iter()
                 .map(|l| self.releases.waiter_id(l.key()))
                 .unzip();
-            query = query.bind(self.releases.channel()).bind(classes).bind(objs);
+            query = query.bind(classes).bind(objs);
         }
         let rows = on_conn!(self.client, NAME, op, conn, query.fetch_all(&mut *conn))?;
-        let mut updated: HashSet<(String, i64)> = rows.into_iter().collect();
+        let mut updated = HashSet::with_capacity(rows.len());
+        for (name, token, waited) in rows {
+            if waited {
+                self.releases.announce(&name);
+            }
+            updated.insert((name, token));
+        }
         Ok(leases
             .iter()
             .map(|l| {
@@ -430,7 +437,7 @@ impl LockBackend for PgLeaseBackend {
         self.check(lease)?;
         let (class, obj) = self.releases.waiter_id(lease.key());
         let mut conn = self.client.conn(NAME).await?;
-        let released: i64 = on_conn!(
+        let released: Option<bool> = on_conn!(
             self.client,
             NAME,
             Operation::Release,
@@ -439,15 +446,18 @@ impl LockBackend for PgLeaseBackend {
                 .bind(lease.key().as_str())
                 .bind(owner_uuid(lease.owner()))
                 .bind(token_i64(lease.token()))
-                .bind(self.releases.channel())
                 .bind(class)
                 .bind(obj)
-                .fetch_one(&mut *conn)
+                .fetch_optional(&mut *conn)
         )?;
-        Ok(if released == 1 {
-            Release::Released
-        } else {
-            Release::NotHeld
+        Ok(match released {
+            Some(waited) => {
+                if waited {
+                    self.releases.announce(lease.key().as_str());
+                }
+                Release::Released
+            }
+            None => Release::NotHeld,
         })
     }
 

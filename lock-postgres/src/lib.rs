@@ -18,6 +18,7 @@
 //! same name do not exclude each other.
 
 mod advisory;
+mod announcer;
 mod client;
 mod config;
 mod error;
@@ -31,6 +32,7 @@ mod url;
 mod waiters;
 
 pub use advisory::PgAdvisoryBackend;
+pub use announcer::ANNOUNCER_APPLICATION_NAME;
 pub use config::{MAX_POOL_SIZE, PgBuilder, PgMode, URL_PARAMS, is_url_param};
 pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;

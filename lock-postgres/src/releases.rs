@@ -3,10 +3,11 @@
 //!
 //! # One channel per schema and mode, the key as payload
 //!
-//! A release statement runs `pg_notify(channel, name)` (both bind parameters) in the same
-//! statement, so the notification goes out when the release commits, never before, and
-//! only when some process waits for that key: the listener registers the keys its waiters
-//! watch in the waiters' registry (see [`crate::waiters`]), which the release reads. The
+//! A release statement reads whether some process waits for its key (the listener
+//! registers the keys its waiters watch in the waiters' registry, see [`crate::waiters`]);
+//! when one does, the backend hands the name to its [`crate::announcer`], which sends
+//! `pg_notify(channel, name)` (both bind parameters) after the release committed, never
+//! before. The
 //! channel is [`channel`]: one per schema and backend mode (the two modes' locks are
 //! separate), named after a hash of the schema because a channel name is an identifier of
 //! at most 63 bytes and a schema name alone may be that long. A channel per key would need
@@ -59,6 +60,7 @@ use tokio::sync::{Notify, watch};
 use tokio::task::JoinHandle;
 use tracing::debug;
 
+use crate::announcer::Announcer;
 use crate::schema::Schema;
 use crate::waiters::{REGISTER, UNREGISTER, waiter_id};
 
@@ -81,6 +83,8 @@ pub(crate) fn channel(mode: &str, schema: &Schema) -> String {
 /// The release listener of one backend and the waiters it wakes.
 pub(crate) struct ReleaseListener {
     shared: Arc<Shared>,
+    /// Sends the notifications of released keys that some process waits for.
+    announcer: Announcer,
     task: Mutex<Option<JoinHandle<()>>>,
     /// Dropped with the backend, which ends the task.
     stop: watch::Sender<()>,
@@ -129,13 +133,20 @@ impl ReleaseListener {
         request_timeout: Duration,
     ) -> Self {
         let changed = Arc::new(Notify::new());
+        let channel = channel(mode, schema);
         Self {
+            announcer: Announcer::new(
+                channel.clone(),
+                options.clone(),
+                connect_timeout,
+                request_timeout,
+            ),
             shared: Arc::new(Shared {
                 hub: ReleaseHub::new(Nudge(changed.clone())),
                 changed,
                 mode,
                 schema: schema.clone(),
-                channel: channel(mode, schema),
+                channel,
                 options: options.application_name(LISTENER_APPLICATION_NAME),
                 connect_timeout,
                 request_timeout,
@@ -148,9 +159,11 @@ impl ReleaseListener {
         }
     }
 
-    /// The channel the backend's releases notify.
-    pub(crate) fn channel(&self) -> &str {
-        &self.shared.channel
+    /// Announces the release of `name`, which some process waits for (its release found
+    /// the key's waiter id registered), once this and other queued announcements can go;
+    /// see [`crate::announcer`].
+    pub(crate) fn announce(&self, name: &str) {
+        self.announcer.announce(name, &self.stop);
     }
 
     /// The waiter id of `key`, which the backend's releases of `key` check.

@@ -1,6 +1,6 @@
 //! The waiters' registry: which keys some process waits for, readable by a release for
-//! the cost of one lock-manager call, so that a release notifies only when someone listens
-//! for its key.
+//! the cost of one lock-manager call, so that a release is announced only when someone
+//! listens for its key.
 //!
 //! # Why not notify every release
 //!
@@ -17,15 +17,15 @@
 //! chance). The release listener of a process holds a **shared** session lock on the
 //! waiter id of every key its waiters watch, taken before it wakes them. A release tries
 //! the **exclusive** transaction-level lock on the same id in its own statement
-//! ([`NOTIFY_IF_WAITED`]): when that fails someone waits, and the release notifies;
-//! when it succeeds nobody does, and the lock goes with the release's transaction. Neither
-//! writes to the WAL; the try never blocks.
+//! ([`waited`]): when that fails someone waits, and the backend has the release announced
+//! once it committed ([`crate::announcer`]); when it succeeds nobody does, and the lock
+//! goes with the release's transaction. Neither writes to the WAL; the try never blocks.
 //!
 //! # No release is missed
 //!
-//! - A waiter registered before the release's try makes the try fail: the release
-//!   notifies, and the listener, which `LISTEN`s before it registers anything, hears it
-//!   once the release commits.
+//! - A waiter registered before the release's try makes the try fail: the release is
+//!   announced after it committed, and the listener, which `LISTEN`s before it registers
+//!   anything, hears it.
 //! - A registration that comes after the try waits for the release's transaction to end
 //!   (the exclusive lock is held until then); the listener then wakes the key's waiters,
 //!   which look at the store again and find the key free.
@@ -35,21 +35,11 @@ use sha2::{Digest, Sha256};
 
 use crate::schema::Schema;
 
-/// A SQL fragment for a release statement: notifies channel `$channel` with `name` when
-/// the waiter id `(class, obj)` is registered (the exclusive try fails), and nothing
-/// otherwise. Placeholders are replaced by [`notify_if_waited`].
-const NOTIFY_IF_WAITED: &str = "(SELECT count(*) FROM (SELECT pg_notify({channel}, {name}) \
-                            WHERE NOT pg_try_advisory_xact_lock({class}, {obj})) AS notified)";
-
-/// The SQL expression that notifies `channel` with `name` only when a waiter for the
-/// waiter id `(class, obj)` is registered; counts the notifications sent (0 or 1). Each
-/// argument is SQL text: a bind parameter or a column.
-pub(crate) fn notify_if_waited(channel: &str, name: &str, class: &str, obj: &str) -> String {
-    NOTIFY_IF_WAITED
-        .replace("{channel}", channel)
-        .replace("{name}", name)
-        .replace("{class}", class)
-        .replace("{obj}", obj)
+/// The SQL expression, for a release statement, that says whether some process waits for
+/// the key whose waiter id is `(class, obj)` (the exclusive try fails). Each argument is
+/// SQL text: a bind parameter or a column. Evaluate it only for a key that was released.
+pub(crate) fn waited(class: &str, obj: &str) -> String {
+    format!("(NOT pg_try_advisory_xact_lock({class}, {obj}))")
 }
 
 /// The waiter id of `key` for the releases of backend mode `mode` in `schema`: the first 8

@@ -11,6 +11,7 @@ use common::{builder, start_server, wal_insert_lsn};
 use distlock_core::{LockBackend, LockKey, Locker, Release, RetryPolicy};
 use harness::postgres::PostgresServer;
 use sha2::{Digest, Sha256};
+use sqlx::Connection;
 use sqlx::postgres::PgListener;
 
 const TTL: Duration = Duration::from_secs(30);
@@ -137,4 +138,103 @@ async fn advisory_releases_nobody_waits_for_write_no_wal() {
         written < 300,
         "{LOCKS} releases wrote {written} bytes of WAL"
     );
+}
+
+/// Another application's notifying transaction that wrote something and stays in its
+/// commit holds the server's notify lock (here: waiting for a synchronous standby that
+/// never answers, as a commit waits for its flush on a slow disk). A release whose key someone waits
+/// for still returns at once: it notifies nothing in its own transaction, and its
+/// announcement, sent after it, waits instead. Then the commit ends and the waiter is woken.
+async fn a_waited_release_does_not_queue_behind_other_notifying_commits(
+    mode: &str,
+    build: fn(lock_postgres::PgBuilder) -> Arc<dyn LockBackend>,
+) {
+    let server = start_server().await;
+    // The test role's own commits do not wait for the standby; the superuser's do.
+    for sql in [
+        "CREATE TABLE another_application (v int)",
+        "ALTER ROLE distlock SET synchronous_commit = local",
+        "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+        "SELECT pg_reload_conf()",
+    ] {
+        server.psql(sql).await.unwrap();
+    }
+    let holder = build(builder(&server).request_timeout(Duration::from_secs(2)));
+    let waiter = build(builder(&server));
+    let k = key(&format!("{mode}:behind-notify"));
+    let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
+    let watch = waiter.watch_releases(&k).expect("in a runtime");
+    // Registered once the listener holds the key's waiter lock (shared, advisory).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while server
+        .psql("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND mode = 'ShareLock'")
+        .await
+        .unwrap()
+        != "1"
+    {
+        assert!(tokio::time::Instant::now() < deadline, "never registered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let mut other = sqlx::PgConnection::connect(&server.superuser_url())
+        .await
+        .unwrap();
+    let stuck = tokio::spawn(async move {
+        sqlx::query(
+            "WITH w AS (INSERT INTO another_application VALUES (1) RETURNING 1) \
+             SELECT pg_notify('another_application', '') FROM w",
+        )
+        .execute(&mut other)
+        .await
+        .map(drop)
+    });
+    // Its commit is waiting for the standby, with the notify lock held.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while server
+        .psql("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'SyncRep'")
+        .await
+        .unwrap()
+        != "1"
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the other commit never waited (finished: {})",
+            stuck.is_finished()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let released = holder.release(&lease).await;
+    for sql in [
+        "ALTER SYSTEM RESET synchronous_standby_names",
+        "SELECT pg_reload_conf()",
+    ] {
+        server.psql(sql).await.unwrap();
+    }
+    assert!(
+        matches!(released, Ok(Release::Released)),
+        "{mode}: the release queued behind another application's commit: {released:?}"
+    );
+    stuck.await.unwrap().unwrap();
+    // The announcement went out once the lock was free.
+    let mut watch = watch;
+    tokio::time::timeout(Duration::from_secs(5), watch.released())
+        .await
+        .expect("the waiter was woken");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_a_waited_release_does_not_queue_behind_other_notifying_commits() {
+    a_waited_release_does_not_queue_behind_other_notifying_commits("lease", |b| {
+        Arc::new(b.build_lease_backend().unwrap())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_a_waited_release_does_not_queue_behind_other_notifying_commits() {
+    a_waited_release_does_not_queue_behind_other_notifying_commits("advisory", |b| {
+        Arc::new(b.build_advisory_backend().unwrap())
+    })
+    .await;
 }
