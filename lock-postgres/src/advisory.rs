@@ -414,7 +414,9 @@ impl LockBackend for PgAdvisoryBackend {
     /// # Cancel safety
     /// A release cancelled after its statement may have been sent closes the lease's
     /// connection (which frees the lock if the statement did not run) and unpins it: a
-    /// clone of the lease then renews as [`Renewal::Lost`], never as held.
+    /// clone of the lease then renews as [`Renewal::Lost`], never as held. Its key's
+    /// waiters, if any, are not announced: they find the key free at their next backoff
+    /// step.
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         let Some(session) = self.session(lease)? else {
             return Ok(Release::NotHeld);

@@ -433,6 +433,10 @@ impl LockBackend for PgLeaseBackend {
         })
     }
 
+    /// # Cancel safety
+    /// A release cancelled after its statement was sent may have released the key
+    /// without announcing it: its waiters, if any, find it free at their next backoff
+    /// step.
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check(lease)?;
         let (class, obj) = self.releases.waiter_id(lease.key());
