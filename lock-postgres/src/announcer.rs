@@ -26,10 +26,10 @@ use std::time::Duration;
 
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
-use tokio::runtime::Handle;
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 use tracing::debug;
+
+use crate::background::Background;
 
 /// The `application_name` of the announcer's session.
 pub const ANNOUNCER_APPLICATION_NAME: &str = "distlock-announcer";
@@ -41,7 +41,7 @@ const ANNOUNCE: &str =
 /// The names waiting to be announced, and the task that announces them.
 pub(crate) struct Announcer {
     shared: Arc<Shared>,
-    task: Mutex<Option<JoinHandle<()>>>,
+    task: Background,
 }
 
 struct Shared {
@@ -69,14 +69,18 @@ impl Announcer {
                 queue: Mutex::new(Vec::new()),
                 queued: Notify::new(),
             }),
-            task: Mutex::new(None),
+            task: Background::default(),
         }
     }
 
     /// Queues `name` to be announced, starting the task if it does not run. Outside a
     /// tokio runtime nothing is announced (waiters poll).
     pub(crate) fn announce(&self, name: &str, stop: &watch::Sender<()>) {
-        if !self.ensure_running(stop) {
+        let (shared, stop) = (&self.shared, stop);
+        if !self
+            .task
+            .ensure_running(|| run(shared.clone(), stop.subscribe()))
+        {
             return;
         }
         self.shared
@@ -85,18 +89,6 @@ impl Announcer {
             .unwrap_or_else(PoisonError::into_inner)
             .push(name.to_owned());
         self.shared.queued.notify_one();
-    }
-
-    fn ensure_running(&self, stop: &watch::Sender<()>) -> bool {
-        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            return true;
-        }
-        let Ok(runtime) = Handle::try_current() else {
-            return false;
-        };
-        *task = Some(runtime.spawn(run(self.shared.clone(), stop.subscribe())));
-        true
     }
 }
 
@@ -125,18 +117,18 @@ async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
 
 impl Shared {
     async fn send(&self, conn: &mut Option<PgConnection>, names: &[String]) -> Result<(), String> {
-        if conn.is_none() {
-            let opened = tokio::time::timeout(
-                self.connect_timeout,
-                PgConnection::connect_with(&self.options),
-            )
-            .await
-            .map_err(|_| "connect timed out".to_owned())?
-            .map_err(|e| e.to_string())?;
-            *conn = Some(opened);
-        }
-        let Some(c) = conn.as_mut() else {
-            return Err("no connection".into());
+        let c = match conn {
+            Some(c) => c,
+            None => {
+                let opened = tokio::time::timeout(
+                    self.connect_timeout,
+                    PgConnection::connect_with(&self.options),
+                )
+                .await
+                .map_err(|_| "connect timed out".to_owned())?
+                .map_err(|e| e.to_string())?;
+                conn.insert(opened)
+            }
         };
         let sent = sqlx::query(ANNOUNCE)
             .bind(&self.channel)

@@ -19,6 +19,7 @@
 
 mod advisory;
 mod announcer;
+mod background;
 mod client;
 mod config;
 mod error;

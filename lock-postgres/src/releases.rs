@@ -47,7 +47,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::LockKey;
@@ -55,12 +55,11 @@ use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::runtime::Handle;
 use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 use tracing::debug;
 
 use crate::announcer::Announcer;
+use crate::background::Background;
 use crate::schema::Schema;
 use crate::waiters::{REGISTER, UNREGISTER, waiter_id};
 
@@ -85,7 +84,7 @@ pub(crate) struct ReleaseListener {
     shared: Arc<Shared>,
     /// Sends the notifications of released keys that some process waits for.
     announcer: Announcer,
-    task: Mutex<Option<JoinHandle<()>>>,
+    task: Background,
     /// Dropped with the backend, which ends the task.
     stop: watch::Sender<()>,
 }
@@ -154,7 +153,7 @@ impl ReleaseListener {
                 #[cfg(test)]
                 deaf: std::sync::atomic::AtomicBool::new(false),
             }),
-            task: Mutex::new(None),
+            task: Background::default(),
             stop: watch::channel(()).0,
         }
     }
@@ -183,15 +182,9 @@ impl ReleaseListener {
     }
 
     fn ensure_running(&self) -> bool {
-        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            return true;
-        }
-        let Ok(runtime) = Handle::try_current() else {
-            return false;
-        };
-        *task = Some(runtime.spawn(listen(self.shared.clone(), self.stop.subscribe())));
-        true
+        let (shared, stop) = (&self.shared, &self.stop);
+        self.task
+            .ensure_running(|| listen(shared.clone(), stop.subscribe()))
     }
 
     /// Makes the listener wake no one from now on (`false` restores it).
@@ -204,8 +197,7 @@ impl ReleaseListener {
     /// The listener task, once one was started.
     #[cfg(test)]
     pub(crate) fn task(&self) -> Option<tokio::task::AbortHandle> {
-        let task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        task.as_ref().map(JoinHandle::abort_handle)
+        self.task.abort_handle()
     }
 }
 
