@@ -646,26 +646,32 @@ mod tests {
         // Its connection goes back to the pool with the lock held.
         let pinned = session.pinned.lock().await.take().expect("pinned");
         drop(pinned);
-        // Every attempt runs on the other session (the key is held: no grant) until one
-        // runs on the leaked session, which is refused and closed.
-        let mut refused = false;
-        for attempt in 0..8 {
-            match backend.acquire(&key, ttl).await {
-                Ok(None) => {}
-                Ok(Some(again)) => panic!(
-                    "attempt {attempt}: granted again ({}) while {} holds it",
-                    again.token(),
-                    first.token()
-                ),
-                Err(LockError::Unavailable { message, .. }) => {
-                    assert!(message.contains("distlock.holds"), "{message}");
-                    refused = true;
-                    break;
-                }
-                Err(e) => panic!("attempt {attempt}: {e}"),
+        // Both of the pool's connections taken; the leaked one given back, so the next
+        // attempt runs on it.
+        let mut other = None;
+        for _ in 0..2 {
+            let mut conn = backend.client.pool.acquire().await.unwrap();
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            if pid != session.pid {
+                other = Some(conn);
             }
         }
-        assert!(refused, "no attempt ran on the leaked session");
+        assert!(other.is_some(), "the pool holds the leaked session");
+        match backend.acquire(&key, ttl).await {
+            Ok(Some(again)) => panic!(
+                "granted again ({}) while {} holds it",
+                again.token(),
+                first.token()
+            ),
+            Err(LockError::Unavailable { message, .. }) => {
+                assert!(message.contains("distlock.holds"), "{message}");
+            }
+            other => panic!("the leaked session was not refused: {other:?}"),
+        }
+        drop(other);
         // Closing it ended its lock: the key is free again.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         let again = loop {
