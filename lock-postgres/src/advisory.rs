@@ -648,18 +648,17 @@ mod tests {
         drop(pinned);
         // Both of the pool's connections taken; the leaked one given back, so the next
         // attempt runs on it.
-        let mut other = None;
+        let mut conns = Vec::new();
         for _ in 0..2 {
             let mut conn = backend.client.pool.acquire().await.unwrap();
             let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
                 .fetch_one(&mut *conn)
                 .await
                 .unwrap();
-            if pid != session.pid {
-                other = Some(conn);
-            }
+            conns.push((pid, conn));
         }
-        assert!(other.is_some(), "the pool holds the leaked session");
+        conns.retain(|(pid, _)| *pid != session.pid);
+        assert_eq!(conns.len(), 1, "the pool holds the leaked session");
         match backend.acquire(&key, ttl).await {
             Ok(Some(again)) => panic!(
                 "granted again ({}) while {} holds it",
@@ -671,7 +670,7 @@ mod tests {
             }
             other => panic!("the leaked session was not refused: {other:?}"),
         }
-        drop(other);
+        drop(conns);
         // Closing it ended its lock: the key is free again.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         let again = loop {
