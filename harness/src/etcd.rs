@@ -10,10 +10,14 @@
 //!
 //! [`EtcdServer::start_with_auth`] and [`EtcdCluster::start_with_auth`] start members with
 //! authentication enabled ([`EtcdAuth`]): a `root` user and simple tokens with a short TTL.
+//!
+//! [`EtcdServer::save_snapshot`] and [`EtcdServer::restore_snapshot`] back a member up and
+//! bring it back with `etcdctl`, as operators do.
 
 mod cluster;
 mod member;
 mod options;
+mod snapshot;
 
 pub use cluster::EtcdCluster;
 pub use member::{Etcd, EtcdServer};

@@ -89,6 +89,10 @@ impl ServerKind for Etcd {
     }
 }
 
+fn data_dir(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    dir.join(format!("{name}.etcd"))
+}
+
 impl EtcdServer {
     /// Starts a single-member cluster and waits until it is [healthy](Self::health).
     pub async fn start() -> Result<Self, HarnessError> {
@@ -139,7 +143,7 @@ impl EtcdServer {
         let dir = temp_dir("distlock-etcd-")?;
         let client_url = plan.client_url();
         let peer_url = plan.peer_url();
-        let data_dir = dir.path().join(format!("{}.etcd", plan.name));
+        let data_dir = data_dir(dir.path(), &plan.name);
         let mut args: Vec<String> = vec![
             format!("--name={}", plan.name),
             format!("--data-dir={}", data_dir.display()),
@@ -221,6 +225,11 @@ impl EtcdServer {
     /// The member name (`--name`).
     pub fn name(&self) -> &str {
         &self.kind().name
+    }
+
+    /// The member's data dir (`--data-dir`).
+    pub(super) fn data_dir(&self) -> std::path::PathBuf {
+        data_dir(self.dir(), self.name())
     }
 
     /// Runs `request` with an `etcd-client` connected to this member alone (over TLS,
