@@ -1,5 +1,6 @@
 //! [`EtcdBackend`]: locks as etcd keys attached to one lease each, taken and checked in
-//! transactions, with the key's `create_revision` as the fencing token.
+//! transactions, with tokens from the clients' clocks kept rising per name by the
+//! transactions (see `tokens`).
 //!
 //! # One lease per lock
 //!
@@ -11,10 +12,12 @@
 //! lease per lock, a lock that is not renewed is deleted by etcd when its own TTL runs out.
 //!
 //! Renewal, and how a lease can never extend another holder's lock, is in `lease`;
-//! acquiring in `acquire`; folding a batch's per-item results in `batch`.
+//! acquiring in `acquire`; what a read of a name finds in `found`; folding a batch's
+//! per-item results in `batch`.
 
 mod acquire;
 mod batch;
+mod found;
 mod lease;
 
 use std::fmt;
@@ -33,19 +36,25 @@ use tokio::time::Instant;
 use tracing::instrument;
 
 use self::batch::{per_item, waves};
+use self::found::Found;
 use self::lease::EtcdLease;
 use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
 use crate::members::Members;
 use crate::releases::ReleaseListener;
+use crate::tokens::lock_value;
 
 /// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
 ///
-/// - **Keys**: `<prefix>/locks/<name>` holds the owner id and is attached to the lock's lease
-///   (`%` and `/` in the name are percent-encoded, so every prefix and name has its own key).
-/// - **Token**: the key's `create_revision`, the cluster-wide revision of the write that
-///   created it: strictly increasing across releases, expiries, leader changes and restarts.
+/// - **Keys**: `<prefix>/locks/<name>` holds `<owner id>:<token>` and is attached to the
+///   lock's lease; `<prefix>/tokens/<name>` holds the newest token granted for the name (`%`
+///   and `/` in the name are percent-encoded, so every prefix and name has its own keys).
+/// - **Token**: the granting client's wall clock in µs, or one more than the name's newest
+///   token if that is higher, put only if no other grant came between (one transaction):
+///   strictly increasing per name across releases, expiries, leader changes, restarts and
+///   snapshot restores (as long as the clients' clocks read later than the last token
+///   granted before the restore).
 /// - **TTL**: whole seconds, at least the cluster's minimum lease TTL (learned when the
 ///   backend is built, 2 s with etcd's default election timeout). Anything else is
 ///   [`LockError::InvalidTtl`]: etcd would silently lengthen a shorter lease.
@@ -132,9 +141,9 @@ impl EtcdBackend {
         etcd_key(&self.inner.prefix, "locks", key.as_str())
     }
 
-    /// The etcd key whose `mod_revision` is the newest token granted for `key`. It outlives
-    /// the lock key (which is deleted on release and expiry), so the newest token is still
-    /// known when the lock is free.
+    /// The etcd key that holds the newest token granted for `key`. It outlives the lock key
+    /// (which is deleted on release and expiry), so the newest token is still known when the
+    /// lock is free.
     pub fn token_key(&self, key: &LockKey) -> String {
         etcd_key(&self.inner.prefix, "tokens", key.as_str())
     }
@@ -194,47 +203,35 @@ impl EtcdBackend {
         lease.check_backend(self.inner.id, NAME)
     }
 
-    /// The comparisons that prove `lease` still holds its key.
-    fn held_by(&self, lease: &Lease) -> Vec<Compare> {
-        let key = self.lock_key(lease.key());
-        let token = i64::try_from(lease.token().get()).unwrap_or(i64::MAX);
-        vec![
-            Compare::create_revision(key.clone(), CompareOp::Equal, token),
-            Compare::value(key, CompareOp::Equal, lease.owner().to_string()),
+    /// The comparison that proves `lease` still holds its key: the key holds its owner id
+    /// and token (an owner id is drawn afresh for every acquisition).
+    fn held_by(&self, lease: &Lease) -> Compare {
+        Compare::value(
+            self.lock_key(lease.key()),
+            CompareOp::Equal,
+            lock_value(lease.owner(), lease.token()),
+        )
+    }
+
+    /// Gets of `key`'s lock key and token key, in that order (see [`Found::from_reads`]).
+    fn reads(&self, key: &LockKey) -> [TxnOp; 2] {
+        [
+            TxnOp::get(self.lock_key(key), None),
+            TxnOp::get(self.token_key(key), None),
         ]
     }
 
-    async fn get_key(&self, key: &LockKey) -> Result<Option<KeyValue>, LockError> {
-        Ok(self.lookup(key).await?.0)
-    }
-
-    /// The lock key and the newest token of `key`, read in one transaction.
-    async fn lookup(
-        &self,
-        key: &LockKey,
-    ) -> Result<(Option<KeyValue>, Option<FencingToken>), LockError> {
-        let txn = Txn::new().and_then([
-            TxnOp::get(self.lock_key(key), None),
-            TxnOp::get(self.token_key(key), None),
-        ]);
-        let resp = self.txn(Effect::None, txn).await?;
-        let mut found = resp.op_responses().into_iter().map(|op| match op {
-            TxnOpResponse::Get(mut get) => get.take_kvs().into_iter().next(),
-            _ => None,
-        });
-        let lock = found.next().flatten();
-        let newest = found
-            .next()
-            .flatten()
-            .and_then(|kv| u64::try_from(kv.mod_revision()).ok())
-            .map(FencingToken);
-        Ok((lock, newest))
+    /// `key`'s lock key and token key, read in one transaction (linearizable, no write).
+    async fn lookup(&self, key: &LockKey) -> Result<Found, LockError> {
+        let resp = self
+            .txn(Effect::None, Txn::new().and_then(self.reads(key)))
+            .await?;
+        Ok(Found::from_reads(&resp))
     }
 }
 
 fn is_held_by(kv: &KeyValue, lease: &Lease) -> bool {
-    u64::try_from(kv.create_revision()).ok() == Some(lease.token().get())
-        && kv.value() == lease.owner().to_string().as_bytes()
+    kv.value() == lock_value(lease.owner(), lease.token()).as_bytes()
 }
 
 fn first_kv(resp: &TxnResponse) -> Option<KeyValue> {
@@ -276,7 +273,7 @@ impl LockBackend for EtcdBackend {
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check_lease(lease)?;
         let etcd_key = self.lock_key(lease.key());
-        let txn = Txn::new().when(self.held_by(lease)).and_then([
+        let txn = Txn::new().when([self.held_by(lease)]).and_then([
             TxnOp::get(etcd_key.clone(), None),
             TxnOp::delete(etcd_key, None),
         ]);
@@ -317,12 +314,12 @@ impl LockBackend for EtcdBackend {
     #[instrument(level = "debug", skip(self), fields(backend = NAME))]
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.check_lease(lease)?;
-        let (lock, newest) = self.lookup(lease.key()).await?;
-        if lock.as_ref().is_some_and(|kv| is_held_by(kv, lease)) {
+        let found = self.lookup(lease.key()).await?;
+        if found.lock().is_some_and(|kv| is_held_by(kv, lease)) {
             return Ok(Fence::Current);
         }
-        let holder = lock.and_then(|kv| u64::try_from(kv.create_revision()).ok());
-        let current = [newest, holder.map(FencingToken), Some(lease.token())]
+        let holder = found.holder().map(|(_, token)| token);
+        let current = [found.newest(), holder, Some(lease.token())]
             .into_iter()
             .flatten()
             .max()
@@ -334,17 +331,16 @@ impl LockBackend for EtcdBackend {
     /// down by etcd).
     #[instrument(level = "debug", skip(self), fields(backend = NAME))]
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        let (lock, newest) = self.lookup(key).await?;
-        let Some(kv) = lock else {
+        let found = self.lookup(key).await?;
+        let newest = found.newest();
+        let Some(kv) = found.lock() else {
             return Ok(LockInfo {
                 owner: None,
                 token: newest,
                 remaining: None,
             });
         };
-        let owner = std::str::from_utf8(kv.value())
-            .ok()
-            .and_then(|v| OwnerId::parse(v).ok());
+        let holder = found.holder();
         let remaining = if kv.lease() == 0 {
             None
         } else {
@@ -356,10 +352,9 @@ impl LockBackend for EtcdBackend {
                 .await?;
             u64::try_from(ttl.ttl()).ok().map(Duration::from_secs)
         };
-        let held = u64::try_from(kv.create_revision()).ok().map(FencingToken);
         Ok(LockInfo {
-            owner,
-            token: newest.max(held),
+            owner: holder.map(|(owner, _)| owner),
+            token: newest.max(holder.map(|(_, token)| token)),
             remaining,
         })
     }

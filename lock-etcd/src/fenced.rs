@@ -22,8 +22,9 @@ use distlock_core::{Admission, EnforcementMode, FencedResource, FencingToken, Lo
 use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse, TxnResponse};
 
 use crate::backend::EtcdBackend;
-use crate::error::{Effect, NAME};
+use crate::error::Effect;
 use crate::keys::etcd_key;
+use crate::tokens::{encode, parse_token};
 
 /// A fenced resource whose state lives in etcd, next to the locks of an [`EtcdBackend`].
 #[derive(Debug, Clone)]
@@ -156,19 +157,6 @@ fn check_resource(resource: &str) -> Result<(), LockError> {
     Ok(())
 }
 
-/// Zero-padded to the 20 digits of `u64::MAX`, so byte order is numeric order.
-fn encode(token: FencingToken) -> String {
-    format!("{:020}", token.get())
-}
-
-fn parse_token(bytes: &[u8]) -> Result<FencingToken, LockError> {
-    std::str::from_utf8(bytes)
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map(FencingToken)
-        .ok_or_else(|| LockError::backend(NAME, "a fence key holds something other than a token"))
-}
-
 /// The token the fence held before this write: from the `get` of the stale branch, or the
 /// previous value of the `put` of the admitted branch.
 fn seen_token(resp: &TxnResponse) -> Result<Option<FencingToken>, LockError> {
@@ -179,24 +167,4 @@ fn seen_token(resp: &TxnResponse) -> Result<Option<FencingToken>, LockError> {
         _ => None,
     });
     kv.map(|kv| parse_token(kv.value())).transpose()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn encoded_tokens_sort_like_numbers() {
-        let tokens = [0, 9, 10, 99, 100, 4_294_967_296, u64::MAX];
-        for pair in tokens.windows(2) {
-            assert!(encode(FencingToken(pair[0])) < encode(FencingToken(pair[1])));
-        }
-        assert_eq!(
-            parse_token(encode(FencingToken(u64::MAX)).as_bytes())
-                .unwrap()
-                .get(),
-            u64::MAX
-        );
-        assert!(parse_token(b"x1").is_err());
-    }
 }

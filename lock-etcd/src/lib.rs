@@ -1,5 +1,6 @@
 //! etcd v3 backend for distlock: every lock is a key attached to its own lease, taken and
-//! checked in transactions, and the key's `create_revision` is the fencing token.
+//! checked in transactions, with fencing tokens that keep rising per name even through a
+//! snapshot restore.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), distlock_core::LockError> {
@@ -18,16 +19,23 @@
 //!
 //! # Guarantees and limits
 //!
-//! - Tokens are etcd revisions: strictly increasing per key (and cluster-wide), durable
-//!   across restarts and leader changes.
+//! - Tokens are the granting client's wall clock in µs, or one more than the name's newest
+//!   token if that is higher, recorded in the same transaction that takes the key and only
+//!   if no other grant came between: strictly increasing per name, durable across
+//!   restarts and leader changes. Not etcd revisions, because `etcdctl snapshot restore`
+//!   brings the revision back to the snapshot's and would grant the tokens issued since
+//!   again; clock tokens keep rising after a restore as long as the clients that grant read
+//!   clocks later than the last token granted before it (clocks in sync to within the
+//!   minutes a restore takes).
 //! - TTLs are whole seconds and at least the cluster's minimum lease TTL (2 s with etcd's
 //!   default 1 s election timeout). Other TTLs are refused with `InvalidTtl`, never rounded.
 //! - A lock may outlive its TTL in etcd (lease expiry is checked every 500 ms, and a leader
 //!   change extends every lease); the client's validity window always ends first.
 //! - [`EtcdFencedResource`] gates downstream writes stored in etcd on the token.
-//! - Keys: `<prefix>/locks/<name>` (the lock, on its lease), `<prefix>/tokens/<name>` (its
-//!   `mod_revision` is the newest token, so it is known while the lock is free; one small
-//!   key per lock name, kept forever, like a fence counter), and, for the fenced resource,
+//! - Keys: `<prefix>/locks/<name>` (the lock, on its lease, holding `<owner id>:<token>`),
+//!   `<prefix>/tokens/<name>` (the newest token, 20 zero-padded digits, so it is known while
+//!   the lock is free; one small key per lock name, kept until `purge`), and, for the
+//!   fenced resource,
 //!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`. A name's `%` and `/` are
 //!   percent-encoded (`%25`, `%2F`), so every prefix and name has keys of its own (prefix
 //!   `app` with name `x/locks/y` and prefix `app/locks/x` with name `y` would otherwise
@@ -38,10 +46,11 @@
 //!   connection broken mid-call) is never repeated: its error goes to the caller (for a
 //!   write, `OutcomeUnknown`), and the next call starts at the next member.
 //! - `purge` deletes a lock's key and its token key in one transaction and revokes its
-//!   lease. Tokens are cluster-wide revisions, so the key's next token is still above
-//!   every token it had before.
-//! - Cost: an acquire is two round trips (grant the lease, then the transaction); release,
-//!   renew and fence are one. A contended acquire revokes its unused lease in the background.
+//!   lease; the key's next token then comes from the clock alone, above every token it had
+//!   before under the same clock assumption as a restore.
+//! - Cost: an acquire of a free key is three round trips (a linearizable read, the lease
+//!   grant, the transaction: two consensus writes); an acquire of a held key is the read
+//!   alone and writes nothing. Release, renew and fence are one round trip.
 //! - Waiters in `Locker::lock` are woken when the key is deleted (released, revoked, or
 //!   its lease expired), through one watch per backend on the deletes of its lock keys,
 //!   opened with the first waiter and kept until the backend is dropped. After the stream
@@ -55,6 +64,7 @@ mod fenced;
 mod keys;
 mod members;
 mod releases;
+mod tokens;
 mod url;
 
 pub use backend::EtcdBackend;

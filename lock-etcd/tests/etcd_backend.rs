@@ -1,4 +1,4 @@
-//! etcd-specific behaviour on a real server: the token is the key's `create_revision`,
+//! etcd-specific behaviour on a real server: what the lock and token keys hold,
 //! TTLs follow etcd's whole-second leases and server minimum, leases are revoked on release,
 //! renewal never touches a replaced key, the fenced resource, and bad input.
 
@@ -65,7 +65,7 @@ async fn ttls_are_whole_seconds_at_least_the_server_minimum_and_never_rounded() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_token_is_the_keys_create_revision_and_release_revokes_its_lease() {
+async fn the_keys_hold_the_owner_and_token_and_release_revokes_its_lease() {
     let server = shared_single().await;
     let factory = EtcdFactory::single().await;
     let backend = factory.etcd().await;
@@ -75,8 +75,26 @@ async fn the_token_is_the_keys_create_revision_and_release_revokes_its_lease() {
     let lease = backend.acquire(&k, TTL).await.unwrap().expect("free key");
     let resp = etcd.get(backend.lock_key(&k), None).await.unwrap();
     let kv = &resp.kvs()[0];
-    assert_eq!(kv.create_revision(), lease.token().get() as i64);
-    assert_eq!(kv.value_str().unwrap(), lease.owner().to_string());
+    assert_eq!(
+        kv.value_str().unwrap(),
+        format!("{}:{}", lease.owner(), lease.token().get())
+    );
+    let tokens = etcd.get(backend.token_key(&k), None).await.unwrap();
+    assert_eq!(
+        tokens.kvs()[0].value_str().unwrap(),
+        format!("{:020}", lease.token().get()),
+        "the newest token, zero-padded so that etcd orders it as a number"
+    );
+    // The token comes from the client's clock (µs since 1970), not from a revision.
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64;
+    assert!(
+        lease.token().get().abs_diff(clock) < 60_000_000,
+        "token {:?}, clock {clock}",
+        lease.token()
+    );
     let lease_id = kv.lease();
     assert_ne!(lease_id, 0, "the lock key is attached to a lease");
     let ttl = etcd.lease_time_to_live(lease_id, None).await.unwrap();
@@ -135,7 +153,10 @@ async fn renewal_never_extends_a_key_that_was_deleted_and_taken_again() {
 
     // The new holder's key and lease are untouched.
     let kv = etcd.get(b.lock_key(&k), None).await.unwrap().kvs()[0].clone();
-    assert_eq!(kv.create_revision(), new.token().get() as i64);
+    assert_eq!(
+        kv.value_str().unwrap(),
+        format!("{}:{}", new.owner(), new.token().get())
+    );
     assert_eq!(kv.lease(), new_lease);
     assert_eq!(b.fence(&new).await.unwrap(), Fence::Current);
     assert!(matches!(

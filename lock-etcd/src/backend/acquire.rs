@@ -1,22 +1,45 @@
-//! Acquiring: grant a lease with the lock's TTL, then put the key on it in one
-//! transaction if the key is free; every outcome but a grant revokes the lease.
+//! Acquiring: read the name, and only if it is free grant a lease with the lock's TTL and
+//! put the key on it in one transaction, with the next token; every outcome but a grant
+//! revokes the lease.
+//!
+//! # Why a read comes first
+//!
+//! A refused attempt that began with the grant would cost three consensus writes (the
+//! grant, a transaction that may write — etcd sends it through raft even when its
+//! comparison fails — and the revoke), each flushed to disk on a quorum, and would load
+//! the cluster exactly when a key is busy. A linearizable read answers "held" without a
+//! write; a free key costs the read plus the two writes it always cost.
+//!
+//! # The token
+//!
+//! The next token is [`next_token`] of the newest one read, and the transaction puts it
+//! only if the token key's `mod_revision` is still the one read: if another acquire was
+//! granted (and released) since, the transaction reads the name again instead, and the
+//! attempt goes on from what it found, on the same lease.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::{FencingToken, Lease, LockError, LockKey, OwnerId, valid_until};
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnResponse};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
 use tokio::time::Instant;
 use tracing::debug;
 
+use super::EtcdBackend;
+use super::found::Found;
 use super::lease::EtcdLease;
-use super::{EtcdBackend, first_kv};
-use crate::error::{Effect, NAME};
+use crate::error::Effect;
+use crate::tokens::{encode, lock_value, next_token};
+
+/// How many transactions one attempt sends while other acquires keep granting (and
+/// releasing) the name between its read and its transaction; after that it is refused,
+/// as a contended attempt is.
+const TRANSACTIONS_PER_ATTEMPT: usize = 3;
 
 impl EtcdBackend {
-    /// Grants a lease, then in one transaction puts the key on it if the key does not
-    /// exist. Validity counts from `sent`, taken before the grant was requested: the lease
-    /// starts counting when etcd grants it, so validity from `sent` ends before it does.
+    /// Reads the name; if it is free, grants a lease and puts the key on it with the next
+    /// token. Validity counts from `sent`, taken before anything was sent: the lease starts
+    /// counting when etcd grants it, so validity from `sent` ends before it does.
     pub(super) async fn acquire_sent(
         &self,
         key: &LockKey,
@@ -24,15 +47,74 @@ impl EtcdBackend {
         seconds: i64,
         sent: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        // A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
+        let found = self.lookup(key).await?;
+        if found.is_held() {
+            debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");
+            return Ok(None);
+        }
+        self.take_free(key, ttl, seconds, sent, found).await
+    }
+
+    /// Grants a lease and puts the key on it with the token after the newest `found`
+    /// shows, for a name `found` saw free; reads and tries again (on the same lease) while
+    /// other grants came between.
+    async fn take_free(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        seconds: i64,
+        sent: Instant,
+        mut found: Found,
+    ) -> Result<Option<Lease>, LockError> {
+        let lease_id = self.grant(ttl, seconds).await?;
+        let owner = OwnerId::random();
+        for _ in 0..TRANSACTIONS_PER_ATTEMPT {
+            let token = next_token(found.newest());
+            let txn = self.acquire_txn(key, owner, token, lease_id, found.token_revision());
+            match self.txn(Effect::Write("acquire"), txn).await {
+                Ok(resp) if resp.succeeded() => {
+                    let lease = Lease::new(
+                        self.inner.id,
+                        key.clone(),
+                        owner,
+                        token,
+                        ttl,
+                        valid_until(sent, ttl),
+                    );
+                    return Ok(Some(
+                        lease.with_handle(Arc::new(EtcdLease { id: lease_id })),
+                    ));
+                }
+                Ok(resp) => {
+                    found = Found::from_reads(&resp);
+                    if found.is_held() {
+                        debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");
+                        break;
+                    }
+                }
+                Err(e) => {
+                    // The put may have happened with the reply lost: revoking our own lease
+                    // deletes the key again, so no key is held for a TTL by a caller that
+                    // was told it does not hold it.
+                    self.revoke_in_background(lease_id);
+                    return Err(e);
+                }
+            }
+        }
+        self.revoke_in_background(lease_id);
+        Ok(None)
+    }
+
+    /// Grants a lease of `seconds` for a lock of `ttl`; refuses one etcd granted longer.
+    /// A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
+    async fn grant(&self, ttl: Duration, seconds: i64) -> Result<i64, LockError> {
         let granted = self
             .call(Effect::None, |client| async move {
                 client.lease_client().grant(seconds, None).await
             })
             .await?;
-        let lease_id = granted.id();
         if granted.ttl() != seconds {
-            self.revoke_in_background(lease_id);
+            self.revoke_in_background(granted.id());
             return Err(LockError::invalid_ttl(
                 ttl,
                 format!(
@@ -42,140 +124,92 @@ impl EtcdBackend {
                 ),
             ));
         }
-
-        let owner = OwnerId::random();
-        let resp = self
-            .txn(
-                Effect::Write("acquire"),
-                self.acquire_txn(key, owner, lease_id),
-            )
-            .await;
-        self.settle_acquire(key, ttl, owner, lease_id, sent, resp)
+        Ok(granted.id())
     }
 
-    /// If `key` does not exist, puts it with `owner` on the lease, and touches its token key;
-    /// otherwise reads the holder.
-    fn acquire_txn(&self, key: &LockKey, owner: OwnerId, lease_id: i64) -> Txn {
-        let etcd_key = self.lock_key(key);
-        Txn::new()
-            .when([Compare::create_revision(
-                etcd_key.clone(),
-                CompareOp::Equal,
-                0,
-            )])
-            .and_then([
-                TxnOp::put(
-                    etcd_key.clone(),
-                    owner.to_string(),
-                    Some(PutOptions::new().with_lease(lease_id)),
-                ),
-                TxnOp::put(self.token_key(key), owner.to_string(), None),
-            ])
-            .or_else([TxnOp::get(etcd_key, None)])
-    }
-
-    /// The lease granted by the acquire transaction's reply, if it granted one. Every other
-    /// outcome revokes the lease: if the put did happen (a lost reply, a reply without the
-    /// revision that would be the token), revoking our own lease deletes the key again, so
-    /// no key is held for a TTL by a caller that was told it does not hold it.
-    fn settle_acquire(
+    /// If the key does not exist and no token was granted since the read that saw
+    /// `token_revision`, puts the key with `owner` and `token` on the lease and records
+    /// `token` as the newest; otherwise reads the name again.
+    fn acquire_txn(
         &self,
         key: &LockKey,
-        ttl: Duration,
         owner: OwnerId,
+        token: FencingToken,
         lease_id: i64,
-        sent: Instant,
-        resp: Result<TxnResponse, LockError>,
-    ) -> Result<Option<Lease>, LockError> {
-        let revision = resp.and_then(|resp| {
-            if resp.succeeded() {
-                header_revision(&resp).map(Some)
-            } else {
-                debug!(
-                    holder_token = first_kv(&resp).map(|kv| kv.create_revision()),
-                    "contended"
-                );
-                Ok(None)
-            }
-        });
-        let Ok(Some(revision)) = revision else {
-            self.revoke_in_background(lease_id);
-            return revision.map(|_| None);
-        };
-        Ok(Some(
-            Lease::new(
-                self.inner.id,
-                key.clone(),
-                owner,
-                FencingToken(revision),
-                ttl,
-                valid_until(sent, ttl),
-            )
-            .with_handle(Arc::new(EtcdLease { id: lease_id })),
-        ))
+        token_revision: i64,
+    ) -> Txn {
+        let lock = self.lock_key(key);
+        let tokens = self.token_key(key);
+        Txn::new()
+            .when([
+                Compare::create_revision(lock.clone(), CompareOp::Equal, 0),
+                Compare::mod_revision(tokens.clone(), CompareOp::Equal, token_revision),
+            ])
+            .and_then([
+                TxnOp::put(
+                    lock,
+                    lock_value(owner, token),
+                    Some(PutOptions::new().with_lease(lease_id)),
+                ),
+                TxnOp::put(tokens, encode(token), None),
+            ])
+            .or_else(self.reads(key))
     }
-}
-
-fn header_revision(resp: &TxnResponse) -> Result<u64, LockError> {
-    resp.header()
-        .and_then(|h| u64::try_from(h.revision()).ok())
-        .filter(|&r| r > 0)
-        .ok_or_else(|| LockError::backend(NAME, "etcd's transaction reply has no revision"))
 }
 
 #[cfg(test)]
 mod tests {
-    use distlock_core::LockBackend;
+    use distlock_core::{Fence, LockBackend};
     use harness::etcd::EtcdServer;
     use harness::require;
 
     use super::*;
 
-    /// A reply that says the put happened but carries no revision cannot become a lease;
-    /// the key it put must not stay held until its lease runs out.
+    /// Another client is granted the name (and releases it) between an attempt's read and
+    /// its transaction, with a clock far ahead of this one: the attempt must notice and
+    /// grant a token above the one granted in between, never one at or below it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn an_acquire_reply_without_a_revision_revokes_the_lease_it_put_the_key_on() {
+    async fn a_grant_between_the_read_and_the_transaction_is_read_and_outbid() {
         let server = require(EtcdServer::start().await);
         let backend = EtcdBackend::builder()
             .endpoint(server.endpoint())
             .build()
             .await
             .unwrap();
-        let key = LockKey::new("no-revision").unwrap();
-        let ttl = Duration::from_secs(30);
-        let granted = backend
-            .call(Effect::None, |client| async move {
-                client.lease_client().grant(30, None).await
+        let key = LockKey::new("granted-between").unwrap();
+        let seen = backend.lookup(&key).await.unwrap();
+        assert!(!seen.is_held() && seen.newest().is_none(), "{seen:?}");
+
+        let hour_ahead = FencingToken(next_token(None).get() + 3_600_000_000);
+        let token_key = backend.token_key(&key);
+        backend
+            .call(Effect::Write("test"), |client| {
+                let token_key = token_key.clone();
+                async move {
+                    client
+                        .kv_client()
+                        .put(token_key, encode(hour_ahead), None)
+                        .await
+                }
             })
             .await
             .unwrap();
-        let owner = OwnerId::random();
-        let sent = Instant::now();
-        let mut resp = backend
-            .txn(
-                Effect::Write("acquire"),
-                backend.acquire_txn(&key, owner, granted.id()),
-            )
-            .await
-            .unwrap();
-        assert!(resp.succeeded(), "the key was free and is now put");
-        resp.take_header();
 
-        let settled = backend.settle_acquire(&key, ttl, owner, granted.id(), sent, Ok(resp));
+        let ttl = Duration::from_secs(2);
+        let lease = backend
+            .take_free(&key, ttl, 2, Instant::now(), seen)
+            .await
+            .unwrap()
+            .expect("the name is free");
         assert!(
-            matches!(settled, Err(LockError::Backend { .. })),
-            "{settled:?}"
+            lease.token() > hour_ahead,
+            "granted {:?} after {hour_ahead:?} was granted",
+            lease.token()
         );
-        // Freed by the revoke, long before the 30 s lease would lapse.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while backend.inspect(&key).await.unwrap().owner.is_some() {
-            assert!(
-                Instant::now() < deadline,
-                "the key is still held on the unrevoked lease"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let taken = backend.acquire(&key, Duration::from_secs(2)).await.unwrap();
-        assert!(taken.is_some(), "the key is free to take");
+        assert_eq!(backend.fence(&lease).await.unwrap(), Fence::Current);
+        assert_eq!(
+            backend.inspect(&key).await.unwrap().token,
+            Some(lease.token())
+        );
     }
 }

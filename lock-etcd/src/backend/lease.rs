@@ -3,7 +3,7 @@
 //!
 //! # Why renewal never extends someone else's lock
 //!
-//! Renewal checks the key (`create_revision == token` and `value == owner`) and sends one
+//! Renewal checks the key (its value is the lease's `<owner id>:<token>`) and sends one
 //! `LeaseKeepAlive` for the lock's own lease, both at once. A key is bound to the lease it
 //! was created with for its whole life, so a keep-alive can only ever extend *this*
 //! acquisition's key. If that key was deleted (released, or deleted by hand) the keep-alive
@@ -59,8 +59,9 @@ impl EtcdBackend {
         if let Some(handle) = lease.handle::<EtcdLease>() {
             return Ok(Some((handle.id, lease.ttl())));
         }
-        let kv = self.get_key(lease.key()).await?;
-        let Some(lease_id) = kv
+        let found = self.lookup(lease.key()).await?;
+        let Some(lease_id) = found
+            .lock()
             .filter(|kv| is_held_by(kv, lease))
             .map(|kv| kv.lease())
             .filter(|&id| id != 0)
@@ -88,7 +89,7 @@ impl EtcdBackend {
         let Some((lease_id, granted_ttl)) = self.lease_of(lease).await? else {
             return Ok(Renewal::Lost);
         };
-        let check = Txn::new().when(self.held_by(lease));
+        let check = Txn::new().when([self.held_by(lease)]);
         let (check, kept) = tokio::join!(
             self.txn(Effect::None, check),
             self.keep_alive_once(lease_id)
