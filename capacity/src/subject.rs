@@ -72,8 +72,9 @@ pub enum SubjectId {
     PgRawLease,
     /// Raw etcd txn put-if-absent (on one shared lease) + delete.
     EtcdRawTxn,
-    /// The etcd backend's primitive operations sent raw: grant a lease, txn put-if-absent
-    /// (lock key + token key), owner-checked delete txn, revoke in the background.
+    /// The etcd backend's primitive operations sent raw: read the lock and token keys,
+    /// grant a lease, txn put-if-absent (lock key + token key), owner-checked delete txn,
+    /// revoke in the background.
     EtcdRawSameOps,
 }
 
@@ -136,7 +137,9 @@ impl SubjectId {
             SubjectId::PgAdvisory => {
                 "distlock PostgreSQL advisory: try-lock + token upsert, unlock (pinned session)"
             }
-            SubjectId::Etcd => "distlock etcd: lease grant + txn, delete txn (+ background revoke)",
+            SubjectId::Etcd => {
+                "distlock etcd: read + lease grant + txn, delete txn (+ background revoke)"
+            }
             SubjectId::RedisPing => "baseline: Redis PING",
             SubjectId::RedisSetNx => "baseline: raw SET key v NX PX + DEL",
             SubjectId::RedisTwoStep => {
@@ -150,7 +153,7 @@ impl SubjectId {
             SubjectId::PgRawLease => "baseline: the lease-table backend's SQL sent raw",
             SubjectId::EtcdRawTxn => "baseline: raw txn put-if-absent (shared lease) + delete",
             SubjectId::EtcdRawSameOps => {
-                "baseline: raw grant + txn put-if-absent + delete txn + background revoke"
+                "baseline: raw read + grant + txn put-if-absent + delete txn + background revoke"
             }
         }
     }

@@ -1,10 +1,11 @@
 //! The etcd baselines: a put-if-absent transaction on one shared lease, and the same
-//! operations as the backend (a lease per lock, a token key, a checked delete).
+//! operations as the backend (a read of the lock and token keys, a lease per lock, a
+//! token from the clock checked against the token key, a checked delete).
 
 use std::time::Instant;
 
 use async_trait::async_trait;
-use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp};
+use etcd_client::{Compare, CompareOp, PutOptions, Txn, TxnOp, TxnOpResponse};
 
 use super::{BenchKey, Cycle, Subject, SubjectId, TTL};
 use crate::BenchError;
@@ -89,6 +90,29 @@ impl Subject for RawEtcd {
             });
         }
 
+        let token_key = format!("bench/tokens/{}", key.as_str());
+        let reads = [
+            TxnOp::get(lock_key.clone(), None),
+            TxnOp::get(token_key.clone(), None),
+        ];
+        let seen = kv
+            .txn(Txn::new().and_then(reads))
+            .await
+            .map_err(|e| self.err(e))?;
+        let token_kv = match seen.op_responses().pop() {
+            Some(TxnOpResponse::Get(mut get)) => get.take_kvs().pop(),
+            _ => None,
+        };
+        let newest = token_kv
+            .as_ref()
+            .and_then(|kv| kv.value_str().ok()?.parse::<u64>().ok())
+            .unwrap_or(0);
+        let token_revision = token_kv.map_or(0, |kv| kv.mod_revision());
+        let clock = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let token = clock.max(newest + 1);
+
         let lease = self
             .client
             .lease_client()
@@ -96,34 +120,26 @@ impl Subject for RawEtcd {
             .await
             .map_err(|e| self.err(e))?
             .id();
+        let value = format!("{owner}:{token}");
         let put_if_absent = Txn::new()
-            .when([Compare::create_revision(
-                lock_key.clone(),
-                CompareOp::Equal,
-                0,
-            )])
+            .when([
+                Compare::create_revision(lock_key.clone(), CompareOp::Equal, 0),
+                Compare::mod_revision(token_key.clone(), CompareOp::Equal, token_revision),
+            ])
             .and_then([
                 TxnOp::put(
                     lock_key.clone(),
-                    owner.clone(),
+                    value.clone(),
                     Some(PutOptions::new().with_lease(lease)),
                 ),
-                TxnOp::put(
-                    format!("bench/tokens/{}", key.as_str()),
-                    owner.clone(),
-                    None,
-                ),
+                TxnOp::put(token_key, format!("{token:020}"), None),
             ])
             .or_else([TxnOp::get(lock_key.clone(), None)]);
         let resp = kv.txn(put_if_absent).await.map_err(|e| self.err(e))?;
         let acquire = start.elapsed();
-        let token = resp.header().map(|h| h.revision()).unwrap_or(0);
         if resp.succeeded() {
             let checked_delete = Txn::new()
-                .when([
-                    Compare::create_revision(lock_key.clone(), CompareOp::Equal, token),
-                    Compare::value(lock_key.clone(), CompareOp::Equal, owner),
-                ])
+                .when([Compare::value(lock_key.clone(), CompareOp::Equal, value)])
                 .and_then([
                     TxnOp::get(lock_key.clone(), None),
                     TxnOp::delete(lock_key, None),
