@@ -185,7 +185,10 @@ pub const CAUGHT_BY: &[Catch] = &[
     },
     Catch {
         kind: BrokenKind::ReleaseWakesNoOne,
-        cases: &["a_release_wakes_a_waiter"],
+        cases: &[
+            "a_release_wakes_a_waiter",
+            "a_resignation_wakes_a_campaigning_standby",
+        ],
         invariants: &[],
     },
 ];

@@ -65,6 +65,7 @@ macro_rules! __conformance_cases {
             election_tokens_increase_across_leaders: [],
             election_observe_follows_the_leader: [inspect],
             a_release_wakes_a_waiter: [wakes_waiters],
+            a_resignation_wakes_a_campaigning_standby: [wakes_waiters],
             a_waiter_whose_wake_is_lost_still_acquires: [wakes_waiters],
             a_cancelled_waiter_leaves_no_subscription: [wakes_waiters],
         }

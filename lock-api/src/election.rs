@@ -17,6 +17,7 @@ use crate::guard::{LeaseStatus, LockGuard};
 use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::Release;
 use crate::locker::{Locker, RetryPolicy};
+use crate::waiting::Waiting;
 
 /// The prefix of the lock key of every role: role `scheduler` is the key
 /// `election:scheduler`.
@@ -149,9 +150,11 @@ impl ElectionBuilder {
 ///
 /// # Hand-over
 ///
-/// [`Leadership::resign`] releases the lease at once, so a standby in `campaign` takes
-/// over at its next attempt: within one backoff step of the election's [`RetryPolicy`],
-/// not after a TTL. A leader that crashes or pauses is replaced once its lease runs out.
+/// [`Leadership::resign`] releases the lease at once. Where the backend announces releases
+/// ([`crate::Capabilities::wakes_waiters`]), a standby in `campaign` is woken by the
+/// release and takes over at once; elsewhere at its next attempt, within one backoff step
+/// of the election's [`RetryPolicy`]. Never after a TTL. A leader that crashes or pauses
+/// is replaced once its lease runs out.
 #[derive(Clone, Debug)]
 pub struct Election {
     locker: Locker,
@@ -190,8 +193,9 @@ impl Election {
         &self.key
     }
 
-    /// Waits until this process leads the role, trying to take its lease with jittered
-    /// backoff (the election's [`RetryPolicy`]). Transient store errors are retried; any
+    /// Waits until this process leads the role, trying to take its lease whenever the
+    /// leader's release is announced (where the backend announces releases; the election's
+    /// [`RetryPolicy`]'s longest backoff is the fallback) or else with its jittered backoff. Transient store errors are retried; any
     /// other error is returned. It does not time out: wrap it in `tokio::time::timeout`
     /// to give up.
     ///
@@ -318,38 +322,38 @@ enum Observer {
 }
 
 /// Tries to take `key` until it is granted or `elected`'s receiver is gone, then sends the
-/// guard. Waits between attempts with `retry`'s backoff.
-///
-/// The wait is the seam for wake-on-release notifications: a standby woken by the
-/// release would try again at once instead of at the end of its backoff step.
+/// guard. Between attempts it waits as [`Locker::lock`] does: for a leader's release to be
+/// announced where the backend announces releases (the election's longest backoff is then
+/// only the fallback), else with `retry`'s backoff.
 async fn campaign_until_elected(
     locker: Locker,
     key: LockKey,
     retry: RetryPolicy,
     mut elected: oneshot::Sender<Result<LockGuard, LockError>>,
 ) {
-    let mut attempt = 0u32;
+    let mut waiting = Waiting::new(locker.backend().as_ref(), &key, retry);
     while !elected.is_closed() {
-        match locker.try_lock(&key).await {
+        let held_by_another = match locker.try_lock(&key).await {
             // If the campaigner is gone, the guard comes back and is dropped: released.
             Ok(Some(guard)) => {
                 let _ = elected.send(Ok(guard));
                 return;
             }
-            Ok(None) => {}
+            Ok(None) => true,
             Err(error) if error.is_retryable() => {
                 debug!(%key, %error, "campaign attempt failed, retrying");
+                false
             }
             Err(error) => {
                 let _ = elected.send(Err(error));
                 return;
             }
-        }
+        };
+        let wait = waiting.after_attempt(held_by_another);
         tokio::select! {
             () = elected.closed() => return,
-            () = sleep(retry.backoff(attempt)) => {}
+            () = waiting.wait(wait) => {}
         }
-        attempt = attempt.saturating_add(1);
     }
 }
 

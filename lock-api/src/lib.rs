@@ -15,6 +15,7 @@ mod locker;
 pub mod memory;
 mod redact;
 pub mod telemetry;
+mod waiting;
 pub mod wake;
 mod watchdog;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::time::{Instant, sleep, timeout_at};
+use tokio::time::{Instant, timeout_at};
 use tracing::debug;
 
 use crate::backend::LockBackend;
@@ -13,6 +13,7 @@ use crate::error::LockError;
 use crate::guard::LockGuard;
 use crate::instrumented::Instrumented;
 use crate::key::LockKey;
+use crate::waiting::Waiting;
 use crate::watchdog::{LeaseState, Watchdog, check_schedule};
 
 /// How [`Locker::lock`] waits between attempts: exponential backoff with jitter.
@@ -228,10 +229,7 @@ impl Locker {
             key: key.clone(),
             waited: Instant::now() - started,
         };
-        // Watch before the first attempt, so a release between a refused attempt and the
-        // wait that follows it still wakes this waiter.
-        let mut releases = self.backend().watch_releases(key);
-        let mut attempt = 0u32;
+        let mut waiting = Waiting::new(self.backend().as_ref(), key, self.inner.retry);
         loop {
             let tried = match deadline {
                 Some(deadline) => timeout_at(deadline, self.try_lock(key))
@@ -249,28 +247,14 @@ impl Locker {
                 Err(e) => return Err(e),
             };
             let now = Instant::now();
-            // A key held by another waits for its release to be announced; the longest
-            // backoff is then only the fallback for a release that was not (an expiry, a
-            // lost message). Errors keep the growing backoff.
-            let mut wait = match (&releases, held_by_another) {
-                (Some(_), true) => self.inner.retry.backoff(u32::MAX),
-                _ => self.inner.retry.backoff(attempt),
-            };
+            let mut wait = waiting.after_attempt(held_by_another);
             if let Some(deadline) = deadline {
                 if now >= deadline {
                     return Err(timed_out());
                 }
                 wait = wait.min(deadline - now);
             }
-            match releases.as_mut() {
-                // The backoff stays as the fallback for a release that was not announced.
-                Some(watch) => tokio::select! {
-                    () = watch.released() => {}
-                    () = sleep(wait) => {}
-                },
-                None => sleep(wait).await,
-            }
-            attempt = attempt.saturating_add(1);
+            waiting.wait(wait).await;
         }
     }
 

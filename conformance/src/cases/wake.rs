@@ -1,13 +1,16 @@
 //! Cases on waiters woken by releases ([`distlock_core::Capabilities::wakes_waiters`]): a
-//! release wakes a waiter long before its backoff would, a waiter whose wake is lost
-//! still takes the key by its backoff, and a cancelled waiter leaves no subscription.
+//! release wakes a waiter long before its backoff would, and a resignation a campaigning
+//! standby; a waiter whose wake is lost still takes the key by its backoff, and a
+//! cancelled waiter leaves no subscription.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
-use distlock_core::{BackendLayer, Layered, LockBackend, LockError, LockKey, Locker, RetryPolicy};
+use distlock_core::{
+    BackendLayer, Election, Layered, LockBackend, LockError, LockKey, Locker, Release, RetryPolicy,
+};
 use tokio::time::{Instant, sleep};
 
 use crate::factory::Factory;
@@ -78,6 +81,64 @@ pub async fn a_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Outcome, 
     ctx.ensure(
         after <= WOKEN_WITHIN,
         format!("the waiter to hold the key within {WOKEN_WITHIN:?} of the release (its backoff is {LONG_BACKOFF:?})"),
+        || format!("it took {after:?}"),
+    )?;
+    ctx.pass(&t)
+}
+
+/// A leader resigns while a standby on another client campaigns with an 8 s backoff: the
+/// resignation's release wakes the standby, which leads within 1.5 s. A campaign that
+/// polls would wait out its backoff.
+pub async fn a_resignation_wakes_a_campaigning_standby(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("a_resignation_wakes_a_campaigning_standby", factory);
+    let first = ctx.client().await;
+    let t = ctx.timing(&first);
+    // The leader's lease outlives the wait, so only its resignation can free the role.
+    let ttl = fit_ttl(
+        &first.capabilities(),
+        (t.ttl * 20).max(Duration::from_secs(10)),
+    );
+    let key = ctx.key("role")?;
+    let campaigner = |client: Arc<dyn LockBackend>| -> Result<Election, Failure> {
+        let locker = waiting_locker(&ctx, client, ttl, LONG_BACKOFF)?;
+        ctx.ok(
+            "Election::builder(..).build()",
+            Election::builder(locker, "conformance")
+                .key(key.clone())
+                .retry(RetryPolicy {
+                    initial: LONG_BACKOFF,
+                    max: LONG_BACKOFF,
+                })
+                .build(),
+        )
+    };
+    let leader = campaigner(first)?;
+    let standby = campaigner(ctx.client().await)?;
+    let leading = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
+    let waiting = tokio::spawn(async move {
+        let leadership = standby.campaign().await?;
+        let elected = Instant::now();
+        leadership.resign().await?;
+        Ok::<_, LockError>(elected)
+    });
+    sleep(SETTLE).await;
+    let resigned_at = Instant::now();
+    let resigned = ctx.ok("the leader's resign", leading.resign().await)?;
+    ctx.ensure(
+        resigned == Release::Released,
+        "the leader to resign with Released",
+        || format!("{resigned:?}"),
+    )?;
+    let elected = ctx.ok("the standby's campaign", joined(&ctx, waiting).await?)?;
+    let after = elected.saturating_duration_since(resigned_at);
+    ctx.ensure(
+        after <= WOKEN_WITHIN,
+        format!(
+            "the standby to lead within {WOKEN_WITHIN:?} of the resignation (its backoff is \
+             {LONG_BACKOFF:?})"
+        ),
         || format!("it took {after:?}"),
     )?;
     ctx.pass(&t)

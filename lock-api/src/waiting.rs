@@ -1,0 +1,63 @@
+//! [`Waiting`]: how a waiter for a key waits between its attempts, the same for
+//! [`crate::Locker::lock`] and [`crate::Election::campaign`].
+//!
+//! Where the backend announces releases ([`crate::LockBackend::watch_releases`]), a key
+//! held by another is waited for until its release is announced, and the policy's longest
+//! backoff is only the fallback for a release that was not (a TTL that ran out, a lost
+//! message). A failed attempt, and every attempt on a backend that announces nothing,
+//! waits the growing jittered backoff instead.
+
+use std::time::Duration;
+
+use tokio::time::sleep;
+
+use crate::backend::LockBackend;
+use crate::key::LockKey;
+use crate::locker::RetryPolicy;
+use crate::wake::ReleaseWatch;
+
+/// One waiter's state between attempts: its release watch and how many attempts it made.
+pub(crate) struct Waiting {
+    releases: Option<ReleaseWatch>,
+    retry: RetryPolicy,
+    attempt: u32,
+}
+
+impl Waiting {
+    /// Starts watching `key`'s releases. Call it before the first attempt, so that a
+    /// release between a refused attempt and the wait after it still wakes this waiter.
+    pub(crate) fn new(backend: &dyn LockBackend, key: &LockKey, retry: RetryPolicy) -> Self {
+        Self {
+            releases: backend.watch_releases(key),
+            retry,
+            attempt: 0,
+        }
+    }
+
+    /// How long to wait after an attempt that found the key held by another
+    /// (`held_by_another`) or failed with a retryable error.
+    pub(crate) fn after_attempt(&mut self, held_by_another: bool) -> Duration {
+        let wait = if self.releases.is_some() && held_by_another {
+            self.retry.backoff(u32::MAX)
+        } else {
+            self.retry.backoff(self.attempt)
+        };
+        self.attempt = self.attempt.saturating_add(1);
+        wait
+    }
+
+    /// Waits `wait`, or less if a release of the key is announced first.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a wake received by a cancelled wait goes to another waiter of the key
+    /// or stays for the next one.
+    pub(crate) async fn wait(&mut self, wait: Duration) {
+        match self.releases.as_mut() {
+            Some(watch) => tokio::select! {
+                () = watch.released() => {}
+                () = sleep(wait) => {}
+            },
+            None => sleep(wait).await,
+        }
+    }
+}
