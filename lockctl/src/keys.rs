@@ -6,6 +6,8 @@ use std::time::Duration;
 use distlock::{Fence, FencingToken, LockError, LockKey, OwnerId, Release, Scheme};
 use serde_json::json;
 
+use crate::exit;
+
 /// True when `url` names the in-process memory store.
 pub fn is_memory(url: &str) -> bool {
     url.trim()
@@ -90,10 +92,19 @@ pub async fn acquire(
         ));
     }
     let backend = distlock::connect(url).await?;
+    if backend.capabilities().session_bound {
+        return Err(LockError::Config(format!(
+            "{} locks end with the session that took them, and lockctl's session ends when it \
+             exits: the lock would be free again at once. Nothing was taken. Take the lock in \
+             the process that does the work, or use a store whose locks outlive their client \
+             (for PostgreSQL, mode=lease)",
+            backend.name()
+        )));
+    }
     note_if_memory(url);
     let Some(lease) = backend.acquire(&key, ttl).await? else {
         eprintln!("lockctl: {key} is held by someone else");
-        return Ok(ExitCode::FAILURE);
+        return Ok(exit::no());
     };
     if json {
         let value = json!({
@@ -151,20 +162,20 @@ pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<Ex
                  memory:// is a store inside each lockctl process, so a lock taken by another \
                  lockctl run is never in it: use a shared store (redis://, etcd://, postgres://)"
             );
-            Ok(ExitCode::FAILURE)
+            Ok(exit::no())
         }
         Release::NotHeld => {
             eprintln!(
                 "lockctl: {key} is not held by owner {owner} with token {token}; nothing changed \
                  (the lease expired, was released, or belongs to someone else)"
             );
-            Ok(ExitCode::FAILURE)
+            Ok(exit::no())
         }
         Release::Unreachable => {
             eprintln!(
                 "lockctl: the store did not answer for {key}; it may still be held until its TTL runs out"
             );
-            Ok(ExitCode::FAILURE)
+            Ok(ExitCode::from(3))
         }
     }
 }

@@ -7,9 +7,11 @@ use std::time::Duration;
 use distlock::{FencingToken, LockError, election_key};
 use serde_json::json;
 
+use crate::exit;
 use crate::keys::is_memory;
 
-/// Prints the leader of `role` on the store at `url`: owner id, token, TTL left.
+/// Prints the leader of `role` on the store at `url`: owner id, token, TTL left; exits 1
+/// when nobody leads.
 ///
 /// When nobody leads, it says so and prints the newest token issued for the role (the
 /// last leader's, which the next leader's token will exceed) where the store keeps it;
@@ -34,7 +36,11 @@ pub async fn show(url: &str, role: &str, json: bool) -> Result<ExitCode, LockErr
             "ttl_left_ms": info.owner.and(info.remaining).map(|r| r.as_millis()),
         });
         println!("{value}");
-        return Ok(ExitCode::SUCCESS);
+        return Ok(if info.owner.is_some() {
+            ExitCode::SUCCESS
+        } else {
+            exit::no()
+        });
     }
     println!("role:     {role}");
     println!("key:      {key}");
@@ -62,6 +68,7 @@ pub async fn show(url: &str, role: &str, json: bool) -> Result<ExitCode, LockErr
                     format!("{t} (the last leader's)")
                 })
             );
+            return Ok(exit::no());
         }
     }
     Ok(ExitCode::SUCCESS)

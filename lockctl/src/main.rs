@@ -10,6 +10,7 @@
 mod bench;
 mod check;
 mod demo;
+mod exit;
 mod features;
 mod keys;
 mod leader;
@@ -19,11 +20,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Distributed locks with fencing tokens: demo, conformance check and lock tools.
 #[derive(Debug, Parser)]
-#[command(name = "lockctl", version, propagate_version = true)]
+#[command(name = "lockctl", version, propagate_version = true, after_help = exit::HELP)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -137,10 +138,16 @@ struct DemoArgs {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command()
+        .mut_subcommands(|command| command.after_help(exit::HELP))
+        .get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     if let Err(message) = features::check(&cli.command.urls()) {
         eprintln!("lockctl: {message}");
-        return ExitCode::FAILURE;
+        return exit::wrong();
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -149,14 +156,14 @@ fn main() -> ExitCode {
         Ok(runtime) => runtime,
         Err(e) => {
             eprintln!("lockctl: cannot start the async runtime: {e}");
-            return ExitCode::FAILURE;
+            return ExitCode::from(4);
         }
     };
     match runtime.block_on(run(cli.command)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("lockctl: {e}");
-            ExitCode::FAILURE
+            exit::of(&e)
         }
     }
 }

@@ -205,6 +205,48 @@ fn acquire_prints_the_owner_and_token() {
     assert!(owner.bytes().all(|b| b.is_ascii_hexdigit()));
 }
 
+/// 1: the answer is no; 2: wrong input, nothing sent; 3: the store did not answer.
+#[test]
+fn exit_statuses_tell_a_no_from_wrong_input_from_an_unreachable_store() {
+    for (args, code) in [
+        (vec!["acquire", "memory://", "", "--ttl", "1s"], 2),
+        (vec!["acquire", "memory://", "job:1", "--ttl", "0s"], 2),
+        (vec!["inspect", "redis://127.0.0.1:99999", "job:1"], 2),
+        (vec!["inspect", "redis://127.0.0.1:1/?nosuch=1", "job:1"], 2),
+        (vec!["inspect", "--nosuch", "memory://", "job:1"], 2),
+        // Port 1 on loopback refuses connections.
+        (vec!["inspect", "redis://127.0.0.1:1", "job:1"], 3),
+        (vec!["leader", "memory://", "scheduler"], 1),
+        (
+            vec![
+                "release",
+                "memory://",
+                "job:1",
+                "--owner",
+                &"a".repeat(32),
+                "--token",
+                "1",
+            ],
+            1,
+        ),
+    ] {
+        let output = lockctl().args(&args).output().unwrap();
+        assert_eq!(output.status.code(), Some(code), "{args:?}: {output:?}");
+    }
+    lockctl()
+        .arg("--help")
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("Exit status:"));
+    lockctl()
+        .args(["acquire", "--help"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(
+            "3  the store could not be reached",
+        ));
+}
+
 #[test]
 fn acquire_refuses_a_duration_it_cannot_read() {
     lockctl()
@@ -386,12 +428,18 @@ mod on_redis {
         let (owner, token) = acquire_json(&url, "payout:7");
         assert_eq!(inspect_json(&url, "payout:7")["holder"], owner.as_str());
 
+        // Held by someone else: the answer is no.
+        lockctl()
+            .args(["acquire", &url, "payout:7"])
+            .assert()
+            .code(1)
+            .stderr(predicate::str::contains("held by someone else"));
         // A wrong token changes nothing.
         lockctl()
             .args(["release", &url, "payout:7", "--owner", &owner])
             .args(["--token", &(token + 1).to_string()])
             .assert()
-            .failure()
+            .code(1)
             .stderr(predicate::str::contains("nothing changed"));
         assert_eq!(inspect_json(&url, "payout:7")["holder"], owner.as_str());
 
@@ -489,10 +537,30 @@ mod on_postgres {
             .args(["release", &format!("{url}&mode=advisory"), "payout:9"])
             .args(["--owner", &owner, "--token", &token.to_string()])
             .assert()
-            .failure()
+            .code(2)
             .stderr(predicate::str::contains(
                 "cannot release a lock held by another process",
             ));
+    }
+
+    /// An advisory lock ends with the session that took it, so a lock taken by lockctl
+    /// would be free again the moment lockctl exits: refused, and nothing taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn acquire_refuses_an_advisory_lock_that_would_end_with_lockctl() {
+        let (server, url) = server_with_tables().await;
+        lockctl()
+            .args(["acquire", &format!("{url}&mode=advisory"), "payout:10"])
+            .assert()
+            .code(2)
+            .stderr(predicate::str::contains("end with the session"))
+            .stderr(predicate::str::contains("mode=lease"))
+            .stdout(predicate::str::is_empty());
+        let rows = require(
+            server
+                .psql("SELECT count(*) FROM public.distlock_advisory_tokens")
+                .await,
+        );
+        assert_eq!(rows.trim(), "0", "no token was counted");
     }
 }
 
