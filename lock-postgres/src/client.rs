@@ -101,7 +101,8 @@ impl PgClient {
                 .timed(
                     backend,
                     Operation::Inspect,
-                    sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&mut **conn),
+                    // Simple protocol: nothing is prepared on the connection.
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut **conn),
                 )
                 .await;
             if let Err(failed) = checked {

@@ -88,13 +88,17 @@ pub(crate) async fn setup(
 ) -> Result<(), LockError> {
     let fail = |e| error::from_sqlx(backend, Operation::Setup, schema, e);
     let mut tx = pool.begin().await.map_err(fail)?;
+    // Unnamed statements, each parsed and run inside the transaction (so in one server
+    // session, through a transaction pooler too), none kept on the connection.
     sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .persistent(false)
         .bind(SETUP_LOCK)
         .execute(&mut *tx)
         .await
         .map_err(fail)?;
     let exists: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+            .persistent(false)
             .bind(schema.as_str())
             .fetch_one(&mut *tx)
             .await
@@ -103,6 +107,7 @@ pub(crate) async fn setup(
         // CREATE SCHEMA checks the CREATE privilege even with IF NOT EXISTS, so it only
         // runs when needed: a role without that privilege can use a schema made for it.
         sqlx::query(AssertSqlSafe(schema.sql("CREATE SCHEMA IF NOT EXISTS {s}")))
+            .persistent(false)
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
@@ -131,6 +136,7 @@ pub(crate) async fn setup(
         )",
     ] {
         sqlx::query(AssertSqlSafe(schema.sql(ddl)))
+            .persistent(false)
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
