@@ -33,6 +33,14 @@ use crate::retention::{Sweeper, Table};
 
 const NAME: &str = "postgres-advisory";
 
+/// Why every acquire is refused once the pooling check found that client connections do
+/// not keep their server sessions.
+const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
+     setting one connection made was seen by another, or was gone at its own next \
+     statement. A transaction-pooling proxy (PgBouncer pool_mode = transaction or \
+     statement) is between client and server, and advisory locks need the session: \
+     connect directly or through a session-mode pool (pool_mode = session)";
+
 /// The statements, with the schema name filled in once.
 struct Statements {
     acquire: Arc<str>,
@@ -261,7 +269,10 @@ impl PgAdvisoryBackend {
     async fn check_pooling(&self) -> Result<(), LockError> {
         let refused = self
             .pooling
-            .get_or_try_init(|| session::sessions_shared(&self.client))
+            .get_or_try_init(|| async {
+                let shared = crate::pooling::sessions_shared(&self.client, NAME).await?;
+                Ok::<_, LockError>(shared.then(|| SESSIONS_SHARED.to_owned()))
+            })
             .await?;
         match refused {
             Some(reason) => Err(LockError::Config(reason.clone())),

@@ -26,6 +26,7 @@ mod error;
 mod fencing;
 mod key_row;
 mod lease_table;
+mod pooling;
 mod releases;
 mod retention;
 mod schema;

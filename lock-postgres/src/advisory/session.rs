@@ -14,7 +14,7 @@ use tokio::time::Instant;
 
 use super::keys::split;
 use super::{NAME, PgAdvisoryBackend};
-use crate::client::{PgClient, owner_uuid, token_from, ttl_ms};
+use crate::client::{owner_uuid, token_from, ttl_ms};
 use crate::error::Operation;
 
 /// How many keepalive probes go unanswered before the server drops a session.
@@ -333,88 +333,6 @@ pub(super) fn session_moved(took: i32, now: Option<i32>) -> LockError {
          statement) is between client and server. Advisory locks need the session: \
          connect directly or through a session-mode pool"
     ))
-}
-
-/// The session setting the pooling check marks a server session with.
-const PROBE_SETTING: &str = "distlock.pooling_probe";
-
-/// Whether client connections keep their server sessions, checked once per backend
-/// before its first lock: two connections of their own, opened outside the pool. The
-/// first marks its server session with a random value; the second reads the setting in
-/// its session, and the first reads it again. Behind a pooler that hands server sessions
-/// out per transaction (PgBouncer `pool_mode = transaction` or `statement`), the second
-/// is given the session the first just let go (PgBouncer reuses the last one first), or
-/// the first gets another one: either shows. Directly or through a session-mode pool,
-/// each keeps its own session. Statements carry no values (the marker is made on the
-/// server), so nothing is prepared on a pooled session.
-///
-/// `Ok(Some(reason))` when the pooler shares sessions; an error when the check could not
-/// run (nothing is concluded then).
-pub(super) async fn sessions_shared(client: &PgClient) -> Result<Option<String>, LockError> {
-    use sqlx::{Connection, PgConnection};
-    let options = client.pool.connect_options();
-    let connect = || async {
-        match tokio::time::timeout(client.connect_timeout, PgConnection::connect_with(&options))
-            .await
-        {
-            Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(crate::error::from_connect(
-                NAME,
-                &client.schema,
-                client.pool_size,
-                client.connect_timeout,
-                e,
-            )),
-            Err(_) => Err(LockError::unavailable(
-                NAME,
-                format!("no connection within {:?}", client.connect_timeout),
-            )),
-        }
-    };
-    let current = format!("SELECT current_setting('{PROBE_SETTING}', true)");
-    let mut first = connect().await?;
-    let marker = probe_read(
-        client,
-        &mut first,
-        format!("SELECT set_config('{PROBE_SETTING}', gen_random_uuid()::text, false)"),
-    )
-    .await?;
-    let mut second = connect().await?;
-    let seen_by_second = probe_read(client, &mut second, current.clone()).await?;
-    let seen_by_first = probe_read(client, &mut first, current).await?;
-    // Closing them tells a session-mode pooler to reset their sessions.
-    let _ = second.close().await;
-    let _ = first.close().await;
-    Ok(
-        (seen_by_second == marker || seen_by_first != marker).then(|| {
-            "client connections do not keep their server sessions: a setting one connection \
-         made was seen by another, or was gone at its own next statement. A \
-         transaction-pooling proxy (PgBouncer pool_mode = transaction or statement) is \
-         between client and server, and advisory locks need the session: connect \
-         directly or through a session-mode pool (pool_mode = session)"
-                .to_owned()
-        }),
-    )
-}
-
-/// One text value read by a statement without parameters (simple protocol: nothing is
-/// prepared) under the request time limit.
-async fn probe_read(
-    client: &PgClient,
-    conn: &mut sqlx::PgConnection,
-    sql: String,
-) -> Result<Option<String>, LockError> {
-    use sqlx::Row;
-    client
-        .timed(
-            NAME,
-            Operation::CheckPooling,
-            sqlx::raw_sql(AssertSqlSafe(sql)).fetch_one(conn),
-        )
-        .await
-        .map_err(|failed| failed.error)?
-        .try_get::<Option<String>, _>(0)
-        .map_err(|e| crate::error::from_sqlx(NAME, Operation::CheckPooling, &client.schema, e))
 }
 
 /// Takes the pinned connection out of its session and closes it, which ends the server
