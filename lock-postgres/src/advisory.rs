@@ -30,6 +30,7 @@ use crate::error::Operation;
 use crate::key_row;
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
+use crate::statement::{Statement, Value};
 
 const NAME: &str = "postgres-advisory";
 
@@ -238,6 +239,7 @@ impl PgAdvisoryBackend {
             (*client.pool.connect_options()).clone(),
             client.connect_timeout,
             client.request_timeout,
+            client.pooling,
         );
         Self {
             id: BackendId::next(),
@@ -514,10 +516,10 @@ impl LockBackend for PgAdvisoryBackend {
     /// until the server ends the session if it stays idle.
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         let (classid, objid) = split(self.lock_id(key));
-        let query = sqlx::query(AssertSqlSafe(self.sql.inspect.clone()))
-            .bind(key.as_str())
-            .bind(classid)
-            .bind(objid);
+        let query = Statement::new(&self.sql.inspect)
+            .bind(Value::Text(key.as_str()))
+            .bind(Value::Int8(classid))
+            .bind(Value::Int8(objid));
         key_row::inspect(&self.client, NAME, query).await
     }
 }

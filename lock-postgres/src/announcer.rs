@@ -29,7 +29,9 @@ use sqlx::postgres::{PgConnectOptions, PgConnection};
 use tokio::sync::{Notify, watch};
 use tracing::debug;
 
+use crate::PgPooling;
 use crate::background::Background;
+use crate::statement::{Statement, Value};
 
 /// The `application_name` of the announcer's session.
 pub const ANNOUNCER_APPLICATION_NAME: &str = "distlock-announcer";
@@ -51,6 +53,9 @@ struct Shared {
     request_timeout: Duration,
     queue: Mutex<Vec<String>>,
     queued: Notify,
+    /// [`ANNOUNCE`], and how to send it: through a transaction pooler, as one query.
+    announce: Arc<str>,
+    pooling: PgPooling,
 }
 
 impl Announcer {
@@ -59,6 +64,7 @@ impl Announcer {
         options: PgConnectOptions,
         connect_timeout: Duration,
         request_timeout: Duration,
+        pooling: PgPooling,
     ) -> Self {
         Self {
             shared: Arc::new(Shared {
@@ -68,6 +74,8 @@ impl Announcer {
                 request_timeout,
                 queue: Mutex::new(Vec::new()),
                 queued: Notify::new(),
+                announce: ANNOUNCE.into(),
+                pooling,
             }),
             task: Background::default(),
         }
@@ -130,10 +138,10 @@ impl Shared {
                 conn.insert(opened)
             }
         };
-        let sent = sqlx::query(ANNOUNCE)
-            .bind(&self.channel)
-            .bind(names)
-            .execute(&mut *c);
+        let sent = Statement::new(&self.announce)
+            .bind(Value::Text(&self.channel))
+            .bind(Value::Texts(names.iter().map(String::as_str).collect()))
+            .execute(self.pooling, c);
         tokio::time::timeout(self.request_timeout, sent)
             .await
             .map_err(|_| "no reply in time".to_owned())?

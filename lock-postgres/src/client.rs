@@ -9,6 +9,7 @@ use sqlx::pool::PoolConnection;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
+use crate::PgPooling;
 use crate::error::{self, Operation};
 use crate::schema::{self, Schema};
 
@@ -24,6 +25,8 @@ pub(crate) struct PgClient {
     pub(crate) max_ttl: Duration,
     /// How long a free token row is kept (`crate::retention`).
     pub(crate) token_retention: Duration,
+    /// Whether connections keep their server sessions: how statements are sent.
+    pub(crate) pooling: PgPooling,
     /// The URL with the password redacted.
     pub(crate) url: String,
 }
@@ -101,7 +104,7 @@ impl PgClient {
                 .timed(
                     backend,
                     Operation::Inspect,
-                    // Simple protocol: nothing is prepared on the connection.
+                    // Simple protocol: nothing is prepared, whatever the pooling.
                     sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut **conn),
                 )
                 .await;

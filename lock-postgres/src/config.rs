@@ -12,6 +12,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use crate::advisory::PgAdvisoryBackend;
 use crate::client::PgClient;
 use crate::lease_table::PgLeaseBackend;
+use crate::pooling::PgPooling;
 use crate::retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 use crate::schema::{DEFAULT_SCHEMA, Schema};
 
@@ -101,6 +102,7 @@ pub struct PgBuilder {
     connect_timeout: Duration,
     request_timeout: Duration,
     token_retention: Duration,
+    pooling: PgPooling,
 }
 
 impl PgBuilder {
@@ -120,6 +122,7 @@ impl PgBuilder {
             connect_timeout: Duration::from_secs(5),
             request_timeout: Duration::from_secs(5),
             token_retention: DEFAULT_TOKEN_RETENTION,
+            pooling: PgPooling::Session,
         }
     }
 
@@ -176,6 +179,16 @@ impl PgBuilder {
         self
     }
 
+    /// Whether client connections keep their server sessions (default
+    /// [`PgPooling::Session`]): [`PgPooling::Transaction`] behind a proxy that pools server
+    /// sessions per transaction (PgBouncer `pool_mode = transaction`), for the lease table
+    /// only. With the default, both backends check before their first call that sessions
+    /// are kept, and fail with [`LockError::Config`] naming this setting when they are not.
+    pub fn pooling(mut self, pooling: PgPooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
     /// Validates the settings, opens the backend of the [mode](Self::mode), opens its
     /// pool's connections and checks that its tables exist.
     ///
@@ -199,12 +212,30 @@ impl PgBuilder {
     }
 
     /// Builds the lease-table backend without connecting (whatever the mode).
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Config`] for invalid settings.
     pub fn build_lease_backend(&self) -> Result<PgLeaseBackend, LockError> {
         Ok(PgLeaseBackend::from_client(self.client(self.pool_size)?))
     }
 
     /// Builds the advisory-lock backend without connecting (whatever the mode).
+    ///
+    /// # Errors
+    ///
+    /// [`LockError::Config`] for invalid settings, and for [`PgPooling::Transaction`]: an
+    /// advisory lock lives in its server session, which a transaction pooler shares.
     pub fn build_advisory_backend(&self) -> Result<PgAdvisoryBackend, LockError> {
+        if self.pooling == PgPooling::Transaction {
+            return Err(LockError::Config(
+                "the advisory backend cannot work behind a transaction-pooling proxy \
+                 (pooling=transaction): an advisory lock lives in its server session. Use \
+                 the lease table (mode=lease), or connect directly or through a \
+                 session-mode pool (pool_mode = session)"
+                    .into(),
+            ));
+        }
         // One connection more than the lock capacity, so setup and inspect still work
         // when every lock slot is pinned.
         let client = self.client(self.pool_size.saturating_add(1))?;
@@ -263,6 +294,7 @@ impl PgBuilder {
             min_ttl: self.min_ttl,
             max_ttl: self.max_ttl,
             token_retention: self.token_retention,
+            pooling: self.pooling,
             url: redact_url(&self.url),
         })
     }
@@ -300,6 +332,7 @@ impl fmt::Debug for PgBuilder {
             .field("connect_timeout", &self.connect_timeout)
             .field("request_timeout", &self.request_timeout)
             .field("token_retention", &self.token_retention)
+            .field("pooling", &self.pooling)
             .finish()
     }
 }

@@ -6,13 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::{LockError, LockInfo, LockKey};
-use sqlx::postgres::PgArguments;
-use sqlx::query::Query;
-use sqlx::{AssertSqlSafe, Postgres, Row};
+use sqlx::Row;
 use uuid::Uuid;
 
 use crate::client::{PgClient, on_conn, owner_from, token_from};
 use crate::error::Operation;
+use crate::statement::{Statement, Value};
 
 /// Deletes `key`'s row with `sql`, a `DELETE` whose `$1` is the name.
 pub(crate) async fn purge(
@@ -27,9 +26,9 @@ pub(crate) async fn purge(
         backend,
         Operation::Purge,
         conn,
-        sqlx::query(AssertSqlSafe(sql.clone()))
-            .bind(key.as_str())
-            .execute(&mut *conn)
+        Statement::new(sql)
+            .bind(Value::Text(key.as_str()))
+            .execute(client.pooling, &mut conn)
     )?;
     Ok(())
 }
@@ -40,7 +39,7 @@ pub(crate) async fn purge(
 pub(crate) async fn inspect(
     client: &PgClient,
     backend: &'static str,
-    query: Query<'_, Postgres, PgArguments>,
+    query: Statement<'_>,
 ) -> Result<LockInfo, LockError> {
     let mut conn = client.conn(backend).await?;
     let row = on_conn!(
@@ -48,7 +47,7 @@ pub(crate) async fn inspect(
         backend,
         Operation::Inspect,
         conn,
-        query.fetch_optional(&mut *conn)
+        query.fetch_optional(client.pooling, &mut conn)
     )?;
     let Some(row) = row else {
         return Ok(LockInfo {

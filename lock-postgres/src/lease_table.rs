@@ -12,19 +12,32 @@ use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
     OwnerId, Release, Renewal, valid_until,
 };
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::Row;
 use tokio::time::Instant;
+use tracing::warn;
 use uuid::Uuid;
 
 use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms, with_clock};
 use crate::config::PgBuilder;
 use crate::error::Operation;
 use crate::key_row;
+use crate::pooling::{self, PgPooling};
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
+use crate::statement::{Statement, Value};
 use crate::waiters::waited;
 
 const NAME: &str = "postgres-lease";
+
+/// Why every call is refused once the pooling check found, with the default
+/// [`PgPooling::Session`], that client connections do not keep their server sessions.
+const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
+     setting one connection made was seen by another, or was gone at its own next \
+     statement. A transaction-pooling proxy (PgBouncer pool_mode = transaction or \
+     statement) is between client and server, where the lease table's prepared statements \
+     could run in other clients' sessions: set pooling=transaction in the URL \
+     (PgBuilder::pooling(PgPooling::Transaction)), or connect directly or through a \
+     session-mode pool (pool_mode = session)";
 
 /// The statements, with the schema name filled in once.
 struct Statements {
@@ -72,6 +85,17 @@ struct Statements {
 ///
 /// TTLs are whole milliseconds. Tokens survive server restarts (the table is durable).
 ///
+/// # Behind a transaction-pooling proxy
+///
+/// With [`PgPooling::Transaction`] (`?pooling=transaction`) the backend works behind
+/// PgBouncer in `pool_mode = transaction`: every statement goes as one self-contained
+/// simple-protocol query (see [`PgPooling::Transaction`]) and no session state is used;
+/// its releases do not wake this process's waiters (they poll with their backoff). With
+/// the default [`PgPooling::Session`] it checks before its first call (or in
+/// [`connect`](Self::connect)) that client connections keep their server sessions, and
+/// fails every call with [`LockError::Config`] naming `pooling=transaction` when they do
+/// not: its prepared statements could otherwise run in another client's session.
+///
 /// Call [`PgLeaseBackend::setup`] once per database (idempotent) before using it; calls on
 /// a database without the tables fail with [`LockError::Config`] naming `setup()`.
 pub struct PgLeaseBackend {
@@ -79,6 +103,9 @@ pub struct PgLeaseBackend {
     client: PgClient,
     sql: Statements,
     sweeper: Sweeper,
+    /// Whether the pooling check (run with [`PgPooling::Session`] only) found that
+    /// connections share server sessions; set once it ran.
+    sessions_shared: tokio::sync::OnceCell<bool>,
     pub(crate) releases: ReleaseListener,
 }
 
@@ -172,26 +199,63 @@ impl PgLeaseBackend {
             (*client.pool.connect_options()).clone(),
             client.connect_timeout,
             client.request_timeout,
+            client.pooling,
         );
+        if client.pooling == PgPooling::Transaction {
+            warn!(
+                schema = %client.schema,
+                "pooling=transaction: releases do not wake this process's waiters (LISTEN \
+                 needs a server session of its own); waiters poll with their backoff"
+            );
+        }
         Self {
             id: BackendId::next(),
             sweeper: Sweeper::new(&client, NAME, Table::Leases),
             client,
             sql,
+            sessions_shared: tokio::sync::OnceCell::new(),
             releases,
         }
     }
 
+    /// With [`PgPooling::Session`], fails with [`LockError::Config`] naming
+    /// `pooling=transaction` when client connections do not keep their server sessions.
+    /// Runs the check once; a check that could not run is an error and is tried again
+    /// next time.
+    async fn check_pooling(&self) -> Result<(), LockError> {
+        if self.client.pooling == PgPooling::Transaction {
+            return Ok(());
+        }
+        let shared = self
+            .sessions_shared
+            .get_or_try_init(|| pooling::sessions_shared(&self.client, NAME))
+            .await?;
+        if *shared {
+            return Err(LockError::Config(SESSIONS_SHARED.to_owned()));
+        }
+        Ok(())
+    }
+
     /// Opens all of the pool's connections now and checks that the tables exist: fails
     /// with [`LockError::Unavailable`] when the server cannot be reached and with
-    /// [`LockError::Config`] on a refused login or a database without `setup()`.
-    /// Optional: without it, connections open on first use.
+    /// [`LockError::Config`] on a refused login, a database without `setup()`, or (with
+    /// the default [`PgPooling::Session`]) connections that do not keep their server
+    /// sessions. Optional: without it, connections open on first use.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it changes nothing in the store; a cancelled call leaves some
+    /// connections opened, or none.
     pub async fn connect(&self) -> Result<(), LockError> {
-        self.client.warm_up(NAME, "distlock_leases").await
+        self.client.warm_up(NAME, "distlock_leases").await?;
+        self.check_pooling().await
     }
 
     /// Creates the schema and tables if they do not exist. Idempotent; run it once at
-    /// deployment or start-up, never implicitly per call.
+    /// deployment or start-up, never implicitly per call. Works with either pooling: it
+    /// runs in one transaction, with unnamed statements.
+    ///
+    /// # Cancel safety
+    /// A cancelled setup rolls back: nothing or everything is created.
     pub async fn setup(&self) -> Result<(), LockError> {
         self.client.setup(NAME).await
     }
@@ -210,6 +274,11 @@ impl PgLeaseBackend {
         lease.check_backend(self.id, NAME)
     }
 
+    /// The error for a reply whose row could not be read.
+    fn decode(&self, op: Operation, e: sqlx::Error) -> LockError {
+        crate::error::from_sqlx(NAME, op, &self.client.schema, e)
+    }
+
     /// Runs a batch UPDATE over `leases` (owner- and token-checked) and returns, per lease,
     /// whether its row was updated. A lease listed twice is released once, as two single
     /// calls in a row would (the second finds it already released), and renewed twice.
@@ -222,6 +291,7 @@ impl PgLeaseBackend {
         for lease in leases {
             self.check(lease)?;
         }
+        self.check_pooling().await?;
         // Sent sorted by name, so concurrent batches lock rows in the same order and cannot
         // deadlock (as `acquire_many` does).
         let mut sorted: Vec<&Lease> = leases.iter().collect();
@@ -231,22 +301,33 @@ impl PgLeaseBackend {
         let owners: Vec<Uuid> = sorted.iter().map(|l| owner_uuid(l.owner())).collect();
         let tokens: Vec<i64> = sorted.iter().map(|l| token_i64(l.token())).collect();
         let ttls: Vec<i64> = sorted.iter().map(|l| ttl_ms(l.ttl())).collect();
-        let mut query = sqlx::query_as::<_, (String, i64, bool)>(AssertSqlSafe(sql.clone()))
-            .bind(names)
-            .bind(owners)
-            .bind(tokens);
+        let mut query = Statement::new(sql)
+            .bind(Value::Texts(names))
+            .bind(Value::Uuids(owners))
+            .bind(Value::Int8s(tokens));
         if op == Operation::Renew {
-            query = query.bind(ttls);
+            query = query.bind(Value::Int8s(ttls));
         } else {
             let (classes, objs): (Vec<i32>, Vec<i32>) = sorted
                 .iter()
                 .map(|l| self.releases.waiter_id(l.key()))
                 .unzip();
-            query = query.bind(classes).bind(objs);
+            query = query.bind(Value::Int4s(classes)).bind(Value::Int4s(objs));
         }
-        let rows = on_conn!(self.client, NAME, op, conn, query.fetch_all(&mut *conn))?;
+        let rows = on_conn!(
+            self.client,
+            NAME,
+            op,
+            conn,
+            query.fetch_all(self.client.pooling, &mut conn)
+        )?;
         let mut updated = HashSet::with_capacity(rows.len());
-        for (name, token, waited) in rows {
+        for row in rows {
+            let (name, token, waited): (String, i64, bool) = (
+                row.try_get(0).map_err(|e| self.decode(op, e))?,
+                row.try_get(1).map_err(|e| self.decode(op, e))?,
+                row.try_get(2).map_err(|e| self.decode(op, e))?,
+            );
             if waited {
                 self.releases.announce(&name);
             }
@@ -284,13 +365,13 @@ impl LockBackend for PgLeaseBackend {
     }
 
     /// TTL granularity 1 ms, server-side expiry, `inspect`, one-statement batches; no pinned connections, so no
-    /// `max_held`.
+    /// `max_held`. Wakes waiters unless [`PgPooling::Transaction`].
     fn capabilities(&self) -> Capabilities {
         self.client
             .capabilities()
             .inspect(true)
             .native_batch(true)
-            .wakes_waiters(true)
+            .wakes_waiters(self.client.pooling == PgPooling::Session)
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
@@ -299,18 +380,23 @@ impl LockBackend for PgLeaseBackend {
         let owner = OwnerId::random();
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
+        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
-        let token: Option<i64> = on_conn!(
+        let row = on_conn!(
             self.client,
             NAME,
             Operation::Acquire,
             conn,
-            sqlx::query_scalar(AssertSqlSafe(self.sql.acquire.clone()))
-                .bind(key.as_str())
-                .bind(owner_uuid(owner))
-                .bind(ttl_ms(ttl))
-                .fetch_optional(&mut *conn)
+            Statement::new(&self.sql.acquire)
+                .bind(Value::Text(key.as_str()))
+                .bind(Value::Uuid(owner_uuid(owner)))
+                .bind(Value::Int8(ttl_ms(ttl)))
+                .fetch_optional(self.client.pooling, &mut conn)
         )?;
+        let token: Option<i64> = row
+            .map(|row| row.try_get(0))
+            .transpose()
+            .map_err(|e| self.decode(Operation::Acquire, e))?;
         Ok(token.map(|t| {
             Lease::new(
                 self.id,
@@ -338,21 +424,29 @@ impl LockBackend for PgLeaseBackend {
             .map(|k| (k.as_str(), OwnerId::random()))
             .collect();
         let sent = Instant::now();
+        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
         let names: Vec<&str> = unique.keys().copied().collect();
         let owners: Vec<Uuid> = unique.values().map(|o| owner_uuid(*o)).collect();
-        let rows: Vec<(String, i64)> = on_conn!(
+        let rows = on_conn!(
             self.client,
             NAME,
             Operation::Acquire,
             conn,
-            sqlx::query_as(AssertSqlSafe(self.sql.acquire_many.clone()))
-                .bind(names)
-                .bind(owners)
-                .bind(ttl_ms(ttl))
-                .fetch_all(&mut *conn)
+            Statement::new(&self.sql.acquire_many)
+                .bind(Value::Texts(names))
+                .bind(Value::Uuids(owners))
+                .bind(Value::Int8(ttl_ms(ttl)))
+                .fetch_all(self.client.pooling, &mut conn)
         )?;
-        let mut granted: HashMap<String, i64> = rows.into_iter().collect();
+        let mut granted: HashMap<String, i64> = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let decode = |e| self.decode(Operation::Acquire, e);
+            granted.insert(
+                row.try_get(0).map_err(decode)?,
+                row.try_get(1).map_err(decode)?,
+            );
+        }
         Ok(keys
             .iter()
             .map(|key| {
@@ -411,18 +505,19 @@ impl LockBackend for PgLeaseBackend {
         self.check(lease)?;
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
+        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
         let done = on_conn!(
             self.client,
             NAME,
             Operation::Renew,
             conn,
-            sqlx::query(AssertSqlSafe(self.sql.renew.clone()))
-                .bind(lease.key().as_str())
-                .bind(owner_uuid(lease.owner()))
-                .bind(token_i64(lease.token()))
-                .bind(ttl_ms(lease.ttl()))
-                .execute(&mut *conn)
+            Statement::new(&self.sql.renew)
+                .bind(Value::Text(lease.key().as_str()))
+                .bind(Value::Uuid(owner_uuid(lease.owner())))
+                .bind(Value::Int8(token_i64(lease.token())))
+                .bind(Value::Int8(ttl_ms(lease.ttl())))
+                .execute(self.client.pooling, &mut conn)
         )?;
         Ok(if done.rows_affected() == 1 {
             Renewal::Renewed {
@@ -440,20 +535,25 @@ impl LockBackend for PgLeaseBackend {
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check(lease)?;
         let (class, obj) = self.releases.waiter_id(lease.key());
+        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
-        let released: Option<bool> = on_conn!(
+        let row = on_conn!(
             self.client,
             NAME,
             Operation::Release,
             conn,
-            sqlx::query_scalar(AssertSqlSafe(self.sql.release.clone()))
-                .bind(lease.key().as_str())
-                .bind(owner_uuid(lease.owner()))
-                .bind(token_i64(lease.token()))
-                .bind(class)
-                .bind(obj)
-                .fetch_optional(&mut *conn)
+            Statement::new(&self.sql.release)
+                .bind(Value::Text(lease.key().as_str()))
+                .bind(Value::Uuid(owner_uuid(lease.owner())))
+                .bind(Value::Int8(token_i64(lease.token())))
+                .bind(Value::Int4(class))
+                .bind(Value::Int4(obj))
+                .fetch_optional(self.client.pooling, &mut conn)
         )?;
+        let released: Option<bool> = row
+            .map(|row| row.try_get(0))
+            .transpose()
+            .map_err(|e| self.decode(Operation::Release, e))?;
         Ok(match released {
             Some(waited) => {
                 if waited {
@@ -467,24 +567,25 @@ impl LockBackend for PgLeaseBackend {
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.check(lease)?;
+        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
         let row = on_conn!(
             self.client,
             NAME,
             Operation::Fence,
             conn,
-            sqlx::query(AssertSqlSafe(self.sql.fence.clone()))
-                .bind(lease.key().as_str())
-                .bind(owner_uuid(lease.owner()))
-                .bind(token_i64(lease.token()))
-                .fetch_optional(&mut *conn)
+            Statement::new(&self.sql.fence)
+                .bind(Value::Text(lease.key().as_str()))
+                .bind(Value::Uuid(owner_uuid(lease.owner())))
+                .bind(Value::Int8(token_i64(lease.token())))
+                .fetch_optional(self.client.pooling, &mut conn)
         )?;
         let Some(row) = row else {
             return Ok(Fence::Stale {
                 current: lease.token(),
             });
         };
-        let decode = |e| crate::error::from_sqlx(NAME, Operation::Fence, &self.client.schema, e);
+        let decode = |e| self.decode(Operation::Fence, e);
         let token: i64 = row.try_get("token").map_err(decode)?;
         let held: Option<bool> = row.try_get("held").map_err(decode)?;
         Ok(if held == Some(true) {
@@ -498,7 +599,8 @@ impl LockBackend for PgLeaseBackend {
 
     /// Watches `key` through the backend's one `LISTEN` session, which starts with the
     /// first watched key. A release announces itself; a lease that runs out does not (its
-    /// waiters take it at their next backoff step). `None` outside a tokio runtime.
+    /// waiters take it at their next backoff step). `None` outside a tokio runtime, and
+    /// with [`PgPooling::Transaction`] (no session to `LISTEN` on).
     fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
         self.releases.watch(key)
     }
@@ -527,11 +629,13 @@ impl LockBackend for PgLeaseBackend {
     /// token issued before. Purge only keys nobody holds: a holder's row goes too, and
     /// the key is free at once.
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        self.check_pooling().await?;
         key_row::purge(&self.client, NAME, &self.sql.purge, key).await
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        let query = sqlx::query(AssertSqlSafe(self.sql.inspect.clone())).bind(key.as_str());
+        self.check_pooling().await?;
+        let query = Statement::new(&self.sql.inspect).bind(Value::Text(key.as_str()));
         key_row::inspect(&self.client, NAME, query).await
     }
 }

@@ -30,6 +30,7 @@ mod pooling;
 mod releases;
 mod retention;
 mod schema;
+mod statement;
 mod url;
 mod waiters;
 
@@ -38,6 +39,7 @@ pub use announcer::ANNOUNCER_APPLICATION_NAME;
 pub use config::{MAX_POOL_SIZE, PgBuilder, PgMode, URL_PARAMS, is_url_param};
 pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;
+pub use pooling::PgPooling;
 pub use releases::LISTENER_APPLICATION_NAME;
 pub use retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 pub use schema::{DEFAULT_SCHEMA, Schema};

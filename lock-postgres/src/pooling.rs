@@ -1,5 +1,5 @@
-//! Whether client connections keep their server sessions: the check a backend runs to
-//! find out.
+//! [`PgPooling`]: whether client connections keep their server sessions, and the check
+//! both backends run to find out when the settings say they do.
 //!
 //! Behind a proxy that pools server sessions per transaction (PgBouncer `pool_mode =
 //! transaction` or `statement`), consecutive statements of one client connection may run
@@ -12,6 +12,47 @@ use sqlx::{AssertSqlSafe, Connection, PgConnection, Row};
 
 use crate::client::PgClient;
 use crate::error::{self, Operation};
+
+/// Whether each client connection keeps one server session ([`PgBuilder::pooling`],
+/// `?pooling=` in a URL).
+///
+/// [`PgBuilder::pooling`]: crate::PgBuilder::pooling
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PgPooling {
+    /// Each client connection keeps its server session from login to logout: a direct
+    /// connection, or a pool in session mode (PgBouncer `pool_mode = session`). The
+    /// default (`pooling=session`). Statements are prepared once per connection and sent
+    /// with their values as bind parameters; release wake-ups use `LISTEN`.
+    ///
+    /// Before its first call (or in `connect()`) a backend checks that sessions are kept,
+    /// and refuses to work with [`LockError::Config`] when they are not.
+    #[default]
+    Session,
+    /// A proxy between client and server pools server sessions per transaction
+    /// (PgBouncer `pool_mode = transaction`), so nothing may rely on a server session
+    /// outliving a statement (`pooling=transaction`). Lease table only: the advisory
+    /// backend refuses it, since an advisory lock is its session.
+    ///
+    /// Every lease-table statement goes as one simple-protocol query, nothing prepared,
+    /// its values written into the text as literals made of hex digits and numbers only
+    /// (text as `convert_from(decode('<hex of its UTF-8>', 'hex'), 'UTF8')`), so no value
+    /// can change the statement. Releases do not wake waiters in this process (`LISTEN`
+    /// needs a session): [`Capabilities::wakes_waiters`](distlock_core::Capabilities) is
+    /// false and waiters poll with their backoff. Releases still announce themselves to
+    /// processes that listen on a direct connection to the same schema.
+    Transaction,
+}
+
+impl PgPooling {
+    /// The URL's value: `session` or `transaction`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Session => "session",
+            Self::Transaction => "transaction",
+        }
+    }
+}
 
 /// The session setting the check marks a server session with.
 const PROBE_SETTING: &str = "distlock.pooling_probe";

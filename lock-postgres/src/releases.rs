@@ -58,6 +58,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::{Notify, watch};
 use tracing::debug;
 
+use crate::PgPooling;
 use crate::announcer::Announcer;
 use crate::background::Background;
 use crate::schema::Schema;
@@ -87,6 +88,8 @@ pub(crate) struct ReleaseListener {
     task: Background,
     /// Dropped with the backend, which ends the task.
     stop: watch::Sender<()>,
+    /// With [`PgPooling::Transaction`] nothing listens: there is no session to `LISTEN` on.
+    pooling: PgPooling,
 }
 
 /// What the listener task uses.
@@ -123,13 +126,15 @@ impl Subscriptions for Nudge {
 
 impl ReleaseListener {
     /// A listener for the releases of backend mode `mode` (`lease`, `advisory`) in
-    /// `schema` that connects with `options`; nothing is opened until a key is watched.
+    /// `schema` that connects with `options`; nothing is opened until a key is watched,
+    /// and nothing ever with [`PgPooling::Transaction`] (announcements are still sent).
     pub(crate) fn new(
         mode: &'static str,
         schema: &Schema,
         options: PgConnectOptions,
         connect_timeout: Duration,
         request_timeout: Duration,
+        pooling: PgPooling,
     ) -> Self {
         let changed = Arc::new(Notify::new());
         let channel = channel(mode, schema);
@@ -139,6 +144,7 @@ impl ReleaseListener {
                 options.clone(),
                 connect_timeout,
                 request_timeout,
+                pooling,
             ),
             shared: Arc::new(Shared {
                 hub: ReleaseHub::new(Nudge(changed.clone())),
@@ -155,6 +161,7 @@ impl ReleaseListener {
             }),
             task: Background::default(),
             stop: watch::channel(()).0,
+            pooling,
         }
     }
 
@@ -171,8 +178,12 @@ impl ReleaseListener {
     }
 
     /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
-    /// runtime, where no listener can run (callers poll).
+    /// runtime, where no listener can run, and with [`PgPooling::Transaction`] (callers
+    /// poll).
     pub(crate) fn watch(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        if self.pooling == PgPooling::Transaction {
+            return None;
+        }
         self.ensure_running().then(|| self.shared.hub.watch(key))
     }
 

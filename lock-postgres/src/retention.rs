@@ -17,13 +17,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::Row;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::client::{PgClient, with_clock};
 use crate::error::Operation;
 use crate::schema::Schema;
+use crate::statement::{Statement, Value};
 
 /// How long a free token row is kept by default.
 pub const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(24 * 3600);
@@ -176,19 +177,25 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::L
     let mut deleted = 0u64;
     loop {
         let mut conn = client.conn(inner.backend).await?;
-        let mut query = sqlx::query(AssertSqlSafe(inner.sql.clone()))
-            .bind(retention_us)
-            .bind(after.as_str())
-            .bind(SWEEP_LOCK)
-            .bind(BATCH);
+        let mut query = Statement::new(&inner.sql)
+            .bind(Value::Int8(retention_us))
+            .bind(Value::Text(after.as_str()))
+            .bind(Value::Int8(SWEEP_LOCK))
+            .bind(Value::Int8(BATCH));
         if let Table::AdvisoryTokens = inner.table {
-            query = query.bind(client.schema.as_str());
+            query = query.bind(Value::Text(client.schema.as_str()));
         }
         let row = client
-            .timed(inner.backend, Operation::Purge, query.fetch_one(&mut *conn))
+            .timed(
+                inner.backend,
+                Operation::Purge,
+                query.fetch_optional(client.pooling, &mut conn),
+            )
             .await;
         let row = match row {
-            Ok(row) => row,
+            Ok(Some(row)) => row,
+            // The statement always returns one row.
+            Ok(None) => return Ok(deleted),
             Err(failed) => {
                 if failed.broken {
                     conn.close_on_drop();

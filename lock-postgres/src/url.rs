@@ -10,25 +10,29 @@ use distlock_core::LockError;
 use url::Url;
 
 use crate::config::{PgBuilder, PgMode, URL_PARAMS, is_url_param};
+use crate::pooling::PgPooling;
 
 /// The query parameters [`PgBuilder::from_url`] reads (and removes) from a URL.
-pub const PARAMS: &[&str] = &["mode", "schema", "pool_size"];
+pub const PARAMS: &[&str] = &["mode", "schema", "pool_size", "pooling"];
 
 /// The environment variable [`PgBuilder::from_env`] reads the URL from.
 pub const POSTGRES_URL_ENV: &str = "DISTLOCK_POSTGRES_URL";
 
 impl PgBuilder {
     /// Settings for the server a `postgres://` (or `postgresql://`) URL names:
-    /// `postgres://user[:password]@host[:port]/db[?mode=lease|advisory&schema=NAME&pool_size=N]`.
+    /// `postgres://user[:password]@host[:port]/db[?mode=lease|advisory&schema=NAME&pool_size=N&pooling=session|transaction]`.
     ///
-    /// Three query parameters are distlock's and are removed before the URL reaches the
+    /// Four query parameters are distlock's and are removed before the URL reaches the
     /// driver:
     ///
     /// - `mode=lease` (the default) builds [`PgLeaseBackend`](crate::PgLeaseBackend),
     ///   `mode=advisory` [`PgAdvisoryBackend`](crate::PgAdvisoryBackend) (see
     ///   [`mode`](Self::mode));
     /// - `schema=NAME`: the schema of the tables (see [`schema`](Self::schema));
-    /// - `pool_size=N`: the most connections (see [`pool_size`](Self::pool_size)).
+    /// - `pool_size=N`: the most connections (see [`pool_size`](Self::pool_size));
+    /// - `pooling=session` (the default) or `pooling=transaction` behind a proxy that
+    ///   pools server sessions per transaction, such as PgBouncer `pool_mode =
+    ///   transaction` (see [`pooling`](Self::pooling)).
     ///
     /// PostgreSQL's own connection parameters ([`URL_PARAMS`]: `sslmode`,
     /// `sslrootcert`, `application_name`, `options`, ...) pass through; any other
@@ -62,6 +66,7 @@ impl PgBuilder {
         let mut mode = None;
         let mut schema = None;
         let mut pool_size = None;
+        let mut pooling = None;
         let mut driver = url.clone();
         driver.set_query(None);
         let mut passed = Vec::new();
@@ -70,6 +75,7 @@ impl PgBuilder {
                 "mode" => &mut mode,
                 "schema" => &mut schema,
                 "pool_size" => &mut pool_size,
+                "pooling" => &mut pooling,
                 other if is_url_param(other) => {
                     passed.push((name.clone(), value.clone()));
                     continue;
@@ -95,7 +101,18 @@ impl PgBuilder {
                 ));
             }
         };
-        let mut builder = PgBuilder::new(driver.as_str()).mode(mode);
+        let pooling = match pooling.as_deref() {
+            None | Some("session") => PgPooling::Session,
+            Some("transaction") => PgPooling::Transaction,
+            Some(_) => {
+                return Err(LockError::Config(
+                    "unknown postgres pooling: expected pooling=session (the default) or \
+                     pooling=transaction (behind PgBouncer pool_mode = transaction)"
+                        .into(),
+                ));
+            }
+        };
+        let mut builder = PgBuilder::new(driver.as_str()).mode(mode).pooling(pooling);
         if let Some(schema) = schema {
             builder = builder.schema(schema);
         }
@@ -177,6 +194,39 @@ mod tests {
             parse("postgresql://u@h/db?mode=advisory").unwrap().mode,
             PgMode::Advisory
         );
+    }
+
+    #[test]
+    fn pooling_defaults_to_session_and_transaction_is_read() {
+        let shown = |url: &str| format!("{:?}", parse(url).unwrap());
+        assert!(shown("postgres://u@h/db").contains("pooling: Session"));
+        assert!(shown("postgres://u@h/db?pooling=session").contains("pooling: Session"));
+        let transaction = shown("postgres://u@h/db?pooling=transaction&sslmode=disable");
+        assert!(
+            transaction.contains("pooling: Transaction"),
+            "{transaction}"
+        );
+        assert!(
+            !transaction.contains("pooling=transaction"),
+            "{transaction}"
+        );
+        assert!(
+            config_error("postgres://u@h/db?pooling=statement").contains("pooling=transaction")
+        );
+        assert!(
+            config_error("postgres://u@h/db?pooling=session&pooling=transaction")
+                .contains("`pooling`")
+        );
+        assert!(config_error("postgres://u@h/db?pool_mode=transaction").contains("`pool_mode`"));
+        // The advisory backend needs sessions: refused before anything is opened.
+        let Err(LockError::Config(message)) =
+            parse("postgres://u@h/db?mode=advisory&pooling=transaction")
+                .unwrap()
+                .build_advisory_backend()
+        else {
+            panic!("the advisory backend was built for a transaction pooler");
+        };
+        assert!(message.contains("pooling=transaction"), "{message}");
     }
 
     #[test]

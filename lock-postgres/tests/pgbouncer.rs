@@ -1,7 +1,10 @@
 //! Both backends through a real PgBouncer in front of a test server: the lease table and
 //! the advisory backend work in session pooling mode (a release wakes a lease-table waiter
 //! by notification); in transaction mode the advisory backend refuses to lock with an
-//! error that names the mode, leaving no advisory lock and no token behind.
+//! error that names the mode, leaving no advisory lock and no token behind. The lease
+//! table works in transaction mode with `pooling=transaction` (its waiters poll; a
+//! process listening on a direct connection is still woken by its releases), and without
+//! that setting refuses to work, naming it, before it writes anything.
 
 mod common;
 
@@ -14,6 +17,7 @@ use distlock_core::{
 };
 use harness::pgbouncer::{PgBouncerServer, PoolMode, SERVER_POOL_SIZE};
 use harness::postgres::PostgresServer;
+use lock_postgres::PgPooling;
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(30);
@@ -73,7 +77,13 @@ async fn the_lease_cycle_holds_under_load(
 }
 
 async fn lease_backend(bouncer: &PgBouncerServer) -> Arc<dyn LockBackend> {
-    let backend = builder(bouncer).build_lease_backend().unwrap();
+    let backend = builder(bouncer)
+        .pooling(match bouncer.pool_mode() {
+            PoolMode::Session => PgPooling::Session,
+            PoolMode::Transaction => PgPooling::Transaction,
+        })
+        .build_lease_backend()
+        .unwrap();
     backend.connect().await.unwrap();
     Arc::new(backend)
 }
@@ -135,14 +145,19 @@ async fn advisory_refuses_transaction_pooling_before_granting_anything() {
     assert_eq!(server_state(&server).await, "0 0");
 }
 
-/// A waiter in `Locker::lock` gets a key the holder released; how long after.
-async fn a_waiter_gets_the_released_key(bouncer: &PgBouncerServer) -> Duration {
-    let backend = lease_backend(bouncer).await;
-    let locker = Locker::builder(backend.clone())
+/// A waiter in `Locker::lock` on `waiter` gets a key `holder` held and released; how
+/// long after.
+async fn a_waiter_gets_the_released_key(
+    holder: Arc<dyn LockBackend>,
+    waiter: Arc<dyn LockBackend>,
+    backoff: Duration,
+) -> Duration {
+    let backend = holder;
+    let locker = Locker::builder(waiter)
         .ttl(TTL)
         .retry(RetryPolicy {
-            initial: Duration::from_secs(5),
-            max: Duration::from_secs(5),
+            initial: backoff,
+            max: backoff,
         })
         .wait_timeout(Some(Duration::from_secs(30)))
         .build()
@@ -168,9 +183,173 @@ async fn a_waiter_gets_the_released_key(bouncer: &PgBouncerServer) -> Duration {
 async fn lease_table_waiters_are_woken_through_session_pooling() {
     let server = start_server().await;
     let bouncer = bouncer(&server, PoolMode::Session).await;
-    let after = a_waiter_gets_the_released_key(&bouncer).await;
+    let backend = lease_backend(&bouncer).await;
+    let after =
+        a_waiter_gets_the_released_key(backend.clone(), backend, Duration::from_secs(5)).await;
     assert!(
         after < Duration::from_secs(1),
         "woken {after:?} after the release"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_table_works_through_transaction_pooling() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let started = Instant::now();
+    the_lease_cycle_holds_under_load(lease_backend(&bouncer).await, "transaction", TASKS).await;
+    // 5 rounds of 10 calls per task.
+    let calls = TASKS * 5 * 10;
+    println!(
+        "{calls} calls from {TASKS} tasks over {SERVER_POOL_SIZE} server sessions in {:?}",
+        started.elapsed()
+    );
+}
+
+/// Batches, `inspect` and `purge`, on names holding quotes, backslashes, `$1` and
+/// non-ASCII text, which reach the server as they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let backend = lease_backend(&bouncer).await;
+    let names = [
+        "o'brien",
+        "back\\slash",
+        "$1 $2",
+        "naïve ☃",
+        "'); DROP TABLE x; --",
+    ];
+    let keys: Vec<LockKey> = names.iter().map(|n| key(n)).collect();
+    let leases: Vec<_> = backend
+        .acquire_many(&keys, TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.expect("free"))
+        .collect();
+    assert!(
+        backend
+            .acquire_many(&keys, TTL)
+            .await
+            .unwrap()
+            .iter()
+            .all(Option::is_none),
+        "held"
+    );
+    for (lease, name) in leases.iter().zip(names) {
+        let info = backend.inspect(lease.key()).await.unwrap();
+        assert_eq!(info.owner, Some(lease.owner()), "{name}");
+        assert_eq!(info.token, Some(lease.token()), "{name}");
+    }
+    let stored = harness::require(
+        server
+            .psql("SELECT string_agg(name, '|' ORDER BY name) FROM distlock.distlock_leases")
+            .await,
+    );
+    let mut sorted = names;
+    sorted.sort_unstable();
+    assert_eq!(stored, sorted.join("|"));
+    let renewed = backend.renew_many(&leases).await.unwrap();
+    assert!(
+        renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })),
+        "{renewed:?}"
+    );
+    assert_eq!(
+        backend.release_many(&leases).await.unwrap(),
+        vec![Release::Released; names.len()]
+    );
+    assert_eq!(
+        backend.release_many(&leases).await.unwrap(),
+        vec![Release::NotHeld; names.len()]
+    );
+    for k in &keys {
+        backend.purge(k).await.unwrap();
+        assert_eq!(backend.inspect(k).await.unwrap().token, None);
+    }
+    assert_eq!(
+        harness::require(
+            server
+                .psql("SELECT count(*) FROM distlock.distlock_leases")
+                .await
+        ),
+        "0"
+    );
+}
+
+/// With the default settings behind a transaction pooler the lease table refuses every
+/// call with an error naming the setting to use, and writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_table_refuses_transaction_pooling_without_the_setting() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let names_the_setting =
+        |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pooling=transaction"));
+    // The very first acquire of a fresh backend, then many at once, then `connect`.
+    let backend = Arc::new(builder(&bouncer).build_lease_backend().unwrap());
+    let err = backend.acquire(&key("first"), TTL).await.unwrap_err();
+    assert!(names_the_setting(&err), "{err}");
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let backend = backend.clone();
+        tasks.push(tokio::spawn(async move {
+            backend.acquire(&key(&format!("many:{t}")), TTL).await
+        }));
+    }
+    for task in tasks {
+        let err = task.await.unwrap().unwrap_err();
+        assert!(names_the_setting(&err), "{err}");
+    }
+    let fresh = builder(&bouncer).build_lease_backend().unwrap();
+    let err = fresh.connect().await.unwrap_err();
+    assert!(names_the_setting(&err), "{err}");
+    assert_eq!(
+        harness::require(
+            server
+                .psql("SELECT count(*) FROM distlock.distlock_leases")
+                .await
+        ),
+        "0"
+    );
+}
+
+/// Through a transaction pooler the lease table wakes nobody (no session to `LISTEN`
+/// on, and it says so); a waiter still gets the key, by its backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_table_waiters_poll_through_transaction_pooling() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let backend = lease_backend(&bouncer).await;
+    assert!(!backend.capabilities().wakes_waiters);
+    assert!(backend.watch_releases(&key("waited")).is_none());
+    let backoff = Duration::from_millis(300);
+    let after = a_waiter_gets_the_released_key(backend.clone(), backend, backoff).await;
+    assert!(
+        after < Duration::from_secs(5),
+        "got it {after:?} after the release"
+    );
+}
+
+/// A release through the transaction pooler is still announced: a waiter of another
+/// process, listening on a direct connection to the same schema, is woken at once. Each
+/// round after a burst of calls from many clients, so the announcer's connection lands
+/// on other server sessions than the one it used before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_through_transaction_pooling_wake_a_directly_connected_waiter() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let holder = lease_backend(&bouncer).await;
+    let direct = common::builder(&server).build_lease_backend().unwrap();
+    direct.connect().await.unwrap();
+    let direct: Arc<dyn LockBackend> = Arc::new(direct);
+    for round in 0..3 {
+        the_lease_cycle_holds_under_load(holder.clone(), &format!("burst{round}"), TASKS).await;
+        let after =
+            a_waiter_gets_the_released_key(holder.clone(), direct.clone(), Duration::from_secs(5))
+                .await;
+        assert!(
+            after < Duration::from_secs(1),
+            "round {round}: woken {after:?} after the release"
+        );
+    }
 }
