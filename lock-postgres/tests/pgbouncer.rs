@@ -206,13 +206,20 @@ async fn lease_table_works_through_transaction_pooling() {
     );
 }
 
-/// Batches, `inspect` and `purge`, on names holding quotes, backslashes, `$1` and
-/// non-ASCII text, which reach the server as they are.
+/// `setup` of a new schema, batches, `inspect` and `purge`, on names holding quotes,
+/// backslashes, `$1` and non-ASCII text, which reach the server as they are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
     let server = start_server().await;
     let bouncer = bouncer(&server, PoolMode::Transaction).await;
-    let backend = lease_backend(&bouncer).await;
+    let backend = builder(&bouncer)
+        .schema("via_pooler")
+        .pooling(PgPooling::Transaction)
+        .build_lease_backend()
+        .unwrap();
+    backend.setup().await.unwrap();
+    backend.setup().await.unwrap();
+    backend.connect().await.unwrap();
     let names = [
         "o'brien",
         "back\\slash",
@@ -244,7 +251,7 @@ async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
     }
     let stored = harness::require(
         server
-            .psql("SELECT string_agg(name, '|' ORDER BY name) FROM distlock.distlock_leases")
+            .psql("SELECT string_agg(name, '|' ORDER BY name) FROM via_pooler.distlock_leases")
             .await,
     );
     let mut sorted = names;
@@ -270,7 +277,7 @@ async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
     assert_eq!(
         harness::require(
             server
-                .psql("SELECT count(*) FROM distlock.distlock_leases")
+                .psql("SELECT count(*) FROM via_pooler.distlock_leases")
                 .await
         ),
         "0"
