@@ -376,11 +376,12 @@ impl LockBackend for PgLeaseBackend {
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        // Before the sweep too: a refused backend sends nothing at all.
+        self.check_pooling().await?;
         self.sweeper.poke(&self.client);
         let owner = OwnerId::random();
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
-        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
         let row = on_conn!(
             self.client,
@@ -416,6 +417,7 @@ impl LockBackend for PgLeaseBackend {
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
         self.capabilities().check_ttl(ttl)?;
+        self.check_pooling().await?;
         self.sweeper.poke(&self.client);
         // Each name once (a repeat in the same batch finds it held), in sorted order, so
         // concurrent batches lock rows in the same order and cannot deadlock.
@@ -424,7 +426,6 @@ impl LockBackend for PgLeaseBackend {
             .map(|k| (k.as_str(), OwnerId::random()))
             .collect();
         let sent = Instant::now();
-        self.check_pooling().await?;
         let mut conn = self.client.conn(NAME).await?;
         let names: Vec<&str> = unique.keys().copied().collect();
         let owners: Vec<Uuid> = unique.values().map(|o| owner_uuid(*o)).collect();
