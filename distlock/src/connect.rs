@@ -100,18 +100,22 @@ impl fmt::Display for Scheme {
 /// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
 /// | `etcd://[user:password@]host:port[,host:port…][?prefix=…]` | `etcd` | an etcd v3 cluster |
 /// | `etcds://host:port[,host:port…]?ca=/path/ca.pem[&prefix=…]` | `etcd` | an etcd v3 cluster over TLS |
-/// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…]` | `postgres` | PostgreSQL |
+/// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…&pooling=…]` | `postgres` | PostgreSQL |
 ///
 /// # PostgreSQL
 ///
-/// `postgresql://` is the same as `postgres://`. distlock reads three query parameters
+/// `postgresql://` is the same as `postgres://`. distlock reads four query parameters
 /// and removes them before the URL reaches the driver:
 ///
 /// - `mode=lease` (the default) opens the lease-table backend, `mode=advisory` the
 ///   advisory-lock backend (which pins a connection per held lock and does not work
 ///   behind a transaction-pooling proxy);
 /// - `schema=NAME`: the schema of the tables (default `distlock`);
-/// - `pool_size=N`: the most connections (for `advisory`, the most locks held at once).
+/// - `pool_size=N`: the most connections (for `advisory`, the most locks held at once);
+/// - `pooling=session` (the default) or `pooling=transaction`: the lease table behind a
+///   proxy that pools server sessions per transaction (PgBouncer `pool_mode =
+///   transaction`), where its waiters poll instead of being woken; the advisory backend
+///   refuses it.
 ///
 /// PostgreSQL's own connection parameters (`sslmode`, `sslrootcert`, `application_name`,
 /// `options`, ...) pass through; any other parameter is a [`LockError::Config`], so a
