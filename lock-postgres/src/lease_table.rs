@@ -88,8 +88,8 @@ struct Statements {
 /// # Behind a transaction-pooling proxy
 ///
 /// With [`PgPooling::Transaction`] (`?pooling=transaction`) the backend works behind
-/// PgBouncer in `pool_mode = transaction`: every statement goes as one self-contained
-/// simple-protocol query (see [`PgPooling::Transaction`]) and no session state is used;
+/// PgBouncer in `pool_mode = transaction`: every statement runs unnamed inside a
+/// transaction of its own (see [`PgPooling::Transaction`]) and no session state is used;
 /// its releases do not wake this process's waiters (they poll with their backoff). With
 /// the default [`PgPooling::Session`] it checks before its first call (or in
 /// [`connect`](Self::connect)) that client connections keep their server sessions, and

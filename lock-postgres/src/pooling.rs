@@ -34,10 +34,10 @@ pub enum PgPooling {
     /// outliving a statement (`pooling=transaction`). Lease table only: the advisory
     /// backend refuses it, since an advisory lock is its session.
     ///
-    /// Every lease-table statement goes as one simple-protocol query, nothing prepared,
-    /// its values written into the text as literals made of hex digits and numbers only
-    /// (text as `convert_from(decode('<hex of its UTF-8>', 'hex'), 'UTF8')`), so no value
-    /// can change the statement. Releases do not wake waiters in this process (`LISTEN`
+    /// Every lease-table statement runs unnamed (prepared for that call only), its values
+    /// bind parameters as always, inside an explicit transaction of its own, so the
+    /// pooler keeps one server session for it from `BEGIN` to `COMMIT`: four round trips
+    /// per call instead of one. Releases do not wake waiters in this process (`LISTEN`
     /// needs a session): [`Capabilities::wakes_waiters`](distlock_core::Capabilities) is
     /// false and waiters poll with their backoff. Releases still announce themselves to
     /// processes that listen on a direct connection to the same schema.
