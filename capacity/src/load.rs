@@ -120,8 +120,22 @@ pub async fn closed_loop(
     warmup: Duration,
     duration: Duration,
 ) -> Result<Sample, BenchError> {
+    let task_keys = keys_for(subject.id(), &format!("c{concurrency}"), concurrency, keys)?;
+    closed_loop_on(subject, task_keys, keys, warmup, duration).await
+}
+
+/// [`closed_loop`] on the keys given, one task per key (`task_keys` holds the same key
+/// many times for [`Keys::Shared`]): for measurements that must know the keys, such as
+/// the keys some other task waits for.
+pub async fn closed_loop_on(
+    subject: Arc<dyn Subject>,
+    task_keys: Vec<BenchKey>,
+    keys: Keys,
+    warmup: Duration,
+    duration: Duration,
+) -> Result<Sample, BenchError> {
     let id = subject.id();
-    let task_keys = keys_for(id, &format!("c{concurrency}"), concurrency, keys)?;
+    let concurrency = task_keys.len();
     let measure_from = Instant::now() + warmup;
     let measure_until = measure_from + duration;
     let tasks: Vec<_> = task_keys
