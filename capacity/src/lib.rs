@@ -10,6 +10,8 @@
 //! * [`load`]: closed-loop load at a given concurrency, with latency histograms;
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
+//! * [`waited`]: releases with a waiter on every key against releases nobody waits for,
+//!   in alternating rounds;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
 //! * [`machine`]: the machine and server versions printed at the top of the report;
 //! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
@@ -24,6 +26,7 @@ pub mod machine;
 pub mod report;
 pub mod scenarios;
 pub mod subject;
+pub mod waited;
 
 /// Everything that can stop a benchmark run.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,362 @@
+//! Releases with a waiter on every key: acquire + release cycles of a backend at one
+//! concurrency when every released key has a waiter that must be told, against the same
+//! cycles on keys nobody waits for, measured in alternating rounds in one run.
+//!
+//! # What is measured
+//!
+//! `concurrency` tasks each run acquire + release cycles back to back on a key of their
+//! own, as in the sweep. In the *waited* rounds the keys are `bench:<backend>:waited:<i>`,
+//! and each of them has a waiter: a task of another backend instance (its own
+//! connections and release listener, as a worker of another process would have) blocked
+//! in [`ReleaseWatch::released`] on that key, the wake-up path `Locker::lock` waits on. So
+//! every release of a waited round is a release the backend must announce. In the
+//! *unwaited* rounds the tasks run the same cycles on `bench:<backend>:unwaited:<i>`,
+//! which nobody watches. The rate is cycles per second (one release per cycle), so the
+//! ratio of the two is the ratio of release throughputs.
+//!
+//! # Proof that the waiters waited
+//!
+//! Before the rounds, every waiter must have been woken once, by its registration or a
+//! release of its key ([`REGISTERED_WITHIN`]): the waiters are in place. After the rounds,
+//! every waiter must have been woken again, by the releases of the waited rounds
+//! ([`WOKEN_WITHIN`]). Otherwise the measurement fails: rounds whose releases nobody was
+//! told of measured nothing this module is for. The wake-ups per waited release are
+//! reported beside the ratio; they are below one where announcements of one key coalesce
+//! (a waiter woken once for releases that came while it was being woken).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use distlock_core::LockBackend;
+use distlock_core::wake::ReleaseWatch;
+use tokio::task::JoinSet;
+use tokio::time::Instant;
+
+use crate::BenchError;
+use crate::load::{self, Keys};
+use crate::subject::{BenchKey, Cycle, Subject, SubjectId};
+
+/// Whether a task that only watches a key of `subject` ([`ReleaseWatch`]) makes its
+/// releases waited ones. Not on Redis: there a key is marked waited for by an acquire
+/// that found it held, so a waiter that has not tried since the last grant is not told,
+/// and this measurement would measure releases nobody waits for.
+pub fn watching_waits(subject: SubjectId) -> bool {
+    subject != SubjectId::Redis
+}
+
+/// Tasks (and waited keys) of the measurement the targets are judged on.
+pub const TASKS: usize = 64;
+
+/// How long the waiters have to be in place (woken once) before the rounds start.
+pub const REGISTERED_WITHIN: Duration = Duration::from_secs(10);
+
+/// How long after the last round every waiter must have been woken by a release.
+pub const WOKEN_WITHIN: Duration = Duration::from_secs(5);
+
+/// One backend's waited and unwaited rounds.
+#[derive(Clone, Debug)]
+pub struct WaitedReleases {
+    /// The backend.
+    pub subject: SubjectId,
+    /// Tasks running cycles at once, and keys with a waiter (one each).
+    pub concurrency: usize,
+    /// Cycles per second with a waiter on every key, round by round.
+    pub waited_per_sec: Vec<f64>,
+    /// Cycles per second on keys nobody waits for, round by round.
+    pub unwaited_per_sec: Vec<f64>,
+    /// Releases of waited keys in the waited rounds, warm-up included.
+    pub waited_releases: u64,
+    /// Wake-ups the waiters received from those releases.
+    pub wakes: u64,
+}
+
+impl WaitedReleases {
+    /// Waited cycles/s over unwaited cycles/s, round by round.
+    pub fn ratios(&self) -> Vec<f64> {
+        self.waited_per_sec
+            .iter()
+            .zip(&self.unwaited_per_sec)
+            .filter(|(_, u)| **u > 0.0)
+            .map(|(w, u)| w / u)
+            .collect()
+    }
+
+    /// The median round's ratio: what the target is judged on.
+    pub fn ratio(&self) -> Option<f64> {
+        let ratios = self.ratios();
+        (!ratios.is_empty()).then(|| median(ratios))
+    }
+
+    /// The median waited cycles/s.
+    pub fn waited(&self) -> f64 {
+        median(self.waited_per_sec.clone())
+    }
+
+    /// The median unwaited cycles/s.
+    pub fn unwaited(&self) -> f64 {
+        median(self.unwaited_per_sec.clone())
+    }
+
+    /// Wake-ups per waited release.
+    pub fn wakes_per_release(&self) -> f64 {
+        self.wakes as f64 / self.waited_releases.max(1) as f64
+    }
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Measures `worker`'s cycles at `concurrency` with a waiter of `waiters` (another
+/// instance of the same backend) on every key, and without, alternating the order each
+/// round, for `rounds` rounds of `warmup` then `window`. Fails if the waiters were not in
+/// place before the rounds or not woken by their releases (see the module docs).
+pub async fn waited_releases(
+    worker: Arc<dyn Subject>,
+    waiters: Arc<dyn LockBackend>,
+    concurrency: usize,
+    rounds: usize,
+    warmup: Duration,
+    window: Duration,
+) -> Result<WaitedReleases, BenchError> {
+    let id = worker.id();
+    let waited_keys = load::keys_for(id, "waited", concurrency, Keys::PerTask)?;
+    let unwaited_keys = load::keys_for(id, "unwaited", concurrency, Keys::PerTask)?;
+    let watchers = Watchers::start(id, &waiters, &waited_keys)?;
+    watchers.until_in_place(&worker, &waited_keys).await?;
+    let before = watchers.counts();
+    let counted = Arc::new(CountedCycles {
+        inner: worker.clone(),
+        releases: AtomicU64::new(0),
+    });
+    let mut out = WaitedReleases {
+        subject: id,
+        concurrency,
+        waited_per_sec: Vec::with_capacity(rounds),
+        unwaited_per_sec: Vec::with_capacity(rounds),
+        waited_releases: 0,
+        wakes: 0,
+    };
+    for round in 0..rounds.max(1) {
+        for waited in [round % 2 == 0, round % 2 != 0] {
+            let (subject, keys): (Arc<dyn Subject>, _) = if waited {
+                (counted.clone(), waited_keys.clone())
+            } else {
+                (worker.clone(), unwaited_keys.clone())
+            };
+            let sample = load::closed_loop_on(subject, keys, Keys::PerTask, warmup, window).await?;
+            let rates = if waited {
+                &mut out.waited_per_sec
+            } else {
+                &mut out.unwaited_per_sec
+            };
+            rates.push(sample.ops_per_sec());
+        }
+    }
+    out.waited_releases = counted.releases.load(Ordering::SeqCst);
+    out.wakes = watchers.until_woken_since(&before, &waited_keys).await?;
+    Ok(out)
+}
+
+/// One waiting task per key, each counting the wake-ups of its [`ReleaseWatch`].
+struct Watchers {
+    subject: SubjectId,
+    counts: Vec<Arc<AtomicU64>>,
+    _tasks: JoinSet<()>,
+}
+
+impl Watchers {
+    /// Watches every key of `keys` on `backend`, one task each.
+    fn start(
+        subject: SubjectId,
+        backend: &Arc<dyn LockBackend>,
+        keys: &[BenchKey],
+    ) -> Result<Self, BenchError> {
+        let mut tasks = JoinSet::new();
+        let mut counts = Vec::with_capacity(keys.len());
+        for key in keys {
+            let watch: ReleaseWatch =
+                backend
+                    .watch_releases(key.lock_key())
+                    .ok_or_else(|| BenchError::Unexpected {
+                        subject: subject.slug(),
+                        detail: "the backend does not wake waiters: no release is waited for"
+                            .into(),
+                    })?;
+            let count = Arc::new(AtomicU64::new(0));
+            counts.push(count.clone());
+            tasks.spawn(wait_forever(watch, count));
+        }
+        Ok(Self {
+            subject,
+            counts,
+            _tasks: tasks,
+        })
+    }
+
+    fn counts(&self) -> Vec<u64> {
+        self.counts
+            .iter()
+            .map(|c| c.load(Ordering::SeqCst))
+            .collect()
+    }
+
+    /// Waits until every waiter was woken once (by its registration, or by a release of
+    /// its key, which this runs on `worker` every so often), for at most
+    /// [`REGISTERED_WITHIN`].
+    async fn until_in_place(
+        &self,
+        worker: &Arc<dyn Subject>,
+        keys: &[BenchKey],
+    ) -> Result<(), BenchError> {
+        let deadline = Instant::now() + REGISTERED_WITHIN;
+        loop {
+            let idle: Vec<&BenchKey> = keys
+                .iter()
+                .zip(self.counts())
+                .filter(|(_, n)| *n == 0)
+                .map(|(k, _)| k)
+                .collect();
+            if idle.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(self.unwoken(idle.len(), keys.len(), "before the rounds"));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            for key in idle {
+                worker.cycle(key).await?;
+            }
+        }
+    }
+
+    /// Waits until every waiter was woken since `before`, for at most [`WOKEN_WITHIN`],
+    /// and returns the wake-ups since then.
+    async fn until_woken_since(
+        &self,
+        before: &[u64],
+        keys: &[BenchKey],
+    ) -> Result<u64, BenchError> {
+        let deadline = Instant::now() + WOKEN_WITHIN;
+        loop {
+            let now = self.counts();
+            let unwoken = now.iter().zip(before).filter(|(n, b)| n <= b).count();
+            if unwoken == 0 {
+                return Ok(now.iter().sum::<u64>() - before.iter().sum::<u64>());
+            }
+            if Instant::now() >= deadline {
+                return Err(self.unwoken(unwoken, keys.len(), "by the waited rounds' releases"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn unwoken(&self, unwoken: usize, of: usize, when: &str) -> BenchError {
+        BenchError::Unexpected {
+            subject: self.subject.slug(),
+            detail: format!(
+                "{unwoken} of {of} waiters were never woken {when}: their releases were not \
+                 announced, so the waited rounds would measure releases nobody waits for"
+            ),
+        }
+    }
+}
+
+async fn wait_forever(mut watch: ReleaseWatch, count: Arc<AtomicU64>) {
+    loop {
+        watch.released().await;
+        count.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A subject that counts the releases of its cycles.
+struct CountedCycles {
+    inner: Arc<dyn Subject>,
+    releases: AtomicU64,
+}
+
+#[async_trait]
+impl Subject for CountedCycles {
+    fn id(&self) -> SubjectId {
+        self.inner.id()
+    }
+
+    async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
+        let cycle = self.inner.cycle(key).await?;
+        self.releases
+            .fetch_add(u64::from(cycle.acquired), Ordering::Relaxed);
+        Ok(cycle)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use distlock_core::Release;
+    use distlock_core::memory::MemoryBackend;
+
+    use super::*;
+    use crate::subject::TTL;
+
+    /// Acquire + release on one in-memory backend.
+    struct Memory(Arc<MemoryBackend>);
+
+    #[async_trait]
+    impl Subject for Memory {
+        fn id(&self) -> SubjectId {
+            SubjectId::Memory
+        }
+
+        async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
+            let lock_err = |source| BenchError::Lock {
+                subject: "memory",
+                source,
+            };
+            let lease = self
+                .0
+                .acquire(key.lock_key(), TTL)
+                .await
+                .map_err(lock_err)?;
+            let acquired = lease.is_some();
+            if let Some(lease) = lease {
+                let released = self.0.release(&lease).await.map_err(lock_err)?;
+                assert_eq!(released, Release::Released);
+            }
+            Ok(Cycle {
+                acquire: Duration::ZERO,
+                acquired,
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_round_is_measured_and_the_waiters_are_woken_by_the_waited_releases() {
+        let backend = Arc::new(MemoryBackend::new());
+        let worker = Arc::new(Memory(backend.clone()));
+        let ms = Duration::from_millis;
+        let w = waited_releases(worker, backend, 8, 3, ms(5), ms(20))
+            .await
+            .unwrap();
+        assert_eq!(w.ratios().len(), 3, "{w:?}");
+        assert!(w.waited_releases > 0, "{w:?}");
+        assert!(w.wakes >= 8, "every waiter woken at least once: {w:?}");
+        assert!(w.ratio().is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiters_whose_releases_are_never_announced_fail_the_measurement() {
+        // The waiters watch another store: no release they could hear ever happens.
+        let worker = Arc::new(Memory(Arc::new(MemoryBackend::new())));
+        let elsewhere: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+        let ms = Duration::from_millis;
+        let err = waited_releases(worker, elsewhere, 4, 1, ms(5), ms(20))
+            .await
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("4 of 4 waiters were never woken"),
+            "{err}"
+        );
+    }
+}
