@@ -31,6 +31,7 @@ fn quick_capacity_run_writes_markdown_csv_and_svg_charts() {
         "| redis-server |",
         "## Targets",
         "## Throughput and latency by concurrency",
+        "## Releases with a waiter on every key",
         "## Batches",
         "## Memory per held guard",
         "## Redis server time per call",
@@ -44,6 +45,8 @@ fn quick_capacity_run_writes_markdown_csv_and_svg_charts() {
         "article two-step",
         "rslock",
         "acquire_many(1000)",
+        "pg-lease cycles/s with a waiter on every key",
+        "pg-advisory cycles/s with a waiter on every key",
         "memory per held guard",
     ] {
         assert!(

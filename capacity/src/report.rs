@@ -12,6 +12,7 @@ use crate::load::Sample;
 use crate::machine::Machine;
 use crate::scenarios::{Plan, RedisServerCost, Results, Target};
 use crate::subject::SubjectId;
+use crate::waited::WaitedReleases;
 
 /// The header of `capacity.csv`.
 pub const CSV_HEADER: &str = "subject,kind,store,concurrency,ops,seconds,ops_per_sec,\
@@ -214,6 +215,8 @@ impl Report {
                 );
             }
         }
+
+        write_waited(&mut md, &self.plan, &self.results.waited);
 
         let _ = writeln!(md, "\n## Throughput and latency by concurrency\n");
         let _ = writeln!(
@@ -524,6 +527,46 @@ Medians of {} rounds, the subjects alternating; distlock over rslock \
             }
         }
         subjects
+    }
+}
+
+/// The section of the releases with a waiter on every key, if they were measured.
+fn write_waited(md: &mut String, plan: &Plan, rows: &[WaitedReleases]) {
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "\n## Releases with a waiter on every key\n\n\
+         {} tasks run acquire + release cycles, each on a key of its own. In the *waited* \
+         rounds every key has a waiter: a task blocked in `ReleaseWatch::released` on it \
+         (the wake-up path of `Locker::lock`), so every release must be announced; in the \
+         *unwaited* rounds the same cycles run on keys nobody watches. Rates are cycles/s \
+         (one release each); the two alternate, {} rounds of {:?} after {:?} of warm-up, \
+         order swapped every round, and the ratio is the median round's. The run fails \
+         unless every waiter was woken by the waited rounds' releases; `wake-ups per \
+         release` is below one where wake-ups of one key coalesce.\n",
+        crate::waited::TASKS,
+        plan.pair_rounds,
+        plan.duration / 3,
+        plan.warmup
+    );
+    let _ = writeln!(
+        md,
+        "| backend | waited cycles/s | unwaited cycles/s | ratio (median) | per-round ratios | wake-ups per release |\n|---|---:|---:|---:|---|---:|"
+    );
+    for w in rows {
+        let rounds: Vec<String> = w.ratios().iter().map(|r| format!("{r:.2}")).collect();
+        let _ = writeln!(
+            md,
+            "| {} | {:.0} | {:.0} | {} | {} | {:.2} |",
+            w.subject.slug(),
+            w.waited(),
+            w.unwaited(),
+            w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            rounds.join(" "),
+            w.wakes_per_release()
+        );
     }
 }
 

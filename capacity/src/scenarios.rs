@@ -577,6 +577,8 @@ pub struct Results {
     pub memory: Option<GuardMemory>,
     /// The interleaved pairs of [`TARGET_PAIRS`].
     pub paired: Vec<Paired>,
+    /// Releases with a waiter on every key against releases nobody waits for.
+    pub waited: Vec<crate::waited::WaitedReleases>,
 }
 
 impl Results {
@@ -688,6 +690,20 @@ impl Results {
                 goal,
                 true,
                 self.judged_throughput(backend, baseline, tasks),
+            ));
+        }
+        // PostgreSQL: announcing waited releases must not cost their throughput.
+        for backend in [SubjectId::PgLease, SubjectId::PgAdvisory] {
+            let measured = self.waited.iter().find(|w| w.subject == backend);
+            out.push(ratio(
+                &format!(
+                    "{} cycles/s with a waiter on every key / with none ({} tasks)",
+                    backend.slug(),
+                    crate::waited::TASKS
+                ),
+                0.9,
+                true,
+                measured.and_then(crate::waited::WaitedReleases::ratio),
             ));
         }
         let per_guard = self.memory.as_ref().map(GuardMemory::bytes_beyond_store);

@@ -44,6 +44,10 @@ struct Args {
     /// rates, printed round by round; no report is written.
     #[arg(long)]
     pairs_only: bool,
+    /// Only the releases with a waiter on every key against releases nobody waits for
+    /// (64 tasks, alternating rounds), printed round by round; no report is written.
+    #[arg(long)]
+    waited_releases_only: bool,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     guard_memory: Option<usize>,
@@ -61,6 +65,7 @@ async fn main() -> ExitCode {
             .map(|m| println!("{}", m.to_line())),
         None if args.handoff_only => handoff_only(&args).await,
         None if args.pairs_only => pairs_only(&args).await,
+        None if args.waited_releases_only => waited_releases_only(&args).await,
         None => run(&args).await,
     };
     match result {
@@ -266,6 +271,78 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// The releases with a waiter on every key alone, for every selected backend that wakes
+/// waiters who only watch (not Redis, see `capacity::waited::watching_waits`).
+async fn waited_releases_only(args: &Args) -> Result<(), BenchError> {
+    let (plan, backends, servers) = start_selected(args).await?;
+    for id in backends {
+        let Some(w) = waited_releases(id, &servers, &plan).await? else {
+            continue;
+        };
+        let rounds = |r: &[f64], decimals: usize| {
+            r.iter()
+                .map(|v| format!("{v:.decimals$}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        println!(
+            "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {}); waited {:.0} \
+             cycles/s (rounds {}), unwaited {:.0} (rounds {}); {} wake-ups for {} waited \
+             releases",
+            id.slug(),
+            w.concurrency,
+            w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            rounds(&w.ratios(), 2),
+            w.waited(),
+            rounds(&w.waited_per_sec, 0),
+            w.unwaited(),
+            rounds(&w.unwaited_per_sec, 0),
+            w.wakes,
+            w.waited_releases
+        );
+    }
+    Ok(())
+}
+
+/// Measures releases with a waiter on every key against releases nobody waits for, on
+/// `id`, if it is a backend that wakes waiters. The waiters watch through another instance
+/// of the backend (its own connections and listener, as another process's workers would),
+/// but on the in-memory backend, whose store is its instance.
+async fn waited_releases(
+    id: SubjectId,
+    servers: &Servers,
+    plan: &Plan,
+) -> Result<Option<capacity::waited::WaitedReleases>, BenchError> {
+    if !capacity::waited::watching_waits(id) {
+        return Ok(None);
+    }
+    let worker = subjects::open(id, servers).await?;
+    let Some(backend) = worker.backend().filter(|b| b.capabilities().wakes_waiters) else {
+        worker.close().await;
+        return Ok(None);
+    };
+    let other = if id == SubjectId::Memory {
+        None
+    } else {
+        Some(subjects::open(id, servers).await?)
+    };
+    let waiters = other.as_ref().and_then(|o| o.backend()).unwrap_or(backend);
+    let measured = capacity::waited::waited_releases(
+        worker.clone(),
+        waiters,
+        capacity::waited::TASKS,
+        plan.pair_rounds,
+        plan.warmup,
+        plan.duration / 3,
+    )
+    .await;
+    worker.close().await;
+    if let Some(other) = other {
+        other.close().await;
+    }
+    measured.map(Some)
+}
+
 async fn run(args: &Args) -> Result<(), BenchError> {
     let plan = plan(args);
     let backends = selected_backends(args)?;
@@ -422,6 +499,16 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         results.paired.push(pair?);
     }
     bar.inc(1);
+    for &id in &backends {
+        bar.set_message(format!(
+            "{}: {} tasks, a waiter on every key and none, alternating",
+            id.slug(),
+            capacity::waited::TASKS
+        ));
+        if let Some(w) = waited_releases(id, &servers, &plan).await? {
+            results.waited.push(w);
+        }
+    }
     let redis_cost = if subjects.contains(&SubjectId::Redis) {
         bar.set_message("redis: server-side cost per command");
         let redis = subjects::open(SubjectId::Redis, &servers).await?;
