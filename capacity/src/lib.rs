@@ -13,12 +13,14 @@
 //! * [`waited`]: releases with a waiter on every key against releases nobody waits for,
 //!   in alternating rounds;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
+//! * [`cpu`]: CPU time of this process and of a server's processes;
 //! * [`machine`]: the machine and server versions printed at the top of the report;
 //! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
 //!
 //! Numbers are only compared within one run: the servers share the machine's cores with
 //! the client, so absolute times move from run to run while ratios hold.
 
+pub mod cpu;
 pub mod deployment;
 pub mod handoff;
 pub mod load;

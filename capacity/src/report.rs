@@ -553,19 +553,31 @@ fn write_waited(md: &mut String, plan: &Plan, rows: &[WaitedReleases]) {
     );
     let _ = writeln!(
         md,
-        "| backend | waited cycles/s | unwaited cycles/s | ratio (median) | per-round ratios | wake-ups per release |\n|---|---:|---:|---:|---|---:|"
+        "CPU per cycle is this process's (the cycles, and on the waited side the listener \
+         and the waiters' wake-ups) and the server's (every process of its tree), \
+         warm-up included: what a cycle costs the machine, which a busy machine moves less \
+         than it moves the rates.\n"
     );
+    let _ = writeln!(
+        md,
+        "| backend | waited cycles/s | unwaited cycles/s | ratio (median) | per-round ratios | wake-ups per release | client CPU µs/cycle waited / unwaited | server CPU µs/cycle waited / unwaited |\n|---|---:|---:|---:|---|---:|---|---|"
+    );
+    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     for w in rows {
         let rounds: Vec<String> = w.ratios().iter().map(|r| format!("{r:.2}")).collect();
         let _ = writeln!(
             md,
-            "| {} | {:.0} | {:.0} | {} | {} | {:.2} |",
+            "| {} | {:.0} | {:.0} | {} | {} | {:.2} | {} / {} | {} / {} |",
             w.subject.slug(),
-            w.waited(),
-            w.unwaited(),
+            w.waited.rate(),
+            w.unwaited.rate(),
             w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
             rounds.join(" "),
-            w.wakes_per_release()
+            w.wakes_per_release(),
+            us(w.waited.client()),
+            us(w.unwaited.client()),
+            us(w.waited.server()),
+            us(w.unwaited.server()),
         );
     }
 }

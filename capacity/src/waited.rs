@@ -35,7 +35,9 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::BenchError;
+use crate::cpu::CpuReading;
 use crate::load::{self, Keys};
+use crate::scenarios::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId};
 
 /// Whether a task that only watches a key of `subject` ([`ReleaseWatch`]) makes its
@@ -55,6 +57,36 @@ pub const REGISTERED_WITHIN: Duration = Duration::from_secs(10);
 /// How long after the last round every waiter must have been woken by a release.
 pub const WOKEN_WITHIN: Duration = Duration::from_secs(5);
 
+/// One side's rounds: its rate and what each of its cycles cost the machine.
+#[derive(Clone, Debug, Default)]
+pub struct Side {
+    /// Cycles per second, round by round.
+    pub per_sec: Vec<f64>,
+    /// This process's CPU per cycle, µs, round by round (warm-up included): the cycles,
+    /// and on the waited side the listener and the waiters' wake-ups.
+    pub client_us: Vec<f64>,
+    /// The server's CPU per cycle (every process of its tree), µs, round by round; empty
+    /// when the server's processes could not be read.
+    pub server_us: Vec<f64>,
+}
+
+impl Side {
+    /// The median round's cycles/s.
+    pub fn rate(&self) -> f64 {
+        median(self.per_sec.clone())
+    }
+
+    /// The median round's client CPU per cycle, µs.
+    pub fn client(&self) -> Option<f64> {
+        (!self.client_us.is_empty()).then(|| median(self.client_us.clone()))
+    }
+
+    /// The median round's server CPU per cycle, µs.
+    pub fn server(&self) -> Option<f64> {
+        (!self.server_us.is_empty()).then(|| median(self.server_us.clone()))
+    }
+}
+
 /// One backend's waited and unwaited rounds.
 #[derive(Clone, Debug)]
 pub struct WaitedReleases {
@@ -62,10 +94,10 @@ pub struct WaitedReleases {
     pub subject: SubjectId,
     /// Tasks running cycles at once, and keys with a waiter (one each).
     pub concurrency: usize,
-    /// Cycles per second with a waiter on every key, round by round.
-    pub waited_per_sec: Vec<f64>,
-    /// Cycles per second on keys nobody waits for, round by round.
-    pub unwaited_per_sec: Vec<f64>,
+    /// The rounds with a waiter on every key.
+    pub waited: Side,
+    /// The rounds on keys nobody waits for.
+    pub unwaited: Side,
     /// Releases of waited keys in the waited rounds, warm-up included.
     pub waited_releases: u64,
     /// Wake-ups the waiters received from those releases.
@@ -75,9 +107,10 @@ pub struct WaitedReleases {
 impl WaitedReleases {
     /// Waited cycles/s over unwaited cycles/s, round by round.
     pub fn ratios(&self) -> Vec<f64> {
-        self.waited_per_sec
+        self.waited
+            .per_sec
             .iter()
-            .zip(&self.unwaited_per_sec)
+            .zip(&self.unwaited.per_sec)
             .filter(|(_, u)| **u > 0.0)
             .map(|(w, u)| w / u)
             .collect()
@@ -87,16 +120,6 @@ impl WaitedReleases {
     pub fn ratio(&self) -> Option<f64> {
         let ratios = self.ratios();
         (!ratios.is_empty()).then(|| median(ratios))
-    }
-
-    /// The median waited cycles/s.
-    pub fn waited(&self) -> f64 {
-        median(self.waited_per_sec.clone())
-    }
-
-    /// The median unwaited cycles/s.
-    pub fn unwaited(&self) -> f64 {
-        median(self.unwaited_per_sec.clone())
     }
 
     /// Wake-ups per waited release.
@@ -112,15 +135,16 @@ fn median(mut values: Vec<f64>) -> f64 {
 
 /// Measures `worker`'s cycles at `concurrency` with a waiter of `waiters` (another
 /// instance of the same backend) on every key, and without, alternating the order each
-/// round, for `rounds` rounds of `warmup` then `window`. Fails if the waiters were not in
-/// place before the rounds or not woken by their releases (see the module docs).
+/// round: `plan.pair_rounds` rounds of `plan.warmup` then a third of `plan.duration`, as
+/// the target pairs. With `server`, the pid of the server process, the CPU of its process
+/// tree per cycle is measured too. Fails if the waiters were not in place before the
+/// rounds or not woken by their releases (see the module docs).
 pub async fn waited_releases(
     worker: Arc<dyn Subject>,
     waiters: Arc<dyn LockBackend>,
     concurrency: usize,
-    rounds: usize,
-    warmup: Duration,
-    window: Duration,
+    plan: &Plan,
+    server: Option<u32>,
 ) -> Result<WaitedReleases, BenchError> {
     let id = worker.id();
     let waited_keys = load::keys_for(id, "waited", concurrency, Keys::PerTask)?;
@@ -128,37 +152,64 @@ pub async fn waited_releases(
     let watchers = Watchers::start(id, &waiters, &waited_keys)?;
     watchers.until_in_place(&worker, &waited_keys).await?;
     let before = watchers.counts();
+    let mut out = WaitedReleases {
+        subject: id,
+        concurrency,
+        waited: Side::default(),
+        unwaited: Side::default(),
+        waited_releases: 0,
+        wakes: 0,
+    };
+    for round in 0..plan.pair_rounds.max(1) {
+        for waited in [round % 2 == 0, round % 2 != 0] {
+            let (side, keys) = if waited {
+                (&mut out.waited, &waited_keys)
+            } else {
+                (&mut out.unwaited, &unwaited_keys)
+            };
+            let releases = measure(side, &worker, keys, plan, server).await?;
+            if waited {
+                out.waited_releases += releases;
+            }
+        }
+    }
+    out.wakes = watchers.until_woken_since(&before, &waited_keys).await?;
+    Ok(out)
+}
+
+/// One round of one side: its rate and CPU per cycle go into `side`; returns the
+/// releases it made, warm-up included.
+async fn measure(
+    side: &mut Side,
+    worker: &Arc<dyn Subject>,
+    keys: &[BenchKey],
+    plan: &Plan,
+    server: Option<u32>,
+) -> Result<u64, BenchError> {
     let counted = Arc::new(CountedCycles {
         inner: worker.clone(),
         releases: AtomicU64::new(0),
     });
-    let mut out = WaitedReleases {
-        subject: id,
-        concurrency,
-        waited_per_sec: Vec::with_capacity(rounds),
-        unwaited_per_sec: Vec::with_capacity(rounds),
-        waited_releases: 0,
-        wakes: 0,
-    };
-    for round in 0..rounds.max(1) {
-        for waited in [round % 2 == 0, round % 2 != 0] {
-            let (subject, keys): (Arc<dyn Subject>, _) = if waited {
-                (counted.clone(), waited_keys.clone())
-            } else {
-                (worker.clone(), unwaited_keys.clone())
-            };
-            let sample = load::closed_loop_on(subject, keys, Keys::PerTask, warmup, window).await?;
-            let rates = if waited {
-                &mut out.waited_per_sec
-            } else {
-                &mut out.unwaited_per_sec
-            };
-            rates.push(sample.ops_per_sec());
-        }
+    let start = CpuReading::now(server);
+    let sample = load::closed_loop_on(
+        counted.clone(),
+        keys.to_vec(),
+        Keys::PerTask,
+        plan.warmup,
+        plan.duration / 3,
+    )
+    .await?;
+    let end = CpuReading::now(server);
+    let releases = counted.releases.load(Ordering::SeqCst);
+    let per_cycle = |cpu: Duration| cpu.as_secs_f64() * 1e6 / releases.max(1) as f64;
+    side.per_sec.push(sample.ops_per_sec());
+    if let Some(cpu) = end.client_since(&start) {
+        side.client_us.push(per_cycle(cpu));
     }
-    out.waited_releases = counted.releases.load(Ordering::SeqCst);
-    out.wakes = watchers.until_woken_since(&before, &waited_keys).await?;
-    Ok(out)
+    if let Some(cpu) = end.server_since(&start) {
+        side.server_us.push(per_cycle(cpu));
+    }
+    Ok(releases)
 }
 
 /// One waiting task per key, each counting the wake-ups of its [`ReleaseWatch`].
@@ -331,15 +382,25 @@ mod tests {
         }
     }
 
+    fn plan(rounds: usize) -> Plan {
+        Plan {
+            warmup: Duration::from_millis(5),
+            duration: Duration::from_millis(60),
+            pair_rounds: rounds,
+            ..Plan::quick()
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_round_is_measured_and_the_waiters_are_woken_by_the_waited_releases() {
         let backend = Arc::new(MemoryBackend::new());
         let worker = Arc::new(Memory(backend.clone()));
-        let ms = Duration::from_millis;
-        let w = waited_releases(worker, backend, 8, 3, ms(5), ms(20))
+        let w = waited_releases(worker, backend, 8, &plan(3), None)
             .await
             .unwrap();
         assert_eq!(w.ratios().len(), 3, "{w:?}");
+        assert_eq!(w.waited.client_us.len(), 3, "{w:?}");
+        assert!(w.waited.server_us.is_empty(), "no server: {w:?}");
         assert!(w.waited_releases > 0, "{w:?}");
         assert!(w.wakes >= 8, "every waiter woken at least once: {w:?}");
         assert!(w.ratio().is_some());
@@ -350,8 +411,7 @@ mod tests {
         // The waiters watch another store: no release they could hear ever happens.
         let worker = Arc::new(Memory(Arc::new(MemoryBackend::new())));
         let elsewhere: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
-        let ms = Duration::from_millis;
-        let err = waited_releases(worker, elsewhere, 4, 1, ms(5), ms(20))
+        let err = waited_releases(worker, elsewhere, 4, &plan(1), None)
             .await
             .unwrap_err();
         assert!(

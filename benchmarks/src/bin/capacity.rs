@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p benchmarks --bin capacity [-- --quick] [--out DIR] [--backends redis,etcd]
+//!     [--rounds N] [--pairs-only | --handoff-only | --waited-releases-only]
 //! ```
 
 use std::path::PathBuf;
@@ -48,6 +49,10 @@ struct Args {
     /// (64 tasks, alternating rounds), printed round by round; no report is written.
     #[arg(long)]
     waited_releases_only: bool,
+    /// Alternating rounds of the pairs and of the waited releases (default: 9, or 2 with
+    /// `--quick`); more rounds steady the medians on a busy machine.
+    #[arg(long)]
+    rounds: Option<usize>,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     guard_memory: Option<usize>,
@@ -100,11 +105,15 @@ fn selected_backends(args: &Args) -> Result<Vec<SubjectId>, BenchError> {
 
 /// The plan of the run's size.
 fn plan(args: &Args) -> Plan {
-    if args.quick {
+    let mut plan = if args.quick {
         Plan::quick()
     } else {
         Plan::full()
+    };
+    if let Some(rounds) = args.rounds {
+        plan.pair_rounds = rounds.max(1);
     }
+    plan
 }
 
 /// For the single-measurement modes: the plan, the selected backends, and their stores'
@@ -285,20 +294,26 @@ async fn waited_releases_only(args: &Args) -> Result<(), BenchError> {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
+        let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
         println!(
-            "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {}); waited {:.0} \
-             cycles/s (rounds {}), unwaited {:.0} (rounds {}); {} wake-ups for {} waited \
-             releases",
+            "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {})\n  \
+             waited {:.0} cycles/s (rounds {})\n  unwaited {:.0} cycles/s (rounds {})\n  \
+             {} wake-ups for {} waited releases; CPU µs per cycle waited / unwaited: \
+             client {} / {}, server {} / {}",
             id.slug(),
             w.concurrency,
             w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
             rounds(&w.ratios(), 2),
-            w.waited(),
-            rounds(&w.waited_per_sec, 0),
-            w.unwaited(),
-            rounds(&w.unwaited_per_sec, 0),
+            w.waited.rate(),
+            rounds(&w.waited.per_sec, 0),
+            w.unwaited.rate(),
+            rounds(&w.unwaited.per_sec, 0),
             w.wakes,
-            w.waited_releases
+            w.waited_releases,
+            us(w.waited.client()),
+            us(w.unwaited.client()),
+            us(w.waited.server()),
+            us(w.unwaited.server()),
         );
     }
     Ok(())
@@ -331,9 +346,8 @@ async fn waited_releases(
         worker.clone(),
         waiters,
         capacity::waited::TASKS,
-        plan.pair_rounds,
-        plan.warmup,
-        plan.duration / 3,
+        plan,
+        servers.pid(id.store()),
     )
     .await;
     worker.close().await;

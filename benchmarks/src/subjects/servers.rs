@@ -79,6 +79,16 @@ impl Servers {
             .ok_or_else(|| Self::missing(Store::Postgres))
     }
 
+    /// The pid of `store`'s server process, if it runs (for its CPU time).
+    pub fn pid(&self, store: Store) -> Option<u32> {
+        match store {
+            Store::Memory => None,
+            Store::Redis => self.redis.as_ref()?.pid(),
+            Store::Postgres => self.postgres.as_ref()?.pid(),
+            Store::Etcd => self.etcd.as_ref()?.pid(),
+        }
+    }
+
     /// The etcd client endpoint.
     pub fn etcd_endpoint(&self) -> Result<String, BenchError> {
         self.etcd

@@ -1,0 +1,170 @@
+//! CPU time of this process and of a server's process tree, from `/proc` (Linux; elsewhere
+//! nothing is read; the time each thread ran, from its `schedstat`): what a measurement costs the machine, which a busy machine changes
+//! far less than it changes throughput.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Clock ticks per second of `/proc/<pid>/stat` times (`USER_HZ`, 100 on Linux).
+const TICKS_PER_SEC: u64 = 100;
+
+/// CPU time read at one moment: this process's, and each process of a server's tree.
+#[derive(Clone, Debug, Default)]
+pub struct CpuReading {
+    client: Option<Duration>,
+    server: HashMap<u32, Duration>,
+}
+
+impl CpuReading {
+    /// Reads this process and, with `server`, the process `server` and all its
+    /// descendants (a PostgreSQL postmaster and its backends).
+    pub fn now(server: Option<u32>) -> Self {
+        Self {
+            client: cpu_of("self"),
+            server: server.map(tree_cpu).unwrap_or_default(),
+        }
+    }
+
+    /// CPU this process used since `before`.
+    pub fn client_since(&self, before: &CpuReading) -> Option<Duration> {
+        Some(self.client?.saturating_sub(before.client?))
+    }
+
+    /// CPU the server's processes used since `before`: per process alive now, what it used
+    /// since then (all of it, for a process started since). Processes that ended in
+    /// between are not counted.
+    pub fn server_since(&self, before: &CpuReading) -> Option<Duration> {
+        if self.server.is_empty() {
+            return None;
+        }
+        Some(
+            self.server
+                .iter()
+                .map(|(pid, now)| {
+                    now.saturating_sub(before.server.get(pid).copied().unwrap_or_default())
+                })
+                .sum(),
+        )
+    }
+}
+
+/// The time `pid`'s threads ran: the first field of each `/proc/<pid>/task/*/schedstat`
+/// (nanoseconds), or else user + system time of `/proc/<pid>/stat` (whole clock ticks,
+/// too coarse for a short window of a process that runs little).
+fn cpu_of(pid: &str) -> Option<Duration> {
+    schedstat_of(pid).or_else(|| stat_of(pid))
+}
+
+fn schedstat_of(pid: &str) -> Option<Duration> {
+    let mut nanos = 0u64;
+    let mut read = false;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        if let Some(ran) = text
+            .split_whitespace()
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+        {
+            nanos += ran;
+            read = true;
+        }
+    }
+    read.then(|| Duration::from_nanos(nanos))
+}
+
+/// User + system time of `/proc/<pid>/stat`.
+fn stat_of(pid: &str) -> Option<Duration> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = fields_after_comm(&stat)?;
+    // Fields 14 and 15 of stat(5): utime, stime; the 12th and 13th after the comm.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(Duration::from_millis(
+        (utime + stime) * 1_000 / TICKS_PER_SEC,
+    ))
+}
+
+/// The fields after `(comm)`, which may hold spaces and parentheses.
+fn fields_after_comm(stat: &str) -> Option<Vec<&str>> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    Some(rest.split_whitespace().collect())
+}
+
+/// The CPU time of `root` and each of its descendants.
+fn tree_cpu(root: u32) -> HashMap<u32, Duration> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return HashMap::new();
+    };
+    let mut parents = HashMap::new();
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Field 4 of stat(5): the parent's pid, the second after the comm.
+        if let Some(ppid) =
+            fields_after_comm(&stat).and_then(|f| f.get(1).and_then(|p| p.parse::<u32>().ok()))
+        {
+            parents.insert(pid, ppid);
+        }
+    }
+    let mut tree = HashMap::new();
+    for &pid in parents.keys() {
+        let mut at = pid;
+        let mut depth = 0;
+        while at != root && depth < 64 {
+            match parents.get(&at) {
+                Some(&parent) if parent != 0 => at = parent,
+                _ => break,
+            }
+            depth += 1;
+        }
+        if at == root {
+            if let Some(cpu) = cpu_of(&pid.to_string()) {
+                tree.insert(pid, cpu);
+            }
+        }
+    }
+    tree
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fields_after_a_comm_with_spaces_and_parentheses_are_found() {
+        let stat = "42 (tokio-rt (x) y) S 7 42 42 0 -1 0 0 0 0 0 250 30 0 0";
+        let fields = fields_after_comm(stat).unwrap();
+        assert_eq!(fields[0], "S");
+        assert_eq!(fields[1], "7");
+        assert_eq!(fields[11], "250");
+        assert_eq!(fields[12], "30");
+    }
+
+    #[test]
+    fn this_process_and_its_own_tree_are_read_on_linux() {
+        if !cfg!(target_os = "linux") {
+            return;
+        }
+        let reading = CpuReading::now(Some(std::process::id()));
+        assert!(reading.client.is_some());
+        assert!(reading.server.contains_key(&std::process::id()));
+        assert_eq!(
+            reading.client_since(&reading),
+            Some(Duration::ZERO),
+            "no time passes between a reading and itself"
+        );
+    }
+}
