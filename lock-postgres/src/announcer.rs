@@ -13,6 +13,15 @@
 //! single statement on a connection of its own: one commit, one lock, for every name that
 //! queued up while the previous statement ran.
 //!
+//! That transaction commits without waiting for its WAL flush (`synchronous_commit` off
+//! for it alone): it writes nothing but its commit record, the releases it announces
+//! were flushed by their own commits before they were queued, and a notification is a
+//! hint. So the cluster-wide lock is held for no disk flush, and the announcer asks for
+//! none of its own. With a waiter on every key at 64 tasks (the capacity report's
+//! `--waited-releases-only`, 21 rounds, fsync on, a busy 2-core machine) the lease
+//! table's releases went from 0.84× of unwaited ones to 0.93× and 0.95× (one run before,
+//! two after), and the server's extra CPU per waited release from about 24 µs to 9–17 µs.
+//!
 //! # What it costs a waiter
 //!
 //! The notification leaves one round trip after the release returned instead of at its
@@ -36,9 +45,11 @@ use crate::statement::{Statement, Value};
 /// The `application_name` of the announcer's session.
 pub const ANNOUNCER_APPLICATION_NAME: &str = "distlock-announcer";
 
-/// One `pg_notify` per name, in one statement.
-const ANNOUNCE: &str =
-    "SELECT count(*) FROM (SELECT pg_notify($1, n) FROM unnest($2::text[]) AS n) AS sent";
+/// One `pg_notify` per name, in one statement whose commit does not wait for its WAL
+/// flush (`synchronous_commit` off for this transaction only, so a pooler's session
+/// keeps its settings).
+const ANNOUNCE: &str = "SELECT count(*), set_config('synchronous_commit', 'off', true) \
+     FROM (SELECT pg_notify($1, n) FROM unnest($2::text[]) AS n) AS sent";
 
 /// The names waiting to be announced, and the task that announces them.
 pub(crate) struct Announcer {
