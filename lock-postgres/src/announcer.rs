@@ -17,10 +17,10 @@
 //! for it alone): it writes nothing but its commit record, the releases it announces
 //! were flushed by their own commits before they were queued, and a notification is a
 //! hint. So the cluster-wide lock is held for no disk flush, and the announcer asks for
-//! none of its own. With a waiter on every key at 64 tasks (the capacity report's
-//! `--waited-releases-only`, 21 rounds, fsync on, a busy 2-core machine) the lease
-//! table's releases went from 0.84× of unwaited ones to 0.93× and 0.95× (one run before,
-//! two after), and the server's extra CPU per waited release from about 24 µs to 9–17 µs.
+//! none of its own. What that gives a release's throughput is below the noise of the
+//! capacity report's `--waited-releases-only` on a busy 2-core machine: waited / unwaited
+//! lease-table releases at 64 tasks measured 0.80–0.94× in five runs before and
+//! 0.86–0.95× in three after.
 //!
 //! # What it costs a waiter
 //!
