@@ -6,10 +6,13 @@
 //!
 //! `concurrency` tasks each run acquire + release cycles back to back on a key of their
 //! own, as in the sweep. In the *waited* rounds the keys are `bench:<backend>:waited:<i>`,
-//! and each of them has a waiter: a task of another backend instance (its own
-//! connections and release listener, as a worker of another process would have) blocked
-//! in [`ReleaseWatch::released`] on that key, the wake-up path `Locker::lock` waits on. So
-//! every release of a waited round is a release the backend must announce. In the
+//! and each of them has a waiter: a task blocked in [`ReleaseWatch::released`] on that
+//! key, the wake-up path `Locker::lock` waits on, watching through the backend instance
+//! the caller gives (the capacity report gives another instance, with its own connections
+//! and release listener, as a worker of another process would have). So every release of
+//! a waited round is a release the backend must announce. The waiters only wait: woken,
+//! they count the wake-up and wait again without trying to acquire, so the waited rounds
+//! add the announcements and the wake-ups to the same store calls, nothing else. In the
 //! *unwaited* rounds the tasks run the same cycles on `bench:<backend>:unwaited:<i>`,
 //! which nobody watches. The rate is cycles per second (one release per cycle), so the
 //! ratio of the two is the ratio of release throughputs.
