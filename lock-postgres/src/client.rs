@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use distlock_core::{Capabilities, FencingToken, LockError, OwnerId};
 use sqlx::pool::PoolConnection;
-use sqlx::{PgPool, Postgres};
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::PgPooling;
@@ -62,6 +62,32 @@ impl PgClient {
         })
     }
 
+    /// A connection of its own, outside the pool, with the pool's settings. Unlike the
+    /// pool, which takes a refused connection for a server starting up and tries again
+    /// until its timeout (then reporting only that it timed out), it fails at once with
+    /// the operating system's reason.
+    pub(crate) async fn connect_direct(
+        &self,
+        backend: &'static str,
+    ) -> Result<PgConnection, LockError> {
+        let options = self.pool.connect_options();
+        match tokio::time::timeout(self.connect_timeout, PgConnection::connect_with(&options)).await
+        {
+            Ok(Ok(conn)) => Ok(conn),
+            Ok(Err(e)) => Err(error::from_connect(
+                backend,
+                &self.schema,
+                self.pool_size,
+                self.connect_timeout,
+                e,
+            )),
+            Err(_) => Err(LockError::unavailable(
+                backend,
+                format!("no connection within {:?}", self.connect_timeout),
+            )),
+        }
+    }
+
     /// Awaits a statement's future under the request time limit.
     pub(crate) async fn timed<T>(
         &self,
@@ -86,12 +112,15 @@ impl PgClient {
 
     /// Opens every connection of the pool now and checks that `table` exists, so a
     /// missing server, a refused login or a missing `setup()` shows at start-up, and no
-    /// later call waits for a new connection to open.
+    /// later call waits for a new connection to open. One connection outside the pool
+    /// comes first, so a server that refuses connections is reported at once, with the
+    /// reason, rather than after the pool's connect timeout.
     pub(crate) async fn warm_up(
         &self,
         backend: &'static str,
         table: &str,
     ) -> Result<(), LockError> {
+        let _ = self.connect_direct(backend).await?.close().await;
         let mut conns = Vec::new();
         for _ in 0..self.pool_size {
             conns.push(self.conn(backend).await?);

@@ -75,25 +75,7 @@ pub(crate) async fn sessions_shared(
     client: &PgClient,
     backend: &'static str,
 ) -> Result<bool, LockError> {
-    let options = client.pool.connect_options();
-    let connect = || async {
-        match tokio::time::timeout(client.connect_timeout, PgConnection::connect_with(&options))
-            .await
-        {
-            Ok(Ok(conn)) => Ok(conn),
-            Ok(Err(e)) => Err(error::from_connect(
-                backend,
-                &client.schema,
-                client.pool_size,
-                client.connect_timeout,
-                e,
-            )),
-            Err(_) => Err(LockError::unavailable(
-                backend,
-                format!("no connection within {:?}", client.connect_timeout),
-            )),
-        }
-    };
+    let connect = || client.connect_direct(backend);
     let current = format!("SELECT current_setting('{PROBE_SETTING}', true)");
     let mut first = connect().await?;
     let marker = probe_read(

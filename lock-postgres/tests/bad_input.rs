@@ -76,6 +76,40 @@ async fn a_server_that_is_down_is_unavailable_and_retryable() {
     ));
 }
 
+/// A server that refuses connections is reported by `connect()` with the operating
+/// system's reason, at once: the pool alone would take the refusal for a server starting
+/// up, try again until its connect timeout, and report only that it timed out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_reports_a_refused_connection_at_once_with_its_reason() {
+    let port = free_port().unwrap();
+    let url = format!("postgres://distlock:hunter2@127.0.0.1:{port}/postgres");
+    let b = PgBuilder::new(url).connect_timeout(Duration::from_secs(30));
+    let started = std::time::Instant::now();
+    let results = [
+        b.build_lease_backend().unwrap().connect().await.map(drop),
+        b.build_advisory_backend()
+            .unwrap()
+            .connect()
+            .await
+            .map(drop),
+    ];
+    // Far below the 30 s connect timeout the pool would wait out.
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    for result in results {
+        let err = result.unwrap_err();
+        assert!(err.to_string().contains("Connection refused"), "{err}");
+        let io = std::iter::successors(std::error::Error::source(&err), |e| e.source())
+            .find_map(|e| e.downcast_ref::<std::io::Error>())
+            .unwrap_or_else(|| panic!("an I/O error among the sources: {err:?}"));
+        assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+        assert!(!format!("{err:?}").contains("hunter2"), "{err:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_advisory_pool_fails_at_once_and_recovers_on_release() {
     let server = shared_server().await;

@@ -14,7 +14,8 @@ pub(crate) fn config_error(shown_url: &str, e: &RedisError) -> LockError {
 }
 
 pub(crate) fn connect_error(shown_url: &str, e: RedisError) -> LockError {
-    // No source: the client library's text about a connection may quote its URL.
+    // The client library's text about a connection may quote its URL: only the operating
+    // system's error is kept as the source.
     classify_connect(shown_url, &e).into_error(NAME, Effect::None)
 }
 
@@ -36,10 +37,23 @@ fn classify_connect(shown_url: &str, e: &RedisError) -> DriverFailure {
             format!("{shown_url}: TLS handshake failed: {tls}"),
         );
     }
-    DriverFailure::new(
-        FailureKind::NotApplied,
-        format!("cannot connect to {shown_url}: {}", e.kind_name()),
-    )
+    // The operating system's reason (connection refused, no route...) says what to fix;
+    // its text holds no credentials, so it is shown and kept as the source. redis-rs keeps
+    // it behind an `Arc` as the error's source.
+    let io = std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::sync::Arc<dyn std::error::Error + Send + Sync>>())
+        .and_then(|inner| inner.downcast_ref::<std::io::Error>());
+    match io {
+        Some(io) => DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("cannot connect to {shown_url}: {io}"),
+        )
+        .with_source(std::io::Error::new(io.kind(), io.to_string())),
+        None => DriverFailure::new(
+            FailureKind::NotApplied,
+            format!("cannot connect to {shown_url}: {}", e.kind_name()),
+        ),
+    }
 }
 
 /// True for the errors of a node that could not be asked or did not answer: a cluster

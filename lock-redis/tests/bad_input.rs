@@ -46,6 +46,22 @@ async fn malformed_urls_are_config_errors_without_the_password() {
     );
 }
 
+/// A refused connection says so, with the operating system's reason kept as the source.
+#[tokio::test]
+async fn a_refused_connection_keeps_the_operating_systems_reason() {
+    let port = harness::free_port().unwrap();
+    let err = build(&format!("redis://:{SECRET}@127.0.0.1:{port}/"))
+        .await
+        .expect_err("nothing listens");
+    assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+    assert!(err.to_string().contains("Connection refused"), "{err}");
+    let io = std::error::Error::source(&err)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .unwrap_or_else(|| panic!("an I/O error as the source: {err:?}"));
+    assert_eq!(io.kind(), std::io::ErrorKind::ConnectionRefused);
+    assert!(!format!("{err:?}").contains(SECRET), "{err:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_or_missing_password_is_refused_without_echoing_it() {
     let server = harness::require(RedisServer::builder().password(Some(SECRET)).start().await);
