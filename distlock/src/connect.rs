@@ -289,7 +289,9 @@ fn unknown_scheme(url: &Url) -> LockError {
 fn feature_off(scheme: Scheme) -> LockError {
     let feature = scheme.feature().unwrap_or("none");
     LockError::Config(format!(
-        "feature `{feature}` is not enabled: build distlock with `--features {feature}` to open {scheme} URLs"
+        "feature `{feature}` is not enabled: to open {scheme} URLs, enable distlock's \
+         `{feature}` feature (`distlock = {{ version = \"0.1\", features = [\"{feature}\"] }}` \
+         in Cargo.toml)"
     ))
 }
 

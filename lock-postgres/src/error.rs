@@ -107,9 +107,10 @@ fn classify(op: Operation, schema: &Schema, e: sqlx::Error) -> DriverFailure {
                     return DriverFailure::new(
                         FailureKind::Config,
                         format!(
-                            "the tables of schema `{schema}` do not exist ({}): call `setup()` \
-                             once (for example `PgLeaseBackend::setup().await`) before using \
-                             the backend",
+                            "the tables of schema `{schema}` do not exist ({}): create them \
+                             once per database before using the backend, with \
+                             `distlock::setup(url)`, `lockctl setup URL`, or the backend's \
+                             `setup()`",
                             db.message()
                         ),
                     );

@@ -62,6 +62,19 @@ impl Need {
         }
     }
 
+    /// What it is, in words for someone who runs the suite against their store.
+    pub fn what(self) -> &'static str {
+        match self {
+            Need::LinkFaults => "a proxy between client and store that can cut the link",
+            Need::ServerFaults => "control of the store's server process (pause, kill, restart)",
+            Need::Inspect => "a store that reports who holds a key",
+            Need::DistinctClients => "clients that are separate instances",
+            Need::WakesWaiters => "a store that announces releases to waiters",
+            Need::SessionKill => "a way to end the store's client sessions",
+            Need::Failover => "a replica to fail over to",
+        }
+    }
+
     /// Whether `factory` has it. For [`Need::DistinctClients`] this takes a lease on a
     /// probe key (under a random `conformance:` prefix) from each of two clients and
     /// compares the instances that granted them; a store error counts as "no".

@@ -64,9 +64,12 @@ async fn gated(
     if missing.is_empty() {
         return case.await;
     }
-    let names: Vec<_> = missing.iter().map(|n| n.name()).collect();
+    let needed: Vec<_> = missing
+        .iter()
+        .map(|n| format!("{} ({})", n.what(), n.name()))
+        .collect();
     Ok(Outcome::Skipped {
-        reason: format!("the factory lacks {}", names.join(", ")),
+        reason: format!("not run here: it needs {}", needed.join(" and ")),
     })
 }
 
