@@ -96,9 +96,55 @@ impl<'de> Deserialize<'de> for LockKey {
 pub struct FencingToken(pub u64);
 
 impl FencingToken {
+    /// The token `value`, as a store or a downstream column gave it back.
+    pub const fn new(value: u64) -> Self {
+        Self(value)
+    }
+
     /// The token as a number.
     pub fn get(self) -> u64 {
         self.0
+    }
+}
+
+impl From<u64> for FencingToken {
+    fn from(value: u64) -> Self {
+        Self(value)
+    }
+}
+
+impl From<FencingToken> for u64 {
+    fn from(token: FencingToken) -> Self {
+        token.0
+    }
+}
+
+/// For a signed 64-bit column (PostgreSQL `bigint`): every token a distlock store grants
+/// fits (they are at most microseconds since 1970 plus a count), and one that does not is
+/// an error, never a wrapped negative number.
+///
+/// ```
+/// use distlock_core::FencingToken;
+///
+/// let column = i64::try_from(FencingToken::new(1_764_000_000_000_000)).unwrap();
+/// assert_eq!(FencingToken::try_from(column).unwrap().get(), 1_764_000_000_000_000);
+/// assert!(i64::try_from(FencingToken::new(u64::MAX)).is_err());
+/// assert!(FencingToken::try_from(-1_i64).is_err());
+/// ```
+impl TryFrom<FencingToken> for i64 {
+    type Error = std::num::TryFromIntError;
+
+    fn try_from(token: FencingToken) -> Result<Self, Self::Error> {
+        i64::try_from(token.0)
+    }
+}
+
+/// From a signed 64-bit column; a negative value is an error.
+impl TryFrom<i64> for FencingToken {
+    type Error = std::num::TryFromIntError;
+
+    fn try_from(value: i64) -> Result<Self, Self::Error> {
+        u64::try_from(value).map(Self)
     }
 }
 

@@ -44,3 +44,9 @@ pub use releases::LISTENER_APPLICATION_NAME;
 pub use retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 pub use schema::{DEFAULT_SCHEMA, Schema};
 pub use url::{PARAMS, POSTGRES_URL_ENV};
+
+/// The `sqlx` this crate is built with (0.9, PostgreSQL, tokio): [`PgFencedResource::new`]
+/// takes its `PgPool` and [`PgFencedResource::admit_in`] its transaction, so name its types
+/// through this re-export (`lock_postgres::sqlx`, or `distlock::postgres::sqlx`) and they
+/// are always the ones this crate expects.
+pub use sqlx;
