@@ -18,6 +18,7 @@ use conformance::{CASES, Factory, Outcome};
 use crate::used_keys::{Cleanup, RecordingFactory, UsedKeys};
 use distlock::backend::async_trait;
 use distlock::{LockBackend, LockError};
+use serde_json::json;
 use tokio::time::Instant;
 
 /// Clients of the store a URL names, each from its own `connect`.
@@ -44,8 +45,9 @@ impl Factory for UrlFactory {
 }
 
 /// Runs the conformance cases whose name contains `filter` against `url`, printing a
-/// line per case; the exit code is non-zero if any case failed.
-pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
+/// line per case (or, with `json`, one JSON object at the end); the exit code is 1 if any
+/// case failed or the cleanup did.
+pub async fn run(url: &str, filter: &str, json: bool) -> Result<ExitCode, LockError> {
     let first = distlock::connect(url).await?;
     let memory = crate::keys::is_memory(url);
     // Every `connect("memory://")` is a separate store, but the cases need clients that
@@ -59,20 +61,24 @@ pub async fn run(url: &str, filter: &str) -> Result<ExitCode, LockError> {
             first,
         })
     };
-    run_suite(factory.as_ref(), filter, &mut std::io::stdout()).await
+    run_suite(factory.as_ref(), filter, json, &mut std::io::stdout()).await
 }
 
-/// Runs the matching cases on `factory`, writing a line per case to `out`, then purges
-/// the keys they used.
+/// Runs the matching cases on `factory`, writing a line per case to `out` (with `json`,
+/// one object once they are done), then purges the keys they used.
 async fn run_suite(
     factory: &dyn Factory,
     filter: &str,
+    json: bool,
     out: &mut dyn Write,
 ) -> Result<ExitCode, LockError> {
     let print = |out: &mut dyn Write, line: String| {
         // A closed stdout (a pager quit early) must not stop the suite or hide its verdict.
-        let _ = writeln!(out, "{line}");
+        if !json {
+            let _ = writeln!(out, "{line}");
+        }
     };
+    let mut cases = Vec::new();
     print(out, format!("conformance suite on {}", factory.name()));
     let used = Arc::new(UsedKeys::default());
     let recording = RecordingFactory::new(factory, used.clone());
@@ -81,20 +87,30 @@ async fn run_suite(
         let started = Instant::now();
         let result = (case.run)(&recording).await;
         let took = millis(started.elapsed());
+        let ms = started.elapsed().as_millis();
         match result {
             Ok(Outcome::Passed) => {
                 passed += 1;
                 print(out, format!("ok    {} ({took})", case.name));
+                cases.push(json!({"case": case.name, "outcome": "passed", "ms": ms}));
             }
             Ok(Outcome::Skipped { reason }) => {
                 skipped += 1;
                 print(out, format!("skip  {}: {reason}", case.name));
+                cases.push(json!({"case": case.name, "outcome": "skipped", "reason": reason}));
             }
             Err(failure) => {
                 failed += 1;
                 print(out, format!("FAIL  {} ({took})", case.name));
                 print(out, format!("        expected: {}", failure.expected));
                 print(out, format!("        got:      {}", failure.got));
+                cases.push(json!({
+                    "case": case.name,
+                    "outcome": "failed",
+                    "ms": ms,
+                    "expected": failure.expected,
+                    "got": failure.got,
+                }));
             }
         }
     }
@@ -103,7 +119,21 @@ async fn run_suite(
             "no conformance case matches the filter {filter:?}"
         )));
     }
-    let cleaned = match used.purge(factory.backend().await.as_ref()).await {
+    let cleanup = used.purge(factory.backend().await.as_ref()).await;
+    let cleanup_json = match &cleanup {
+        Cleanup::Purged(n) => json!({"purged": n}),
+        Cleanup::Unsupported { left, .. } => {
+            json!({"purged": 0, "left": left, "unsupported": true})
+        }
+        Cleanup::Failed {
+            purged,
+            left,
+            error,
+        } => {
+            json!({"purged": purged, "left": left, "error": error.to_string()})
+        }
+    };
+    let cleaned = match cleanup {
         Cleanup::Purged(n) => {
             print(
                 out,
@@ -141,6 +171,17 @@ async fn run_suite(
         out,
         format!("{passed} cases passed, {failed} failed, {skipped} skipped"),
     );
+    if json {
+        let report = json!({
+            "store": factory.name(),
+            "cases": cases,
+            "passed": passed,
+            "failed": failed,
+            "skipped": skipped,
+            "cleanup": cleanup_json,
+        });
+        let _ = writeln!(out, "{report}");
+    }
     Ok(if failed == 0 && cleaned {
         ExitCode::SUCCESS
     } else {
@@ -160,7 +201,7 @@ mod tests {
     #[tokio::test]
     async fn a_failing_case_fails_the_check_and_says_why() {
         let mut out = Vec::new();
-        let code = run_suite(&BrokenFactory::new(), "", &mut out)
+        let code = run_suite(&BrokenFactory::new(), "", false, &mut out)
             .await
             .unwrap();
         let text = String::from_utf8(out).unwrap();
@@ -172,7 +213,7 @@ mod tests {
     #[tokio::test]
     async fn the_reference_backend_passes_every_case() {
         let mut out = Vec::new();
-        let code = run_suite(&MemoryFactory::new(), "release", &mut out)
+        let code = run_suite(&MemoryFactory::new(), "release", false, &mut out)
             .await
             .unwrap();
         let text = String::from_utf8(out).unwrap();
@@ -182,9 +223,30 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn json_is_one_object_with_every_case_and_the_counts() {
+        let mut out = Vec::new();
+        let code = run_suite(&BrokenFactory::new(), "", true, &mut out)
+            .await
+            .unwrap();
+        assert_eq!(code, ExitCode::FAILURE);
+        let report: serde_json::Value = serde_json::from_slice(&out).expect("one JSON object");
+        let cases = report["cases"].as_array().unwrap();
+        let count = |outcome: &str| cases.iter().filter(|c| c["outcome"] == outcome).count();
+        assert_eq!(report["failed"], count("failed"), "{report}");
+        assert_eq!(report["passed"], count("passed"), "{report}");
+        assert_eq!(report["skipped"], count("skipped"), "{report}");
+        assert!(count("failed") > 0, "{report}");
+        let failure = cases.iter().find(|c| c["outcome"] == "failed").unwrap();
+        assert!(
+            failure["expected"].is_string() && failure["got"].is_string(),
+            "{failure}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_filter_that_matches_nothing_is_an_error() {
         let mut out = Vec::new();
-        let err = run_suite(&MemoryFactory::new(), "no-such-case", &mut out)
+        let err = run_suite(&MemoryFactory::new(), "no-such-case", false, &mut out)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("no-such-case"), "{err}");

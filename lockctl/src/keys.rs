@@ -25,16 +25,20 @@ fn note_if_memory(url: &str) {
 }
 
 /// Prepares the store for use (for PostgreSQL, creates the schema and tables).
-pub async fn setup(url: &str) -> Result<ExitCode, LockError> {
+pub async fn setup(url: &str, json: bool) -> Result<ExitCode, LockError> {
     distlock::setup(url).await?;
     let shown = distlock::redact_url(url);
-    match url
+    let tables = url
         .trim()
         .split_once("://")
         .and_then(|(s, _)| Scheme::from_name(s))
-    {
-        Some(Scheme::Postgres) => println!("the tables distlock uses are ready on {shown}"),
-        _ => println!("nothing to set up on {shown}: this store needs no tables"),
+        == Some(Scheme::Postgres);
+    if json {
+        println!("{}", json!({"store": shown, "tables": tables}));
+    } else if tables {
+        println!("the tables distlock uses are ready on {shown}");
+    } else {
+        println!("nothing to set up on {shown}: this store needs no tables");
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -131,7 +135,13 @@ pub async fn acquire(
 /// `fence` first: a store may release by owner id alone, which is unique per acquisition,
 /// but a wrong token typed here is a mistake to report, not to act on). Backends whose
 /// leases are a pinned session (PostgreSQL advisory locks) cannot do this and say so.
-pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<ExitCode, LockError> {
+pub async fn release(
+    url: &str,
+    key: &str,
+    owner: &str,
+    token: u64,
+    json: bool,
+) -> Result<ExitCode, LockError> {
     let key = LockKey::new(key)?;
     let owner = OwnerId::parse(owner)?;
     let backend = distlock::connect(url).await?;
@@ -151,9 +161,22 @@ pub async fn release(url: &str, key: &str, owner: &str, token: u64) -> Result<Ex
         Fence::Current => backend.release(&lease).await?,
         Fence::Stale { .. } => Release::NotHeld,
     };
+    if json {
+        let outcome = match released {
+            Release::Released => "released",
+            Release::NotHeld => "not_held",
+            Release::Unreachable => "unreachable",
+        };
+        println!(
+            "{}",
+            json!({"key": key.as_str(), "owner": owner.to_string(), "token": token, "outcome": outcome})
+        );
+    }
     match released {
         Release::Released => {
-            println!("released {key}");
+            if !json {
+                println!("released {key}");
+            }
             Ok(ExitCode::SUCCESS)
         }
         Release::NotHeld if is_memory(url) => {

@@ -42,12 +42,18 @@ enum Command {
         /// Run only the cases whose name contains this.
         #[arg(long, default_value = "")]
         filter: String,
+        /// Print one JSON object (every case's outcome, the counts, the cleanup) at the end.
+        #[arg(long)]
+        json: bool,
     },
     /// Create the schema and tables a store needs (PostgreSQL); idempotent.
     /// Other stores need nothing.
     Setup {
         /// The store's URL, e.g. postgres://user:password@host/db?schema=locks.
         url: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Show who holds a lock, its newest fencing token and the lease's remaining TTL.
     Inspect {
@@ -84,6 +90,9 @@ enum Command {
         /// The fencing token printed by `acquire`.
         #[arg(long)]
         token: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Show who leads a role elected with `distlock::Election`: the leader's owner id,
     /// fencing token and how long its lease still runs.
@@ -174,7 +183,7 @@ impl Command {
         match self {
             Command::Demo(args) => vec![args.backend.as_str()],
             Command::Check { url, .. }
-            | Command::Setup { url }
+            | Command::Setup { url, .. }
             | Command::Inspect { url, .. }
             | Command::Acquire { url, .. }
             | Command::Release { url, .. }
@@ -198,8 +207,8 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             println!("{}", demo::run(&options).await?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Check { url, filter } => check::run(&url, &filter).await,
-        Command::Setup { url } => keys::setup(&url).await,
+        Command::Check { url, filter, json } => check::run(&url, &filter, json).await,
+        Command::Setup { url, json } => keys::setup(&url, json).await,
         Command::Inspect { url, key, json } => keys::inspect(&url, &key, json).await,
         Command::Acquire {
             url,
@@ -212,7 +221,8 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             key,
             owner,
             token,
-        } => keys::release(&url, &key, &owner, token).await,
+            json,
+        } => keys::release(&url, &key, &owner, token, json).await,
         Command::Leader { url, role, json } => leader::show(&url, &role, json).await,
         Command::Bench {
             urls,

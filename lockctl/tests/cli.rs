@@ -247,6 +247,54 @@ fn exit_statuses_tell_a_no_from_wrong_input_from_an_unreachable_store() {
         ));
 }
 
+/// `setup`, `release` and `check` print JSON with `--json`, as `acquire`, `inspect` and
+/// `leader` do.
+#[test]
+fn setup_release_and_check_print_json() {
+    let output = lockctl()
+        .args(["setup", "memory://", "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let setup: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(setup["tables"], false, "{setup}");
+
+    let owner = "a".repeat(32);
+    let output = lockctl()
+        .args([
+            "release",
+            "memory://",
+            "job:1",
+            "--owner",
+            &owner,
+            "--token",
+            "7",
+        ])
+        .arg("--json")
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    let release: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(release["outcome"], "not_held", "{release}");
+    assert_eq!(release["token"], 7, "{release}");
+
+    let output = lockctl()
+        .args(["check", "memory://", "--filter", "release", "--json"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let check: Value = serde_json::from_slice(&output.stdout).expect("one JSON object");
+    let cases = check["cases"].as_array().unwrap();
+    assert!(!cases.is_empty(), "{check}");
+    assert_eq!(check["failed"], 0, "{check}");
+    assert_eq!(
+        check["passed"].as_u64().unwrap() as usize,
+        cases.len(),
+        "{check}"
+    );
+    assert!(check["cleanup"]["purged"].is_u64(), "{check}");
+}
+
 #[test]
 fn acquire_refuses_a_duration_it_cannot_read() {
     lockctl()
