@@ -159,7 +159,13 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     }
 
     /// [`LockBackend::renew`] for many leases; one result per lease, in order.
+    ///
+    /// A batch holding a lease of another instance fails with
+    /// [`LockError::ForeignLease`] and renews nothing: leases of two instances fail before
+    /// any call, and of leases of one instance, the first call says whether they are
+    /// foreign before anything changed.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        one_instance(self.name(), leases)?;
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {
             out.push(self.renew(lease).await?);
@@ -170,14 +176,29 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// [`LockBackend::release`] for many leases; one result per lease, in order.
     ///
     /// A batch holding a lease of another instance fails with
-    /// [`LockError::ForeignLease`] and releases nothing: implementations check every
-    /// lease before acting on any (this default cannot, having no instance id to compare;
-    /// every backend overrides it).
+    /// [`LockError::ForeignLease`] and releases nothing: leases of two instances fail
+    /// before any call, and of leases of one instance, the first call says whether they
+    /// are foreign before anything changed.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        one_instance(self.name(), leases)?;
         let mut out = Vec::with_capacity(leases.len());
         for lease in leases {
             out.push(self.release(lease).await?);
         }
         Ok(out)
+    }
+}
+
+/// What lets the default batch forms keep "a batch with a foreign lease changes nothing"
+/// without knowing this instance's id: leases granted by two instances include a foreign
+/// one, so the batch fails before acting; leases of one instance are all this backend's
+/// or all foreign, and the single call on the first says which before anything changed.
+/// `backend` is the name the error carries.
+fn one_instance(backend: &'static str, leases: &[Lease]) -> Result<(), LockError> {
+    match leases.split_first() {
+        Some((first, rest)) if rest.iter().any(|l| l.backend_id() != first.backend_id()) => {
+            Err(LockError::ForeignLease { backend })
+        }
+        _ => Ok(()),
     }
 }
