@@ -23,35 +23,89 @@ const RAW_SETUP: [&str; 2] = [
      token bigint NOT NULL, owner uuid NOT NULL, ttl_ms bigint NOT NULL)",
 ];
 
-const RAW_LEASE_ACQUIRE: &str = "INSERT INTO bench_raw_leases AS l (name, owner, token, expires_at) \
-     VALUES ($1, $2, 1, now() + $3::bigint * interval '1 millisecond') \
+/// The server clock in µs, as the backends compute their tokens' floor.
+macro_rules! clock_us {
+    () => {
+        "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+    };
+}
+
+// The raw statements are the backends' own (lock-postgres `lease_table.rs` and
+// `advisory.rs`), on tables of their own: keep them in step when those change, or the
+// pairs compare different work.
+
+/// The lease table's acquire: skip a name held in the snapshot, else the upsert that
+/// takes the row when free or expired, with a token at least the clock.
+const RAW_LEASE_ACQUIRE: &str = concat!(
+    "INSERT INTO bench_raw_leases AS l (name, owner, token, expires_at) \
+     SELECT $1, $2, ",
+    clock_us!(),
+    ", now() + $3::bigint * interval '1 millisecond' \
+      WHERE NOT EXISTS (SELECT 1 FROM bench_raw_leases h \
+                         WHERE h.name = $1 AND h.expires_at > now()) \
      ON CONFLICT (name) DO UPDATE \
-        SET owner = EXCLUDED.owner, token = l.token + 1, expires_at = EXCLUDED.expires_at \
+        SET owner = EXCLUDED.owner, token = greatest(l.token + 1, ",
+    clock_us!(),
+    "), expires_at = EXCLUDED.expires_at \
       WHERE l.owner IS NULL OR l.expires_at <= now() \
-     RETURNING token";
+     RETURNING token"
+);
 
-const RAW_LEASE_RELEASE: &str = "UPDATE bench_raw_leases SET owner = NULL, expires_at = NULL \
-     WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()";
+/// The lease table's release: the owner-checked update, and whether a waiter's shared
+/// lock is held on the key's waiter id (`$4`, `$5`).
+const RAW_LEASE_RELEASE: &str = "WITH r AS (UPDATE bench_raw_leases \
+        SET owner = NULL, expires_at = NULL \
+      WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now() \
+     RETURNING name) \
+     SELECT (NOT pg_try_advisory_xact_lock($4, $5)) AS waited FROM r";
 
-const RAW_ADVISORY_TOKEN_ACQUIRE: &str = "WITH l AS (SELECT pg_try_advisory_lock($1) AS ok), \
-     cfg AS (SELECT set_config('idle_session_timeout', $3, false), \
+/// The advisory backend's acquire: the session's mark, the try, the session settings and
+/// the token bump, in one statement.
+const RAW_ADVISORY_TOKEN_ACQUIRE: &str = concat!(
+    "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
+                              THEN 1 ELSE 0 END::bigint AS held), \
+     l AS (SELECT pre.held, \
+                  CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) ELSE false END AS ok \
+             FROM pre), \
+     cfg AS (SELECT set_config('distlock.holds', 'yes', false), \
+                    set_config('idle_session_timeout', $3, false), \
                     set_config('tcp_user_timeout', $3, false), \
                     set_config('tcp_keepalives_idle', $4, false), \
                     set_config('tcp_keepalives_interval', $4, false), \
                     set_config('tcp_keepalives_count', $5, false) \
-               FROM l WHERE l.ok) \
-     INSERT INTO bench_raw_advisory_tokens AS t (name, token, owner, ttl_ms) \
-     SELECT $2, 1, $6, $7 FROM l, cfg WHERE l.ok \
-     ON CONFLICT (name) DO UPDATE \
-        SET token = t.token + 1, owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
-     RETURNING token";
+               FROM l WHERE l.ok), \
+     bumped AS (INSERT INTO bench_raw_advisory_tokens AS t (name, token, owner, ttl_ms) \
+                SELECT $2, ",
+    clock_us!(),
+    ", $6, $7 FROM l, cfg WHERE l.ok \
+                ON CONFLICT (name) DO UPDATE \
+                   SET token = greatest(t.token + 1, ",
+    clock_us!(),
+    "), owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
+                RETURNING token) \
+     SELECT l.held, pg_backend_pid() AS pid, (SELECT token FROM bumped) AS token FROM l"
+);
 
-const RAW_ADVISORY_TOKEN_RELEASE: &str = "SELECT pg_advisory_unlock($1) AS released, \
-     set_config('idle_session_timeout', '0', false), \
-     set_config('tcp_user_timeout', '0', false), \
-     set_config('tcp_keepalives_idle', '0', false), \
-     set_config('tcp_keepalives_interval', '0', false), \
-     set_config('tcp_keepalives_count', '0', false)";
+/// The advisory backend's release: the unlock in the session that took the lock, whether
+/// a waiter's shared lock is held on the key's waiter id, and the settings reset.
+const RAW_ADVISORY_TOKEN_RELEASE: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
+                WHERE pg_backend_pid() = $2) \
+     SELECT u.released, \
+     CASE WHEN u.released THEN NOT pg_try_advisory_xact_lock($3, $4) ELSE false END, \
+     pg_advisory_unlock_all(), \
+     set_config('distlock.holds', NULL, false), \
+     set_config('idle_session_timeout', NULL, false), \
+     set_config('tcp_user_timeout', NULL, false), \
+     set_config('tcp_keepalives_idle', NULL, false), \
+     set_config('tcp_keepalives_interval', NULL, false), \
+     set_config('tcp_keepalives_count', NULL, false) \
+     FROM u";
+
+/// A waiter id for `key`, two `int4` as the backends derive theirs (nobody waits on it).
+fn waiter_id(key: &BenchKey) -> (i32, i32) {
+    let id = key.id();
+    ((id >> 32) as i32, id as i32)
+}
 
 impl RawPostgres {
     pub(super) async fn connect(id: SubjectId, url: &str) -> Result<Self, BenchError> {
@@ -100,11 +154,14 @@ impl Subject for RawPostgres {
                     .map_err(|e| self.err(e))?;
                 let acquire = start.elapsed();
                 if let Some(token) = token {
+                    let (class, obj) = waiter_id(key);
                     sqlx::query(RAW_LEASE_RELEASE)
                         .bind(key.as_str())
                         .bind(owner)
                         .bind(token)
-                        .execute(&self.pool)
+                        .bind(class)
+                        .bind(obj)
+                        .fetch_optional(&self.pool)
                         .await
                         .map_err(|e| self.err(e))?;
                 }
@@ -116,22 +173,27 @@ impl Subject for RawPostgres {
             SubjectId::PgRawAdvisoryToken => {
                 let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
                 let ttl = ttl_ms.to_string();
-                let token: Option<i64> = sqlx::query_scalar(RAW_ADVISORY_TOKEN_ACQUIRE)
-                    .bind(key.id())
-                    .bind(key.as_str())
-                    .bind(&ttl)
-                    .bind("3")
-                    .bind("2")
-                    .bind(uuid::Uuid::new_v4())
-                    .bind(ttl_ms)
-                    .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.err(e))?;
+                let (_held, pid, token): (i64, i32, Option<i64>) =
+                    sqlx::query_as(RAW_ADVISORY_TOKEN_ACQUIRE)
+                        .bind(key.id())
+                        .bind(key.as_str())
+                        .bind(&ttl)
+                        .bind("3")
+                        .bind("2")
+                        .bind(uuid::Uuid::new_v4())
+                        .bind(ttl_ms)
+                        .fetch_one(&mut *conn)
+                        .await
+                        .map_err(|e| self.err(e))?;
                 let acquire = start.elapsed();
                 if token.is_some() {
+                    let (class, obj) = waiter_id(key);
                     sqlx::query(RAW_ADVISORY_TOKEN_RELEASE)
                         .bind(key.id())
-                        .execute(&mut *conn)
+                        .bind(pid)
+                        .bind(class)
+                        .bind(obj)
+                        .fetch_optional(&mut *conn)
                         .await
                         .map_err(|e| self.err(e))?;
                 }
