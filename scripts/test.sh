@@ -27,6 +27,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # combinations a user builds (lockctl with etcd, the facade with one store or none).
 cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
+cargo clippy -p distlock --all-targets --no-default-features --features tower --locked -- -D warnings
 echo "== cargo test"
 # The conformance tests append, per backend, the cases they stamped and ran, and per
 # broken variant the cases that caught it; printed at the end.
@@ -38,6 +39,7 @@ cargo test -p lockctl --features etcd --locked
 cargo test -p distlock --no-default-features --locked
 cargo test -p distlock --no-default-features --features etcd --locked
 cargo test -p distlock --no-default-features --features postgres --locked
+cargo test -p distlock --no-default-features --features tower --locked
 echo "== cargo bench --no-run (the benches compile; CI never asserts a speed)"
 cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"

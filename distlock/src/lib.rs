@@ -94,6 +94,9 @@ pub use lock_postgres as postgres;
 #[cfg(feature = "redis")]
 #[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
 pub use lock_redis as redis;
+#[cfg(feature = "tower")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
+pub mod tower;
 
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]

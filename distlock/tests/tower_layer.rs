@@ -1,0 +1,195 @@
+//! The tower layer on the memory store: the job gets its token, a miss follows the policy
+//! (requeue, jittered retries, dead-letter with the reason), and a lost lease stops the
+//! job before its next step.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use distlock::memory::MemoryBackend;
+use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
+use distlock::{FencingToken, LockBackend, LockError, LockKey, Locker};
+use tokio::time::Instant;
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// A job: its id and the delivery count the queue gave it.
+#[derive(Clone, Debug)]
+struct Job {
+    id: u32,
+    delivery: u32,
+}
+
+fn key_of(job: &Job) -> Result<LockKey, LockError> {
+    LockKey::new(format!("job:{}", job.id))
+}
+
+/// An inner service from a closure.
+#[derive(Clone)]
+struct Handler<F>(F);
+
+impl<F, Fut, T> Service<Locked<Job>> for Handler<F>
+where
+    F: FnMut(Locked<Job>) -> Fut,
+    Fut: Future<Output = Result<T, Infallible>>,
+{
+    type Response = T;
+    type Error = Infallible;
+    type Future = Fut;
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+    fn call(&mut self, locked: Locked<Job>) -> Fut {
+        (self.0)(locked)
+    }
+}
+
+fn locker(backend: &MemoryBackend, ttl: Duration) -> Locker {
+    Locker::builder(Arc::new(backend.client()))
+        .ttl(ttl)
+        .build()
+        .unwrap()
+}
+
+/// Holds `job`'s key from another client of the store.
+async fn held_elsewhere(backend: &MemoryBackend, job: &Job) -> distlock::LockGuard {
+    locker(backend, Duration::from_secs(30))
+        .try_lock(&key_of(job).unwrap())
+        .await
+        .unwrap()
+        .expect("free key")
+}
+
+#[tokio::test]
+async fn the_job_runs_under_its_lock_with_the_token() {
+    let store = MemoryBackend::new();
+    let layer = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of);
+    let probe = Arc::new(store.client());
+    let mut service = layer.layer(Handler(move |locked: Locked<Job>| {
+        let probe = probe.clone();
+        async move {
+            let info = probe
+                .inspect(&key_of(&locked.request).unwrap())
+                .await
+                .unwrap();
+            Ok::<_, Infallible>((locked.token, info.token, locked.status.is_held()))
+        }
+    }));
+    let (token, seen, held) = service.call(Job { id: 1, delivery: 1 }).await.unwrap();
+    assert_eq!(
+        Some(token),
+        seen,
+        "the job ran while its lease held the key"
+    );
+    assert!(held);
+    let after = store
+        .inspect(&LockKey::new("job:1").unwrap())
+        .await
+        .unwrap();
+    assert_eq!(after.owner, None, "released when the job ended");
+}
+
+#[tokio::test]
+async fn a_miss_hands_the_job_back_and_runs_nothing() {
+    let store = MemoryBackend::new();
+    let job = Job { id: 2, delivery: 1 };
+    let _holder = held_elsewhere(&store, &job).await;
+    let ran = Arc::new(AtomicU32::new(0));
+    let counted = ran.clone();
+    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+        .on_miss(OnMiss::Requeue)
+        .layer(Handler(move |_: Locked<Job>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(()) }
+        }));
+    let result = service.call(job).await;
+    assert!(
+        matches!(result, Err(JobError::Busy { ref key }) if key.as_str() == "job:2"),
+        "{result:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn retries_take_the_key_once_its_holder_lets_go() {
+    let store = MemoryBackend::new();
+    let job = Job { id: 3, delivery: 1 };
+    let holder = held_elsewhere(&store, &job).await;
+    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+        .on_miss(OnMiss::Retry {
+            attempts: 50,
+            delay: Duration::from_millis(20),
+        })
+        .layer(Handler(|locked: Locked<Job>| async move {
+            Ok::<_, Infallible>(locked.token)
+        }));
+    let releasing = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        holder.release().await.unwrap();
+    });
+    let token: FencingToken = service.call(job).await.unwrap();
+    releasing.await.unwrap();
+    assert!(token.get() >= 2, "the second grant of the key: {token:?}");
+}
+
+#[tokio::test]
+async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
+    let store = MemoryBackend::new();
+    let _holder = held_elsewhere(&store, &Job { id: 4, delivery: 1 }).await;
+    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+        .dead_letter_after(3, |job: &Job| job.delivery)
+        .layer(Handler(|_: Locked<Job>| async { Ok::<_, Infallible>(()) }));
+    for delivery in 1..=2 {
+        let result = service.call(Job { id: 4, delivery }).await;
+        assert!(matches!(result, Err(JobError::Busy { .. })), "{result:?}");
+    }
+    let result = service.call(Job { id: 4, delivery: 3 }).await;
+    match result {
+        Err(e @ JobError::DeadLetter { misses: 3, .. }) => {
+            assert!(
+                e.to_string().contains("job:4") && e.to_string().contains("dead-lettered"),
+                "{e}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The store stops answering renewals: the lease runs out, and the job, which would take
+/// another step after its pause, is stopped instead.
+#[tokio::test]
+async fn a_lost_lease_stops_the_job_before_its_next_step() {
+    let store = MemoryBackend::new();
+    let steps = Arc::new(AtomicU32::new(0));
+    let counted = steps.clone();
+    let store = Arc::new(store);
+    let locker = locker(&store, Duration::from_millis(300));
+    let mut service = LockLayer::new(locker, key_of).layer(Handler(move |_: Locked<Job>| {
+        let steps = counted.clone();
+        let store = store.clone();
+        async move {
+            steps.fetch_add(1, Ordering::SeqCst);
+            // Every call to the store hangs from now on: renewals never answer.
+            store.faults().partition();
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            steps.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Infallible>(())
+        }
+    }));
+    let started = Instant::now();
+    let result = service.call(Job { id: 5, delivery: 1 }).await;
+    assert!(matches!(result, Err(JobError::Lost { .. })), "{result:?}");
+    assert_eq!(
+        steps.load(Ordering::SeqCst),
+        1,
+        "no step after the lease was lost"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
