@@ -44,5 +44,6 @@ echo "== cargo bench --no-run (the benches compile; CI never asserts a speed)"
 cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+RUSTDOCFLAGS="-D warnings" cargo doc -p distlock --no-deps --features tower --locked --quiet
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"

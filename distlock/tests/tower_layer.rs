@@ -193,3 +193,94 @@ async fn a_lost_lease_stops_the_job_before_its_next_step() {
         started.elapsed()
     );
 }
+
+/// Three instances of a cron worker fire every tick; only the leader runs it, with its
+/// token. When the leader goes (its layer dropped), a standby leads and the ticks still run
+/// once each, with a higher token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_tick_runs_once_across_instances_and_a_standby_takes_over() {
+    use distlock::Election;
+    use distlock::tower::{LeaderLayer, LeaderService};
+
+    type Runs = Arc<std::sync::Mutex<Vec<(u32, FencingToken)>>>;
+    let store = MemoryBackend::new();
+    let runs: Runs = Arc::default();
+    let instance = |store: &MemoryBackend| {
+        let election = Election::new(locker(store, Duration::from_secs(30)), "nightly").unwrap();
+        let layer = LeaderLayer::new(election).unwrap();
+        let runs = runs.clone();
+        let service = layer.layer(Handler(move |tick: Locked<Job>| {
+            runs.lock().unwrap().push((tick.request.id, tick.token));
+            async { Ok::<_, Infallible>(()) }
+        }));
+        (layer, service)
+    };
+    let mut instances: Vec<(LeaderLayer, LeaderService<_>)> =
+        (0..3).map(|_| instance(&store)).collect();
+
+    async fn leader_among<S>(instances: &[(LeaderLayer, S)]) -> usize {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let leading: Vec<usize> = (0..instances.len())
+                .filter(|&i| instances[i].0.is_leading())
+                .collect();
+            if let [one] = leading[..] {
+                return one;
+            }
+            assert!(Instant::now() < deadline, "no single leader: {leading:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    let first = leader_among(&instances).await;
+    for tick in 0..10 {
+        let mut answers = Vec::new();
+        for (_, service) in instances.iter_mut() {
+            answers.push(
+                service
+                    .call(Job {
+                        id: tick,
+                        delivery: 1,
+                    })
+                    .await,
+            );
+        }
+        assert_eq!(
+            answers.iter().filter(|a| matches!(a, Ok(Some(())))).count(),
+            1,
+            "tick {tick}: {answers:?}"
+        );
+    }
+    let first_token = runs.lock().unwrap()[0].1;
+    drop(instances.remove(first));
+    leader_among(&instances).await;
+    for tick in 10..20 {
+        let mut answers = Vec::new();
+        for (_, service) in instances.iter_mut() {
+            answers.push(
+                service
+                    .call(Job {
+                        id: tick,
+                        delivery: 1,
+                    })
+                    .await,
+            );
+        }
+        assert_eq!(
+            answers.iter().filter(|a| matches!(a, Ok(Some(())))).count(),
+            1,
+            "tick {tick}: {answers:?}"
+        );
+    }
+    let runs = runs.lock().unwrap().clone();
+    let ticks: Vec<u32> = runs.iter().map(|(tick, _)| *tick).collect();
+    assert_eq!(
+        ticks,
+        (0..20).collect::<Vec<_>>(),
+        "each tick once, in order"
+    );
+    assert!(
+        runs[10..].iter().all(|(_, token)| *token > first_token),
+        "{runs:?}"
+    );
+}

@@ -1,0 +1,300 @@
+//! [`LockLayer`]: each job under its lock; see the [module docs](super).
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `dead_lettered`.
+pub const JOB_LOCK_MISSES_TOTAL: &str = "distlock_job_lock_misses_total";
+/// The counter of jobs stopped because their lease was lost.
+pub const JOB_LOST_TOTAL: &str = "distlock_job_lost_total";
+
+/// What a job finds when its key is held by another worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnMiss {
+    /// Try again after a jittered delay (uniform in `[delay / 2, delay]`), up to
+    /// `attempts` tries in all within this call; then hand the job back as
+    /// [`OnMiss::Requeue`] does. For low-latency flows.
+    Retry {
+        /// Tries in all, the first included.
+        attempts: u32,
+        /// The longest wait between two tries.
+        delay: Duration,
+    },
+    /// Hand the job back to the queue at once ([`JobError::Busy`]). For batch systems.
+    Requeue,
+}
+
+/// Why a locked job's call failed.
+#[derive(Debug)]
+pub enum JobError<E> {
+    /// The job ran and failed.
+    Job(E),
+    /// The key was held by another worker: hand the job back to the queue, to retry later.
+    Busy {
+        /// The job's lock key.
+        key: LockKey,
+    },
+    /// The key was held on this delivery and `misses` deliveries in all: stop retrying.
+    DeadLetter {
+        /// The job's lock key.
+        key: LockKey,
+        /// Deliveries that found the key held, this one included.
+        misses: u32,
+    },
+    /// The lease was lost while the job ran; the job was stopped before its next step.
+    Lost {
+        /// The job's lock key.
+        key: LockKey,
+    },
+    /// The key could not be derived, or the store failed.
+    Lock(LockError),
+}
+
+impl<E: fmt::Display> fmt::Display for JobError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            JobError::Job(e) => write!(f, "the job failed: {e}"),
+            JobError::Busy { key } => write!(f, "{key} is held by another worker"),
+            JobError::DeadLetter { key, misses } => write!(
+                f,
+                "{key} was held by another worker on each of {misses} deliveries: dead-lettered"
+            ),
+            JobError::Lost { key } => {
+                write!(f, "the lease on {key} was lost; the job was stopped")
+            }
+            JobError::Lock(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            JobError::Job(e) => Some(e),
+            JobError::Lock(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// A request with the lease it runs under.
+#[derive(Debug)]
+pub struct Locked<R> {
+    /// The job's request.
+    pub request: R,
+    /// The lease's fencing token: attach it to every write the job makes.
+    pub token: FencingToken,
+    /// The lease's status, to check [`LeaseStatus::is_held`] inside the job.
+    pub status: LeaseStatus,
+}
+
+type KeyOf<R> = Arc<dyn Fn(&R) -> Result<LockKey, LockError> + Send + Sync>;
+type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
+
+/// Runs each job of the inner service under a lock on the key its request names; see the
+/// [module docs](super).
+pub struct LockLayer<R> {
+    locker: Locker,
+    key_of: KeyOf<R>,
+    on_miss: OnMiss,
+    dead_letter: Option<(u32, DeliveriesOf<R>)>,
+}
+
+impl<R> Clone for LockLayer<R> {
+    fn clone(&self) -> Self {
+        Self {
+            locker: self.locker.clone(),
+            key_of: self.key_of.clone(),
+            on_miss: self.on_miss,
+            dead_letter: self.dead_letter.clone(),
+        }
+    }
+}
+
+impl<R> fmt::Debug for LockLayer<R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockLayer")
+            .field("locker", &self.locker)
+            .field("on_miss", &self.on_miss)
+            .field(
+                "dead_letter_after",
+                &self.dead_letter.as_ref().map(|(n, _)| n),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl<R> LockLayer<R> {
+    /// Locks each request's job on `locker`, on the key `key_of` derives from the request
+    /// (an invalid key fails the call with [`JobError::Lock`] before anything is sent).
+    /// A miss hands the job back ([`OnMiss::Requeue`]) unless [`LockLayer::on_miss`] says
+    /// otherwise.
+    pub fn new(
+        locker: Locker,
+        key_of: impl Fn(&R) -> Result<LockKey, LockError> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            locker,
+            key_of: Arc::new(key_of),
+            on_miss: OnMiss::Requeue,
+            dead_letter: None,
+        }
+    }
+
+    /// What a job does when its key is held by another worker.
+    #[must_use]
+    pub fn on_miss(mut self, on_miss: OnMiss) -> Self {
+        self.on_miss = on_miss;
+        self
+    }
+
+    /// Dead-letters a job whose key is held on its `misses`-th delivery or later:
+    /// `deliveries` reads from the request how many times the queue has delivered it,
+    /// this delivery included (apalis: the attempt count).
+    #[must_use]
+    pub fn dead_letter_after(
+        mut self,
+        misses: u32,
+        deliveries: impl Fn(&R) -> u32 + Send + Sync + 'static,
+    ) -> Self {
+        self.dead_letter = Some((misses, Arc::new(deliveries)));
+        self
+    }
+}
+
+impl<S, R> Layer<S> for LockLayer<R> {
+    type Service = LockService<S, R>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        LockService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+/// The service [`LockLayer`] makes.
+pub struct LockService<S, R> {
+    inner: S,
+    layer: LockLayer<R>,
+}
+
+impl<S: Clone, R> Clone for LockService<S, R> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, R> fmt::Debug for LockService<S, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockService")
+            .field("inner", &self.inner)
+            .field("layer", &self.layer)
+            .finish()
+    }
+}
+
+impl<S, R> Service<R> for LockService<S, R>
+where
+    S: Service<Locked<R>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send,
+    S::Error: Send,
+    R: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = JobError<S::Error>;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, Self::Error>> + Send>>;
+
+    /// Always ready: the inner service is made ready once the lock is held, so that no
+    /// job holds a lock while it waits for capacity and no capacity waits for a lock.
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    /// # Cancel safety
+    /// Dropping the future stops the job and releases its lock (in the background, as a
+    /// dropped [`distlock_core::LockGuard`] does).
+    fn call(&mut self, request: R) -> Self::Future {
+        // The clone that was made ready is the one called (tower's usual swap).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        Box::pin(run(self.layer.clone(), inner, request))
+    }
+}
+
+/// Takes the lock as the layer's policy says, then runs the job under it.
+async fn run<S, R>(
+    layer: LockLayer<R>,
+    mut inner: S,
+    request: R,
+) -> Result<S::Response, JobError<S::Error>>
+where
+    S: Service<Locked<R>>,
+{
+    let key = (layer.key_of)(&request).map_err(JobError::Lock)?;
+    let (attempts, delay) = match layer.on_miss {
+        OnMiss::Retry { attempts, delay } => (attempts.max(1), delay),
+        OnMiss::Requeue => (1, Duration::ZERO),
+    };
+    let mut tried = 0;
+    let guard = loop {
+        if let Some(guard) = layer.locker.try_lock(&key).await.map_err(JobError::Lock)? {
+            break guard;
+        }
+        tried += 1;
+        if tried < attempts {
+            metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "retried").increment(1);
+            let jittered = RetryPolicy {
+                initial: delay,
+                max: delay,
+            }
+            .backoff(0);
+            tokio::time::sleep(jittered).await;
+            continue;
+        }
+        if let Some((limit, deliveries)) = &layer.dead_letter {
+            let misses = deliveries(&request);
+            if misses >= *limit {
+                metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "dead_lettered").increment(1);
+                return Err(JobError::DeadLetter { key, misses });
+            }
+        }
+        metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "requeued").increment(1);
+        return Err(JobError::Busy { key });
+    };
+    let status = guard.status();
+    let locked = Locked {
+        request,
+        token: guard.token(),
+        status: status.clone(),
+    };
+    let job = async move {
+        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+        inner.call(locked).await
+    };
+    match status.while_held(job).await {
+        Ok(done) => {
+            // The job is over either way; a release that fails leaves the lease to end
+            // with its TTL, which takes nothing from the job's result.
+            let _ = guard.release().await;
+            done.map_err(JobError::Job)
+        }
+        Err(_) => {
+            metrics::counter!(JOB_LOST_TOTAL).increment(1);
+            drop(guard);
+            Err(JobError::Lost { key })
+        }
+    }
+}
