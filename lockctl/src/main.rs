@@ -5,7 +5,8 @@
 //! - `setup URL`: create the tables a store needs (PostgreSQL);
 //! - `inspect`, `acquire`, `release`: one lock, by hand;
 //! - `leader URL ROLE`: who leads a role elected with `distlock::Election`;
-//! - `bench URL…`: the capacity report's concurrency sweep against live stores.
+//! - `bench URL…`: the capacity report's concurrency sweep against live stores;
+//! - `completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 
 mod bench;
 mod check;
@@ -122,6 +123,12 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Print a completion script for a shell, e.g. `lockctl completions bash >
+    /// /etc/bash_completion.d/lockctl`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -189,6 +196,7 @@ impl Command {
             | Command::Release { url, .. }
             | Command::Leader { url, .. } => vec![url.as_str()],
             Command::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
+            Command::Completions { .. } => Vec::new(),
         }
     }
 }
@@ -224,6 +232,15 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             json,
         } => keys::release(&url, &key, &owner, token, json).await,
         Command::Leader { url, role, json } => leader::show(&url, &role, json).await,
+        Command::Completions { shell } => {
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "lockctl",
+                &mut std::io::stdout(),
+            );
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Bench {
             urls,
             quick,

@@ -296,6 +296,21 @@ fn setup_release_and_check_print_json() {
 }
 
 #[test]
+fn completions_name_every_command() {
+    for shell in ["bash", "zsh", "fish"] {
+        let output = lockctl().args(["completions", shell]).output().unwrap();
+        assert!(output.status.success(), "{shell}: {output:?}");
+        let script = String::from_utf8(output.stdout).unwrap();
+        for command in [
+            "demo", "check", "setup", "inspect", "acquire", "release", "leader", "bench",
+        ] {
+            assert!(script.contains(command), "{shell} lacks {command}");
+        }
+    }
+    lockctl().args(["completions", "tcsh"]).assert().code(2);
+}
+
+#[test]
 fn acquire_refuses_a_duration_it_cannot_read() {
     lockctl()
         .args(["acquire", "memory://", "job:1", "--ttl", "5 fortnights"])
