@@ -10,6 +10,8 @@
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
+//! * [`placed`]: the Redis pairs with redis-server and the client sharing cores and
+//!   pinned apart;
 //! * [`machine`]: the machine and server versions printed at the top of the report;
 //! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
 //!
@@ -17,6 +19,7 @@
 //! Numbers are only compared within one run: the servers share the machine's cores with
 //! the client, so absolute times move from run to run while ratios hold.
 
+pub mod placed;
 pub mod server_cost;
 pub mod subjects;
 

@@ -32,6 +32,7 @@ fn quick_capacity_run_writes_markdown_csv_and_svg_charts() {
         "## Targets",
         "## Throughput and latency by concurrency",
         "## Releases with a waiter on every key",
+        "## Redis pairs, shared and pinned",
         "## Batches",
         "## Memory per held guard",
         "## Redis server time per call",
@@ -48,6 +49,10 @@ fn quick_capacity_run_writes_markdown_csv_and_svg_charts() {
         "pg-lease cycles/s with a waiter on every key",
         "pg-advisory cycles/s with a waiter on every key",
         "memory per held guard",
+        "Redis cycles/s / rslock's (16 tasks, shared)",
+        "Redis cycles/s / the two-step design's (64 tasks, pinned)",
+        "Redis cycles/s / raw SET NX + DEL's (16 tasks, pinned)",
+        "Redis client CPU µs per cycle / rslock's (64 tasks, shared)",
     ] {
         assert!(
             report.contains(target),
@@ -85,5 +90,42 @@ fn quick_capacity_run_writes_markdown_csv_and_svg_charts() {
         );
         assert!(svg.trim_end().ends_with("</svg>"), "{chart} is truncated");
         assert!(svg.contains("redis"), "{chart} has no series labels");
+    }
+}
+
+#[test]
+fn quick_profile_run_prints_every_round_with_cpu_per_cycle() {
+    let run = Command::new(env!("CARGO_BIN_EXE_capacity"))
+        .args([
+            "--quick",
+            "--profile",
+            "redis",
+            "--tasks",
+            "4",
+            "--rounds",
+            "2",
+            "--pinned",
+        ])
+        .output()
+        .expect("running the capacity binary");
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success(),
+        "capacity --profile failed ({}):\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    // Pinned, or the reason it could not be, is always printed.
+    assert!(
+        stdout.contains("pinned: server on CPU") || stdout.contains("not pinned"),
+        "{stdout}"
+    );
+    let rounds: Vec<&str> = stdout.lines().filter(|l| l.starts_with("round")).collect();
+    assert_eq!(rounds.len(), 2, "{stdout}");
+    for round in rounds {
+        assert!(
+            round.contains("cycles/s") && round.contains("client"),
+            "{round}"
+        );
     }
 }

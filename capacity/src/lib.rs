@@ -14,17 +14,22 @@
 //!   in alternating rounds;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
 //! * [`cpu`]: CPU time of this process and of a server's processes;
+//! * [`affinity`]: pinning a server and this process to CPUs of their own;
+//! * [`placement`]: the Redis pairs with the server and the client sharing cores and
+//!   pinned apart, with CPU per cycle;
 //! * [`machine`]: the machine and server versions printed at the top of the report;
 //! * [`deployment`]: the sweep against deployments given by URL (`lockctl bench`).
 //!
 //! Numbers are only compared within one run: the servers share the machine's cores with
 //! the client, so absolute times move from run to run while ratios hold.
 
+pub mod affinity;
 pub mod cpu;
 pub mod deployment;
 pub mod handoff;
 pub mod load;
 pub mod machine;
+pub mod placement;
 pub mod report;
 pub mod scenarios;
 pub mod subject;

@@ -216,6 +216,11 @@ impl Report {
             }
         }
 
+        if let Some(placed) = &self.results.placed {
+            let _ = writeln!(md, "\n## Redis pairs, shared and pinned\n");
+            let _ = writeln!(md, "{}", placed.markdown(self.plan.duration / 3));
+        }
+
         write_waited(&mut md, &self.plan, &self.results.waited);
 
         let _ = writeln!(md, "\n## Throughput and latency by concurrency\n");

@@ -579,6 +579,8 @@ pub struct Results {
     pub paired: Vec<Paired>,
     /// Releases with a waiter on every key against releases nobody waits for.
     pub waited: Vec<crate::waited::WaitedReleases>,
+    /// The Redis pairs at 16 and 64 tasks, shared and pinned, when Redis ran.
+    pub placed: Option<crate::placement::PlacedPairs>,
 }
 
 impl Results {
@@ -705,6 +707,9 @@ impl Results {
                 true,
                 measured.and_then(crate::waited::WaitedReleases::ratio),
             ));
+        }
+        if let Some(placed) = &self.placed {
+            out.extend(placed.targets());
         }
         let per_guard = self.memory.as_ref().map(GuardMemory::bytes_beyond_store);
         out.push(Target {

@@ -4,7 +4,13 @@
 //! ```text
 //! cargo run --release -p benchmarks --bin capacity [-- --quick] [--out DIR] [--backends redis,etcd]
 //!     [--rounds N] [--pairs-only | --handoff-only | --waited-releases-only]
+//! cargo run --release -p benchmarks --bin capacity -- --profile SUBJECT [--tasks N]
+//!     [--rounds R] [--pinned] [--quick]
 //! ```
+//!
+//! `--profile` runs one subject (e.g. `redis`, `rslock`) closed-loop at `--tasks` for
+//! `--rounds` rounds and prints each round's cycles/s and CPU µs per cycle, client and
+//! server, with both pids first so that `perf record -p PID` can be attached.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -53,6 +59,18 @@ struct Args {
     /// `--quick`); more rounds steady the medians on a busy machine.
     #[arg(long)]
     rounds: Option<usize>,
+    /// Only one subject (a backend or baseline, e.g. `redis`, `rslock`,
+    /// `redis-setnx-del`) in closed loop at `--tasks`, for `--rounds` rounds, printing
+    /// cycles/s and client and server CPU µs per cycle per round (for profiling).
+    #[arg(long, value_name = "SUBJECT")]
+    profile: Option<String>,
+    /// Tasks of `--profile`.
+    #[arg(long, default_value_t = 64, requires = "profile")]
+    tasks: usize,
+    /// With `--profile`: redis-server (or the subject's server) on one CPU, every thread of
+    /// this process on another, for the whole run.
+    #[arg(long, requires = "profile")]
+    pinned: bool,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     guard_memory: Option<usize>,
@@ -68,6 +86,7 @@ async fn main() -> ExitCode {
         Some(count) => scenarios::guard_memory(count, Duration::from_millis(args.guard_ttl_ms))
             .await
             .map(|m| println!("{}", m.to_line())),
+        None if args.profile.is_some() => profile(&args).await,
         None if args.handoff_only => handoff_only(&args).await,
         None if args.pairs_only => pairs_only(&args).await,
         None if args.waited_releases_only => waited_releases_only(&args).await,
@@ -217,6 +236,16 @@ async fn pairs_only(args: &Args) -> Result<(), BenchError> {
         );
     }
     if backends.contains(&SubjectId::Redis) {
+        let placed = benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
+            eprintln!("{m}");
+        })
+        .await?;
+        println!("\nredis pairs, shared and pinned\n");
+        println!("{}", placed.markdown(plan.duration / 3));
+        for t in placed.targets() {
+            print_target(&t);
+        }
+        println!();
         let redis = subjects::open(SubjectId::Redis, &servers).await?;
         let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
         let rslock = subjects::open(SubjectId::Rslock, &servers).await?;
@@ -522,6 +551,14 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         sb.close().await;
         results.paired.push(pair?);
     }
+    if subjects.contains(&SubjectId::Redis) {
+        results.placed = Some(
+            benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
+                bar.set_message(m.to_owned());
+            })
+            .await?,
+        );
+    }
     bar.inc(1);
     for &id in &backends {
         bar.set_message(format!(
@@ -590,6 +627,77 @@ async fn run(args: &Args) -> Result<(), BenchError> {
     for path in written {
         println!("  {}", path.display());
     }
+    Ok(())
+}
+
+/// One subject in closed loop, round after round, shared or pinned: for profiling.
+async fn profile(args: &Args) -> Result<(), BenchError> {
+    let name = args.profile.as_deref().unwrap_or_default();
+    let id = SubjectId::from_slug(name).ok_or_else(|| BenchError::Unexpected {
+        subject: "--profile",
+        detail: format!(
+            "unknown subject {name:?}; expected one of: {}",
+            SubjectId::ALL.map(SubjectId::slug).join(", ")
+        ),
+    })?;
+    let plan = plan(args);
+    let servers = Servers::start(&[id.store()]).await?;
+    let server = servers.pid(id.store());
+    let subject = subjects::open(id, &servers).await?;
+    let _pinned = if args.pinned {
+        match capacity::affinity::pick()
+            .and_then(|(s, c)| Ok((s, c, server.ok_or("the server's pid is unknown")?)))
+            .and_then(|(s, c, pid)| Ok((s, c, capacity::affinity::pin(pid, s, c)?)))
+        {
+            Ok((s, c, pinned)) => {
+                println!("pinned: server on CPU {s}, this process on CPU {c}");
+                Some(pinned)
+            }
+            Err(reason) => {
+                println!("not pinned, running shared: {reason}");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    println!(
+        "profiling {} at {} tasks, {} rounds of {:?} (after {:?} of warm-up each); \
+         this process: pid {}, server: pid {}",
+        id.slug(),
+        args.tasks,
+        plan.pair_rounds,
+        plan.duration,
+        plan.warmup,
+        std::process::id(),
+        server.map_or("-".into(), |p| p.to_string())
+    );
+    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    for round in 1..=plan.pair_rounds {
+        let m = capacity::placement::measure(
+            subject.clone(),
+            args.tasks,
+            plan.warmup,
+            plan.duration,
+            server,
+        )
+        .await;
+        let m = match m {
+            Ok(m) => m,
+            Err(e) => {
+                subject.close().await;
+                return Err(e);
+            }
+        };
+        println!(
+            "round {round:>3}: {:>9.0} cycles/s  client {:>6} µs CPU/cycle  server {:>6} µs \
+             CPU/cycle",
+            m.per_sec,
+            us(m.client_us),
+            us(m.server_us)
+        );
+    }
+    subject.close().await;
     Ok(())
 }
 

@@ -1,0 +1,170 @@
+//! Pinning a server and this process to CPUs of their own (Linux `sched_setaffinity`), as
+//! they run when deployed: redis-server on one core, the client's runtime on another,
+//! instead of both fighting for the same cores.
+//!
+//! Every thread of both processes is pinned (`/proc/<pid>/task`); threads this process
+//! starts while pinned inherit its CPU. [`Pinned`] puts back the CPUs each thread was
+//! allowed before, when dropped.
+
+/// The two CPUs of a pinned run: the first two this process may run on, the server on the
+/// first, the client on the second; or why there are none (fewer than two CPUs, not Linux).
+pub fn pick() -> Result<(usize, usize), String> {
+    imp::pick()
+}
+
+/// Pins every thread of `server` to `server_cpu` and every thread of this process to
+/// `client_cpu` until the returned guard is dropped.
+pub fn pin(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
+    imp::pin(server, server_cpu, client_cpu)
+}
+
+/// Pinned threads and the CPUs each was allowed before; dropping it restores them.
+#[derive(Debug)]
+pub struct Pinned {
+    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+    before: Vec<imp::Saved>,
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        imp::restore(&self.before);
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use nix::sched::{CpuSet, sched_getaffinity, sched_setaffinity};
+    use nix::unistd::Pid;
+
+    use super::Pinned;
+
+    /// One process's threads and the CPUs they were allowed before pinning; `main` is the
+    /// process's own set, given to threads it started while pinned.
+    #[derive(Debug)]
+    pub struct Saved {
+        pid: u32,
+        main: CpuSet,
+        threads: Vec<(i32, CpuSet)>,
+    }
+
+    pub fn pick() -> Result<(usize, usize), String> {
+        let set =
+            sched_getaffinity(Pid::from_raw(0)).map_err(|e| format!("sched_getaffinity: {e}"))?;
+        let allowed: Vec<usize> = (0..CpuSet::count())
+            .filter(|&cpu| set.is_set(cpu).unwrap_or(false))
+            .collect();
+        match allowed[..] {
+            [server, client, ..] => Ok((server, client)),
+            _ => Err(format!(
+                "this process may run on {} CPU(s); pinning the server and the client apart \
+                 needs 2",
+                allowed.len()
+            )),
+        }
+    }
+
+    fn threads(pid: u32) -> Vec<i32> {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return Vec::new();
+        };
+        tasks
+            .flatten()
+            .filter_map(|t| t.file_name().to_str()?.parse().ok())
+            .collect()
+    }
+
+    fn pin_process(pid: u32, cpu: usize) -> Result<Saved, String> {
+        let mut only = CpuSet::new();
+        only.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+        let main = sched_getaffinity(Pid::from_raw(pid as i32))
+            .map_err(|e| format!("reading the CPUs of process {pid}: {e}"))?;
+        let mut saved = Saved {
+            pid,
+            main,
+            threads: Vec::new(),
+        };
+        for tid in threads(pid) {
+            // A thread that ended since the listing has nothing to pin.
+            let Ok(before) = sched_getaffinity(Pid::from_raw(tid)) else {
+                continue;
+            };
+            if let Err(e) = sched_setaffinity(Pid::from_raw(tid), &only) {
+                restore(std::slice::from_ref(&saved));
+                return Err(format!(
+                    "pinning thread {tid} of process {pid} to CPU {cpu}: {e}"
+                ));
+            }
+            saved.threads.push((tid, before));
+        }
+        Ok(saved)
+    }
+
+    pub fn pin(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
+        let server = pin_process(server, server_cpu)?;
+        match pin_process(std::process::id(), client_cpu) {
+            Ok(client) => Ok(Pinned {
+                before: vec![server, client],
+            }),
+            Err(e) => {
+                restore(&[server]);
+                Err(e)
+            }
+        }
+    }
+
+    /// Restores in the reverse order of pinning, so a process pinned twice gets back
+    /// what it had before the first.
+    pub fn restore(before: &[Saved]) {
+        for saved in before.iter().rev() {
+            for tid in threads(saved.pid) {
+                let set = saved
+                    .threads
+                    .iter()
+                    .find(|(t, _)| *t == tid)
+                    .map_or(&saved.main, |(_, set)| set);
+                // A thread that ended in between needs nothing back.
+                let _ = sched_setaffinity(Pid::from_raw(tid), set);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    use super::Pinned;
+
+    #[derive(Debug)]
+    pub struct Saved;
+
+    pub fn pick() -> Result<(usize, usize), String> {
+        Err("pinning to CPUs is implemented on Linux only".into())
+    }
+
+    pub fn pin(_: u32, _: usize, _: usize) -> Result<Pinned, String> {
+        Err(pick().unwrap_err())
+    }
+
+    pub fn restore(_: &[Saved]) {}
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use nix::sched::sched_getaffinity;
+    use nix::unistd::Pid;
+
+    #[test]
+    fn pinning_this_process_to_itself_restores_every_thread() {
+        let Ok((first, second)) = super::pick() else {
+            return; // One CPU: nothing to pin apart.
+        };
+        let before = sched_getaffinity(Pid::from_raw(0)).unwrap();
+        let me = std::process::id();
+        {
+            let _pinned = super::pin(me, first, second).unwrap();
+            let now = sched_getaffinity(Pid::from_raw(0)).unwrap();
+            assert!(now.is_set(second).unwrap());
+            assert!(!now.is_set(first).unwrap());
+        }
+        assert_eq!(sched_getaffinity(Pid::from_raw(0)).unwrap(), before);
+    }
+}

@@ -1,0 +1,369 @@
+//! The Redis pairs as deployed: distlock, rslock, the two-step design and raw `SET NX` +
+//! `DEL` at 16 and 64 tasks, each both *shared* (redis-server and the client on the same
+//! cores, as on a developer's machine) and *pinned* (redis-server on one CPU, the client's
+//! threads on another, as in production where they do not compete), in interleaved rounds
+//! of one run, with the client's and the server's CPU per cycle beside cycles/s.
+//!
+//! Each round measures every subject in both placements, the placements' order swapped
+//! and the subjects' order rotated every round, so that every ratio compares measurements
+//! taken seconds apart. The targets are judged on the median round's ratio.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::BenchError;
+use crate::affinity;
+use crate::cpu::CpuReading;
+use crate::load::{self, Keys};
+use crate::scenarios::{Plan, Target};
+use crate::subject::{Subject, SubjectId};
+use crate::waited::Side;
+
+mod table;
+
+/// The subjects measured, distlock first.
+pub const SUBJECTS: [SubjectId; 4] = [
+    SubjectId::Redis,
+    SubjectId::Rslock,
+    SubjectId::RedisTwoStep,
+    SubjectId::RedisSetNx,
+];
+
+/// The concurrency levels measured.
+pub const LEVELS: [usize; 2] = [16, 64];
+
+/// Where the server and the client run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// Both on every core the machine gives them.
+    Shared,
+    /// The server on one CPU, every thread of the client on another.
+    Pinned,
+}
+
+impl Placement {
+    /// The placement's name in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Shared => "shared",
+            Placement::Pinned => "pinned",
+        }
+    }
+}
+
+/// One closed-loop run of one subject: its rate and what each cycle cost.
+#[derive(Clone, Copy, Debug)]
+pub struct Measured {
+    /// Cycles per second in the measured window.
+    pub per_sec: f64,
+    /// This process's CPU per cycle, µs (every thread of it, the runtime included).
+    pub client_us: Option<f64>,
+    /// The server's CPU per cycle (its process tree), µs.
+    pub server_us: Option<f64>,
+}
+
+/// Runs `subject` at `tasks` for `warmup` unrecorded, then for `duration` between two CPU
+/// readings of this process and of `server`.
+pub async fn measure(
+    subject: Arc<dyn Subject>,
+    tasks: usize,
+    warmup: Duration,
+    duration: Duration,
+    server: Option<u32>,
+) -> Result<Measured, BenchError> {
+    load::closed_loop(
+        subject.clone(),
+        tasks,
+        Keys::PerTask,
+        Duration::ZERO,
+        warmup,
+    )
+    .await?;
+    let start = CpuReading::now(server);
+    let sample = load::closed_loop(subject, tasks, Keys::PerTask, Duration::ZERO, duration).await?;
+    let end = CpuReading::now(server);
+    let per_cycle = |cpu: Duration| cpu.as_secs_f64() * 1e6 / sample.ops.max(1) as f64;
+    Ok(Measured {
+        per_sec: sample.ops_per_sec(),
+        client_us: end.client_since(&start).map(per_cycle),
+        server_us: end.server_since(&start).map(per_cycle),
+    })
+}
+
+/// One subject's rounds in one placement at one level.
+#[derive(Clone, Debug)]
+pub struct Row {
+    /// Shared or pinned.
+    pub placement: Placement,
+    /// The subject.
+    pub subject: SubjectId,
+    /// Tasks running at once.
+    pub concurrency: usize,
+    /// Its rate and CPU per cycle, round by round.
+    pub rounds: Side,
+}
+
+impl Row {
+    fn push(&mut self, m: Measured) {
+        self.rounds.per_sec.push(m.per_sec);
+        self.rounds.client_us.extend(m.client_us);
+        self.rounds.server_us.extend(m.server_us);
+    }
+}
+
+/// Every row of the Redis pairs, shared and pinned.
+#[derive(Clone, Debug, Default)]
+pub struct PlacedPairs {
+    /// The rows measured.
+    pub rows: Vec<Row>,
+    /// The CPUs of the pinned rounds (server, client), when they ran.
+    pub cpus: Option<(usize, usize)>,
+    /// Why the pinned rounds did not run, when they did not.
+    pub pinned_skipped: Option<String>,
+    /// Rounds per row.
+    pub rounds: usize,
+}
+
+/// Picks one series of a [`Side`]: cycles/s, or CPU per cycle.
+type Of = fn(&Side) -> &Vec<f64>;
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied()
+}
+
+impl PlacedPairs {
+    /// The row of `subject` in `placement` at `concurrency`, if measured.
+    pub fn row(
+        &self,
+        placement: Placement,
+        subject: SubjectId,
+        concurrency: usize,
+    ) -> Option<&Row> {
+        self.rows.iter().find(|r| {
+            r.placement == placement && r.subject == subject && r.concurrency == concurrency
+        })
+    }
+
+    /// `a` over `b`, round by round, of the values `of` picks (cycles/s, CPU per cycle).
+    pub fn round_ratios(
+        &self,
+        placement: Placement,
+        concurrency: usize,
+        (a, b): (SubjectId, SubjectId),
+        of: Of,
+    ) -> Vec<f64> {
+        let (Some(ra), Some(rb)) = (
+            self.row(placement, a, concurrency),
+            self.row(placement, b, concurrency),
+        ) else {
+            return Vec::new();
+        };
+        of(&ra.rounds)
+            .iter()
+            .zip(of(&rb.rounds))
+            .filter(|(_, y)| **y > 0.0)
+            .map(|(x, y)| x / y)
+            .collect()
+    }
+
+    /// The targets of issue #25 in both placements at both levels.
+    pub fn targets(&self) -> Vec<Target> {
+        let goals: [(SubjectId, &str, f64, bool, Of); 4] = [
+            (SubjectId::Rslock, "cycles/s / rslock's", 1.1, true, |s| {
+                &s.per_sec
+            }),
+            (
+                SubjectId::RedisTwoStep,
+                "cycles/s / the two-step design's",
+                1.3,
+                true,
+                |s| &s.per_sec,
+            ),
+            (
+                SubjectId::RedisSetNx,
+                "cycles/s / raw SET NX + DEL's",
+                0.8,
+                true,
+                |s| &s.per_sec,
+            ),
+            (
+                SubjectId::Rslock,
+                "client CPU µs per cycle / rslock's",
+                1.0,
+                false,
+                |s| &s.client_us,
+            ),
+        ];
+        let mut out = Vec::new();
+        for placement in [Placement::Shared, Placement::Pinned] {
+            for level in LEVELS {
+                for (other, what, goal, at_least, of) in goals {
+                    let ratios = self.round_ratios(placement, level, (SubjectId::Redis, other), of);
+                    let value = median(ratios);
+                    let why_not = match (placement, &self.pinned_skipped) {
+                        (Placement::Pinned, Some(reason)) => format!("not measured: {reason}"),
+                        _ => "not measured in this run".into(),
+                    };
+                    out.push(Target {
+                        what: format!("Redis {what} ({level} tasks, {})", placement.name()),
+                        goal: format!("{} {goal:.2}x", if at_least { ">=" } else { "<=" }),
+                        measured: value.map_or(why_not, |v| format!("{v:.3}x")),
+                        met: value.map(|v| if at_least { v >= goal } else { v <= goal }),
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Measures every subject of `subjects` (opened on one Redis server, whose pid is
+/// `server`) at every level of [`LEVELS`], shared and pinned, in `plan.pair_rounds`
+/// interleaved rounds of `plan.duration / 3` each. The pinned rounds are skipped, with the
+/// reason kept, when this machine cannot pin (fewer than two CPUs, no server pid).
+pub async fn run(
+    subjects: &[Arc<dyn Subject>],
+    server: Option<u32>,
+    plan: &Plan,
+    mut progress: impl FnMut(&str),
+) -> Result<PlacedPairs, BenchError> {
+    let rounds = plan.pair_rounds.max(1);
+    let mut out = PlacedPairs {
+        rounds,
+        ..PlacedPairs::default()
+    };
+    match (affinity::pick(), server) {
+        (Ok(cpus), Some(_)) => out.cpus = Some(cpus),
+        (Err(reason), _) => out.pinned_skipped = Some(reason),
+        (_, None) => out.pinned_skipped = Some("the server's pid is unknown".into()),
+    }
+    for level in LEVELS {
+        for placement in [Placement::Shared, Placement::Pinned] {
+            for s in subjects {
+                out.rows.push(Row {
+                    placement,
+                    subject: s.id(),
+                    concurrency: level,
+                    rounds: Side::default(),
+                });
+            }
+        }
+        for round in 0..rounds {
+            let mut placements = [Placement::Shared, Placement::Pinned];
+            if round % 2 == 1 {
+                placements.reverse();
+            }
+            for placement in placements {
+                progress(&format!(
+                    "redis pairs: {level} tasks, {}, round {}/{rounds}",
+                    placement.name(),
+                    round + 1
+                ));
+                measure_round(&mut out, subjects, server, placement, level, round, plan).await?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// One round of every subject in one placement (nothing when pinning is not possible).
+async fn measure_round(
+    out: &mut PlacedPairs,
+    subjects: &[Arc<dyn Subject>],
+    server: Option<u32>,
+    placement: Placement,
+    level: usize,
+    round: usize,
+    plan: &Plan,
+) -> Result<(), BenchError> {
+    let _pinned = match (placement, out.cpus, server) {
+        (Placement::Shared, _, _) => None,
+        (Placement::Pinned, Some((server_cpu, client_cpu)), Some(pid)) => {
+            match affinity::pin(pid, server_cpu, client_cpu) {
+                Ok(pinned) => Some(pinned),
+                Err(reason) => {
+                    out.cpus = None;
+                    out.pinned_skipped = Some(reason);
+                    return Ok(());
+                }
+            }
+        }
+        (Placement::Pinned, _, _) => return Ok(()),
+    };
+    for i in 0..subjects.len() {
+        let subject = &subjects[(i + round) % subjects.len()];
+        let measured = measure(
+            subject.clone(),
+            level,
+            plan.warmup,
+            plan.duration / 3,
+            server,
+        )
+        .await?;
+        if let Some(row) = out.rows.iter_mut().find(|r| {
+            r.placement == placement && r.subject == subject.id() && r.concurrency == level
+        }) {
+            row.push(measured);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(placement: Placement, subject: SubjectId, per_sec: &[f64], client: &[f64]) -> Row {
+        Row {
+            placement,
+            subject,
+            concurrency: 16,
+            rounds: Side {
+                per_sec: per_sec.to_vec(),
+                client_us: client.to_vec(),
+                server_us: Vec::new(),
+            },
+        }
+    }
+
+    #[test]
+    fn targets_are_judged_on_the_median_round_and_skipped_pinning_says_why() {
+        let placed = PlacedPairs {
+            rows: vec![
+                row(
+                    Placement::Shared,
+                    SubjectId::Redis,
+                    &[120.0, 90.0, 100.0],
+                    &[9.0, 9.0, 9.0],
+                ),
+                row(
+                    Placement::Shared,
+                    SubjectId::Rslock,
+                    &[100.0, 100.0, 100.0],
+                    &[10.0, 8.0, 10.0],
+                ),
+            ],
+            cpus: None,
+            pinned_skipped: Some("one CPU".into()),
+            rounds: 3,
+        };
+        let targets = placed.targets();
+        assert_eq!(targets.len(), 16, "4 targets x 2 levels x 2 placements");
+        let find = |what: &str| targets.iter().find(|t| t.what == what).unwrap();
+        let rslock = find("Redis cycles/s / rslock's (16 tasks, shared)");
+        assert_eq!(rslock.measured, "1.000x");
+        assert_eq!(rslock.met, Some(false));
+        let cpu = find("Redis client CPU µs per cycle / rslock's (16 tasks, shared)");
+        assert_eq!(cpu.measured, "0.900x");
+        assert_eq!(cpu.met, Some(true));
+        let pinned = find("Redis cycles/s / rslock's (16 tasks, pinned)");
+        assert_eq!(pinned.met, None);
+        assert_eq!(pinned.measured, "not measured: one CPU");
+        assert!(
+            placed
+                .markdown(Duration::from_secs(1))
+                .contains("pinned rounds not run: one CPU")
+        );
+    }
+}
