@@ -29,8 +29,8 @@ pub struct Plan {
     pub batch_sizes: Vec<usize>,
     /// Batch calls per size (the median is reported).
     pub batch_reps: usize,
-    /// Alternating rounds of each target pair (each round measures both for a third of
-    /// `duration`).
+    /// Alternating rounds of each target pair and of the Redis pairs shared and pinned
+    /// (each round measures every side for a third of `duration`).
     pub pair_rounds: usize,
     /// Guards held for the memory measurement.
     pub guards: usize,

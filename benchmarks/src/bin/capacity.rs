@@ -47,15 +47,17 @@ struct Args {
     /// notifications), printed as a table; no report is written.
     #[arg(long)]
     handoff_only: bool,
-    /// Only the interleaved pairs behind the throughput and latency targets, and the batch
-    /// rates, printed round by round; no report is written.
+    /// Only the interleaved pairs behind the throughput and latency targets (with Redis:
+    /// also at 16 and 64 tasks with redis-server and this process sharing the cores and
+    /// pinned apart), and the batch rates, printed round by round; no report is written.
     #[arg(long)]
     pairs_only: bool,
     /// Only the releases with a waiter on every key against releases nobody waits for
     /// (64 tasks, alternating rounds), printed round by round; no report is written.
     #[arg(long)]
     waited_releases_only: bool,
-    /// Alternating rounds of the pairs and of the waited releases (default: 9, or 2 with
+    /// Alternating rounds of the pairs (the Redis pairs shared and pinned included) and of
+    /// the waited releases, and the rounds of `--profile` (default: 9, or 2 with
     /// `--quick`); more rounds steady the medians on a busy machine.
     #[arg(long)]
     rounds: Option<usize>,
