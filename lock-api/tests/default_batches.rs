@@ -73,12 +73,12 @@ async fn a_default_batch_with_a_foreign_lease_releases_and_renews_nothing() {
         );
     }
     assert!(matches!(
-        ours.release_many(&[foreign.clone()]).await,
+        ours.release_many(std::slice::from_ref(&foreign)).await,
         Err(LockError::ForeignLease { .. })
     ));
     assert_eq!(theirs.fence(&foreign).await.unwrap(), Fence::Current);
     assert_eq!(
-        ours.release_many(&[own.clone()]).await.unwrap(),
+        ours.release_many(std::slice::from_ref(&own)).await.unwrap(),
         [Release::Released]
     );
 }
