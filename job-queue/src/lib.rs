@@ -1,0 +1,43 @@
+//! distlock inside a real job queue: payout workers on [apalis] with its Redis storage,
+//! each job under [`distlock::tower::LockLayer`], its payout made by a provider (a
+//! PostgreSQL ledger) that checks the lease's fencing token and an idempotency key.
+//!
+//! [`scenario::run`] pushes the payouts, starts worker processes, and makes what goes
+//! wrong in production happen once each: a worker paused past its lease just before its
+//! payout call (its jobs redelivered to others, then the paused call goes out), a worker
+//! killed after a payout but before the queue heard of it (the job redelivered), and
+//! payouts enqueued twice (two schedulers fire the same job). It then counts the
+//! payouts from the ledger. The `payout-queue` binary runs it with and without the layer.
+//!
+//! [apalis]: https://docs.rs/apalis
+
+use std::error::Error;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+pub mod ledger;
+pub mod scenario;
+pub mod worker;
+
+/// Any error of the example, boxed: every error ends the run.
+pub type BoxError = Box<dyn Error + Send + Sync>;
+
+/// A payout job: which payout, and how long the work before its call takes.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct Payout {
+    /// The payout, `1..=jobs`.
+    pub id: i64,
+    /// Milliseconds of work before the payout call.
+    pub work_ms: u64,
+}
+
+/// The apalis queue of run `run`: heartbeats every second, and a worker that missed two
+/// is taken for dead, its jobs redelivered to the others.
+pub fn queue_config(run: &str) -> apalis_redis::Config {
+    apalis_redis::Config::default()
+        .queue(format!("payouts-{run}"))
+        .heartbeat_interval(Duration::from_secs(1))
+        .missed_heartbeats(2)
+        .batch_size(2)
+}
