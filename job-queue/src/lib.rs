@@ -7,7 +7,7 @@
 //! payout call (its jobs redelivered to others, then the paused call goes out), a worker
 //! killed after a payout but before the queue heard of it (the job redelivered), and
 //! payouts enqueued twice (two schedulers fire the same job). It then counts the
-//! payouts from the ledger. The `payout-queue` binary runs it with and without the layer.
+//! payouts from the ledger. The `job-queue` binary runs it with and without the layer.
 //!
 //! [apalis]: https://docs.rs/apalis
 
@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub mod cron;
 pub mod ledger;
 pub mod scenario;
 pub mod worker;

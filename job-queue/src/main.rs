@@ -1,4 +1,4 @@
-//! `payout-queue`: payout workers on apalis, with and without distlock's lock layer.
+//! `job-queue`: payout workers and once-only cron on apalis, with distlock's layers.
 //!
 //! ```text
 //! cargo run -p job-queue
@@ -6,59 +6,119 @@
 //! ```
 //!
 //! Without URLs it starts its own `redis-server` and PostgreSQL on free loopback ports
-//! (and stops them at exit). It runs the scenario twice, without the layer and then
-//! under it, prints what the ledger shows, and exits non-zero unless the run under the
-//! layer made every payout exactly once. `payout-queue worker …` is one worker process;
-//! the runs start their own.
+//! (and stops them at exit). It runs the payout scenario twice, without the lock layer
+//! and then under it, and the cron scenario once, prints what the tables show, and exits
+//! non-zero unless the run under the layer made every payout exactly once and no tick
+//! ran twice. `job-queue worker …` is one payout worker and `job-queue cron …` one
+//! scheduler instance; the runs start their own.
 
 use std::process::ExitCode;
 
+use clap::{Args, Parser, Subcommand};
 use harness::postgres::PostgresServer;
 use harness::redis::RedisServer;
+use job_queue::BoxError;
+use job_queue::cron::{self, instance::InstanceArgs};
 use job_queue::scenario::{self, Options};
 use job_queue::worker::{self, Fault, WorkerArgs};
 
+#[derive(Parser)]
+#[command(about = "Payout workers and once-only cron on apalis, with distlock's layers")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// The Redis of the queue, the locks and the election (with --postgres; without
+    /// both, local servers are started).
+    #[arg(long, requires = "postgres")]
+    redis: Option<String>,
+    /// The PostgreSQL of the ledger and the tick table (with --redis).
+    #[arg(long, requires = "redis")]
+    postgres: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// One payout worker process (the runs start their own).
+    Worker {
+        #[command(flatten)]
+        at: At,
+        /// Run the jobs without the lock layer.
+        #[arg(long)]
+        unlocked: bool,
+        /// What goes wrong in this process, once.
+        #[arg(long, value_enum, default_value = "none")]
+        fault: Fault,
+    },
+    /// One scheduler instance (the runs start their own).
+    Cron {
+        #[command(flatten)]
+        at: At,
+    },
+}
+
+/// Where a process of a run works.
+#[derive(Args)]
+struct At {
+    /// The run's Redis.
+    #[arg(long)]
+    redis: String,
+    /// The run's PostgreSQL.
+    #[arg(long)]
+    postgres: String,
+    /// The run id.
+    #[arg(long)]
+    run: String,
+    /// The process's name, unique in the run.
+    #[arg(long)]
+    name: String,
+}
+
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.first().map(String::as_str) == Some("worker") {
-        let parsed = match parse_worker(&args[1..]) {
-            Ok(parsed) => parsed,
-            Err(e) => {
-                eprintln!("payout-queue worker: {e}");
-                return ExitCode::from(2);
-            }
-        };
-        return match worker::run(parsed).await {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("payout-queue worker: {e}");
-                ExitCode::FAILURE
-            }
-        };
-    }
-    let (redis, postgres) = match parse_urls(&args) {
-        Ok(urls) => urls,
-        Err(e) => {
-            eprintln!("payout-queue: {e}");
-            return ExitCode::from(2);
+    let cli = Cli::parse();
+    let (what, ran) = match cli.command {
+        Some(Command::Worker {
+            at,
+            unlocked,
+            fault,
+        }) => {
+            let args = WorkerArgs {
+                redis: at.redis,
+                postgres: at.postgres,
+                run: at.run,
+                name: at.name,
+                locked: !unlocked,
+                fault,
+            };
+            ("job-queue worker", worker::run(args).await)
         }
+        Some(Command::Cron { at }) => {
+            let args = InstanceArgs {
+                redis: at.redis,
+                postgres: at.postgres,
+                run: at.run,
+                name: at.name,
+            };
+            ("job-queue cron", cron::instance::run(args).await)
+        }
+        None => match demo(cli.redis, cli.postgres).await {
+            Ok(true) => return ExitCode::SUCCESS,
+            Ok(false) => return ExitCode::FAILURE,
+            Err(e) => ("job-queue", Err(e)),
+        },
     };
-    match demo(redis, postgres).await {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
+    match ran {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("payout-queue: {e}");
+            eprintln!("{what}: {e}");
             ExitCode::FAILURE
         }
     }
 }
 
-/// Both runs; true when the one under the layer made every payout exactly once.
-async fn demo(
-    redis: Option<String>,
-    postgres: Option<String>,
-) -> Result<bool, job_queue::BoxError> {
+/// The three runs; true when the one under the lock layer made every payout exactly
+/// once and no tick ran twice.
+async fn demo(redis: Option<String>, postgres: Option<String>) -> Result<bool, BoxError> {
     // Servers started here live until the end of the demo, and stop when dropped.
     let mut servers = None;
     let (redis, postgres) = match (redis, postgres) {
@@ -84,62 +144,9 @@ async fn demo(
             correct = report.paid_twice.is_empty() && report.unpaid.is_empty();
         }
     }
+    let report = cron::scenario::run(&exe, &redis, &postgres).await?;
+    println!("once-only cron:\n{report}");
+    correct &= report.run_twice.is_empty();
     drop(servers);
     Ok(correct)
-}
-
-fn parse_urls(args: &[String]) -> Result<(Option<String>, Option<String>), String> {
-    let (mut redis, mut postgres) = (None, None);
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let value = it.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--redis" => redis = Some(value?.clone()),
-            "--postgres" => postgres = Some(value?.clone()),
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; usage: payout-queue [--redis URL --postgres URL]"
-                ));
-            }
-        }
-    }
-    if redis.is_some() != postgres.is_some() {
-        return Err("give both --redis and --postgres, or neither to start local servers".into());
-    }
-    Ok((redis, postgres))
-}
-
-fn parse_worker(args: &[String]) -> Result<WorkerArgs, String> {
-    let (mut redis, mut postgres, mut run, mut name) = (None, None, None, None);
-    let mut locked = true;
-    let mut fault = Fault::None;
-    let mut it = args.iter();
-    while let Some(flag) = it.next() {
-        let mut value = || it.next().cloned().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--redis" => redis = Some(value()?),
-            "--postgres" => postgres = Some(value()?),
-            "--run" => run = Some(value()?),
-            "--name" => name = Some(value()?),
-            "--unlocked" => locked = false,
-            "--fault" => {
-                fault = match value()?.as_str() {
-                    "none" => Fault::None,
-                    "pause" => Fault::Pause,
-                    "die" => Fault::Die,
-                    other => return Err(format!("--fault: {other:?} is not none, pause or die")),
-                }
-            }
-            other => return Err(format!("unknown argument {other:?}")),
-        }
-    }
-    let need = |v: Option<String>, flag: &str| v.ok_or(format!("{flag} is required"));
-    Ok(WorkerArgs {
-        redis: need(redis, "--redis")?,
-        postgres: need(postgres, "--postgres")?,
-        run: need(run, "--run")?,
-        name: need(name, "--name")?,
-        locked,
-        fault,
-    })
 }

@@ -122,7 +122,7 @@ impl fmt::Display for Report {
 }
 
 /// Runs the scenario: the queue and the locks on the Redis at `redis`, the ledger on the
-/// PostgreSQL at `postgres`, workers started as `exe worker …` (the `payout-queue`
+/// PostgreSQL at `postgres`, workers started as `exe worker …` (the `job-queue`
 /// binary). Printing progress to stdout.
 pub async fn run(
     exe: &Path,

@@ -31,7 +31,7 @@ use crate::{BoxError, Payout, queue_config};
 pub const PAUSED_CALL: &str = "paused_call";
 
 /// What goes wrong in a worker process, once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Fault {
     /// Nothing.
     None,

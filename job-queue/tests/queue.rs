@@ -1,5 +1,5 @@
 //! The payout scenario on a real apalis queue (its Redis storage) with worker processes
-//! of the `payout-queue` binary, against a redis-server and a PostgreSQL the test starts:
+//! of the `job-queue` binary, against a redis-server and a PostgreSQL the test starts:
 //! under the lock layer every payout is made once, whatever the queue redelivers;
 //! without it, the same faults make payouts twice.
 
@@ -23,7 +23,7 @@ async fn run(locked: bool) -> Report {
         locked,
         ..Options::default()
     };
-    let exe = Path::new(env!("CARGO_BIN_EXE_payout-queue"));
+    let exe = Path::new(env!("CARGO_BIN_EXE_job-queue"));
     let report = scenario::run(exe, &redis.url(), &postgres.superuser_url(), &options)
         .await
         .unwrap();

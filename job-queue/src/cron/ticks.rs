@@ -1,0 +1,107 @@
+//! The table the leader writes each tick to, fenced by its leadership's token.
+
+use distlock::postgres::{PgBuilder, PgFencedResource};
+use distlock::{Admission, EnforcementMode, FencingToken};
+use sqlx::PgPool;
+
+use crate::BoxError;
+
+/// The schema of distlock's fencing table.
+const SCHEMA: &str = "distlock";
+
+/// The ticks of one run (rows are tagged with the run id, so runs do not meet).
+#[derive(Clone, Debug)]
+pub struct Ticks {
+    pool: PgPool,
+    fenced: PgFencedResource,
+    run: String,
+}
+
+/// One tick as written: its second, the instance that ran it, and the seconds since
+/// the epoch at which it was written (PostgreSQL's clock).
+#[derive(Clone, Debug)]
+pub struct Written {
+    /// The tick's second since the epoch.
+    pub tick: i64,
+    /// The instance that ran it.
+    pub instance: String,
+    /// When it was written, seconds since the epoch.
+    pub at: f64,
+}
+
+impl Ticks {
+    /// Connects to the table at `url`, creating it if it does not exist.
+    pub async fn open(url: &str, run: &str) -> Result<Self, BoxError> {
+        let backend = PgBuilder::new(url)
+            .schema(SCHEMA)
+            .pool_size(2)
+            .build_lease_backend()?;
+        backend.setup().await?;
+        let pool = backend.pool().clone();
+        // No unique key on the tick: a tick run twice must be possible to see.
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS cron_ticks (id bigserial PRIMARY KEY, \
+                 run text NOT NULL, tick bigint NOT NULL, instance text NOT NULL, \
+                 fencing_token bigint NOT NULL, at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        )
+        .execute(&pool)
+        .await?;
+        let fenced = PgFencedResource::new(pool.clone(), SCHEMA, EnforcementMode::Enforce)?;
+        fenced.setup().await?;
+        Ok(Self {
+            fenced,
+            pool,
+            run: run.to_owned(),
+        })
+    }
+
+    /// Writes `tick` as run by `instance` under `token`, admitted by the token in the
+    /// same transaction; false when a newer leader had written already.
+    pub async fn write(
+        &self,
+        tick: i64,
+        instance: &str,
+        token: FencingToken,
+    ) -> Result<bool, BoxError> {
+        let mut tx = self.pool.begin().await?;
+        let resource = format!("cron:{}", self.run);
+        if self.fenced.admit_in(&mut tx, &resource, token).await? != Admission::Admitted {
+            return Ok(false);
+        }
+        sqlx::query(
+            "INSERT INTO cron_ticks (run, tick, instance, fencing_token) VALUES ($1, $2, $3, $4)",
+        )
+        .bind(&self.run)
+        .bind(tick)
+        .bind(instance)
+        .bind(i64::try_from(token)?)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Every tick written, in the order written.
+    pub async fn written(&self) -> Result<Vec<Written>, BoxError> {
+        let rows: Vec<(i64, String, f64)> = sqlx::query_as(
+            "SELECT tick, instance, extract(epoch FROM at)::float8 FROM cron_ticks \
+              WHERE run = $1 ORDER BY id",
+        )
+        .bind(&self.run)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(tick, instance, at)| Written { tick, instance, at })
+            .collect())
+    }
+
+    /// PostgreSQL's clock now, seconds since the epoch: the times above are on it.
+    pub async fn now(&self) -> Result<f64, BoxError> {
+        Ok(
+            sqlx::query_scalar("SELECT extract(epoch FROM clock_timestamp())::float8")
+                .fetch_one(&self.pool)
+                .await?,
+        )
+    }
+}
