@@ -6,7 +6,7 @@
 //! knows nothing of locks would make it.
 
 use distlock::postgres::{Idempotency, IdempotencyKeys, PgBuilder, PgFencedResource};
-use distlock::{Admission, EnforcementMode, FencingToken};
+use distlock::{EnforcementMode, FencingToken};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -91,7 +91,7 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         if let Some(token) = token {
             let resource = format!("queue-payout:{}:{job}", self.run);
-            if self.fenced.admit_in(&mut tx, &resource, token).await? != Admission::Admitted {
+            if !self.fenced.admit_in(&mut tx, &resource, token).await?.is_admitted() {
                 return Ok(Outcome::StaleRejected);
             }
             let key = format!("queue-payment:{}:{job}", self.run);

@@ -1,7 +1,7 @@
 //! The table the leader writes each tick to, fenced by its leadership's token.
 
 use distlock::postgres::{PgBuilder, PgFencedResource};
-use distlock::{Admission, EnforcementMode, FencingToken};
+use distlock::{EnforcementMode, FencingToken};
 use sqlx::PgPool;
 
 use crate::BoxError;
@@ -65,7 +65,7 @@ impl Ticks {
     ) -> Result<bool, BoxError> {
         let mut tx = self.pool.begin().await?;
         let resource = format!("cron:{}", self.run);
-        if self.fenced.admit_in(&mut tx, &resource, token).await? != Admission::Admitted {
+        if !self.fenced.admit_in(&mut tx, &resource, token).await?.is_admitted() {
             return Ok(false);
         }
         sqlx::query(
