@@ -13,6 +13,7 @@ use crate::error::LockError;
 use crate::guard::LockGuard;
 use crate::instrumented::Instrumented;
 use crate::key::LockKey;
+use crate::telemetry::WAIT_SECONDS;
 use crate::waiting::Waiting;
 use crate::watchdog::{LeaseState, Watchdog, check_schedule};
 
@@ -218,12 +219,29 @@ impl Locker {
     /// `Timeout` returned (if the store granted it anyway, the lease frees itself when
     /// its TTL runs out).
     ///
+    /// The time waited is recorded in `distlock_wait_seconds` with its outcome
+    /// ([`telemetry::WAIT_SECONDS`](crate::telemetry::WAIT_SECONDS)), and every attempt
+    /// that found the key held in `distlock_acquire_total{outcome="contended"}`.
+    ///
     /// # Cancel safety
     /// As [`Locker::try_lock`]. A cancelled wait leaves no subscription behind: its
     /// release watch is dropped with it, and a wake it had received goes to another
-    /// waiter of the key.
+    /// waiter of the key. It records no wait time.
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
         let started = Instant::now();
+        let result = self.wait_for(key, started).await;
+        let outcome = match &result {
+            Ok(_) => "acquired",
+            Err(LockError::Timeout { .. }) => "timed_out",
+            Err(_) => "error",
+        };
+        metrics::histogram!(WAIT_SECONDS, "backend" => self.backend().name(), "outcome" => outcome)
+            .record((Instant::now() - started).as_secs_f64());
+        result
+    }
+
+    /// [`Locker::lock`]'s wait, begun at `started`.
+    async fn wait_for(&self, key: &LockKey, started: Instant) -> Result<LockGuard, LockError> {
         let deadline = wait_deadline(started, self.inner.wait_timeout)?;
         let timed_out = || LockError::Timeout {
             key: key.clone(),

@@ -9,9 +9,23 @@ use crate::fencing::EnforcementMode;
 use crate::key::FencingToken;
 
 /// Counter of acquire calls, labelled `backend` and `outcome` (`acquired`, `contended`, `error`).
+///
+/// Every attempt counts, so `outcome="contended"` is the count of contended attempts: each
+/// `try_lock` that found the key held, and each attempt of a waiting `Locker::lock` that
+/// did (a batch counts each of its keys).
 pub const ACQUIRE_TOTAL: &str = "distlock_acquire_total";
-/// Histogram of acquire latency in seconds, labelled `backend`.
+/// Histogram of acquire latency in seconds (one call to the store), labelled `backend`.
 pub const ACQUIRE_SECONDS: &str = "distlock_acquire_seconds";
+/// Histogram of the time a waiting acquire (`Locker::lock`, and so `Locker::with_lock`)
+/// waited in seconds, from its call to its answer, labelled `backend` and `outcome`:
+/// `acquired`, `timed_out` (the wait timeout passed), `error` (a store error it could not
+/// retry). A cancelled wait records nothing.
+pub const WAIT_SECONDS: &str = "distlock_wait_seconds";
+/// Histogram of the time a lease was held in seconds, from its grant to its guard's
+/// release (or drop) or the loss of the lease, labelled `backend`. It never counts past
+/// the lease's local validity deadline: a lease found lost after its deadline (after a
+/// pause, say) counts up to the deadline, not to when the loss was noticed.
+pub const HELD_SECONDS: &str = "distlock_held_seconds";
 /// Counter of lease renewals, labelled `backend` and `outcome` (`renewed`, `lost`, `error`).
 pub const RENEW_TOTAL: &str = "distlock_renew_total";
 /// Counter of guards that lost their lease, labelled `backend`.

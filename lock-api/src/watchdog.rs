@@ -31,7 +31,7 @@ use tracing::{debug, warn};
 use crate::backend::LockBackend;
 use crate::error::LockError;
 use crate::lease::{Lease, Renewal, trusted_for};
-use crate::telemetry::{HELD, LOST_TOTAL};
+use crate::telemetry::{HELD, HELD_SECONDS, LOST_TOTAL};
 
 const HELD_STATE: u8 = 0;
 const LOST_STATE: u8 = 1;
@@ -44,6 +44,8 @@ pub(crate) struct LeaseState {
     state: AtomicU8,
     changed: Notify,
     backend: &'static str,
+    /// When the lease was granted, for the held-time histogram.
+    granted: Instant,
 }
 
 impl LeaseState {
@@ -53,6 +55,7 @@ impl LeaseState {
             state: AtomicU8::new(HELD_STATE),
             changed: Notify::new(),
             backend,
+            granted: Instant::now(),
         }
     }
 
@@ -73,7 +76,7 @@ impl LeaseState {
         if Instant::now() < *valid_until {
             return true;
         }
-        self.mark_lost();
+        self.mark_lost_by(*valid_until);
         drop(valid_until);
         false
     }
@@ -95,7 +98,13 @@ impl LeaseState {
 
     /// Marks the lease lost (once) and wakes every waiter.
     pub(crate) fn mark_lost(&self) {
-        if self.end(LOST_STATE) {
+        self.mark_lost_by(self.valid_until());
+    }
+
+    /// [`LeaseState::mark_lost`] for a caller that holds the deadline's lock and passes
+    /// the deadline it read.
+    fn mark_lost_by(&self, valid_until: Instant) {
+        if self.end(LOST_STATE, valid_until) {
             metrics::counter!(LOST_TOTAL, "backend" => self.backend).increment(1);
             debug!(backend = self.backend, "lease lost");
         }
@@ -103,16 +112,23 @@ impl LeaseState {
 
     /// Marks the lease released by its owner and wakes every waiter.
     pub(crate) fn mark_released(&self) {
-        self.end(RELEASED_STATE);
+        self.end(RELEASED_STATE, self.valid_until());
     }
 
-    fn end(&self, to: u8) -> bool {
+    /// Moves the lease from held to `to`, once; the lease's held time ends now or at its
+    /// deadline `valid_until`, whichever is earlier: past its deadline it was not held,
+    /// however late the end was noticed.
+    fn end(&self, to: u8, valid_until: Instant) -> bool {
         let ended = self
             .state
             .compare_exchange(HELD_STATE, to, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if ended {
             metrics::gauge!(HELD, "backend" => self.backend).decrement(1.0);
+            let held = Instant::now()
+                .min(valid_until)
+                .saturating_duration_since(self.granted);
+            metrics::histogram!(HELD_SECONDS, "backend" => self.backend).record(held.as_secs_f64());
             self.changed.notify_waiters();
         }
         ended
