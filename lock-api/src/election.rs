@@ -121,10 +121,10 @@ impl ElectionBuilder {
 /// that admits only the newest token:
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock_core::LockError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
 /// use std::{sync::Arc, time::Duration};
-/// use distlock_core::{Election, EnforcementMode, FencedResource, Locker, MemoryFencedResource};
-/// use distlock_core::memory::MemoryBackend;
+/// use distlock::{Election, EnforcementMode, FencedResource, Locker, MemoryFencedResource};
+/// use distlock::memory::MemoryBackend;
 ///
 /// let locker = Locker::builder(Arc::new(MemoryBackend::new()))
 ///     .ttl(Duration::from_secs(10))

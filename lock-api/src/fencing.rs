@@ -176,7 +176,7 @@ impl MemoryFencedResource {
     /// between. A stale token in enforce mode does not run `write`.
     ///
     /// ```
-    /// use distlock_core::{EnforcementMode, FencingToken, MemoryFencedResource};
+    /// use distlock::{EnforcementMode, FencingToken, MemoryFencedResource};
     ///
     /// let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
     /// let mut balance = 0;

@@ -20,7 +20,7 @@ impl LockKey {
     /// Validates a lock name.
     ///
     /// ```
-    /// use distlock_core::{LockError, LockKey};
+    /// use distlock::{LockError, LockKey};
     /// assert!(LockKey::new("payout:42").is_ok());
     /// assert!(matches!(LockKey::new(""), Err(LockError::InvalidKey { .. })));
     /// ```
@@ -124,7 +124,7 @@ impl From<FencingToken> for u64 {
 /// an error, never a wrapped negative number.
 ///
 /// ```
-/// use distlock_core::FencingToken;
+/// use distlock::FencingToken;
 ///
 /// let column = i64::try_from(FencingToken::new(1_764_000_000_000_000)).unwrap();
 /// assert_eq!(FencingToken::try_from(column).unwrap().get(), 1_764_000_000_000_000);

@@ -37,12 +37,13 @@ use crate::wake::ReleaseWatch;
 ///   still meets the [`LockBackend`] contract.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock_core::LockError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
 /// use std::sync::Arc;
 /// use std::sync::atomic::{AtomicUsize, Ordering};
 /// use std::time::Duration;
-/// use distlock_core::memory::MemoryBackend;
-/// use distlock_core::{BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, async_trait};
+/// use distlock::memory::MemoryBackend;
+/// use distlock::backend::{BackendLayer, Layered, async_trait};
+/// use distlock::{Lease, LockBackend, LockError, LockKey};
 ///
 /// /// Counts acquire calls; everything else goes through unchanged.
 /// #[derive(Debug, Default)]

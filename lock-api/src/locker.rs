@@ -125,9 +125,9 @@ impl LockerBuilder {
 /// task for all its guards. Cheap to clone; clones share the renewal task.
 ///
 /// ```
-/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock_core::LockError> {
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
 /// use std::{sync::Arc, time::Duration};
-/// use distlock_core::{LockKey, Locker, memory::MemoryBackend};
+/// use distlock::{LockKey, Locker, memory::MemoryBackend};
 ///
 /// let locker = Locker::builder(Arc::new(MemoryBackend::new()))
 ///     .ttl(Duration::from_secs(10))

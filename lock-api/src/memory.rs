@@ -30,7 +30,7 @@ const NAME: &str = "memory";
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// use std::time::Duration;
-/// use distlock_core::{LockBackend, LockKey, memory::MemoryBackend};
+/// use distlock::{LockBackend, LockKey, memory::MemoryBackend};
 ///
 /// let backend = MemoryBackend::new();
 /// let key = LockKey::new("job:1").unwrap();

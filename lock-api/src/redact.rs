@@ -33,7 +33,7 @@ const SECRET_NAME_PARTS: &[&str] = &["pass", "pwd", "secret", "token"];
 /// the wrong place.
 ///
 /// ```
-/// use distlock_core::redact_url;
+/// use distlock::redact_url;
 ///
 /// assert_eq!(redact_url("redis://:hunter2@127.0.0.1:6379/0"), "redis://:***@127.0.0.1:6379/0");
 /// assert_eq!(redact_url("redis://u:p#ss/w?rd@h:6379"), "redis://u:***@h:6379");
@@ -77,7 +77,7 @@ pub fn redact_url(url: &str) -> String {
 /// removes the doubt.
 ///
 /// ```
-/// use distlock_core::url_userinfo_is_ambiguous;
+/// use distlock::url_userinfo_is_ambiguous;
 ///
 /// assert!(url_userinfo_is_ambiguous("redis://:12/secret@h:6379"));
 /// assert!(!url_userinfo_is_ambiguous("redis://:12%2Fsecret@h:6379"));

@@ -24,9 +24,9 @@ const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 /// Builds an [`EtcdBackend`].
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), distlock_core::LockError> {
+/// # async fn demo() -> Result<(), distlock::LockError> {
 /// use std::time::Duration;
-/// use lock_etcd::EtcdBackend;
+/// use distlock::etcd::EtcdBackend;
 ///
 /// let backend = EtcdBackend::builder()
 ///     .endpoints(["http://127.0.0.1:2379", "http://127.0.0.1:22379"])

@@ -3,11 +3,11 @@
 //! snapshot restore.
 //!
 //! ```no_run
-//! # async fn demo() -> Result<(), distlock_core::LockError> {
+//! # async fn demo() -> Result<(), distlock::LockError> {
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use distlock_core::{LockKey, Locker};
-//! use lock_etcd::EtcdBackend;
+//! use distlock::{LockKey, Locker};
+//! use distlock::etcd::EtcdBackend;
 //!
 //! let backend = EtcdBackend::builder().endpoint("http://127.0.0.1:2379").build().await?;
 //! let locker = Locker::builder(Arc::new(backend)).ttl(Duration::from_secs(10)).build()?;

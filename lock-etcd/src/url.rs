@@ -157,9 +157,9 @@ impl EtcdBuilder {
     /// `%40`); a `,` or `:` in the password needs no escape.
     ///
     /// ```
-    /// let builder = lock_etcd::EtcdBuilder::from_url("etcd://root:s3cret@h1:2379,h2?prefix=jobs")?;
+    /// let builder = distlock::etcd::EtcdBuilder::from_url("etcd://root:s3cret@h1:2379,h2?prefix=jobs")?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), distlock_core::LockError>(())
+    /// # Ok::<(), distlock::LockError>(())
     /// ```
     ///
     /// # Errors

@@ -78,7 +78,7 @@ pub enum PgMode {
 ///
 /// ```
 /// use std::time::Duration;
-/// use lock_postgres::PgBuilder;
+/// use distlock::postgres::PgBuilder;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let backend = PgBuilder::new("postgres://app:secret@127.0.0.1:5432/app")

@@ -92,8 +92,11 @@ impl PgFencedResource {
     /// through, never lowering the recorded token.
     ///
     /// ```no_run
-    /// # async fn demo(fenced: lock_postgres::PgFencedResource, pool: sqlx::PgPool,
-    /// #               token: distlock_core::FencingToken) -> Result<(), Box<dyn std::error::Error>> {
+    /// use distlock::postgres::{PgFencedResource, sqlx};
+    /// use distlock::FencingToken;
+    ///
+    /// # async fn demo(fenced: PgFencedResource, pool: sqlx::PgPool, token: FencingToken)
+    /// #     -> Result<(), Box<dyn std::error::Error>> {
     /// let mut tx = pool.begin().await?;
     /// if fenced.admit_in(&mut tx, "payout:42", token).await?.is_admitted() {
     ///     sqlx::query("UPDATE payouts SET status = 'processed' WHERE id = $1")

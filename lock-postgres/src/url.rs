@@ -39,11 +39,11 @@ impl PgBuilder {
     /// parameter is refused.
     ///
     /// ```
-    /// let builder = lock_postgres::PgBuilder::from_url(
+    /// let builder = distlock::postgres::PgBuilder::from_url(
     ///     "postgres://app:s3cret@db/jobs?mode=advisory&pool_size=4&sslmode=require",
     /// )?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), distlock_core::LockError>(())
+    /// # Ok::<(), distlock::LockError>(())
     /// ```
     ///
     /// # Errors

@@ -85,10 +85,10 @@ pub const SENT_AT_ONCE: usize = 4;
 /// Cheap to clone: clones share the connection.
 ///
 /// ```no_run
-/// # async fn demo() -> Result<(), distlock_core::LockError> {
+/// # async fn demo() -> Result<(), distlock::LockError> {
 /// use std::time::Duration;
-/// use distlock_core::{LockBackend, LockKey};
-/// let redis = lock_redis::RedisBackend::builder()
+/// use distlock::{LockBackend, LockKey};
+/// let redis = distlock::redis::RedisBackend::builder()
 ///     .url("redis://127.0.0.1:6379/")
 ///     .build()
 ///     .await?;

@@ -93,9 +93,9 @@ impl RedisBackendBuilder {
     /// checked here.
     ///
     /// ```
-    /// let builder = lock_redis::RedisBackendBuilder::from_url("redis://:s3cret@127.0.0.1:6379/0")?;
+    /// let builder = distlock::redis::RedisBackendBuilder::from_url("redis://:s3cret@127.0.0.1:6379/0")?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
-    /// # Ok::<(), distlock_core::LockError>(())
+    /// # Ok::<(), distlock::LockError>(())
     /// ```
     ///
     /// # Errors
@@ -224,9 +224,9 @@ impl RedisBackendBuilder {
     /// certificate, or with one that does not parse, is a [`LockError::Config`].
     ///
     /// ```no_run
-    /// # async fn demo() -> Result<(), distlock_core::LockError> {
-    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| distlock_core::LockError::Config(e.to_string()))?;
-    /// let redis = lock_redis::RedisBackend::builder()
+    /// # async fn demo() -> Result<(), distlock::LockError> {
+    /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| distlock::LockError::Config(e.to_string()))?;
+    /// let redis = distlock::redis::RedisBackend::builder()
     ///     .url("rediss://redis.internal:6380/")
     ///     .tls_root_ca_pem(ca)
     ///     .build()

@@ -26,10 +26,10 @@ use crate::scripts::{ADMIT_SCRIPT, ADMIT_WRITE_SCRIPT};
 /// pauses after `Admitted` and then writes elsewhere still writes after a newer holder.
 ///
 /// ```no_run
-/// # async fn run(backend: lock_redis::RedisBackend, token: distlock_core::FencingToken)
-/// # -> Result<(), distlock_core::LockError> {
-/// use distlock_core::EnforcementMode;
-/// use lock_redis::RedisFencedResource;
+/// # async fn run(backend: distlock::redis::RedisBackend, token: distlock::FencingToken)
+/// # -> Result<(), distlock::LockError> {
+/// use distlock::EnforcementMode;
+/// use distlock::redis::RedisFencedResource;
 ///
 /// let ledger = RedisFencedResource::new(backend, EnforcementMode::Enforce);
 /// if !ledger.write("account:7", token, "balance", b"10").await?.is_admitted() {
