@@ -29,7 +29,67 @@
 //! own URL with `from_url`, or from the environment with `from_env`
 //! (`DISTLOCK_REDIS_URL`, `DISTLOCK_ETCD_URL`, `DISTLOCK_POSTGRES_URL`).
 //!
-//! # Example
+//! # Choosing a backend
+//!
+//! - **Redis** (default feature): one round trip per acquire, the fastest; tokens are the
+//!   server's clock, so they keep rising across restarts and failovers. Asynchronous
+//!   replication means a failover can lose a lock (fencing still holds).
+//! - **etcd**: consensus behind every grant, whole-second TTLs; for when a lock must
+//!   survive the loss of a server.
+//! - **PostgreSQL**: next to the data the job writes, so the fencing check and the write
+//!   share one transaction (`distlock::postgres::PgFencedResource`). `?mode=lease` keeps
+//!   leases in a table (works behind PgBouncer with `&pooling=transaction`);
+//!   `?mode=advisory` holds a session advisory lock per lease on a pinned connection.
+//! - **memory**: one process only; for tests and for trying the API.
+//!
+//! Whatever the store, the lease is a hint and the fencing token the guarantee: a
+//! worker paused past its TTL does not know it lost the lock, and only the store it
+//! writes to, by refusing its older token, stops it.
+//!
+//! # Locking a job
+//!
+//! A [`Locker`] takes leases on one backend and keeps them renewed (one watchdog task
+//! renews every due lease at TTL/3). [`Locker::with_lock`] runs a job under its key's
+//! lock: it waits for the key (up to the locker's wait timeout, woken when the holder
+//! releases), renews while the job runs, stops the job before its next step if the
+//! lease is lost, and releases when it ends. [`Locker::try_lock`] does not wait: `None`
+//! means another worker holds the key, and the job should be retried later.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+//! use std::time::Duration;
+//! use distlock::{LockKey, Locker};
+//!
+//! let locker = Locker::builder(distlock::connect("memory://").await?)
+//!     .ttl(Duration::from_secs(30))
+//!     .build()?;
+//! let key = LockKey::new("invoice:2024-001")?;
+//!
+//! // Wait for the key, run the job under it; the token goes with every write it makes.
+//! let paid = locker
+//!     .with_lock(&key, |guard| {
+//!         let token = guard.token();
+//!         async move { format!("paid under {token}") }
+//!     })
+//!     .await?;
+//! assert!(paid.starts_with("paid under"));
+//!
+//! // Or take it without waiting, and hand the job back when it is held.
+//! match locker.try_lock(&key).await? {
+//!     Some(guard) => {
+//!         guard.release().await?;
+//!     }
+//!     None => { /* another worker has it: requeue the job */ }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! # Fencing a write
+//!
+//! Every grant carries a [`FencingToken`] that is higher than every earlier grant's for
+//! the key. The store a job writes to admits a write only with a token at least as high
+//! as the highest it has seen ([`FencedResource`]; `PgFencedResource`,
+//! `RedisFencedResource` and `EtcdFencedResource` in the store crates, or your own):
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
@@ -56,6 +116,33 @@
 //! next.release().await?;
 //! # Ok(()) }
 //! ```
+//!
+//! A lock is not exactly-once: a worker that crashes after its side effect but before
+//! its ack leaves the job to be run again, under a new, higher token. Record an
+//! idempotency key in the side effect's own transaction
+//! (`distlock::postgres::IdempotencyKeys` on PostgreSQL).
+//!
+//! # One scheduler at a time
+//!
+//! [`Election`] elects one leader per role, with a token like a lock's: a cron process
+//! fires its jobs only while it leads, and stamps them with the leadership's token.
+//! A standby is woken by the leader's release and takes over at once.
+//!
+//! # Inside a job queue
+//!
+//! With the `tower` feature, `distlock::tower::LockLayer` runs each job of a tower
+//! service (an apalis worker, say) under the lock of a key its request names, and
+//! `tower::LeaderLayer` runs a scheduled job only where its role's leader runs. The
+//! `job-queue` package of the repository runs both on apalis with its Redis storage.
+//!
+//! # Running the suite
+//!
+//! The `conformance` crate is the suite every backend here passes: one test per case,
+//! stamped by `conformance::conformance_tests!` for a backend factory and the
+//! capabilities it declares, with a history checker for the invariants and deliberately
+//! broken backends the suite must catch. Stamp it on your own [`LockBackend`]
+//! implementation in your tests, and run it against your deployment with
+//! `lockctl check URL` (under a random key prefix it cleans up).
 //!
 //! The `payout_worker` example (features `redis` and `postgres`) runs the whole pattern:
 //! workers on Redis locks paying out jobs into a PostgreSQL ledger that checks the
