@@ -5,6 +5,9 @@
 //! - `setup URL`: create the tables a store needs (PostgreSQL);
 //! - `inspect`, `acquire`, `release`: one lock, by hand;
 //! - `leader URL ROLE`: who leads a role elected with `distlock::Election`;
+//!
+//! A command on one store takes its URL first, or from `DISTLOCK_URL` when it is left
+//! out (`lockctl inspect KEY`), as `distlock::connect_from_env` does.
 //! - `bench URL…`: the capacity report's concurrency sweep against live stores;
 //! - `completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 
@@ -15,6 +18,7 @@ mod exit;
 mod features;
 mod keys;
 mod leader;
+mod target;
 mod used_keys;
 
 use std::path::PathBuf;
@@ -22,6 +26,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use target::{UrlAndName, url_or_env};
 
 /// Distributed locks with fencing tokens: demo, conformance check and lock tools.
 #[derive(Debug, Parser)]
@@ -38,8 +44,9 @@ enum Command {
     Demo(DemoArgs),
     /// Run the conformance suite against a live store (under a random key prefix).
     Check {
-        /// The store's URL, e.g. memory:// or redis://127.0.0.1:6379.
-        url: String,
+        /// The store's URL, e.g. memory:// or redis://127.0.0.1:6379 (when left out, the
+        /// URL in DISTLOCK_URL).
+        url: Option<String>,
         /// Run only the cases whose name contains this.
         #[arg(long, default_value = "")]
         filter: String,
@@ -50,28 +57,27 @@ enum Command {
     /// Create the schema and tables a store needs (PostgreSQL); idempotent.
     /// Other stores need nothing.
     Setup {
-        /// The store's URL, e.g. postgres://user:password@host/db?schema=locks.
-        url: String,
+        /// The store's URL, e.g. postgres://user:password@host/db?schema=locks (when left
+        /// out, the URL in DISTLOCK_URL).
+        url: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
     /// Show who holds a lock, its newest fencing token and the lease's remaining TTL.
+    #[command(override_usage = "lockctl inspect [OPTIONS] [URL] <NAME>")]
     Inspect {
-        /// The store's URL.
-        url: String,
-        /// The lock's name.
-        key: String,
+        #[command(flatten)]
+        target: UrlAndName,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
     /// Take a lock and print its owner id and fencing token; the lease is not renewed.
+    #[command(override_usage = "lockctl acquire [OPTIONS] [URL] <NAME>")]
     Acquire {
-        /// The store's URL.
-        url: String,
-        /// The lock's name.
-        key: String,
+        #[command(flatten)]
+        target: UrlAndName,
         /// The lease TTL, e.g. 30s, 1m, 500ms.
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         ttl: Duration,
@@ -80,11 +86,12 @@ enum Command {
         json: bool,
     },
     /// Release a lock taken by `acquire`, given its owner id and fencing token.
+    #[command(
+        override_usage = "lockctl release [OPTIONS] --owner <OWNER> --token <TOKEN> [URL] <NAME>"
+    )]
     Release {
-        /// The store's URL.
-        url: String,
-        /// The lock's name.
-        key: String,
+        #[command(flatten)]
+        target: UrlAndName,
         /// The owner id printed by `acquire` (32 hex digits).
         #[arg(long)]
         owner: String,
@@ -97,11 +104,11 @@ enum Command {
     },
     /// Show who leads a role elected with `distlock::Election`: the leader's owner id,
     /// fencing token and how long its lease still runs.
+    /// The role's lock key is `election:NAME`.
+    #[command(override_usage = "lockctl leader [OPTIONS] [URL] <NAME>")]
     Leader {
-        /// The store's URL.
-        url: String,
-        /// The role's name (its lock key is `election:ROLE`).
-        role: String,
+        #[command(flatten)]
+        target: UrlAndName,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -161,7 +168,14 @@ fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(e) => e.exit(),
     };
-    if let Err(message) = features::check(&cli.command.urls()) {
+    let command = match cli.command.resolve(|name| std::env::var(name).ok()) {
+        Ok(command) => command,
+        Err(message) => {
+            eprintln!("lockctl: {message}");
+            return exit::wrong();
+        }
+    };
+    if let Err(message) = features::check(&command.urls()) {
         eprintln!("lockctl: {message}");
         return exit::wrong();
     }
@@ -175,7 +189,7 @@ fn main() -> ExitCode {
             return ExitCode::from(4);
         }
     };
-    match runtime.block_on(run(cli.command)) {
+    match runtime.block_on(run(command)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("lockctl: {e}");
@@ -184,26 +198,135 @@ fn main() -> ExitCode {
     }
 }
 
+/// A command with its store URLs resolved (`DISTLOCK_URL` read where the URL was left out).
+#[derive(Debug)]
+enum Resolved {
+    Demo(DemoArgs),
+    Check {
+        url: String,
+        filter: String,
+        json: bool,
+    },
+    Setup {
+        url: String,
+        json: bool,
+    },
+    Inspect {
+        url: String,
+        key: String,
+        json: bool,
+    },
+    Acquire {
+        url: String,
+        key: String,
+        ttl: Duration,
+        json: bool,
+    },
+    Release {
+        url: String,
+        key: String,
+        owner: String,
+        token: u64,
+        json: bool,
+    },
+    Leader {
+        url: String,
+        role: String,
+        json: bool,
+    },
+    Bench {
+        urls: Vec<String>,
+        quick: bool,
+        out: PathBuf,
+        json: bool,
+    },
+    Completions {
+        shell: clap_complete::Shell,
+    },
+}
+
 impl Command {
+    /// The command with its URLs, or what is missing.
+    fn resolve(self, env: impl Fn(&str) -> Option<String>) -> Result<Resolved, String> {
+        Ok(match self {
+            Command::Demo(args) => Resolved::Demo(args),
+            Command::Check { url, filter, json } => Resolved::Check {
+                url: url_or_env(url, env)?,
+                filter,
+                json,
+            },
+            Command::Setup { url, json } => Resolved::Setup {
+                url: url_or_env(url, env)?,
+                json,
+            },
+            Command::Inspect { target, json } => {
+                let (url, key) = target.resolve(env)?;
+                Resolved::Inspect { url, key, json }
+            }
+            Command::Acquire { target, ttl, json } => {
+                let (url, key) = target.resolve(env)?;
+                Resolved::Acquire {
+                    url,
+                    key,
+                    ttl,
+                    json,
+                }
+            }
+            Command::Release {
+                target,
+                owner,
+                token,
+                json,
+            } => {
+                let (url, key) = target.resolve(env)?;
+                Resolved::Release {
+                    url,
+                    key,
+                    owner,
+                    token,
+                    json,
+                }
+            }
+            Command::Leader { target, json } => {
+                let (url, role) = target.resolve(env)?;
+                Resolved::Leader { url, role, json }
+            }
+            Command::Bench {
+                urls,
+                quick,
+                out,
+                json,
+            } => Resolved::Bench {
+                urls,
+                quick,
+                out,
+                json,
+            },
+            Command::Completions { shell } => Resolved::Completions { shell },
+        })
+    }
+}
+
+impl Resolved {
     /// The store URLs the command will open.
     fn urls(&self) -> Vec<&str> {
         match self {
-            Command::Demo(args) => vec![args.backend.as_str()],
-            Command::Check { url, .. }
-            | Command::Setup { url, .. }
-            | Command::Inspect { url, .. }
-            | Command::Acquire { url, .. }
-            | Command::Release { url, .. }
-            | Command::Leader { url, .. } => vec![url.as_str()],
-            Command::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
-            Command::Completions { .. } => Vec::new(),
+            Resolved::Demo(args) => vec![args.backend.as_str()],
+            Resolved::Check { url, .. }
+            | Resolved::Setup { url, .. }
+            | Resolved::Inspect { url, .. }
+            | Resolved::Acquire { url, .. }
+            | Resolved::Release { url, .. }
+            | Resolved::Leader { url, .. } => vec![url.as_str()],
+            Resolved::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
+            Resolved::Completions { .. } => Vec::new(),
         }
     }
 }
 
-async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
+async fn run(command: Resolved) -> Result<ExitCode, distlock::LockError> {
     match command {
-        Command::Demo(args) => {
+        Resolved::Demo(args) => {
             let options = demo::Options {
                 backend: args.backend,
                 seed: args.seed,
@@ -215,24 +338,24 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             println!("{}", demo::run(&options).await?);
             Ok(ExitCode::SUCCESS)
         }
-        Command::Check { url, filter, json } => check::run(&url, &filter, json).await,
-        Command::Setup { url, json } => keys::setup(&url, json).await,
-        Command::Inspect { url, key, json } => keys::inspect(&url, &key, json).await,
-        Command::Acquire {
+        Resolved::Check { url, filter, json } => check::run(&url, &filter, json).await,
+        Resolved::Setup { url, json } => keys::setup(&url, json).await,
+        Resolved::Inspect { url, key, json } => keys::inspect(&url, &key, json).await,
+        Resolved::Acquire {
             url,
             key,
             ttl,
             json,
         } => keys::acquire(&url, &key, ttl, json).await,
-        Command::Release {
+        Resolved::Release {
             url,
             key,
             owner,
             token,
             json,
         } => keys::release(&url, &key, &owner, token, json).await,
-        Command::Leader { url, role, json } => leader::show(&url, &role, json).await,
-        Command::Completions { shell } => {
+        Resolved::Leader { url, role, json } => leader::show(&url, &role, json).await,
+        Resolved::Completions { shell } => {
             clap_complete::generate(
                 shell,
                 &mut Cli::command(),
@@ -241,7 +364,7 @@ async fn run(command: Command) -> Result<ExitCode, distlock::LockError> {
             );
             Ok(ExitCode::SUCCESS)
         }
-        Command::Bench {
+        Resolved::Bench {
             urls,
             quick,
             out,

@@ -320,6 +320,23 @@ fn acquire_refuses_a_duration_it_cannot_read() {
 }
 
 #[test]
+fn a_command_without_a_url_or_distlock_url_says_which_to_give() {
+    for args in [
+        &["inspect", "k"][..],
+        &["leader", "role"],
+        &["check"],
+        &["setup"],
+    ] {
+        lockctl()
+            .env_remove("DISTLOCK_URL")
+            .args(args)
+            .assert()
+            .code(2)
+            .stderr(predicate::str::contains("DISTLOCK_URL"));
+    }
+}
+
+#[test]
 fn inspect_shows_a_free_key() {
     lockctl()
         .args(["inspect", "memory://", "job:1"])
@@ -482,6 +499,47 @@ mod on_redis {
         );
         let value = require(server.command(&["GET", "app:config"]).await);
         assert_eq!(value.as_text().as_deref(), Some("keep me"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn commands_left_without_a_url_use_distlock_url() {
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        let with_env = |args: &[&str]| {
+            let mut command = lockctl();
+            command.env("DISTLOCK_URL", &url).args(args);
+            command
+        };
+        let out = with_env(&["acquire", "payout:8", "--json"])
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let acquired: Value = serde_json::from_slice(&out).unwrap();
+        // The lock is on the server DISTLOCK_URL names: seen there with the URL given.
+        assert_eq!(inspect_json(&url, "payout:8")["holder"], acquired["owner"]);
+        let out = with_env(&["inspect", "payout:8", "--json"])
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        let seen: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(seen["holder"], acquired["owner"]);
+        let (owner, token) = (
+            acquired["owner"].as_str().unwrap().to_owned(),
+            acquired["token"].to_string(),
+        );
+        with_env(&["release", "payout:8", "--owner", &owner, "--token", &token])
+            .assert()
+            .success();
+        assert!(inspect_json(&url, "payout:8")["holder"].is_null());
+        // A URL given wins over the environment's.
+        with_env(&["inspect", "memory://", "payout:8"])
+            .assert()
+            .success()
+            .stderr(predicate::str::contains("memory://"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
