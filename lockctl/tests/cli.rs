@@ -60,8 +60,8 @@ fn demo_json_has_one_object_per_strategy() {
             "every job is paid at least once: {row}"
         );
         assert_eq!(
-            count(row, "side_effects"),
-            60 + count(row, "duplicate_side_effects"),
+            count(row, "payments"),
+            60 + count(row, "duplicates"),
             "{row}"
         );
     }
@@ -70,10 +70,7 @@ fn demo_json_has_one_object_per_strategy() {
 #[test]
 fn demo_only_the_idempotency_key_reaches_zero_duplicates() {
     let rows = demo_json(&["--seed", "7"]);
-    let duplicates: Vec<u64> = rows
-        .iter()
-        .map(|r| count(r, "duplicate_side_effects"))
-        .collect();
+    let duplicates: Vec<u64> = rows.iter().map(|r| count(r, "duplicates")).collect();
     assert_eq!(duplicates[4], 0, "{rows:?}");
     assert!(
         duplicates[0] > 0,
@@ -82,7 +79,7 @@ fn demo_only_the_idempotency_key_reaches_zero_duplicates() {
     let fenced = &rows[3];
     if count(fenced, "crashes") > 0 {
         assert!(
-            count(fenced, "duplicate_side_effects") > 0,
+            count(fenced, "duplicates") > 0,
             "a crash between the write and the ack defeats fencing alone: {fenced}"
         );
     }
@@ -470,8 +467,8 @@ mod on_redis {
         check_passes(&url);
 
         let rows = demo_json(&["--backend", &url]);
-        assert_eq!(count(&rows[4], "duplicate_side_effects"), 0, "{rows:?}");
-        assert!(count(&rows[0], "duplicate_side_effects") > 0, "{rows:?}");
+        assert_eq!(count(&rows[4], "duplicates"), 0, "{rows:?}");
+        assert!(count(&rows[0], "duplicates") > 0, "{rows:?}");
         for row in &rows {
             assert_eq!(count(row, "unpaid_jobs"), 0, "{row}");
         }

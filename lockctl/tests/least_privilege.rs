@@ -119,7 +119,7 @@ fn every_subcommand_works(url: &str, out: &std::path::Path) {
     ));
     let rows = demo.as_array().unwrap();
     assert_eq!(rows.len(), 5, "{demo}");
-    assert_eq!(rows[4]["duplicate_side_effects"], 0, "{demo}");
+    assert_eq!(rows[4]["duplicates"], 0, "{demo}");
 
     let out = out.display().to_string();
     let bench = json(&run(&["bench", "--quick", "--json", "--out", &out, url], 0));

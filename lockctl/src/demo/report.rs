@@ -21,13 +21,13 @@ pub struct Row {
     /// Executions of a job's body.
     pub executions: u64,
     /// Payments the ledger recorded.
-    pub side_effects: u64,
+    pub payments: u64,
     /// Payments beyond the first for a job.
-    pub duplicate_side_effects: u64,
+    pub duplicates: u64,
     /// The money those duplicates paid out, in cents.
     pub overpaid_cents: u64,
     /// Writes refused by the fencing check.
-    pub stale_writes_rejected: u64,
+    pub stale_rejected: u64,
     /// Writes the idempotency key turned into no-ops.
     pub idempotent_repeats: u64,
     /// Deliveries that found the job's lock taken.
@@ -56,10 +56,10 @@ impl Row {
             jobs: u64::from(jobs),
             deliveries: run.queue.deliveries(),
             executions: get(&c.executions),
-            side_effects: ledger.payments,
-            duplicate_side_effects: ledger.duplicate_payments,
+            payments: ledger.payments,
+            duplicates: ledger.duplicate_payments,
             overpaid_cents: ledger.overpaid_cents,
-            stale_writes_rejected: get(&c.stale_writes_rejected),
+            stale_rejected: get(&c.stale_rejected),
             idempotent_repeats: get(&c.idempotent_repeats),
             lock_misses: get(&c.lock_misses),
             lost_leases: get(&c.lost_leases),
@@ -99,7 +99,7 @@ const COLUMNS: [&str; 11] = [
     "duplicates",
     "overpaid",
     "stale rejected",
-    "idem. repeats",
+    "idempotent repeats",
     "lock misses",
     "lost leases",
 ];
@@ -114,10 +114,10 @@ pub fn table(header: &Header<'_>, rows: &[Row]) -> String {
                 r.jobs.to_string(),
                 r.deliveries.to_string(),
                 r.executions.to_string(),
-                r.side_effects.to_string(),
-                r.duplicate_side_effects.to_string(),
+                r.payments.to_string(),
+                r.duplicates.to_string(),
                 dollars(r.overpaid_cents),
-                r.stale_writes_rejected.to_string(),
+                r.stale_rejected.to_string(),
                 r.idempotent_repeats.to_string(),
                 r.lock_misses.to_string(),
                 r.lost_leases.to_string(),
@@ -171,11 +171,11 @@ pub fn table(header: &Header<'_>, rows: &[Row]) -> String {
         out += &line(&row.iter().map(String::as_str).collect::<Vec<_>>());
     }
     out += "\n\
-        duplicates      payments beyond the first for one job (the side effect applied twice); overpaid: their sum\n\
-        stale rejected  writes the fencing check refused: a newer lease of the job had written already\n\
-        idem. repeats   writes the idempotency key payment:{jobId} turned into no-ops\n\
-        lock misses     deliveries that found the job's lock held and went back to the queue\n\
-        lost leases     leases that ran out while held (no renewal, or a pause froze the renewal)\n\
+        duplicates          payments beyond the first for one job (the side effect applied twice); overpaid: their sum\n\
+        stale rejected      writes the fencing check refused: a newer lease of the job had written already\n\
+        idempotent repeats  writes the idempotency key payment:{jobId} turned into no-ops\n\
+        lock misses         deliveries that found the job's lock held and went back to the queue\n\
+        lost leases         leases that ran out while held (no renewal, or a pause froze the renewal)\n\
         \n\
         A lock stops duplicate deliveries; renewal keeps long jobs' leases; fencing rejects the\n\
         writes of paused workers whose lease moved on; only the idempotency key makes the re-run\n\
@@ -196,5 +196,38 @@ mod tests {
         assert_eq!(dollars(0), "$0.00");
         assert_eq!(dollars(123_456), "$1234.56");
         assert_eq!(dollars(5), "$0.05");
+    }
+
+    #[test]
+    fn the_json_names_are_the_table_headers() {
+        let row = Row {
+            strategy: "no-lock",
+            jobs: 1,
+            deliveries: 1,
+            executions: 1,
+            payments: 1,
+            duplicates: 0,
+            overpaid_cents: 0,
+            stale_rejected: 0,
+            idempotent_repeats: 0,
+            lock_misses: 0,
+            lost_leases: 0,
+            crashes: 0,
+            pauses: 0,
+            unpaid_jobs: 0,
+            seconds: 0.0,
+        };
+        let object = serde_json::to_value(&row).unwrap();
+        for header in COLUMNS {
+            // The table shows dollars; the JSON keeps cents and says so.
+            let name = match header {
+                "overpaid" => "overpaid_cents".to_owned(),
+                other => other.replace(' ', "_"),
+            };
+            assert!(
+                object.get(&name).is_some(),
+                "the JSON has no {name:?}: {object}"
+            );
+        }
     }
 }

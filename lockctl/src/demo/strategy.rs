@@ -69,7 +69,7 @@ pub struct Counters {
     /// Executions of a job's body (past the lock, where there is one).
     pub executions: AtomicU64,
     /// Writes the fencing check refused because a newer lease had written.
-    pub stale_writes_rejected: AtomicU64,
+    pub stale_rejected: AtomicU64,
     /// Writes the idempotency key turned into no-ops.
     pub idempotent_repeats: AtomicU64,
     /// Deliveries whose job lock was held by another worker.
@@ -334,7 +334,7 @@ impl Run {
         {
             let resource = format!("{}job:{}", self.key_prefix, job.id);
             if !self.fenced.admit_now(&resource, token).is_admitted() {
-                bump(&self.counters.stale_writes_rejected);
+                bump(&self.counters.stale_rejected);
                 return false;
             }
         }
