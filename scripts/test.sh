@@ -43,7 +43,7 @@ cargo test -p distlock --no-default-features --features tower --locked
 echo "== cargo bench --no-run (the benches compile; CI never asserts a speed)"
 cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
-RUSTDOCFLAGS="-D warnings" cargo doc -p distlock --no-deps --features tower --locked --quiet
+# Every crate with every feature: broken intra-doc links and missing docs fail the run.
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked --quiet
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"
