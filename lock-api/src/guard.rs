@@ -19,6 +19,28 @@ use crate::watchdog::{LeaseState, Watchdog};
 ///
 /// Dropping a guard without `release().await` stops renewal and releases the lease in a
 /// background task: best effort and late. Release explicitly when you can.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+/// use std::time::Duration;
+/// use distlock::{LockKey, Locker, Release};
+///
+/// let locker = Locker::builder(distlock::connect("memory://").await?)
+///     .ttl(Duration::from_secs(10))
+///     .build()?;
+/// let guard = locker.lock(&LockKey::new("report:daily")?).await?;
+/// let token = guard.token(); // attach to every write the job makes
+///
+/// // Run the work while the lease is held: a lost lease stops it before its next step.
+/// let rows = guard.status().while_held(async { 42 }).await?;
+/// assert_eq!(rows, 42);
+/// assert!(guard.is_held());
+///
+/// // Released by its owner: the store says it was still held.
+/// assert_eq!(guard.release().await?, Release::Released);
+/// # let _ = token;
+/// # Ok(()) }
+/// ```
 #[must_use = "a lock is released as soon as its guard is dropped"]
 pub struct LockGuard {
     lease: Lease,

@@ -191,6 +191,19 @@ impl Locker {
 
     /// Takes the lock if it is free, without waiting.
     ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::{LockKey, Locker};
+    ///
+    /// let locker = Locker::new(distlock::connect("memory://").await?)?;
+    /// let key = LockKey::new("export:tenant-7")?;
+    /// let held = locker.try_lock(&key).await?.expect("the key is free");
+    /// // Held: another attempt gets None at once, and the job goes back to the queue.
+    /// assert!(locker.try_lock(&key).await?.is_none());
+    /// held.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Cancel safety
     /// Not cancel safe: if cancelled after the store granted the lease, the lease is
     /// not renewed and frees itself when its TTL runs out.
@@ -295,6 +308,26 @@ impl Locker {
     ///
     /// Neither outcome waits on an unreachable store: after a loss the release runs in the
     /// background, and after success it waits at most until the lease's `valid_until`.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::{LockKey, Locker};
+    ///
+    /// let locker = Locker::new(distlock::connect("memory://").await?)?;
+    /// let key = LockKey::new("payout:42")?;
+    /// let paid = locker
+    ///     .with_lock(&key, |guard| {
+    ///         let token = guard.token();
+    ///         async move {
+    ///             // ... pay, with `token` on the write ...
+    ///             token
+    ///         }
+    ///     })
+    ///     .await?;
+    /// // The lock was released when the job ended: the next run takes it at once.
+    /// assert!(locker.try_lock(&key).await?.is_some_and(|next| next.token() > paid));
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Cancel safety
     /// Cancelling drops the job and the guard (release on drop, best effort).

@@ -204,6 +204,22 @@ impl IdempotencyKeys {
     /// A concurrent transaction recording the same key makes this call wait for it.
     ///
     /// The key follows the rules of [`LockKey`] (1 to 512 bytes, no control characters).
+    ///
+    /// ```no_run
+    /// use distlock::postgres::{Idempotency, IdempotencyKeys, sqlx};
+    ///
+    /// # async fn demo(pool: sqlx::PgPool, job_id: i64) -> Result<(), Box<dyn std::error::Error>> {
+    /// let keys = IdempotencyKeys::new("distlock")?;
+    /// let mut tx = pool.begin().await?;
+    /// if keys.record(&mut tx, &format!("payment:{job_id}")).await? == Idempotency::Applied {
+    ///     sqlx::query("INSERT INTO payments (job_id) VALUES ($1)")
+    ///         .bind(job_id)
+    ///         .execute(&mut *tx)
+    ///         .await?;
+    ///     tx.commit().await?;
+    /// } // AlreadyApplied: a run before this one paid; the transaction rolls back.
+    /// # Ok(()) }
+    /// ```
     pub async fn record(
         &self,
         tx: &mut PgTransaction<'_>,
