@@ -12,6 +12,8 @@
 //! [apalis]: https://docs.rs/apalis
 
 use std::error::Error;
+use std::path::Path;
+use std::process::Stdio;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -41,4 +43,30 @@ pub fn queue_config(run: &str) -> apalis_redis::Config {
         .heartbeat_interval(Duration::from_secs(1))
         .missed_heartbeats(2)
         .batch_size(2)
+}
+
+/// A process of run `run`: `exe subcommand --redis … --postgres … --run … --name …`, its
+/// stdin closed, killed when its handle is dropped.
+fn child(
+    exe: &Path,
+    subcommand: &str,
+    (redis, postgres, run): (&str, &str, &str),
+    name: &str,
+) -> tokio::process::Command {
+    let mut command = tokio::process::Command::new(exe);
+    command
+        .arg(subcommand)
+        .args([
+            "--redis",
+            redis,
+            "--postgres",
+            postgres,
+            "--run",
+            run,
+            "--name",
+            name,
+        ])
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
 }

@@ -3,14 +3,13 @@
 
 use std::fmt;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use apalis_core::backend::TaskSink;
 use apalis_redis::RedisStorage;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio::time::Instant;
 
 use crate::ledger::Ledger;
@@ -260,20 +259,13 @@ fn spawn_worker(
     // Worker 0 is paused before its first payout call, worker 1 killed after its first
     // payout; the others run clean.
     let fault = ["pause", "die"].get(i as usize).copied().unwrap_or("none");
-    let mut command = Command::new(exe);
-    command
-        .args([
-            "worker",
-            "--redis",
-            redis,
-            "--postgres",
-            postgres,
-            "--run",
-            run,
-        ])
-        .args(["--name", &format!("worker-{i}"), "--fault", fault])
-        .stdin(Stdio::null())
-        .kill_on_drop(true);
+    let mut command = crate::child(
+        exe,
+        "worker",
+        (redis, postgres, run),
+        &format!("worker-{i}"),
+    );
+    command.args(["--fault", fault]);
     if !locked {
         command.arg("--unlocked");
     }

@@ -4,12 +4,11 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 use tokio::time::Instant;
 
 use super::ticks::{Ticks, Written};
@@ -164,18 +163,5 @@ fn spawn_instance(
     run: &str,
     i: usize,
 ) -> Result<Child, BoxError> {
-    Ok(Command::new(exe)
-        .args([
-            "cron",
-            "--redis",
-            redis,
-            "--postgres",
-            postgres,
-            "--run",
-            run,
-        ])
-        .args(["--name", &format!("cron-{i}")])
-        .stdin(Stdio::null())
-        .kill_on_drop(true)
-        .spawn()?)
+    Ok(crate::child(exe, "cron", (redis, postgres, run), &format!("cron-{i}")).spawn()?)
 }
