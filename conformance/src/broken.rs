@@ -5,7 +5,9 @@
 //! bug, which passes the whole suite, so every failure on a variant is its bug's.
 //! [`CAUGHT_BY`] names, for each variant, the cases that must fail on it and the
 //! invariants the history checker must report; `tests/broken.rs` runs the suite against
-//! every variant and checks both. Never use these backends for anything else.
+//! every variant with [`run_each`] and checks both with [`Caught`], which a backend
+//! outside the workspace uses the same way to show the suite catches a bug in it. Never
+//! use these backends for anything else.
 //!
 //! The factory has the fault controls the cases need: link faults (a delay before each
 //! request reaches the store; a cut that lets requests through and holds every reply
@@ -13,6 +15,10 @@
 //! kill, and a restart that loses every lease but, except in
 //! [`BrokenKind::TokenDropsAfterRestart`], keeps the token counters, as Redis's
 //! clock-floored tokens and etcd's revisions do).
+
+mod caught;
+
+pub use caught::{Caught, run_each};
 
 use std::collections::HashMap;
 use std::sync::Arc;
