@@ -45,5 +45,19 @@ cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
 RUSTDOCFLAGS="-D warnings" cargo doc -p distlock --no-deps --features tower --locked --quiet
+echo "== cargo package: the published crates, in dependency order"
+# What a user depends on or installs: distlock-core, conformance, capacity, the three store
+# backends, the facade distlock and lockctl. `--workspace` packages them together, in
+# dependency order, and serves the ones not on crates.io from a temporary local registry.
+# harness, benchmarks and job-queue are `publish = false`; the published crates name
+# harness only as a dev-dependency without a version, which packaging drops.
+# `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
+package=(cargo package --workspace --exclude harness --exclude benchmarks --exclude job-queue
+    --locked --allow-dirty)
+"${package[@]}" --no-verify
+# Then each is built from its .crate, except lockctl: its `capacity = "0.1.0"` would
+# resolve to crates.io, where `capacity` 0.1.1 and 0.1.2 are another project's crate.
+# `cargo install --path lockctl` in .ci/run is lockctl's build check meanwhile.
+"${package[@]}" --exclude lockctl
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"
