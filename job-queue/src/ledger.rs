@@ -91,7 +91,12 @@ impl Ledger {
         let mut tx = self.pool.begin().await?;
         if let Some(token) = token {
             let resource = format!("queue-payout:{}:{job}", self.run);
-            if !self.fenced.admit_in(&mut tx, &resource, token).await?.is_admitted() {
+            if !self
+                .fenced
+                .admit_in(&mut tx, &resource, token)
+                .await?
+                .is_admitted()
+            {
                 return Ok(Outcome::StaleRejected);
             }
             let key = format!("queue-payment:{}:{job}", self.run);

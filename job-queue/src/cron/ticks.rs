@@ -65,7 +65,12 @@ impl Ticks {
     ) -> Result<bool, BoxError> {
         let mut tx = self.pool.begin().await?;
         let resource = format!("cron:{}", self.run);
-        if !self.fenced.admit_in(&mut tx, &resource, token).await?.is_admitted() {
+        if !self
+            .fenced
+            .admit_in(&mut tx, &resource, token)
+            .await?
+            .is_admitted()
+        {
             return Ok(false);
         }
         sqlx::query(
