@@ -57,5 +57,15 @@ cargo bench --workspace --no-run --locked --quiet
 echo "== cargo doc"
 # Every crate with every feature: broken intra-doc links and missing docs fail the run.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked --quiet
+echo "== cargo package: the published crates, in dependency order"
+# What a user depends on or installs: distlock-core, distlock-conformance,
+# distlock-capacity, the three store backends, the facade distlock and lockctl.
+# `--workspace` packages them together, in dependency order, serves the ones not on
+# crates.io from a temporary local registry, and builds each from its .crate.
+# harness, benchmarks and job-queue are `publish = false`; the published crates name
+# harness only as a dev-dependency without a version, which packaging drops.
+# `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
+cargo package --workspace --exclude harness --exclude benchmarks --exclude job-queue \
+    --locked --allow-dirty
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"

@@ -39,11 +39,10 @@ pub mod waited;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum BenchError {
-    /// A test server could not be started (with the feature `harness`, which the
-    /// `benchmarks` crate turns on; `lockctl bench` measures deployments it is given).
-    #[cfg(feature = "harness")]
+    /// A server the run starts or drives itself failed (the `benchmarks` crate starts its
+    /// servers from the test harness; `lockctl bench` measures deployments it is given).
     #[error("starting a server: {0}")]
-    Harness(#[from] harness::HarnessError),
+    Server(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// A distlock backend failed.
     #[error("{subject}: {source}")]
     Lock {
@@ -81,6 +80,11 @@ pub enum BenchError {
 }
 
 impl BenchError {
+    /// A failure of a server the run started itself (the test harness's error, for one).
+    pub fn server(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        BenchError::Server(e.into())
+    }
+
     /// A raw-client failure of `subject`.
     pub fn client(subject: &'static str, e: impl std::fmt::Display) -> Self {
         BenchError::Client {

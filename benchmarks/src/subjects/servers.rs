@@ -21,21 +21,24 @@ impl Servers {
     pub async fn start(stores: &[Store]) -> Result<Self, BenchError> {
         let mut servers = Servers::default();
         if stores.contains(&Store::Redis) {
-            servers.redis = Some(RedisServer::start().await?);
+            servers.redis = Some(RedisServer::start().await.map_err(BenchError::server)?);
         }
         if stores.contains(&Store::Postgres) {
             // As deployed: every commit waits for its WAL flush (`fsync=on`,
             // `synchronous_commit=on`).
-            let postgres = PostgresServer::start_durable().await?;
+            let postgres = PostgresServer::start_durable()
+                .await
+                .map_err(BenchError::server)?;
             // The role the benchmarks connect as may create the backends' schema, as a
             // deployment grants once.
             postgres
                 .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await?;
+                .await
+                .map_err(BenchError::server)?;
             servers.postgres = Some(postgres);
         }
         if stores.contains(&Store::Etcd) {
-            servers.etcd = Some(EtcdServer::start().await?);
+            servers.etcd = Some(EtcdServer::start().await.map_err(BenchError::server)?);
         }
         Ok(servers)
     }
@@ -61,7 +64,7 @@ impl Servers {
             .redis
             .as_ref()
             .ok_or_else(|| Self::missing(Store::Redis))?;
-        let reply = redis.command(args).await?;
+        let reply = redis.command(args).await.map_err(BenchError::server)?;
         match reply.as_text() {
             Some(text) if !reply.is_error() => Ok(text),
             _ => Err(BenchError::Unexpected {
