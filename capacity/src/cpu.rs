@@ -12,6 +12,9 @@ const TICKS_PER_SEC: u64 = 100;
 #[derive(Clone, Debug, Default)]
 pub struct CpuReading {
     client: Option<Duration>,
+    /// How many times this process's threads were put on a CPU (the third field of each
+    /// thread's `schedstat`): each time one slept and was woken, or was preempted.
+    client_switches: Option<u64>,
     server: HashMap<u32, Duration>,
 }
 
@@ -21,6 +24,7 @@ impl CpuReading {
     pub fn now(server: Option<u32>) -> Self {
         Self {
             client: cpu_of("self"),
+            client_switches: switches_of("self"),
             server: server.map(tree_cpu).unwrap_or_default(),
         }
     }
@@ -28,6 +32,14 @@ impl CpuReading {
     /// CPU this process used since `before`.
     pub fn client_since(&self, before: &CpuReading) -> Option<Duration> {
         Some(self.client?.saturating_sub(before.client?))
+    }
+
+    /// How many times this process's threads were put on a CPU since `before`.
+    pub fn client_switches_since(&self, before: &CpuReading) -> Option<u64> {
+        Some(
+            self.client_switches?
+                .saturating_sub(before.client_switches?),
+        )
     }
 
     /// CPU the server's processes used since `before`: per process alive now, what it used
@@ -56,7 +68,18 @@ fn cpu_of(pid: &str) -> Option<Duration> {
 }
 
 fn schedstat_of(pid: &str) -> Option<Duration> {
-    let mut nanos = 0u64;
+    schedstat_sum(pid, 0).map(Duration::from_nanos)
+}
+
+/// How many times `pid`'s threads were put on a CPU: the third field of each
+/// `/proc/<pid>/task/*/schedstat`.
+fn switches_of(pid: &str) -> Option<u64> {
+    schedstat_sum(pid, 2)
+}
+
+/// Field `field` of each `/proc/<pid>/task/*/schedstat`, summed over the threads.
+fn schedstat_sum(pid: &str, field: usize) -> Option<u64> {
+    let mut sum = 0u64;
     let mut read = false;
     for task in std::fs::read_dir(format!("/proc/{pid}/task"))
         .ok()?
@@ -65,16 +88,16 @@ fn schedstat_of(pid: &str) -> Option<Duration> {
         let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else {
             continue;
         };
-        if let Some(ran) = text
+        if let Some(value) = text
             .split_whitespace()
-            .next()
+            .nth(field)
             .and_then(|n| n.parse::<u64>().ok())
         {
-            nanos += ran;
+            sum += value;
             read = true;
         }
     }
-    read.then(|| Duration::from_nanos(nanos))
+    read.then_some(sum)
 }
 
 /// User + system time of `/proc/<pid>/stat`.

@@ -58,6 +58,9 @@ pub struct Measured {
     pub per_sec: f64,
     /// This process's CPU per cycle, µs (every thread of it, the runtime included).
     pub client_us: Option<f64>,
+    /// How many times per cycle a thread of this process was put on a CPU (woken after
+    /// sleeping, or preempted): the wake-ups a cycle costs the client.
+    pub client_switches: Option<f64>,
     /// The server's CPU per cycle (its process tree), µs.
     pub server_us: Option<f64>,
 }
@@ -86,6 +89,9 @@ pub async fn measure(
     Ok(Measured {
         per_sec: sample.ops_per_sec(),
         client_us: end.client_since(&start).map(per_cycle),
+        client_switches: end
+            .client_switches_since(&start)
+            .map(|n| n as f64 / sample.ops.max(1) as f64),
         server_us: end.server_since(&start).map(per_cycle),
     })
 }

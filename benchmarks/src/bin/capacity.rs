@@ -10,7 +10,8 @@
 //!
 //! `--profile` runs one subject (e.g. `redis`, `rslock`) closed-loop at `--tasks` for
 //! `--rounds` rounds and prints each round's cycles/s and CPU µs per cycle, client and
-//! server, with both pids first so that `perf record -p PID` can be attached.
+//! server, and how often per cycle the client's threads were put on a CPU (each wake-up
+//! after sleeping, or preemption), with both pids first so that `perf record -p PID` can be attached.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -693,10 +694,11 @@ async fn profile(args: &Args) -> Result<(), BenchError> {
         };
         println!(
             "round {round:>3}: {:>9.0} cycles/s  client {:>6} µs CPU/cycle  server {:>6} µs \
-             CPU/cycle",
+             CPU/cycle  client {:>5} switches/cycle",
             m.per_sec,
             us(m.client_us),
-            us(m.server_us)
+            us(m.server_us),
+            m.client_switches.map_or("-".into(), |v| format!("{v:.2}"))
         );
     }
     subject.close().await;
