@@ -5,15 +5,12 @@
 //! in the same transaction as its row; a plain call is a bare insert, as a worker that
 //! knows nothing of locks would make it.
 
-use distlock::postgres::{Idempotency, IdempotencyKeys, PgBuilder, PgFencedResource};
-use distlock::{EnforcementMode, FencingToken};
+use distlock::FencingToken;
+use distlock::postgres::{Idempotency, IdempotencyKeys, PgFencedResource};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
 use crate::BoxError;
-
-/// The schema of distlock's tables (fencing tokens, idempotency keys).
-const SCHEMA: &str = "distlock";
 
 /// What one payout call came to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -49,12 +46,7 @@ pub struct Ledger {
 impl Ledger {
     /// Connects to the ledger at `url`, creating its tables if they do not exist.
     pub async fn open(url: &str, run: &str) -> Result<Self, BoxError> {
-        let backend = PgBuilder::new(url)
-            .schema(SCHEMA)
-            .pool_size(4)
-            .build_lease_backend()?;
-        backend.setup().await?;
-        let pool = backend.pool().clone();
+        let (pool, fenced) = crate::open_fenced(url, 4).await?;
         for ddl in [
             // No unique key on the job: a payout made twice must be possible to see.
             "CREATE TABLE IF NOT EXISTS queue_payouts (id bigserial PRIMARY KEY, \
@@ -69,11 +61,9 @@ impl Ledger {
         ] {
             sqlx::query(ddl).execute(&pool).await?;
         }
-        let fenced = PgFencedResource::new(pool.clone(), SCHEMA, EnforcementMode::Enforce)?;
-        fenced.setup().await?;
         Ok(Self {
             fenced,
-            keys: IdempotencyKeys::new(SCHEMA)?,
+            keys: IdempotencyKeys::new(crate::SCHEMA)?,
             pool,
             run: run.to_owned(),
         })

@@ -70,3 +70,26 @@ fn child(
         .kill_on_drop(true);
     command
 }
+
+/// The schema of distlock's tables (fencing tokens, idempotency keys).
+const SCHEMA: &str = "distlock";
+
+/// A pool of `size` connections to the PostgreSQL at `url`, with a fenced resource in
+/// enforce mode over it; distlock's tables (fencing tokens, idempotency keys) created if
+/// they do not exist.
+async fn open_fenced(
+    url: &str,
+    size: u32,
+) -> Result<(sqlx::PgPool, distlock::postgres::PgFencedResource), BoxError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(size)
+        .connect(url)
+        .await?;
+    let fenced = distlock::postgres::PgFencedResource::new(
+        pool.clone(),
+        SCHEMA,
+        distlock::EnforcementMode::Enforce,
+    )?;
+    fenced.setup().await?;
+    Ok((pool, fenced))
+}

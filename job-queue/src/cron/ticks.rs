@@ -1,13 +1,10 @@
 //! The table the leader writes each tick to, fenced by its leadership's token.
 
-use distlock::postgres::{PgBuilder, PgFencedResource};
-use distlock::{EnforcementMode, FencingToken};
+use distlock::FencingToken;
+use distlock::postgres::PgFencedResource;
 use sqlx::PgPool;
 
 use crate::BoxError;
-
-/// The schema of distlock's fencing table.
-const SCHEMA: &str = "distlock";
 
 /// The ticks of one run (rows are tagged with the run id, so runs do not meet).
 #[derive(Clone, Debug)]
@@ -32,12 +29,7 @@ pub struct Written {
 impl Ticks {
     /// Connects to the table at `url`, creating it if it does not exist.
     pub async fn open(url: &str, run: &str) -> Result<Self, BoxError> {
-        let backend = PgBuilder::new(url)
-            .schema(SCHEMA)
-            .pool_size(2)
-            .build_lease_backend()?;
-        backend.setup().await?;
-        let pool = backend.pool().clone();
+        let (pool, fenced) = crate::open_fenced(url, 2).await?;
         // No unique key on the tick: a tick run twice must be possible to see.
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS cron_ticks (id bigserial PRIMARY KEY, \
@@ -46,8 +38,6 @@ impl Ticks {
         )
         .execute(&pool)
         .await?;
-        let fenced = PgFencedResource::new(pool.clone(), SCHEMA, EnforcementMode::Enforce)?;
-        fenced.setup().await?;
         Ok(Self {
             fenced,
             pool,
