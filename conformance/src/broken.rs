@@ -71,11 +71,21 @@ pub enum BrokenKind {
     LostReplyReportedBusy,
     /// Claims to announce releases, but a release wakes no waiter.
     ReleaseWakesNoOne,
+    /// `acquire_any` (a semaphore's permit), finding every slot held, takes the last one
+    /// anyway: one permit too many.
+    PermitGrantedWhenFull,
+    /// A permit (a key granted by `acquire_any`) is released whoever asks.
+    PermitReleaseWithoutOwnerCheck,
+    /// `acquire_any` counts a slot whose holder expired as held: an expired permit is never
+    /// freed for the semaphore.
+    ExpiredPermitNeverFreed,
+    /// The release of a permit wakes no waiter (locks still do).
+    PermitReleaseWakesNoOne,
 }
 
 impl BrokenKind {
     /// Every variant.
-    pub const ALL: [BrokenKind; 12] = [
+    pub const ALL: [BrokenKind; 16] = [
         BrokenKind::RepeatedToken,
         BrokenKind::TokenDropsAfterRestart,
         BrokenKind::GrantedTwice,
@@ -88,6 +98,10 @@ impl BrokenKind {
         BrokenKind::LostNeverFires,
         BrokenKind::LostReplyReportedBusy,
         BrokenKind::ReleaseWakesNoOne,
+        BrokenKind::PermitGrantedWhenFull,
+        BrokenKind::PermitReleaseWithoutOwnerCheck,
+        BrokenKind::ExpiredPermitNeverFreed,
+        BrokenKind::PermitReleaseWakesNoOne,
     ];
 
     /// What must catch this variant: its row of [`CAUGHT_BY`].
@@ -197,6 +211,29 @@ pub const CAUGHT_BY: &[Catch] = &[
         ],
         invariants: &[],
     },
+    Catch {
+        kind: BrokenKind::PermitGrantedWhenFull,
+        cases: &[
+            "semaphore_never_grants_more_than_its_permits",
+            "semaphore_expired_permit_is_freed",
+        ],
+        invariants: &[Invariant::I3, Invariant::I6],
+    },
+    Catch {
+        kind: BrokenKind::PermitReleaseWithoutOwnerCheck,
+        cases: &["semaphore_permit_release_is_owner_checked"],
+        invariants: &[Invariant::I4],
+    },
+    Catch {
+        kind: BrokenKind::ExpiredPermitNeverFreed,
+        cases: &["semaphore_expired_permit_is_freed"],
+        invariants: &[],
+    },
+    Catch {
+        kind: BrokenKind::PermitReleaseWakesNoOne,
+        cases: &["a_permit_release_wakes_a_waiter"],
+        invariants: &[],
+    },
 ];
 
 /// The release hub the clients of one store share.
@@ -240,6 +277,9 @@ struct Store {
     keys: Mutex<HashMap<LockKey, KeyState>>,
     /// Wakes the waiters of every client when a key is released.
     releases: Releases,
+    /// The keys `acquire_any` granted: a semaphore's permit slots, where the permit bugs
+    /// live.
+    permits: Mutex<std::collections::HashSet<LockKey>>,
     delay_micros: AtomicU64,
     /// Replies are held until healed.
     cut: AtomicBool,
@@ -312,12 +352,27 @@ impl BrokenBackend {
         }
     }
 
-    /// Takes `key` for `owner` if it is free at `now`; the grant's token.
-    fn take(&self, key: &LockKey, ttl: Duration, owner: OwnerId) -> Option<FencingToken> {
+    /// Takes `key` for `owner` if it is free at `now` (whatever holds it, if `force`); the
+    /// grant's token.
+    fn take(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        owner: OwnerId,
+        force: bool,
+    ) -> Option<FencingToken> {
         let now = Instant::now();
         let mut keys = self.store.keys.lock();
         let state = keys.entry(key.clone()).or_default();
-        if state.live_holder(now).is_some() && !self.has(BrokenKind::GrantedTwice) {
+        let held = if self.has(BrokenKind::ExpiredPermitNeverFreed)
+            && self.store.permits.lock().contains(key)
+        {
+            // The bug: a permit's holder is not checked for expiry.
+            state.holder.is_some()
+        } else {
+            state.live_holder(now).is_some()
+        };
+        if held && !self.has(BrokenKind::GrantedTwice) && !force {
             return None;
         }
         if !self.has(BrokenKind::RepeatedToken) || state.last_token == 0 {
@@ -405,9 +460,9 @@ impl LockBackend for BrokenBackend {
                 return Ok(None);
             }
             tokio::task::yield_now().await;
-            self.take(key, ttl, owner)
+            self.take(key, ttl, owner, false)
         } else {
-            self.take(key, ttl, owner)
+            self.take(key, ttl, owner, false)
         };
         if self.has(BrokenKind::LostReplyReportedBusy) && self.store.cut.load(Ordering::SeqCst) {
             // The bug: a reply that does not come is taken for "held".
@@ -445,14 +500,16 @@ impl LockBackend for BrokenBackend {
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         lease.check_backend(self.id, NAME)?;
         self.store.reach().await?;
+        let permit = self.store.permits.lock().contains(lease.key());
+        let unchecked = self.has(BrokenKind::ReleaseWithoutOwnerCheck)
+            || (permit && self.has(BrokenKind::PermitReleaseWithoutOwnerCheck));
         let released = {
             let now = Instant::now();
             let mut keys = self.store.keys.lock();
             match keys.get_mut(lease.key()) {
                 Some(state)
                     if state.is_held_by(lease, now)
-                        || (self.has(BrokenKind::ReleaseWithoutOwnerCheck)
-                            && state.live_holder(now).is_some()) =>
+                        || (unchecked && state.live_holder(now).is_some()) =>
                 {
                     state.holder = None;
                     Release::Released
@@ -460,7 +517,9 @@ impl LockBackend for BrokenBackend {
                 _ => Release::NotHeld,
             }
         };
-        if released == Release::Released && !self.has(BrokenKind::ReleaseWakesNoOne) {
+        let silent = self.has(BrokenKind::ReleaseWakesNoOne)
+            || (permit && self.has(BrokenKind::PermitReleaseWakesNoOne));
+        if released == Release::Released && !silent {
             self.store.releases.0.notify(lease.key());
         }
         self.store.reply().await;
@@ -515,6 +574,44 @@ impl LockBackend for BrokenBackend {
         };
         self.store.reply().await;
         Ok(info)
+    }
+
+    /// Marks every key it is given as a permit slot, then takes the first free one as
+    /// `acquire` does, or in [`BrokenKind::PermitGrantedWhenFull`] the last one when none
+    /// is free.
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.store.permits.lock().extend(keys.iter().cloned());
+        for key in keys {
+            if let Some(lease) = self.acquire(key, ttl).await? {
+                return Ok(Some(lease));
+            }
+        }
+        let Some(last) = keys.last() else {
+            return Ok(None);
+        };
+        if !self.has(BrokenKind::PermitGrantedWhenFull) {
+            return Ok(None);
+        }
+        // The bug: a full semaphore grants one more.
+        let sent = Instant::now();
+        self.store.reach().await?;
+        let owner = OwnerId::random();
+        let token = self.take(last, ttl, owner, true);
+        self.store.reply().await;
+        Ok(token.map(|token| {
+            Lease::new(
+                self.id,
+                last.clone(),
+                owner,
+                token,
+                ttl,
+                self.valid_until(sent, ttl),
+            )
+        }))
     }
 
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {

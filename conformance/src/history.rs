@@ -1,4 +1,4 @@
-//! The history of a case run, and the checker for the invariants I1–I5 of the design.
+//! The history of a case run, and the checker for the invariants I1–I6 of the design.
 //!
 //! Cases talk to the store through a [`RecordingBackend`], which appends one [`Event`]
 //! per call (and one per element of a batch call) to a shared [`History`], with the
@@ -14,7 +14,10 @@
 //! - **I4** release or renewal of a lost lease (or of a lease nobody was granted) returns
 //!   `NotHeld`/`Lost`, and leaves the holder untouched: a holder's renewals and fence
 //!   checks succeed while its validity window lasts;
-//! - **I5** renewal extends and keeps the token, and never resurrects an expired lease.
+//! - **I5** renewal extends and keeps the token, and never resurrects an expired lease;
+//! - **I6** a semaphore's permits (leases on its slots `<name>:permit:<i>`): at no
+//!   instant do more of their validity windows overlap than it has permits (no-fault
+//!   runs).
 //!
 //! The checker only draws conclusions the instants prove: two calls are ordered only
 //! when one completed before the other was invoked, and a store-side expiry is bounded
@@ -29,7 +32,7 @@ mod counter;
 mod event;
 mod record;
 
-pub use check::{CheckOptions, Invariant, SEND_INSTANT_SLACK, Violation, check};
+pub use check::{CheckOptions, Invariant, SEND_INSTANT_SLACK, SemaphoreSpec, Violation, check};
 pub use counter::FencedCounter;
 pub use event::{Event, History, Op, Reply};
 pub use record::RecordingBackend;

@@ -5,7 +5,7 @@
 //! - [`conformance_tests!`]: stamps one test per case a backend can run, by the
 //!   capabilities its invocation declares ([`Need`]), and a test that prints the count.
 //! - [`history`]: the recorder every case writes its calls into, and the checker of the
-//!   invariants I1–I5.
+//!   invariants I1–I6.
 //! - [`memory`]: the factory over the in-memory reference backend; [`broken`]:
 //!   deliberately wrong backends, one bug each, the suite must fail on.
 //! - [`summary`]: the per-backend and per-variant lines a CI run prints at its end.

@@ -68,6 +68,11 @@ macro_rules! __conformance_cases {
             a_resignation_wakes_a_campaigning_standby: [wakes_waiters],
             a_waiter_whose_wake_is_lost_still_acquires: [wakes_waiters],
             a_cancelled_waiter_leaves_no_subscription: [wakes_waiters],
+            semaphore_never_grants_more_than_its_permits: [],
+            semaphore_permit_release_is_owner_checked: [],
+            semaphore_expired_permit_is_freed: [],
+            a_permit_release_wakes_a_waiter: [wakes_waiters],
+            dropped_permit_acquire_leaves_no_orphan: [],
         }
     };
 }

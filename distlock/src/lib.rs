@@ -152,14 +152,14 @@
 mod connect;
 
 pub use connect::{SCHEMES, Scheme, URL_ENV, connect, connect_from_env, setup};
-// The user's surface: taking, keeping and giving back locks; elections; fencing the
+// The user's surface: taking, keeping and giving back locks and permits; elections; fencing the
 // downstream store; the in-memory store; the errors and the metric names.
 pub use distlock_core::{
     Admission, Capabilities, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode, Fence,
     FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend, LockError,
-    LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MemoryFencedResource,
-    OwnerId, Release, Renewal, RetryPolicy, election_key, memory, redact_url, telemetry,
-    url_userinfo_is_ambiguous,
+    LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MAX_PERMITS,
+    MemoryFencedResource, OwnerId, Permit, Release, Renewal, RetryPolicy, Semaphore, election_key,
+    memory, redact_url, telemetry, url_userinfo_is_ambiguous,
 };
 
 /// What implementing a store, or a layer around one, needs beyond the user's surface:

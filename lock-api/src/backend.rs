@@ -42,6 +42,8 @@ use crate::wake::ReleaseWatch;
 /// - **Unknown outcomes.** When a request was sent and its reply lost, the call returns
 ///   [`LockError::OutcomeUnknown`] (or cleans up with an owner-checked release); it never
 ///   reports a lease it cannot prove was granted.
+/// - **Any of several.** `acquire_any` grants at most one of the keys it is given, a free
+///   one, with that key's next token, and returns `Ok(None)` only when every key was held.
 /// - **Batches.** The `*_many` forms return one result per input, in order, each equal to
 ///   what the single form would have returned. Where the store is partitioned (a cluster)
 ///   and only part of it answers, the items it could not ask are
@@ -132,6 +134,32 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             operation: "purge",
             backend: self.name(),
         })
+    }
+
+    /// Takes one free key of `keys`, trying them in order: a lease on the first it finds
+    /// free, or `Ok(None)` when every key is held. It takes at most one key, and never one
+    /// outside `keys`; an empty list is `Ok(None)`. This is how a [`crate::Semaphore`]
+    /// takes a permit: its keys are the permit slots.
+    ///
+    /// The default asks [`LockBackend::acquire`] key by key, one round trip per held key;
+    /// a store that can look at several keys in one request overrides it. Every key it
+    /// finds held counts as a refused acquire of that key (a store that announces only
+    /// waited releases marks it).
+    ///
+    /// # Cancel safety
+    /// As [`LockBackend::acquire`]: a cancelled call may have taken one key, which then
+    /// frees itself when its TTL runs out.
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        for key in keys {
+            if let Some(lease) = self.acquire(key, ttl).await? {
+                return Ok(Some(lease));
+            }
+        }
+        Ok(None)
     }
 
     /// [`LockBackend::acquire`] for many keys; one result per key, in order.

@@ -109,6 +109,25 @@ impl BackendLayer for Instrumented {
         next.inspect(key).instrument(span).await
     }
 
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let span = tracing::debug_span!(
+            "distlock.acquire_any",
+            backend = next.name(),
+            count = keys.len(),
+            ttl_ms = ttl.as_millis() as u64
+        );
+        let start = std::time::Instant::now();
+        let result = next.acquire_any(keys, ttl).instrument(span).await;
+        let outcome = result.as_ref().map_or("error", acquire_outcome);
+        record_acquire(next.name(), outcome, 1, start.elapsed());
+        result
+    }
+
     async fn acquire_many(
         &self,
         next: &dyn LockBackend,

@@ -144,6 +144,16 @@ pub trait BackendLayer: Debug + Send + Sync + 'static {
         next.purge(key).await
     }
 
+    /// [`LockBackend::acquire_any`].
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        next.acquire_any(keys, ttl).await
+    }
+
     /// [`LockBackend::acquire_many`].
     async fn acquire_many(
         &self,
@@ -231,6 +241,15 @@ impl<L: BackendLayer + ?Sized> BackendLayer for Arc<L> {
 
     async fn purge(&self, next: &dyn LockBackend, key: &LockKey) -> Result<(), LockError> {
         (**self).purge(next, key).await
+    }
+
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        (**self).acquire_any(next, keys, ttl).await
     }
 
     async fn acquire_many(
@@ -334,6 +353,14 @@ impl<L: BackendLayer> LockBackend for Layered<L> {
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
         self.layer.purge(&*self.inner, key).await
+    }
+
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.layer.acquire_any(&*self.inner, keys, ttl).await
     }
 
     async fn acquire_many(

@@ -14,6 +14,7 @@ mod lease;
 mod locker;
 pub mod memory;
 mod redact;
+mod semaphore;
 pub mod telemetry;
 mod waiting;
 pub mod wake;
@@ -35,6 +36,7 @@ pub use lease::{
 };
 pub use locker::{Locker, LockerBuilder, RetryPolicy};
 pub use redact::{redact_url, url_userinfo_is_ambiguous};
+pub use semaphore::{MAX_PERMITS, Permit, Semaphore};
 
 /// Re-exported so backends implement [`LockBackend`] with the same macro version.
 pub use async_trait::async_trait;

@@ -13,6 +13,7 @@ use crate::error::LockError;
 use crate::guard::LockGuard;
 use crate::instrumented::Instrumented;
 use crate::key::LockKey;
+use crate::lease::Lease;
 use crate::telemetry::WAIT_SECONDS;
 use crate::waiting::Waiting;
 use crate::watchdog::{LeaseState, Watchdog, check_schedule};
@@ -179,6 +180,11 @@ impl Locker {
         self.inner.ttl
     }
 
+    /// The backoff between attempts.
+    pub fn retry(&self) -> RetryPolicy {
+        self.inner.retry
+    }
+
     /// The backend, wrapped with tracing and metrics.
     pub fn backend(&self) -> &Arc<dyn LockBackend> {
         self.inner.watchdog.backend()
@@ -209,16 +215,20 @@ impl Locker {
     /// not renewed and frees itself when its TTL runs out.
     pub async fn try_lock(&self, key: &LockKey) -> Result<Option<LockGuard>, LockError> {
         let sent = Instant::now();
+        let granted = self.backend().acquire(key, self.inner.ttl).await?;
+        Ok(granted.map(|lease| self.guard(lease, sent)))
+    }
+
+    /// A guard for `lease`, granted to a request sent at `sent`, renewed by the watchdog
+    /// from now on.
+    pub(crate) fn guard(&self, lease: Lease, sent: Instant) -> LockGuard {
         let watchdog = &self.inner.watchdog;
-        let Some(lease) = watchdog.backend().acquire(key, self.inner.ttl).await? else {
-            return Ok(None);
-        };
         let state = Arc::new(LeaseState::new(
             lease.valid_until(),
             watchdog.backend().name(),
         ));
         let id = watchdog.register(lease.clone(), state.clone(), sent);
-        Ok(Some(LockGuard::new(lease, state, id, watchdog.clone())))
+        LockGuard::new(lease, state, id, watchdog.clone())
     }
 
     /// Waits for the lock, up to the wait timeout. Where the backend announces releases
@@ -241,8 +251,25 @@ impl Locker {
     /// release watch is dropped with it, and a wake it had received goes to another
     /// waiter of the key. It records no wait time.
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
+        let waiting = Waiting::new(self.backend().as_ref(), key, self.inner.retry);
+        self.wait_for(key, waiting, || self.try_lock(key)).await
+    }
+
+    /// Waits until `attempt` grants a guard, up to the wait timeout, waiting between
+    /// attempts as `waiting` says; `name` is what a `Timeout` names. Records the time
+    /// waited in `distlock_wait_seconds`.
+    pub(crate) async fn wait_for<F, Fut>(
+        &self,
+        name: &LockKey,
+        waiting: Waiting,
+        attempt: F,
+    ) -> Result<LockGuard, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Option<LockGuard>, LockError>>,
+    {
         let started = Instant::now();
-        let result = self.wait_for(key, started).await;
+        let result = self.retry_until(name, waiting, attempt, started).await;
         let outcome = match &result {
             Ok(_) => "acquired",
             Err(LockError::Timeout { .. }) => "timed_out",
@@ -253,26 +280,35 @@ impl Locker {
         result
     }
 
-    /// [`Locker::lock`]'s wait, begun at `started`.
-    async fn wait_for(&self, key: &LockKey, started: Instant) -> Result<LockGuard, LockError> {
+    /// [`Locker::wait_for`]'s loop, begun at `started`.
+    async fn retry_until<F, Fut>(
+        &self,
+        name: &LockKey,
+        mut waiting: Waiting,
+        mut attempt: F,
+        started: Instant,
+    ) -> Result<LockGuard, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<Option<LockGuard>, LockError>>,
+    {
         let deadline = wait_deadline(started, self.inner.wait_timeout)?;
         let timed_out = || LockError::Timeout {
-            key: key.clone(),
+            key: name.clone(),
             waited: Instant::now() - started,
         };
-        let mut waiting = Waiting::new(self.backend().as_ref(), key, self.inner.retry);
         loop {
             let tried = match deadline {
-                Some(deadline) => timeout_at(deadline, self.try_lock(key))
+                Some(deadline) => timeout_at(deadline, attempt())
                     .await
                     .map_err(|_| timed_out())?,
-                None => self.try_lock(key).await,
+                None => attempt().await,
             };
             let held_by_another = match tried {
                 Ok(Some(guard)) => return Ok(guard),
                 Ok(None) => true,
                 Err(e) if e.is_retryable() => {
-                    debug!(%key, error = %e, "acquire failed, retrying");
+                    debug!(key = %name, error = %e, "acquire failed, retrying");
                     false
                 }
                 Err(e) => return Err(e),
@@ -338,28 +374,37 @@ impl Locker {
     {
         let guard = self.lock(key).await?;
         let work = job(&guard);
-        let value = match guard.status().while_held(work).await {
-            Ok(value) => value,
-            Err(lost) => {
-                // The store may be unreachable: release in the background (on drop)
-                // instead of making the caller wait for it.
-                drop(guard);
-                return Err(lost);
-            }
-        };
-        // Waiting past the lease's validity gains nothing: it frees itself by then.
-        let deadline = guard.valid_until();
-        match timeout_at(deadline, guard.release()).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(error)) => {
-                debug!(%key, %error, "release after the job failed; the lease runs out on its own");
-            }
-            Err(_) => {
-                debug!(%key, "release after the job timed out; the lease runs out on its own")
-            }
-        }
-        Ok(value)
+        run_while_held(guard, work).await
     }
+}
+
+/// Runs `work` under `guard`'s lease, then releases it: [`Locker::with_lock`]'s body.
+pub(crate) async fn run_while_held<T>(
+    guard: LockGuard,
+    work: impl Future<Output = T>,
+) -> Result<T, LockError> {
+    let value = match guard.status().while_held(work).await {
+        Ok(value) => value,
+        Err(lost) => {
+            // The store may be unreachable: release in the background (on drop)
+            // instead of making the caller wait for it.
+            drop(guard);
+            return Err(lost);
+        }
+    };
+    // Waiting past the lease's validity gains nothing: it frees itself by then.
+    let deadline = guard.valid_until();
+    let key = guard.key().clone();
+    match timeout_at(deadline, guard.release()).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(error)) => {
+            debug!(%key, %error, "release after the job failed; the lease runs out on its own");
+        }
+        Err(_) => {
+            debug!(%key, "release after the job timed out; the lease runs out on its own")
+        }
+    }
+    Ok(value)
 }
 
 /// The instant a wait of `wait` from `start` ends; `None` for no deadline. A wait too long

@@ -9,6 +9,7 @@
 
 use std::time::Duration;
 
+use futures::future::select_all;
 use tokio::time::sleep;
 
 use crate::backend::LockBackend;
@@ -16,9 +17,10 @@ use crate::key::LockKey;
 use crate::locker::RetryPolicy;
 use crate::wake::ReleaseWatch;
 
-/// One waiter's state between attempts: its release watch and how many attempts it made.
+/// One waiter's state between attempts: its release watches and how many attempts it made.
 pub(crate) struct Waiting {
-    releases: Option<ReleaseWatch>,
+    /// One watch per key waited for; `None` where the backend announces nothing.
+    releases: Option<Vec<ReleaseWatch>>,
     retry: RetryPolicy,
     attempt: u32,
 }
@@ -27,8 +29,15 @@ impl Waiting {
     /// Starts watching `key`'s releases. Call it before the first attempt, so that a
     /// release between a refused attempt and the wait after it still wakes this waiter.
     pub(crate) fn new(backend: &dyn LockBackend, key: &LockKey, retry: RetryPolicy) -> Self {
+        Self::any_of(backend, std::slice::from_ref(key), retry)
+    }
+
+    /// Starts watching the releases of every key of `keys`, for a waiter that takes
+    /// whichever frees first (a semaphore's permit slots). A backend that returns no watch
+    /// for one of them is polled, as one that announces nothing.
+    pub(crate) fn any_of(backend: &dyn LockBackend, keys: &[LockKey], retry: RetryPolicy) -> Self {
         Self {
-            releases: backend.watch_releases(key),
+            releases: keys.iter().map(|key| backend.watch_releases(key)).collect(),
             retry,
             attempt: 0,
         }
@@ -46,18 +55,22 @@ impl Waiting {
         wait
     }
 
-    /// Waits `wait`, or less if a release of the key is announced first.
+    /// Waits `wait`, or less if a release of one of the keys is announced first.
     ///
     /// # Cancel safety
     /// Cancel safe: a wake received by a cancelled wait goes to another waiter of the key
-    /// or stays for the next one.
+    /// or stays for the next one, and so does a wake of a second key that arrived
+    /// together with the one that ended the wait.
     pub(crate) async fn wait(&mut self, wait: Duration) {
         match self.releases.as_mut() {
-            Some(watch) => tokio::select! {
-                () = watch.released() => {}
-                () = sleep(wait) => {}
-            },
-            None => sleep(wait).await,
+            Some(watches) if !watches.is_empty() => {
+                let released = select_all(watches.iter_mut().map(|w| Box::pin(w.released())));
+                tokio::select! {
+                    _ = released => {}
+                    () = sleep(wait) => {}
+                }
+            }
+            _ => sleep(wait).await,
         }
     }
 }

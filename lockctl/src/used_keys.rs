@@ -196,6 +196,16 @@ impl BackendLayer for KeyRecorder {
         next.purge(key).await
     }
 
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        keys.iter().for_each(|key| self.used.note(key));
+        next.acquire_any(keys, ttl).await
+    }
+
     async fn acquire_many(
         &self,
         next: &dyn LockBackend,

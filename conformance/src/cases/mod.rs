@@ -2,7 +2,7 @@
 //!
 //! Every case takes a [`crate::Factory`], works under its own random key prefix,
 //! records its calls in a [`crate::history::History`], checks what the contract in
-//! [`distlock_core::LockBackend`] requires at each step, checks the history against I1–I5 at
+//! [`distlock_core::LockBackend`] requires at each step, checks the history against I1–I6 at
 //! the end, and releases what it took. TTLs come from the backend's capabilities
 //! ([`crate::suite::Timing`]), and every wait on the store is a deadline with slack,
 //! never a speed assertion. A case never returns early: what it needs beyond a store
@@ -15,6 +15,7 @@ mod election;
 mod input;
 mod lease;
 mod locker;
+mod semaphore;
 mod server_faults;
 mod wake;
 
@@ -24,6 +25,7 @@ pub use election::*;
 pub use input::*;
 pub use lease::*;
 pub use locker::*;
+pub use semaphore::*;
 pub use server_faults::*;
 pub use wake::*;
 

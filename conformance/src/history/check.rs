@@ -1,5 +1,5 @@
 //! The checker: reads a history's events after the fact and reports every [`Violation`]
-//! of the invariants I1–I5, which the [module root](super) states.
+//! of the invariants I1–I6, which the [module root](super) states.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -23,6 +23,9 @@ pub enum Invariant {
     I4,
     /// Renewal extends, keeps the token, never resurrects.
     I5,
+    /// A semaphore's permits: never more validity windows of its grants at once than it
+    /// has permits.
+    I6,
 }
 
 impl fmt::Display for Invariant {
@@ -58,6 +61,8 @@ pub struct CheckOptions {
     /// grant or renewal) the store is allowed to still consider it held, for I5's
     /// resurrection check: covers the store's expiry lag.
     pub expiry_slack: Duration,
+    /// The semaphores the run used, whose permits I6 counts.
+    pub semaphores: Vec<SemaphoreSpec>,
 }
 
 impl Default for CheckOptions {
@@ -65,8 +70,19 @@ impl Default for CheckOptions {
         Self {
             faults: false,
             expiry_slack: Duration::from_millis(100),
+            semaphores: Vec::new(),
         }
     }
+}
+
+/// A semaphore I6 checks: every key under `<name>:permit:` is one of its permits, and at
+/// most `permits` of them may be held at once.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SemaphoreSpec {
+    /// The semaphore's name.
+    pub name: LockKey,
+    /// How many permits it has.
+    pub permits: u32,
 }
 
 /// Everything the checker derives about one grant.
@@ -104,7 +120,7 @@ impl Grant<'_> {
     }
 }
 
-/// Checks a history against I1–I5 and returns every violation found (empty when clean).
+/// Checks a history against I1–I6 and returns every violation found (empty when clean).
 pub fn check(events: &[Event], options: &CheckOptions) -> Vec<Violation> {
     let mut violations = Vec::new();
     let mut by_key: HashMap<&LockKey, Vec<&Event>> = HashMap::new();
@@ -116,15 +132,74 @@ pub fn check(events: &[Event], options: &CheckOptions) -> Vec<Violation> {
     for key in keys {
         check_key(&by_key[key], options, &mut violations);
     }
+    if !options.faults {
+        for semaphore in &options.semaphores {
+            check_permits(&by_key, semaphore, &mut violations);
+        }
+    }
     violations
+}
+
+/// I6: at no instant do more grants of a semaphore's permit slots hold their validity
+/// windows than the semaphore has permits.
+fn check_permits(
+    by_key: &HashMap<&LockKey, Vec<&Event>>,
+    semaphore: &SemaphoreSpec,
+    out: &mut Vec<Violation>,
+) {
+    let slots = format!("{}:permit:", semaphore.name);
+    let mut grants = Vec::new();
+    for (key, events) in by_key {
+        if key.as_str().starts_with(&slots) {
+            grants.extend(grants_of(events).0);
+        }
+    }
+    // Window ends sort before starts at the same instant: a permit handed on at one
+    // instant is not two permits.
+    let mut edges: Vec<(Instant, i32, &Event)> = Vec::new();
+    for g in &grants {
+        let (start, end) = (g.event.completed, g.window_end());
+        if start < end {
+            edges.push((start, 1, g.event));
+            edges.push((end, -1, g.event));
+        }
+    }
+    edges.sort_by_key(|(at, step, _)| (*at, *step));
+    let mut held: Vec<&Event> = Vec::new();
+    for (_, step, event) in edges {
+        if step < 0 {
+            held.retain(|e| e.seq != event.seq);
+            continue;
+        }
+        held.push(event);
+        if held.len() > semaphore.permits as usize {
+            let listed: Vec<String> = held.iter().map(|e| e.to_string()).collect();
+            violation(
+                out,
+                Invariant::I6,
+                format!(
+                    "{} permits of {:?} (which has {}) were held at once: {}",
+                    held.len(),
+                    semaphore.name.as_str(),
+                    semaphore.permits,
+                    listed.join(", ")
+                ),
+            );
+            return;
+        }
+    }
 }
 
 fn violation(violations: &mut Vec<Violation>, invariant: Invariant, message: String) {
     violations.push(Violation { invariant, message });
 }
 
-fn check_key(events: &[&Event], options: &CheckOptions, out: &mut Vec<Violation>) {
-    let mut grants: Vec<Grant<'_>> = events
+/// The grants among one key's events, in completion order, with their renewals and
+/// first release; and each grant's place by lease id.
+fn grants_of<'a>(
+    events: &[&'a Event],
+) -> (Vec<Grant<'a>>, HashMap<(OwnerId, FencingToken), usize>) {
+    let mut grants: Vec<Grant<'a>> = events
         .iter()
         .filter(|e| e.op == Op::Acquire && e.reply == Reply::Granted)
         .filter_map(|e| {
@@ -169,7 +244,11 @@ fn check_key(events: &[&Event], options: &CheckOptions, out: &mut Vec<Violation>
     for g in &mut grants {
         g.extensions.sort_by_key(|e| e.1);
     }
+    (grants, index)
+}
 
+fn check_key(events: &[&Event], options: &CheckOptions, out: &mut Vec<Violation>) {
+    let (grants, index) = grants_of(events);
     check_tokens(&grants, out);
     check_writes(events, out);
     check_validity_bounds(events, out);

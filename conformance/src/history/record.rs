@@ -65,6 +65,30 @@ impl BackendLayer for History {
         result
     }
 
+    /// A grant is recorded on the key it took; "every key held" as a refused acquire
+    /// of each key asked for.
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let invoked = Instant::now();
+        let result = next.acquire_any(keys, ttl).await;
+        match &result {
+            Ok(Some(lease)) => {
+                self.record_acquire(lease.key(), ttl, invoked, Ok(&Some(lease.clone())));
+            }
+            Ok(None) => keys
+                .iter()
+                .for_each(|key| self.record_acquire(key, ttl, invoked, Ok(&None))),
+            Err(e) => keys
+                .iter()
+                .for_each(|key| self.record_acquire(key, ttl, invoked, Err(e))),
+        }
+        result
+    }
+
     async fn acquire_many(
         &self,
         next: &dyn LockBackend,

@@ -5,13 +5,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::{Lease, LockBackend, LockError, LockKey};
+use distlock_core::{Lease, LockBackend, LockError, LockKey, Locker, Semaphore};
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{Failure, Outcome, Timing};
 use crate::factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
-    CheckOptions, FencedCounter, History, Invariant, RecordingBackend, Violation,
+    CheckOptions, FencedCounter, History, Invariant, RecordingBackend, SemaphoreSpec, Violation,
 };
 
 /// The context of one case run: unique keys, recorded clients, checks and failures.
@@ -23,6 +24,8 @@ pub struct Ctx<'f> {
     faults: bool,
     /// The expiry slack of the case's [`Timing`], once [`Ctx::timing`] was asked for it.
     expiry_slack: std::sync::OnceLock<Duration>,
+    /// The semaphores made with [`Ctx::semaphore`], whose permits the checker counts (I6).
+    semaphores: Mutex<Vec<SemaphoreSpec>>,
 }
 
 impl<'f> Ctx<'f> {
@@ -35,6 +38,7 @@ impl<'f> Ctx<'f> {
             history: Arc::new(History::new()),
             faults: false,
             expiry_slack: std::sync::OnceLock::new(),
+            semaphores: Mutex::new(Vec::new()),
         }
     }
 
@@ -57,6 +61,24 @@ impl<'f> Ctx<'f> {
     pub fn key(&self, name: &str) -> Result<LockKey, Failure> {
         LockKey::new(format!("{}:{name}", self.prefix))
             .map_err(|e| self.fail(format!("a valid key for {name:?}"), e))
+    }
+
+    /// The semaphore `name` (a key of this run) of `permits` permits on `locker`, whose
+    /// permits the history checker counts (I6).
+    pub fn semaphore(
+        &self,
+        locker: &Locker,
+        name: &str,
+        permits: u32,
+    ) -> Result<Semaphore, Failure> {
+        let name = self.key(name)?;
+        let semaphore = self.ok("Locker::semaphore", locker.semaphore(&name, permits))?;
+        let spec = SemaphoreSpec { name, permits };
+        let mut declared = self.semaphores.lock();
+        if !declared.contains(&spec) {
+            declared.push(spec);
+        }
+        Ok(semaphore)
     }
 
     /// A new client from the factory whose calls are recorded in the history.
@@ -99,6 +121,7 @@ impl<'f> Ctx<'f> {
                 .get()
                 .copied()
                 .unwrap_or(CheckOptions::default().expiry_slack),
+            semaphores: self.semaphores.lock().clone(),
         }
     }
 
@@ -225,18 +248,19 @@ impl<'f> Ctx<'f> {
         timing
     }
 
-    /// Checks the history against I1–I5.
+    /// Checks the history against I1–I6.
     pub fn check_history(&self, timing: &Timing) -> Result<(), Failure> {
         let _ = self.expiry_slack.set(timing.expiry_slack);
         let violations = self.history.check(&CheckOptions {
             faults: self.faults,
             expiry_slack: timing.expiry_slack,
+            semaphores: self.semaphores.lock().clone(),
         });
         if violations.is_empty() {
             return Ok(());
         }
         Err(self.failure(
-            "a history that meets I1-I5".to_owned(),
+            "a history that meets I1-I6".to_owned(),
             format!(
                 "{} violation(s):\n{}",
                 violations.len(),

@@ -1,6 +1,6 @@
-//! Cancellation cases on [`Locker`]: `lock`, `try_lock`, `with_lock` and the guard's
-//! `release`, dropped after their 1st, 2nd, 3rd … poll; the watchdog must renew nothing
-//! a dropped call took.
+//! Cancellation cases on [`Locker`]: `lock`, `try_lock`, `with_lock`, the guard's
+//! `release` and a semaphore's `acquire`, dropped after their 1st, 2nd, 3rd … poll; the
+//! watchdog must renew nothing a dropped call took.
 
 use distlock_core::{LockKey, Locker};
 use tokio::time::Instant;
@@ -150,4 +150,30 @@ pub async fn dropped_guard_release_frees_the_key_by_its_ttl(
         }
     }
     Err(never_completed(&ctx, "guard release"))
+}
+
+/// `Semaphore::acquire` of a free permit dropped at any poll leaves no slot held for
+/// longer than its TTL, and its watchdog renews nothing.
+pub async fn dropped_permit_acquire_leaves_no_orphan(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    let ctx = Ctx::new("dropped_permit_acquire_leaves_no_orphan", factory);
+    let c = Clients::new(&ctx).await?;
+    let locker = locker(&ctx, c.first.clone(), &c.t)?;
+    for polls in 1..=MAX_POLLS {
+        let semaphore = ctx.semaphore(&locker, &format!("cut-{polls}"), 2)?;
+        match cut_after(semaphore.acquire(), polls).await {
+            Some(permit) => {
+                let permit = ctx.ok("Semaphore::acquire", permit)?;
+                guard_released(&ctx, permit.release().await)?;
+                return ctx.pass(&c.t);
+            }
+            None => {
+                let what = format!("a semaphore acquire dropped after {polls} poll(s)");
+                let slots = semaphore.slots().to_vec();
+                after_the_locker_cut(&ctx, &c, &locker, &slots, Instant::now(), &what).await?;
+            }
+        }
+    }
+    Err(never_completed(&ctx, "Semaphore::acquire"))
 }

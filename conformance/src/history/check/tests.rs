@@ -299,3 +299,32 @@ fn i5_a_renewal_that_shortens_validity_is_reported() {
     only(&v, Invariant::I5);
     assert!(v[0].message.contains("shortened"), "{v:#?}");
 }
+
+/// Grants of three slots of a semaphore, each released 50 ms after it was taken:
+/// `overlapping` puts the third inside the other two's windows, else after the first
+/// was released.
+fn permits_history(overlapping: bool) -> Vec<Event> {
+    let mut h = Builder::new();
+    let third = if overlapping { 20 } else { 60 };
+    for (slot, at) in [(0, 0), (1, 10), (2, third)] {
+        h.key = LockKey::new(format!("sem:permit:{slot}")).unwrap();
+        let owner = OwnerId::random();
+        h.grant((owner, 1), at)
+            .op(Op::Release, (owner, 1), at + 50, Reply::Released);
+    }
+    h.events
+}
+
+#[test]
+fn i6_more_permits_at_once_than_the_semaphore_has_are_reported() {
+    let options = |permits| CheckOptions {
+        semaphores: vec![SemaphoreSpec {
+            name: LockKey::new("sem").unwrap(),
+            permits,
+        }],
+        ..CheckOptions::default()
+    };
+    only(&check(&permits_history(true), &options(2)), Invariant::I6);
+    assert_eq!(check(&permits_history(true), &options(3)), vec![]);
+    assert_eq!(check(&permits_history(false), &options(2)), vec![]);
+}
