@@ -1,0 +1,195 @@
+//! Semaphores on the memory backend: bad limits refused before anything is sent, a
+//! backend that grants a key it was not asked for caught, one waiter woken per freed
+//! permit, a lost permit reported like a lost lock.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use distlock_core::memory::MemoryBackend;
+use distlock_core::{
+    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, MAX_PERMITS, Release,
+    RetryPolicy, async_trait,
+};
+use tokio::time::{sleep, timeout};
+
+const TTL: Duration = Duration::from_secs(3);
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).unwrap()
+}
+
+/// Counts the calls that reach the store; `stray` makes `acquire_any` take a key it was
+/// not given.
+#[derive(Debug, Default)]
+struct Calls {
+    sent: AtomicUsize,
+    stray: bool,
+}
+
+#[async_trait]
+impl BackendLayer for Calls {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        next.acquire(key, ttl).await
+    }
+
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        if self.stray {
+            return next.acquire(&key("somebody-else"), ttl).await;
+        }
+        next.acquire_any(keys, ttl).await
+    }
+}
+
+fn locker_on(backend: Arc<dyn LockBackend>, backoff: Duration) -> Locker {
+    Locker::builder(backend)
+        .ttl(TTL)
+        .retry(RetryPolicy {
+            initial: backoff,
+            max: backoff,
+        })
+        .wait_timeout(Some(Duration::from_secs(60)))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
+    let calls = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), Calls::default()));
+    let locker = locker_on(calls.clone(), Duration::from_millis(10));
+    for permits in [0, MAX_PERMITS + 1, u32::MAX] {
+        let made = locker.semaphore(&key("exports"), permits);
+        assert!(
+            matches!(&made, Err(LockError::Config(why)) if why.contains("1 to 1024 permits")),
+            "{permits}: {made:?}"
+        );
+    }
+    // The slot names `<name>:permit:<i>` must fit the key limit too.
+    let long = key(&"n".repeat(distlock_core::MAX_KEY_BYTES - 8));
+    let made = locker.semaphore(&long, 10);
+    assert!(matches!(made, Err(LockError::InvalidKey { .. })), "{made:?}");
+    assert_eq!(calls.layer().sent.load(Ordering::SeqCst), 0);
+
+    let most = locker.semaphore(&key("exports"), MAX_PERMITS).unwrap();
+    assert_eq!(most.permits(), MAX_PERMITS);
+    assert_eq!(most.slots()[1023].as_str(), "exports:permit:1023");
+}
+
+#[tokio::test]
+async fn a_key_granted_outside_the_slots_is_given_back_and_reported() {
+    let store = Arc::new(MemoryBackend::new());
+    let calls = Calls {
+        stray: true,
+        ..Calls::default()
+    };
+    let locker = locker_on(
+        Arc::new(Layered::new(store.clone(), calls)),
+        Duration::from_millis(10),
+    );
+    let semaphore = locker.semaphore(&key("exports"), 2).unwrap();
+    let got = semaphore.try_acquire().await;
+    assert!(
+        matches!(&got, Err(LockError::Backend { source, .. }) if source.to_string().contains("somebody-else")),
+        "{got:?}"
+    );
+    // Given back: the stray key is free, and the locker renews nothing.
+    assert!(store.acquire(&key("somebody-else"), TTL).await.unwrap().is_some());
+    assert_eq!(locker.held(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_freed_permit_wakes_one_waiter() {
+    const LONG: Duration = Duration::from_secs(30);
+    let store: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    assert!(store.capabilities().wakes_waiters);
+    let holder = locker_on(store.clone(), LONG);
+    let semaphore = holder.semaphore(&key("exports"), 2).unwrap();
+    let first = semaphore.try_acquire().await.unwrap().unwrap();
+    let second = semaphore.try_acquire().await.unwrap().unwrap();
+
+    let granted = Arc::new(AtomicUsize::new(0));
+    let mut waiters = Vec::new();
+    for _ in 0..3 {
+        let semaphore = locker_on(store.clone(), LONG)
+            .semaphore(&key("exports"), 2)
+            .unwrap();
+        let granted = granted.clone();
+        waiters.push(tokio::spawn(async move {
+            let permit = semaphore.acquire().await?;
+            granted.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, LockError>(permit)
+        }));
+    }
+    sleep(Duration::from_millis(200)).await;
+    assert_eq!(granted.load(Ordering::SeqCst), 0);
+
+    // Each release wakes a waiter long before its 30 s backoff, and only one takes it.
+    let mut held = Vec::new();
+    for (released, permit) in [first, second].into_iter().enumerate() {
+        assert_eq!(permit.release().await.unwrap(), Release::Released);
+        timeout(Duration::from_secs(5), async {
+            while granted.load(Ordering::SeqCst) <= released {
+                sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("a freed permit wakes a waiter");
+        sleep(Duration::from_millis(100)).await;
+        assert_eq!(granted.load(Ordering::SeqCst), released + 1);
+    }
+    let mut still_waiting = 0;
+    for waiter in waiters {
+        if waiter.is_finished() {
+            held.push(waiter.await.unwrap().unwrap());
+        } else {
+            still_waiting += 1;
+            waiter.abort();
+        }
+    }
+    assert_eq!((held.len(), still_waiting), (2, 1));
+    let mut slots: Vec<u32> = held.iter().map(|p| p.slot()).collect();
+    slots.sort_unstable();
+    assert_eq!(slots, [0, 1]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_permit_stops_its_job_and_frees_the_slot() {
+    let store = Arc::new(MemoryBackend::new());
+    let locker = locker_on(store.clone(), Duration::from_millis(10));
+    let semaphore = locker.semaphore(&key("exports"), 1).unwrap();
+    let steps = Arc::new(AtomicUsize::new(0));
+    let counted = steps.clone();
+    let ran = semaphore
+        .with_permit(|permit| {
+            let slot = permit.key().clone();
+            let store = store.clone();
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                // Another process takes the slot over: the store forgets this holder.
+                store.purge(&slot).await.unwrap();
+                let _theirs = store.acquire(&slot, TTL).await.unwrap().unwrap();
+                loop {
+                    sleep(Duration::from_millis(100)).await;
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+        .await;
+    assert!(matches!(ran, Err(LockError::Lost)), "{ran:?}");
+    let steps = steps.load(Ordering::SeqCst);
+    // The watchdog renews at TTL / 3 and hears Lost: the job stops at its next step.
+    assert!((2..=12).contains(&steps), "{steps} steps");
+    assert_eq!(locker.held(), 0);
+}
