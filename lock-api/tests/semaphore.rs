@@ -67,7 +67,10 @@ fn locker_on(backend: Arc<dyn LockBackend>, backoff: Duration) -> Locker {
 
 #[tokio::test]
 async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
-    let calls = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), Calls::default()));
+    let calls = Arc::new(Layered::new(
+        Arc::new(MemoryBackend::new()),
+        Calls::default(),
+    ));
     let locker = locker_on(calls.clone(), Duration::from_millis(10));
     for permits in [0, MAX_PERMITS + 1, u32::MAX] {
         let made = locker.semaphore(&key("exports"), permits);
@@ -79,7 +82,10 @@ async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
     // The slot names `<name>:permit:<i>` must fit the key limit too.
     let long = key(&"n".repeat(distlock_core::MAX_KEY_BYTES - 8));
     let made = locker.semaphore(&long, 10);
-    assert!(matches!(made, Err(LockError::InvalidKey { .. })), "{made:?}");
+    assert!(
+        matches!(made, Err(LockError::InvalidKey { .. })),
+        "{made:?}"
+    );
     assert_eq!(calls.layer().sent.load(Ordering::SeqCst), 0);
 
     let most = locker.semaphore(&key("exports"), MAX_PERMITS).unwrap();
@@ -105,7 +111,13 @@ async fn a_key_granted_outside_the_slots_is_given_back_and_reported() {
         "{got:?}"
     );
     // Given back: the stray key is free, and the locker renews nothing.
-    assert!(store.acquire(&key("somebody-else"), TTL).await.unwrap().is_some());
+    assert!(
+        store
+            .acquire(&key("somebody-else"), TTL)
+            .await
+            .unwrap()
+            .is_some()
+    );
     assert_eq!(locker.held(), 0);
 }
 

@@ -5,6 +5,7 @@
 //! - `setup URL`: create the tables a store needs (PostgreSQL);
 //! - `inspect`, `acquire`, `release`: one lock, by hand;
 //! - `leader URL ROLE`: who leads a role elected with `distlock::Election`;
+//! - `semaphore URL NAME --permits N`: who holds a semaphore's permits;
 //!
 //! A command on one store takes its URL first, or from `DISTLOCK_URL` when it is left
 //! out (`lockctl inspect KEY`), as `distlock::connect_from_env` does.
@@ -18,6 +19,7 @@ mod exit;
 mod features;
 mod keys;
 mod leader;
+mod semaphore;
 mod target;
 mod used_keys;
 
@@ -109,6 +111,20 @@ enum Command {
     Leader {
         #[command(flatten)]
         target: UrlAndName,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show a semaphore's permits (from `Locker::semaphore`): each slot's holder, fencing
+    /// token and how long its lease still runs. Its slots are the keys NAME:permit:0 to
+    /// NAME:permit:N-1.
+    #[command(override_usage = "lockctl semaphore [OPTIONS] --permits <N> [URL] <NAME>")]
+    Semaphore {
+        #[command(flatten)]
+        target: UrlAndName,
+        /// How many permits the semaphore has.
+        #[arg(long)]
+        permits: u32,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -234,6 +250,12 @@ enum Resolved {
         role: String,
         json: bool,
     },
+    Semaphore {
+        url: String,
+        name: String,
+        permits: u32,
+        json: bool,
+    },
     Bench {
         urls: Vec<String>,
         quick: bool,
@@ -291,6 +313,19 @@ impl Command {
                 let (url, role) = target.resolve(env)?;
                 Resolved::Leader { url, role, json }
             }
+            Command::Semaphore {
+                target,
+                permits,
+                json,
+            } => {
+                let (url, name) = target.resolve(env)?;
+                Resolved::Semaphore {
+                    url,
+                    name,
+                    permits,
+                    json,
+                }
+            }
             Command::Bench {
                 urls,
                 quick,
@@ -317,7 +352,8 @@ impl Resolved {
             | Resolved::Inspect { url, .. }
             | Resolved::Acquire { url, .. }
             | Resolved::Release { url, .. }
-            | Resolved::Leader { url, .. } => vec![url.as_str()],
+            | Resolved::Leader { url, .. }
+            | Resolved::Semaphore { url, .. } => vec![url.as_str()],
             Resolved::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
             Resolved::Completions { .. } => Vec::new(),
         }
@@ -355,6 +391,12 @@ async fn run(command: Resolved) -> Result<ExitCode, distlock::LockError> {
             json,
         } => keys::release(&url, &key, &owner, token, json).await,
         Resolved::Leader { url, role, json } => leader::show(&url, &role, json).await,
+        Resolved::Semaphore {
+            url,
+            name,
+            permits,
+            json,
+        } => semaphore::show(&url, &name, permits, json).await,
         Resolved::Completions { shell } => {
             clap_complete::generate(
                 shell,

@@ -299,7 +299,15 @@ fn completions_name_every_command() {
         assert!(output.status.success(), "{shell}: {output:?}");
         let script = String::from_utf8(output.stdout).unwrap();
         for command in [
-            "demo", "check", "setup", "inspect", "acquire", "release", "leader", "bench",
+            "demo",
+            "check",
+            "setup",
+            "inspect",
+            "acquire",
+            "release",
+            "leader",
+            "semaphore",
+            "bench",
         ] {
             assert!(script.contains(command), "{shell} lacks {command}");
         }
@@ -330,6 +338,23 @@ fn a_command_without_a_url_or_distlock_url_says_which_to_give() {
             .assert()
             .code(2)
             .stderr(predicate::str::contains("DISTLOCK_URL"));
+    }
+}
+
+#[test]
+fn a_semaphore_with_no_or_too_many_permits_is_refused_before_connecting() {
+    for permits in ["0", "1025"] {
+        lockctl()
+            .args([
+                "semaphore",
+                "redis://127.0.0.1:1",
+                "exports",
+                "--permits",
+                permits,
+            ])
+            .assert()
+            .code(2)
+            .stderr(predicate::str::contains("1 to 1024 permits"));
     }
 }
 
@@ -408,7 +433,14 @@ fn every_command_has_help() {
         .success()
         .stdout(predicate::str::contains("demo").and(predicate::str::contains("check")));
     for command in [
-        "demo", "check", "setup", "inspect", "acquire", "release", "bench",
+        "demo",
+        "check",
+        "setup",
+        "inspect",
+        "acquire",
+        "release",
+        "semaphore",
+        "bench",
     ] {
         lockctl()
             .args([command, "--help"])
@@ -496,6 +528,36 @@ mod on_redis {
         );
         let value = require(server.command(&["GET", "app:config"]).await);
         assert_eq!(value.as_text().as_deref(), Some("keep me"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn semaphore_shows_who_holds_each_permit() {
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        let (first, _) = acquire_json(&url, "exports:permit:0");
+        let (third, token) = acquire_json(&url, "exports:permit:2");
+        let output = lockctl()
+            .args(["semaphore", &url, "exports", "--permits", "3", "--json"])
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        let shown: Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(shown["held"], 2, "{shown}");
+        let holders: Vec<&Value> = (0..3).map(|i| &shown["slots"][i]["holder"]).collect();
+        assert_eq!(
+            holders,
+            [&Value::from(first), &Value::Null, &Value::from(third)]
+        );
+        assert_eq!(shown["slots"][2]["token"], token, "{shown}");
+        assert!(
+            shown["slots"][2]["ttl_left_ms"].as_u64().unwrap() > 50_000,
+            "{shown}"
+        );
+        lockctl()
+            .args(["semaphore", &url, "exports", "--permits", "3"])
+            .assert()
+            .success()
+            .stdout(predicate::str::contains("2 of 3 permits held"));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
