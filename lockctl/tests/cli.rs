@@ -292,23 +292,26 @@ fn setup_release_and_check_print_json() {
     assert!(check["cleanup"]["purged"].is_u64(), "{check}");
 }
 
+/// Every command `lockctl` has, but `completions`.
+const COMMANDS: [&str; 9] = [
+    "demo",
+    "check",
+    "setup",
+    "inspect",
+    "acquire",
+    "release",
+    "leader",
+    "semaphore",
+    "bench",
+];
+
 #[test]
 fn completions_name_every_command() {
     for shell in ["bash", "zsh", "fish"] {
         let output = lockctl().args(["completions", shell]).output().unwrap();
         assert!(output.status.success(), "{shell}: {output:?}");
         let script = String::from_utf8(output.stdout).unwrap();
-        for command in [
-            "demo",
-            "check",
-            "setup",
-            "inspect",
-            "acquire",
-            "release",
-            "leader",
-            "semaphore",
-            "bench",
-        ] {
+        for command in COMMANDS {
             assert!(script.contains(command), "{shell} lacks {command}");
         }
     }
@@ -432,16 +435,7 @@ fn every_command_has_help() {
         .assert()
         .success()
         .stdout(predicate::str::contains("demo").and(predicate::str::contains("check")));
-    for command in [
-        "demo",
-        "check",
-        "setup",
-        "inspect",
-        "acquire",
-        "release",
-        "semaphore",
-        "bench",
-    ] {
+    for command in COMMANDS {
         lockctl()
             .args([command, "--help"])
             .assert()

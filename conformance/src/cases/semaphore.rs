@@ -7,10 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::{Fence, LockError, Locker, Release, Renewal, RetryPolicy};
+use distlock_core::{Fence, LockError, Release, Renewal};
 use tokio::time::{Instant, sleep};
 
 use super::locker::locker;
+use super::wake::{LONG_BACKOFF, WOKEN_WITHIN, waiting_locker};
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
 
@@ -213,11 +214,6 @@ pub async fn semaphore_expired_permit_is_freed(factory: &dyn Factory) -> Result<
     ctx.pass(&t)
 }
 
-/// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
-const LONG_BACKOFF: Duration = Duration::from_secs(8);
-/// How soon after the release a woken waiter must hold the permit, on a loaded machine.
-const WOKEN_WITHIN: Duration = Duration::from_millis(1_500);
-
 /// Every permit held by one client, a waiter in `Semaphore::acquire` on another with an
 /// 8 s backoff: releasing one permit wakes the waiter, which holds it within 1.5 s.
 pub async fn a_permit_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Outcome, Failure> {
@@ -229,18 +225,7 @@ pub async fn a_permit_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Ou
         &holder.capabilities(),
         (t.ttl * 20).max(Duration::from_secs(10)),
     );
-    let client = ctx.client().await;
-    let waiter = ctx.ok(
-        "Locker::builder(..).build()",
-        Locker::builder(client)
-            .ttl(t.ttl)
-            .retry(RetryPolicy {
-                initial: LONG_BACKOFF,
-                max: LONG_BACKOFF,
-            })
-            .wait_timeout(Some(LONG_BACKOFF * 4))
-            .build(),
-    )?;
+    let waiter = waiting_locker(&ctx, ctx.client().await, t.ttl, LONG_BACKOFF)?;
     let semaphore = ctx.semaphore(&waiter, "woken", 2)?;
     let mut held = Vec::new();
     for _ in 0..2 {

@@ -17,14 +17,14 @@ use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
 
 /// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
-const LONG_BACKOFF: Duration = Duration::from_secs(8);
+pub(super) const LONG_BACKOFF: Duration = Duration::from_secs(8);
 /// How soon after the release a woken waiter must hold the key, on a loaded machine.
-const WOKEN_WITHIN: Duration = Duration::from_millis(1_500);
+pub(super) const WOKEN_WITHIN: Duration = Duration::from_millis(1_500);
 /// How long the waiter is given to start waiting before the holder lets go.
 const SETTLE: Duration = Duration::from_millis(200);
 
 /// A locker on `client` that waits `backoff` between attempts.
-fn waiting_locker(
+pub(super) fn waiting_locker(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     ttl: Duration,
