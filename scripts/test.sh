@@ -65,6 +65,18 @@ echo "== cargo package: the published crates, in dependency order"
 # harness, benchmarks and job-queue are `publish = false`; the published crates name
 # harness only as a dev-dependency without a version, which packaging drops.
 # `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
+# Cargo builds a crate of that registry once per version and takes the build as fresh
+# ever after (a registry's sources never change): a second run in the same target
+# directory would verify against the first run's build of, say, distlock-core 0.1.0,
+# without what changed since. Those builds are the units of the workspace's own crates
+# whose dep-info lists no source file (a path build lists its files); they go first.
+for unit in "$CARGO_TARGET_DIR"/debug/.fingerprint/{distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,distlock,lockctl}-*; do
+    for dep_info in "$unit"/dep-lib-*; do
+        if [ -f "$dep_info" ] && [ "$(stat -c %s "$dep_info")" -lt 64 ]; then
+            rm -rf "$unit" "$CARGO_TARGET_DIR"/debug/deps/*-"${unit##*-}".*
+        fi
+    done
+done
 cargo package --workspace --exclude harness --exclude benchmarks --exclude job-queue \
     --locked --allow-dirty
 echo "== conformance summary"
