@@ -34,8 +34,8 @@ use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, 
 use crate::keys::{LockKeys, parse_held};
 use crate::releases::ReleaseListener;
 use crate::scripts::{
-    ABANDON_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT, RELEASE_SCRIPT,
-    RENEW_MANY_SCRIPT, RENEW_SCRIPT,
+    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
+    RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
 };
 
 pub use self::replicas::ACKED_CONNECTIONS;
@@ -123,11 +123,12 @@ struct Inner {
     listener: ReleaseListener,
 }
 
-/// A single acquire on its way: if its future is dropped before the reply, whatever it
-/// may have taken is given back in the background (checked against its owner id).
+/// An acquire on its way: if its future is dropped before the reply, whatever it may have
+/// taken is given back in the background (checked against its owner id). One attempt,
+/// or one per key an `acquire_any` may have taken.
 struct AbandonOnDrop<'a> {
     backend: &'a RedisBackend,
-    attempt: Option<(LockKeys, OwnerId)>,
+    attempts: Vec<(LockKeys, OwnerId)>,
     ttl: Duration,
     /// The connection of its own the attempt went over, if any: the cleanup goes over it
     /// too, so that it runs after the attempt.
@@ -136,9 +137,10 @@ struct AbandonOnDrop<'a> {
 
 impl Drop for AbandonOnDrop<'_> {
     fn drop(&mut self) {
-        if let Some(attempt) = self.attempt.take() {
+        if !self.attempts.is_empty() {
+            let attempts = std::mem::take(&mut self.attempts);
             self.backend
-                .abandon_over(self.over.take(), vec![attempt], self.ttl);
+                .abandon_over(self.over.take(), attempts, self.ttl);
         }
     }
 }
@@ -333,36 +335,94 @@ impl RedisBackend {
         let call = self.acquire_call(&keys, owner, ttl);
         let mut pending = AbandonOnDrop {
             backend: self,
-            attempt: Some((keys, owner)),
+            attempts: vec![(keys, owner)],
             ttl,
             over: None,
         };
-        // A single node's connection that dropped is sent the same call once more, on the
-        // connection it makes again: the script answers a resent attempt with the token it
-        // already granted, so the call cannot take the key twice, and a restart or a
-        // network blip costs one round trip instead of an unknown outcome. (A cluster
-        // connection resends on its own.)
         let reply = self
-            .timed("acquire", true, async {
-                match self.inner.conn.invoke::<Option<u64>>(&call).await {
-                    Err(e) if !self.inner.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
-                        debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
-                        // Boxed: a rare path should not double the size of every call.
-                        Box::pin(self.inner.conn.invoke::<Option<u64>>(&call)).await
-                    }
-                    reply => reply,
-                }
-            })
+            .timed("acquire", true, self.invoke_resending::<Option<u64>>(&call))
             .await;
-        let attempt = pending.attempt.take();
+        let attempts = std::mem::take(&mut pending.attempts);
         match reply {
             Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, ttl, called))),
             Err(e) => {
-                if let (LockError::OutcomeUnknown { .. }, Some(attempt)) = (&e, attempt) {
-                    self.abandon(vec![attempt], ttl);
+                if let LockError::OutcomeUnknown { .. } = e {
+                    self.abandon(attempts, ttl);
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// One free key of `keys` (two or more) with one script on a single node; see
+    /// [`LockBackend::acquire_any`].
+    async fn acquire_any_one(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+        called: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let owner = OwnerId::random();
+        let locks: Vec<LockKeys> = keys.iter().map(|k| self.keys(k)).collect();
+        let call = Call {
+            script: &ACQUIRE_ANY_SCRIPT,
+            keys: locks.iter().map(|k| k.lock.clone()).collect(),
+            args: vec![owner.to_string().into(), ttl.as_millis().to_string().into()],
+        };
+        let mut pending = AbandonOnDrop {
+            backend: self,
+            attempts: locks.into_iter().map(|k| (k, owner)).collect(),
+            ttl,
+            over: None,
+        };
+        let reply = self
+            .timed(
+                "acquire",
+                true,
+                self.invoke_resending::<Option<(usize, u64)>>(&call),
+            )
+            .await;
+        let attempts = std::mem::take(&mut pending.attempts);
+        match reply {
+            Ok(None) => Ok(None),
+            Ok(Some((taken, token))) => {
+                // The script counts keys from 1, as Lua does.
+                let key = taken
+                    .checked_sub(1)
+                    .and_then(|i| keys.get(i))
+                    .ok_or_else(|| {
+                        LockError::backend(
+                            NAME,
+                            format!("the acquire_any script named key {taken} of {}", keys.len()),
+                        )
+                    })?;
+                Ok(Some(self.lease(key, owner, token, ttl, called)))
+            }
+            Err(e) => {
+                if let LockError::OutcomeUnknown { .. } = e {
+                    self.abandon(attempts, ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends an acquire script's `call` on the shared connection. A single node's
+    /// connection that dropped is sent the same call once more, on the connection it makes
+    /// again: the acquire scripts answer a resent attempt with the grant it already made,
+    /// so the call cannot take a key twice, and a restart or a network blip costs one
+    /// round trip instead of an unknown outcome. (A cluster connection resends on its own.)
+    async fn invoke_resending<T: redis::FromRedisValue>(
+        &self,
+        call: &Call,
+    ) -> Result<T, RedisError> {
+        match self.inner.conn.invoke::<T>(call).await {
+            Err(e) if !self.inner.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
+                debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
+                // Boxed: a rare path should not double the size of every call.
+                Box::pin(self.inner.conn.invoke::<T>(call)).await
+            }
+            reply => reply,
         }
     }
 
@@ -653,6 +713,28 @@ impl LockBackend for RedisBackend {
             .timed("purge", true, self.inner.conn.command(&del))
             .await?;
         Ok(())
+    }
+
+    /// One script over every key on a single node (`acquire_any.lua`): one round trip
+    /// however many of them are held. On a cluster the names live in hash slots of their
+    /// own, and with [`replica_acks`](crate::RedisBackendBuilder::replica_acks) each grant
+    /// waits for its replicas: there it asks key by key, as the trait's default does.
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.inner.caps.check_ttl(ttl)?;
+        if keys.len() > 1 && !self.inner.cluster && self.inner.replica_acks.is_none() {
+            // Sent directly: a coalesced batch takes one key per caller.
+            return self.acquire_any_one(keys, ttl, Instant::now()).await;
+        }
+        for key in keys {
+            if let Some(lease) = self.acquire(key, ttl).await? {
+                return Ok(Some(lease));
+            }
+        }
+        Ok(None)
     }
 
     async fn acquire_many(

@@ -13,6 +13,7 @@ const FENCE: &str = include_str!("scripts/fence.lua");
 const ADMIT: &str = include_str!("scripts/admit.lua");
 const ADMIT_WRITE: &str = include_str!("scripts/admit_write.lua");
 const ACQUIRE_MANY: &str = include_str!("scripts/acquire_many.lua");
+const ACQUIRE_ANY: &str = include_str!("scripts/acquire_any.lua");
 const RENEW_MANY: &str = include_str!("scripts/renew_many.lua");
 const RELEASE_MANY: &str = include_str!("scripts/release_many.lua");
 
@@ -35,6 +36,8 @@ pub(crate) static ADMIT_WRITE_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script
 /// [`ACQUIRE_SCRIPT`] for many locks of one hash slot: one call, one reply per lock.
 pub(crate) static ACQUIRE_MANY_SCRIPT: LazyLock<Script> =
     LazyLock::new(|| Script::new(ACQUIRE_MANY));
+/// One free lock of several (a semaphore's permit slots), as [`ACQUIRE_SCRIPT`] takes one.
+pub(crate) static ACQUIRE_ANY_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_ANY));
 /// [`RENEW_SCRIPT`] for many leases of one hash slot.
 pub(crate) static RENEW_MANY_SCRIPT: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW_MANY));
 /// [`RELEASE_SCRIPT`] for many leases of one hash slot.
@@ -45,8 +48,8 @@ pub(crate) static RELEASE_MANY_SCRIPT: LazyLock<Script> =
 /// client must never send them again after a connection error: a release sent again after
 /// it ran says "not held" (a second release is `NotHeld` by contract), and a fenced write
 /// sent again after a newer token was admitted says `Stale` ("wrote nothing") for a write
-/// that landed. The others are safe to resend: an acquire sent again with its owner id
-/// returns its token; renew, fence and abandon report the same thing twice; an `admit`
+/// that landed. The others are safe to resend: an acquire (single, batch or any-of) sent again
+/// with its owner id returns its token; renew, fence and abandon report the same thing twice; an `admit`
 /// (check only) that meets a newer token is stale by then.
 pub(crate) fn runs_once(script: &Script) -> bool {
     [
@@ -59,7 +62,7 @@ pub(crate) fn runs_once(script: &Script) -> bool {
 }
 
 /// Every script, for loading them all when connecting.
-pub(crate) fn all() -> [&'static Script; 10] {
+pub(crate) fn all() -> [&'static Script; 11] {
     [
         &ACQUIRE_SCRIPT,
         &RENEW_SCRIPT,
@@ -69,6 +72,7 @@ pub(crate) fn all() -> [&'static Script; 10] {
         &ADMIT_SCRIPT,
         &ADMIT_WRITE_SCRIPT,
         &ACQUIRE_MANY_SCRIPT,
+        &ACQUIRE_ANY_SCRIPT,
         &RENEW_MANY_SCRIPT,
         &RELEASE_MANY_SCRIPT,
     ]
@@ -86,6 +90,7 @@ pub(crate) fn source(script: &Script) -> &'static str {
         (&*ADMIT_SCRIPT, ADMIT),
         (&*ADMIT_WRITE_SCRIPT, ADMIT_WRITE),
         (&*ACQUIRE_MANY_SCRIPT, ACQUIRE_MANY),
+        (&*ACQUIRE_ANY_SCRIPT, ACQUIRE_ANY),
         (&*RENEW_MANY_SCRIPT, RENEW_MANY),
         (&*RELEASE_MANY_SCRIPT, RELEASE_MANY),
     ]

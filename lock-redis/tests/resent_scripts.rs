@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 const ACQUIRE: &str = include_str!("../src/scripts/acquire.lua");
 const ACQUIRE_MANY: &str = include_str!("../src/scripts/acquire_many.lua");
+const ACQUIRE_ANY: &str = include_str!("../src/scripts/acquire_any.lua");
 const TTL: Duration = Duration::from_secs(10);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -55,6 +56,47 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
         redis.inspect(&key).await.unwrap().token,
         Some(lease.token())
     );
+}
+
+/// `acquire_any` sent again with its owner id returns the slot it took, with its token,
+/// even when a slot before it has come free meanwhile: a resent attempt never takes a
+/// second slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_any_sent_again_returns_the_slot_it_took() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots: Vec<LockKey> = (0..3)
+        .map(|i| LockKey::new(format!("resent:permit:{i}")).unwrap())
+        .collect();
+    let first = redis
+        .acquire(&slots[0], TTL)
+        .await
+        .unwrap()
+        .expect("free slot");
+    let lease = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("a free slot");
+    assert_eq!(lease.key(), &slots[1]);
+    redis.release(&first).await.unwrap();
+
+    let lock_keys: Vec<String> = slots.iter().map(|s| redis.redis_key(s)).collect();
+    let owner = lease.owner().to_string();
+    let mut args = vec!["EVAL", ACQUIRE_ANY, "3"];
+    args.extend(lock_keys.iter().map(String::as_str));
+    args.extend([owner.as_str(), "10000"]);
+    let again = harness::require(f.server.command(&args).await);
+    assert_eq!(
+        again,
+        RespValue::Array(Some(vec![
+            RespValue::Integer(2),
+            RespValue::Bulk(Some(lease.token().get().to_string().into_bytes())),
+        ]))
+    );
+    // Slot 0 stayed free: the resent attempt took nothing more.
+    assert_eq!(redis.inspect(&slots[0]).await.unwrap().owner, None);
+    redis.release(&lease).await.unwrap();
 }
 
 /// A cluster whose master for `key` is reached through a fault proxy (the node announces

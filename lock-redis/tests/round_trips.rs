@@ -91,11 +91,49 @@ async fn scripts_are_loaded_once_when_connecting() {
         .collect();
     let first = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(first.iter().all(Option::is_some));
-    // The ten scripts were loaded by `build`; the batch needed no reload.
-    assert_eq!(command_calls(&f.server, "script|load").await, 10);
+    // The eleven scripts were loaded by `build`; the batch needed no reload.
+    assert_eq!(command_calls(&f.server, "script|load").await, 11);
     let leases: Vec<_> = first.into_iter().flatten().collect();
     redis.release_many(&leases).await.unwrap();
     let again = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(again.iter().all(Option::is_some));
-    assert_eq!(command_calls(&f.server, "script|load").await, 10);
+    assert_eq!(command_calls(&f.server, "script|load").await, 11);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots: Vec<LockKey> = (0..8)
+        .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
+        .collect();
+    let held: Vec<_> = redis
+        .acquire_many(&slots[..7], TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.expect("every slot was free"))
+        .collect();
+    harness_reset(&f).await;
+    let last = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("slot 7 is free");
+    assert_eq!(last.key(), &slots[7]);
+    assert_eq!(
+        f.calls("evalsha").await,
+        1,
+        "a permit behind seven held slots"
+    );
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    assert_eq!(f.calls("evalsha").await, 2, "a full semaphore's refusal");
+    // The refusal marked every slot waited for: a release announces it.
+    for slot in &slots {
+        let value = harness::require(f.server.command(&["GET", &redis.redis_key(slot)]).await);
+        let value = value.as_text().unwrap_or_default();
+        assert!(value.ends_with(":w"), "{slot}: {value}");
+    }
+    redis.release_many(&held).await.unwrap();
+    redis.release(&last).await.unwrap();
 }

@@ -154,7 +154,7 @@ impl RedisBackend {
         let conn = acked.conn().clone();
         let mut pending = AbandonOnDrop {
             backend: self,
-            attempt: Some((keys, owner)),
+            attempts: vec![(keys, owner)],
             ttl,
             over: Some(acked),
         };
@@ -168,7 +168,7 @@ impl RedisBackend {
                 // The connection is dropped with `pending` (after the cleanup, if any):
                 // a request of it may still be pending.
                 if !matches!(e, LockError::OutcomeUnknown { .. }) {
-                    pending.attempt = None;
+                    pending.attempts.clear();
                 }
                 return Err(e);
             }
@@ -178,9 +178,9 @@ impl RedisBackend {
             acked.put_back();
         }
         // The script's own error, or no grant: nothing was taken.
-        let Some(token) = parse_token(replies.next()).inspect_err(|_| pending.attempt = None)?
+        let Some(token) = parse_token(replies.next()).inspect_err(|_| pending.attempts.clear())?
         else {
-            pending.attempt = None;
+            pending.attempts.clear();
             return Ok(None);
         };
         let acked: i64 = match replies.next().map(Value::extract_error) {
@@ -195,7 +195,7 @@ impl RedisBackend {
             );
             return match self.release(&lease).await {
                 Ok(_) => {
-                    pending.attempt = None;
+                    pending.attempts.clear();
                     Err(LockError::unavailable(
                         NAME,
                         format!("{short}; it was released"),
@@ -210,7 +210,7 @@ impl RedisBackend {
                 )),
             };
         }
-        pending.attempt = None;
+        pending.attempts.clear();
         Ok(Some(lease))
     }
 
