@@ -12,6 +12,7 @@
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
 //! * [`waited`]: releases with a waiter on every key against releases nobody waits for,
 //!   in alternating rounds;
+//! * [`permits`]: semaphore permit cycles against lock cycles, in alternating rounds;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
 //! * [`cpu`]: CPU time of this process and of a server's processes;
 //! * [`affinity`]: pinning a server and this process to CPUs of their own;
@@ -29,6 +30,7 @@ pub mod deployment;
 pub mod handoff;
 pub mod load;
 pub mod machine;
+pub mod permits;
 pub mod placement;
 pub mod report;
 pub mod scenarios;

@@ -10,6 +10,7 @@ use crate::BenchError;
 use crate::handoff::HandoffRow;
 use crate::load::Sample;
 use crate::machine::Machine;
+use crate::permits::PermitCycles;
 use crate::scenarios::{Plan, RedisServerCost, Results, Target};
 use crate::subject::SubjectId;
 use crate::waited::WaitedReleases;
@@ -222,6 +223,7 @@ impl Report {
         }
 
         write_waited(&mut md, &self.plan, &self.results.waited);
+        write_permits(&mut md, &self.plan, &self.results.permits);
 
         let _ = writeln!(md, "\n## Throughput and latency by concurrency\n");
         let _ = writeln!(
@@ -583,6 +585,49 @@ fn write_waited(md: &mut String, plan: &Plan, rows: &[WaitedReleases]) {
             us(w.unwaited.client()),
             us(w.waited.server()),
             us(w.unwaited.server()),
+        );
+    }
+}
+
+fn write_permits(md: &mut String, plan: &Plan, rows: &[PermitCycles]) {
+    if rows.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        md,
+        "\n## Semaphore permits\n\n\
+         N tasks share one semaphore of N permits; each takes a permit as \
+         `Semaphore::try_acquire` does (`LockBackend::acquire_any` over its slots, from a \
+         random one) and releases it. Every attempt gets a permit, but the slots it tries \
+         first may be held: a backend that asks slot by slot pays a round trip for each, \
+         one with a script of its own (Redis single node) none. Beside it, the same \
+         backend's lock cycles on a key per task. The two alternate, {} rounds of {:?} \
+         after {:?} of warm-up, order swapped every round; the ratio is the median \
+         round's. CPU per cycle as above.\n",
+        plan.pair_rounds,
+        plan.duration / 3,
+        plan.warmup
+    );
+    let _ = writeln!(
+        md,
+        "| backend | tasks = permits | permit cycles/s | lock cycles/s | ratio (median) | per-round ratios | client CPU µs/cycle permit / lock | server CPU µs/cycle permit / lock |\n|---|---:|---:|---:|---:|---|---|---|"
+    );
+    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+    for p in rows {
+        let rounds: Vec<String> = p.ratios().iter().map(|r| format!("{r:.2}")).collect();
+        let _ = writeln!(
+            md,
+            "| {} | {} | {:.0} | {:.0} | {} | {} | {} / {} | {} / {} |",
+            p.subject.slug(),
+            p.tasks,
+            p.permit.rate(),
+            p.lock.rate(),
+            p.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            rounds.join(" "),
+            us(p.permit.client()),
+            us(p.lock.client()),
+            us(p.permit.server()),
+            us(p.lock.server()),
         );
     }
 }

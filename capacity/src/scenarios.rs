@@ -579,6 +579,8 @@ pub struct Results {
     pub paired: Vec<Paired>,
     /// Releases with a waiter on every key against releases nobody waits for.
     pub waited: Vec<crate::waited::WaitedReleases>,
+    /// Semaphore permit cycles against lock cycles, per backend and task count.
+    pub permits: Vec<crate::permits::PermitCycles>,
     /// The Redis pairs at 16 and 64 tasks, shared and pinned, when Redis ran.
     pub placed: Option<crate::placement::PlacedPairs>,
 }

@@ -181,8 +181,8 @@ pub async fn waited_releases(
 }
 
 /// One round of one side: its rate and CPU per cycle go into `side`; returns the
-/// releases it made, warm-up included.
-async fn measure(
+/// releases it made, warm-up included. Shared with the permit rounds.
+pub(crate) async fn measure(
     side: &mut Side,
     worker: &Arc<dyn Subject>,
     keys: &[BenchKey],

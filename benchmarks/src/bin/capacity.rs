@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release -p benchmarks --bin capacity [-- --quick] [--out DIR] [--backends redis,etcd]
-//!     [--rounds N] [--pairs-only | --handoff-only | --waited-releases-only]
+//!     [--rounds N] [--pairs-only | --handoff-only | --waited-releases-only | --permits-only]
 //! cargo run --release -p benchmarks --bin capacity -- --profile SUBJECT [--tasks N]
 //!     [--rounds R] [--pinned] [--quick]
 //! ```
@@ -57,6 +57,10 @@ struct Args {
     /// (64 tasks, alternating rounds), printed round by round; no report is written.
     #[arg(long)]
     waited_releases_only: bool,
+    /// Only the semaphore permit cycles against lock cycles (1 and 64 tasks, as many
+    /// permits, alternating rounds), printed round by round; no report is written.
+    #[arg(long)]
+    permits_only: bool,
     /// Alternating rounds of the pairs (the Redis pairs shared and pinned included) and of
     /// the waited releases, and the rounds of `--profile` (default: 9, or 2 with
     /// `--quick`); more rounds steady the medians on a busy machine.
@@ -93,6 +97,7 @@ async fn main() -> ExitCode {
         None if args.handoff_only => handoff_only(&args).await,
         None if args.pairs_only => pairs_only(&args).await,
         None if args.waited_releases_only => waited_releases_only(&args).await,
+        None if args.permits_only => permits_only(&args).await,
         None => run(&args).await,
     };
     match result {
@@ -361,6 +366,66 @@ async fn waited_releases_only(args: &Args) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// The semaphore permit cycles alone, for every selected backend.
+async fn permits_only(args: &Args) -> Result<(), BenchError> {
+    let (plan, backends, servers) = start_selected(args).await?;
+    for id in backends {
+        for p in permit_cycles(id, &servers, &plan).await? {
+            let rounds = |r: &[f64], decimals: usize| {
+                r.iter()
+                    .map(|v| format!("{v:.decimals$}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            };
+            let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
+            println!(
+                "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n  \
+                 permit {:.0} cycles/s (rounds {})\n  lock {:.0} cycles/s (rounds {})\n  \
+                 CPU µs per cycle permit / lock: client {} / {}, server {} / {}",
+                id.slug(),
+                p.tasks,
+                p.tasks,
+                p.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+                rounds(&p.ratios(), 2),
+                p.permit.rate(),
+                rounds(&p.permit.per_sec, 0),
+                p.lock.rate(),
+                rounds(&p.lock.per_sec, 0),
+                us(p.permit.client()),
+                us(p.lock.client()),
+                us(p.permit.server()),
+                us(p.lock.server()),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Measures `id`'s permit cycles against its lock cycles at each of
+/// `capacity::permits::TASKS`.
+async fn permit_cycles(
+    id: SubjectId,
+    servers: &Servers,
+    plan: &Plan,
+) -> Result<Vec<capacity::permits::PermitCycles>, BenchError> {
+    let worker = subjects::open(id, servers).await?;
+    let mut out = Vec::new();
+    for tasks in capacity::permits::TASKS {
+        let measured =
+            capacity::permits::permit_cycles(worker.clone(), tasks, plan, servers.pid(id.store()))
+                .await;
+        match measured {
+            Ok(p) => out.push(p),
+            Err(e) => {
+                worker.close().await;
+                return Err(e);
+            }
+        }
+    }
+    worker.close().await;
+    Ok(out)
+}
+
 /// Measures releases with a waiter on every key against releases nobody waits for, on
 /// `id`, if it is a backend that wakes waiters. The waiters watch through another instance
 /// of the backend (its own connections and listener, as another process's workers would),
@@ -572,6 +637,13 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         if let Some(w) = waited_releases(id, &servers, &plan).await? {
             results.waited.push(w);
         }
+        bar.set_message(format!(
+            "{}: semaphore permits at 1 and 64 tasks, against lock cycles",
+            id.slug()
+        ));
+        results
+            .permits
+            .extend(permit_cycles(id, &servers, &plan).await?);
     }
     let redis_cost = if subjects.contains(&SubjectId::Redis) {
         bar.set_message("redis: server-side cost per command");

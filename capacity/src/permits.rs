@@ -1,0 +1,206 @@
+//! Semaphore permits: permit acquire + release cycles of one backend, at 1 and 64 tasks,
+//! against the same backend's lock cycles, in alternating rounds in one run.
+//!
+//! # What is measured
+//!
+//! `tasks` tasks share one semaphore of as many permits, `bench:<backend>:permits`. Each
+//! task takes a permit as [`distlock_core::Semaphore::try_acquire`] does (its slots, from
+//! a random one onwards, to [`LockBackend::acquire_any`]) and releases it, back to back.
+//! Every attempt finds a permit (a task holds none when it asks, and there are as many
+//! permits as tasks), but the slots it tries first may be held by the others: on a
+//! backend that asks key by key, every held slot it meets costs a round trip; on one
+//! with a script of its own (Redis single node), none. The *lock* rounds run the
+//! backend's lock cycles on a key per task, as the sweep does. The rate is cycles per
+//! second, so the ratio of the two is what a permit costs against a lock.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use distlock_core::{LockBackend, LockKey};
+use tokio::time::Instant;
+
+use crate::BenchError;
+use crate::load::{self, Keys};
+use crate::scenarios::Plan;
+use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};
+use crate::waited::{Side, measure};
+
+/// The task counts measured: one worker, and a busy pool.
+pub const TASKS: [usize; 2] = [1, 64];
+
+/// One backend's permit and lock rounds at one task count.
+#[derive(Clone, Debug)]
+pub struct PermitCycles {
+    /// The backend.
+    pub subject: SubjectId,
+    /// Tasks running cycles at once; the semaphore has as many permits.
+    pub tasks: usize,
+    /// The rounds of permit cycles.
+    pub permit: Side,
+    /// The rounds of lock cycles, a key per task.
+    pub lock: Side,
+}
+
+impl PermitCycles {
+    /// Permit cycles/s over lock cycles/s, round by round.
+    pub fn ratios(&self) -> Vec<f64> {
+        self.permit
+            .per_sec
+            .iter()
+            .zip(&self.lock.per_sec)
+            .filter(|(_, l)| **l > 0.0)
+            .map(|(p, l)| p / l)
+            .collect()
+    }
+
+    /// The median round's ratio.
+    pub fn ratio(&self) -> Option<f64> {
+        let mut ratios = self.ratios();
+        ratios.sort_by(f64::total_cmp);
+        ratios.get(ratios.len() / 2).copied()
+    }
+}
+
+/// Measures `worker`'s permit cycles against its lock cycles at `tasks`, alternating the
+/// order each round: `plan.pair_rounds` rounds of `plan.warmup` then a third of
+/// `plan.duration`, as the target pairs. With `server`, the pid of the server process, the
+/// CPU of its process tree per cycle is measured too. `worker` must be a distlock backend.
+pub async fn permit_cycles(
+    worker: Arc<dyn Subject>,
+    tasks: usize,
+    plan: &Plan,
+    server: Option<u32>,
+) -> Result<PermitCycles, BenchError> {
+    let id = worker.id();
+    let backend = worker.backend().ok_or_else(|| BenchError::Unexpected {
+        subject: id.slug(),
+        detail: "not a distlock backend: it has no semaphore".into(),
+    })?;
+    let name = format!("bench:{}:permits", id.slug());
+    let slots = (0..tasks)
+        .map(|slot| LockKey::new(format!("{name}:permit:{slot}")))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|source| BenchError::Lock {
+            subject: id.slug(),
+            source,
+        })?;
+    let permits: Arc<dyn Subject> = Arc::new(Permits {
+        id,
+        backend,
+        slots: slots.into(),
+    });
+    // The permit subject ignores its keys; each task still gets one, as the load asks.
+    let permit_keys = load::keys_for(id, "permit-task", tasks, Keys::PerTask)?;
+    let lock_keys = load::keys_for(id, "lock-task", tasks, Keys::PerTask)?;
+    let mut out = PermitCycles {
+        subject: id,
+        tasks,
+        permit: Side::default(),
+        lock: Side::default(),
+    };
+    for round in 0..plan.pair_rounds.max(1) {
+        for permit in [round % 2 == 0, round % 2 != 0] {
+            if permit {
+                measure(&mut out.permit, &permits, &permit_keys, plan, server).await?;
+            } else {
+                measure(&mut out.lock, &worker, &lock_keys, plan, server).await?;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// A permit of one semaphore per cycle: `acquire_any` over its slots from a random one,
+/// then release.
+struct Permits {
+    id: SubjectId,
+    backend: Arc<dyn LockBackend>,
+    slots: Arc<[LockKey]>,
+}
+
+#[async_trait]
+impl Subject for Permits {
+    fn id(&self) -> SubjectId {
+        self.id
+    }
+
+    async fn cycle(&self, _task: &BenchKey) -> Result<Cycle, BenchError> {
+        let lock_err = |source| BenchError::Lock {
+            subject: self.id.slug(),
+            source,
+        };
+        let start = rand::random_range(0..self.slots.len());
+        let order: Vec<LockKey> = self.slots[start..]
+            .iter()
+            .chain(&self.slots[..start])
+            .cloned()
+            .collect();
+        let sent = Instant::now();
+        let permit = self
+            .backend
+            .acquire_any(&order, TTL)
+            .await
+            .map_err(lock_err)?;
+        let acquire = sent.elapsed();
+        let Some(permit) = permit else {
+            return Err(BenchError::Unexpected {
+                subject: self.id.slug(),
+                detail: "every permit was held, though there are as many as tasks".into(),
+            });
+        };
+        self.backend.release(&permit).await.map_err(lock_err)?;
+        Ok(Cycle {
+            acquire,
+            acquired: true,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use distlock_core::memory::MemoryBackend;
+
+    use super::*;
+
+    /// Lock cycles on one in-memory backend.
+    struct Memory(Arc<MemoryBackend>);
+
+    #[async_trait]
+    impl Subject for Memory {
+        fn id(&self) -> SubjectId {
+            SubjectId::Memory
+        }
+
+        fn backend(&self) -> Option<Arc<dyn LockBackend>> {
+            Some(self.0.clone())
+        }
+
+        async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
+            let lease = self.0.acquire(key.lock_key(), TTL).await.unwrap();
+            if let Some(lease) = &lease {
+                self.0.release(lease).await.unwrap();
+            }
+            Ok(Cycle {
+                acquire: Duration::ZERO,
+                acquired: lease.is_some(),
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_round_of_both_sides_is_measured() {
+        let plan = Plan {
+            warmup: Duration::from_millis(5),
+            duration: Duration::from_millis(60),
+            pair_rounds: 3,
+            ..Plan::quick()
+        };
+        let worker = Arc::new(Memory(Arc::new(MemoryBackend::new())));
+        let p = permit_cycles(worker, 8, &plan, None).await.unwrap();
+        assert_eq!(p.ratios().len(), 3, "{p:?}");
+        assert!(p.permit.per_sec.iter().all(|r| *r > 0.0), "{p:?}");
+        assert!(p.ratio().is_some());
+    }
+}
