@@ -375,12 +375,20 @@ impl RedisBackend {
             ttl,
             over: None,
         };
+        // Sent again after a dropped connection, with the flag that makes the script look
+        // for the slot this attempt took first (see `acquire_any.lua`).
         let reply = self
-            .timed(
-                "acquire",
-                true,
-                self.invoke_resending::<Option<(usize, u64)>>(&call),
-            )
+            .timed("acquire", true, async {
+                match self.inner.conn.invoke::<Option<(usize, u64)>>(&call).await {
+                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                        debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
+                        let mut resent = call.clone();
+                        resent.args.push(b"R".to_vec());
+                        Box::pin(self.inner.conn.invoke::<Option<(usize, u64)>>(&resent)).await
+                    }
+                    reply => reply,
+                }
+            })
             .await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {

@@ -22,6 +22,7 @@ use redis::{
 };
 
 /// One script call in a batch.
+#[derive(Clone)]
 pub(crate) struct Call {
     pub(crate) script: &'static Script,
     pub(crate) keys: Vec<String>,

@@ -58,9 +58,9 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     );
 }
 
-/// `acquire_any` sent again with its owner id returns the slot it took, with its token,
-/// even when a slot before it has come free meanwhile: a resent attempt never takes a
-/// second slot.
+/// `acquire_any` sent again (flagged `R`) with its owner id returns the slot it took, with
+/// its token, even when a slot before it has come free meanwhile: a resent attempt never
+/// takes a second slot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_any_sent_again_returns_the_slot_it_took() {
     let f = RedisFactory::start().await;
@@ -85,7 +85,7 @@ async fn an_acquire_any_sent_again_returns_the_slot_it_took() {
     let owner = lease.owner().to_string();
     let mut args = vec!["EVAL", ACQUIRE_ANY, "3"];
     args.extend(lock_keys.iter().map(String::as_str));
-    args.extend([owner.as_str(), "10000"]);
+    args.extend([owner.as_str(), "10000", "R"]);
     let again = harness::require(f.server.command(&args).await);
     assert_eq!(
         again,

@@ -1,39 +1,39 @@
 -- Takes one free lock of several (a semaphore's permit slots) and issues its fencing
 -- token, in one atomic step.
 -- KEYS[i] = <prefix>:{<name i>}  (as in acquire.lua)
--- ARGV[1] = owner id (hex), the same for every key of the attempt; ARGV[2] = ttl in ms
--- Returns {i, token}: the first free lock, taken; or, for this very attempt sent again (a
--- client retry after a lost reply), the lock it took the first time, with its token. It
--- looks for that one before it takes anything, so a resent attempt never takes a second
--- lock. Returns nil when another holds every lock, each then marked waited for, as
--- acquire.lua marks one, so its release is announced to the semaphore's waiters.
+-- ARGV[1] = owner id (hex), the same for every key of the attempt; ARGV[2] = ttl in ms;
+-- ARGV[3] = 'R' when this attempt is sent again (a client retry after a lost reply)
+-- Returns {i, token}: the first free lock, taken. Sent again, it first looks for the lock
+-- this attempt took the first time and returns that one, with its token, so a resent
+-- attempt never takes a second lock (a first send skips that look: it reads only up to
+-- the first free lock). Returns nil when another holds every lock, each then marked
+-- waited for, as acquire.lua marks one, so its release is announced to the semaphore's
+-- waiters.
 --
--- The token is the server's clock in microseconds, read once the lock is free, as in
--- acquire.lua.
-local free = nil
-local unmarked = {}
-for i = 1, #KEYS do
-  local held = redis.call('GET', KEYS[i])
-  if not held then
-    free = free or i
-  else
-    local owner, token, waited = string.match(held, '^(%x+):(%d+)(:?w?)$')
-    if owner == ARGV[1] then
-      return {i, token}
-    end
-    if waited == '' then
-      unmarked[#unmarked + 1] = i
+-- The token is the server's clock in microseconds, as in acquire.lua.
+if ARGV[3] == 'R' then
+  for i = 1, #KEYS do
+    local held = redis.call('GET', KEYS[i])
+    if held then
+      local owner, token = string.match(held, '^(%x+):(%d+)')
+      if owner == ARGV[1] then
+        return {i, token}
+      end
     end
   end
 end
-if free then
-  local now = redis.call('TIME')
-  local token = now[1] .. string.sub('00000' .. now[2], -6)
-  redis.call('SET', KEYS[free], ARGV[1] .. ':' .. token, 'PX', ARGV[2])
-  return {free, token}
+local now = redis.call('TIME')
+local token = now[1] .. string.sub('00000' .. now[2], -6)
+for i = 1, #KEYS do
+  if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. token, 'NX', 'PX', ARGV[2]) then
+    return {i, token}
+  end
 end
--- `APPEND` keeps the key's TTL.
-for _, i in ipairs(unmarked) do
-  redis.call('APPEND', KEYS[i], ':w')
+-- Every lock is held: mark each waited for. `APPEND` keeps the key's TTL.
+for i = 1, #KEYS do
+  local held = redis.call('GET', KEYS[i])
+  if held and string.sub(held, -2) ~= ':w' then
+    redis.call('APPEND', KEYS[i], ':w')
+  end
 end
 return false
