@@ -325,13 +325,6 @@ async fn waited_releases_only(args: &Args) -> Result<(), BenchError> {
         let Some(w) = waited_releases(id, &servers, &plan).await? else {
             continue;
         };
-        let rounds = |r: &[f64], decimals: usize| {
-            r.iter()
-                .map(|v| format!("{v:.decimals$}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
         println!(
             "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {})\n  \
              waited {:.0} cycles/s (rounds {})\n  unwaited {:.0} cycles/s (rounds {})\n  \
@@ -366,18 +359,25 @@ async fn waited_releases_only(args: &Args) -> Result<(), BenchError> {
     Ok(())
 }
 
+/// Round-by-round values, `decimals` digits after the point, for the `--*-only` printouts.
+fn rounds(values: &[f64], decimals: usize) -> String {
+    values
+        .iter()
+        .map(|v| format!("{v:.decimals$}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// CPU µs per cycle, or `-` where it could not be read.
+fn us(value: Option<f64>) -> String {
+    value.map_or("-".into(), |v| format!("{v:.1}"))
+}
+
 /// The semaphore permit cycles alone, for every selected backend.
 async fn permits_only(args: &Args) -> Result<(), BenchError> {
     let (plan, backends, servers) = start_selected(args).await?;
     for id in backends {
         for p in permit_cycles(id, &servers, &plan).await? {
-            let rounds = |r: &[f64], decimals: usize| {
-                r.iter()
-                    .map(|v| format!("{v:.decimals$}"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-            };
-            let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
             println!(
                 "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n  \
                  permit {:.0} cycles/s (rounds {})\n  lock {:.0} cycles/s (rounds {})\n  \
