@@ -174,6 +174,10 @@ struct DemoArgs {
     /// Print the table as JSON: an array with one object per strategy.
     #[arg(long)]
     json: bool,
+    /// Run the tenant-limit scenario instead: at most 2 exports per tenant at once, held
+    /// by a semaphore under pauses and crashes, counted from the export ledger.
+    #[arg(long)]
+    tenants: bool,
 }
 
 fn main() -> ExitCode {
@@ -370,6 +374,7 @@ async fn run(command: Resolved) -> Result<ExitCode, distlock::LockError> {
                 jobs: args.jobs,
                 ttl: args.ttl,
                 json: args.json,
+                tenants: args.tenants,
             };
             println!("{}", demo::run(&options).await?);
             Ok(ExitCode::SUCCESS)

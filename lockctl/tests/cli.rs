@@ -112,6 +112,51 @@ fn demo_table_shows_zero_duplicates_only_for_the_last_strategy() {
     assert!(weaker.iter().any(|s| duplicates(s) > 0), "{text}");
 }
 
+/// `lockctl demo --tenants --json` on `backend`: the row of each strategy, by name.
+fn tenant_rows(backend: &str) -> std::collections::HashMap<String, Value> {
+    let output = lockctl()
+        .args(["demo", "--tenants", "--json", "--backend", backend])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    let rows: Vec<Value> = serde_json::from_slice(&output.stdout).unwrap();
+    rows.into_iter()
+        .map(|row| (row["strategy"].as_str().unwrap().to_owned(), row))
+        .collect()
+}
+
+/// The tenant limit (2) holds, counted from the export ledger, only with the semaphore and
+/// the fence: a paused export's stale step gets through the semaphore alone.
+fn assert_the_fenced_semaphore_alone_keeps_the_limit(
+    rows: &std::collections::HashMap<String, Value>,
+) {
+    for (name, row) in rows {
+        assert_eq!(count(row, "exports"), 18, "{name}: {row}");
+        assert_eq!(count(row, "pauses"), 3, "{name}: {row}");
+        assert_eq!(count(row, "crashes"), 3, "{name}: {row}");
+    }
+    assert!(count(&rows["no-limit"], "most_at_once") > 2, "{rows:?}");
+    assert!(count(&rows["semaphore"], "most_at_once") > 2, "{rows:?}");
+    assert!(
+        count(&rows["semaphore+fence"], "most_at_once") <= 2,
+        "{rows:?}"
+    );
+    assert!(
+        count(&rows["semaphore+fence"], "stale_refused") > 0,
+        "{rows:?}"
+    );
+}
+
+#[test]
+fn demo_tenants_keeps_the_limit_only_with_the_fenced_semaphore() {
+    assert_the_fenced_semaphore_alone_keeps_the_limit(&tenant_rows("memory://"));
+    lockctl()
+        .args(["demo", "--tenants"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("most at once (ledger)"));
+}
+
 #[test]
 fn demo_refuses_a_bad_backend_and_an_empty_workload() {
     fails_saying(
@@ -494,6 +539,7 @@ mod on_redis {
 
         let rows = demo_json(&["--backend", &url]);
         assert_eq!(count(&rows[4], "duplicates"), 0, "{rows:?}");
+        assert_the_fenced_semaphore_alone_keeps_the_limit(&tenant_rows(&url));
         assert!(count(&rows[0], "duplicates") > 0, "{rows:?}");
         for row in &rows {
             assert_eq!(count(row, "unpaid_jobs"), 0, "{row}");

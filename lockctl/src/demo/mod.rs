@@ -11,13 +11,16 @@
 //! - [`ledger`]: the payment ledger, with idempotency keys;
 //! - [`process`]: a worker process's link to the store, frozen by pauses, cut by crashes;
 //! - [`strategy`]: the five strategies and the worker loop;
-//! - [`report`]: the table and its JSON form.
+//! - [`report`]: the table and its JSON form;
+//! - [`tenants`]: the tenant-limit scenario (`--tenants`): a semaphore of exports per
+//!   tenant under the same pauses and crashes.
 
 pub mod ledger;
 pub mod process;
 pub mod queue;
 pub mod report;
 pub mod strategy;
+pub mod tenants;
 pub mod workload;
 
 use std::io::IsTerminal;
@@ -49,6 +52,8 @@ pub struct Options {
     pub ttl: Duration,
     /// Print JSON instead of the table (and no progress bar).
     pub json: bool,
+    /// Run the tenant-limit scenario instead of the payments.
+    pub tenants: bool,
 }
 
 /// Runs the five strategies and returns the report, as a table or JSON.
@@ -57,6 +62,15 @@ pub struct Options {
 /// A bad backend URL, a TTL the store cannot honour, or the first error the store
 /// returns during the run.
 pub async fn run(options: &Options) -> Result<String, LockError> {
+    if options.tenants {
+        let rows = tenants::run(&options.backend, options.ttl).await?;
+        if options.json {
+            return serde_json::to_string(&rows)
+                .map_err(|e| LockError::Config(format!("the report could not be written: {e}")));
+        }
+        let backend = distlock::redact_url(&options.backend);
+        return Ok(tenants::table(&backend, options.ttl, &rows));
+    }
     if options.workers == 0 || options.jobs == 0 {
         return Err(LockError::Config(
             "the demo needs at least one worker and one job".into(),

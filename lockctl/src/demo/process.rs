@@ -95,6 +95,16 @@ impl BackendLayer for ProcessGate {
         next.purge(key).await
     }
 
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.pass(next).await?;
+        next.acquire_any(keys, ttl).await
+    }
+
     async fn acquire_many(
         &self,
         next: &dyn LockBackend,
