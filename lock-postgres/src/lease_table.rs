@@ -42,6 +42,7 @@ const SESSIONS_SHARED: &str = "client connections do not keep their server sessi
 /// The statements, with the schema name filled in once.
 struct Statements {
     acquire: Arc<str>,
+    acquire_any: Arc<str>,
     acquire_many: Arc<str>,
     renew_many: Arc<str>,
     release_many: Arc<str>,
@@ -132,6 +133,26 @@ impl PgLeaseBackend {
                         expires_at = EXCLUDED.expires_at \
                   WHERE l.owner IS NULL OR l.expires_at <= now() \
                  RETURNING token",
+            )),
+            // The first name of $1 (in order) its snapshot shows free, taken as `acquire`
+            // takes one. `candidates` says whether the snapshot showed one: a row taken by
+            // another between the snapshot and the upsert makes the upsert skip it, and the
+            // caller asks again rather than report every name held.
+            acquire_any: s.sql(&with_clock(
+                "WITH free AS (SELECT k.name FROM unnest($1::text[]) WITH ORDINALITY AS k(name, ord) \
+                   WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
+                                      WHERE h.name = k.name AND h.expires_at > now()) \
+                   ORDER BY k.ord LIMIT 1), \
+                 taken AS (INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
+                   SELECT name, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond' \
+                     FROM free \
+                   ON CONFLICT (name) DO UPDATE \
+                      SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
+                          expires_at = EXCLUDED.expires_at \
+                    WHERE l.owner IS NULL OR l.expires_at <= now() \
+                   RETURNING l.name, l.token) \
+                 SELECT (SELECT count(*) FROM free) AS candidates, taken.name, taken.token \
+                   FROM (SELECT 1) AS one LEFT JOIN taken ON true",
             )),
             acquire_many: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
@@ -408,6 +429,65 @@ impl LockBackend for PgLeaseBackend {
                 valid_until(sent, ttl),
             )
         }))
+    }
+
+    /// One statement: the first free name of `keys` in order, taken. A name another
+    /// call took between the statement's snapshot and its upsert is skipped: the statement
+    /// is then sent again (its next snapshot shows that name held), at most once per key.
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.capabilities().check_ttl(ttl)?;
+        if keys.is_empty() {
+            return Ok(None);
+        }
+        self.check_pooling().await?;
+        self.sweeper.poke(&self.client);
+        let names: Vec<&str> = keys.iter().map(LockKey::as_str).collect();
+        for _ in 0..keys.len() {
+            let owner = OwnerId::random();
+            let sent = Instant::now();
+            let mut conn = self.client.conn(NAME).await?;
+            let row = on_conn!(
+                self.client,
+                NAME,
+                Operation::Acquire,
+                conn,
+                Statement::new(&self.sql.acquire_any)
+                    .bind(Value::Texts(names.clone()))
+                    .bind(Value::Uuid(owner_uuid(owner)))
+                    .bind(Value::Int8(ttl_ms(ttl)))
+                    .fetch_optional(self.client.pooling, &mut conn)
+            )?;
+            let decode = |e| self.decode(Operation::Acquire, e);
+            let Some(row) = row else {
+                return Err(self.decode(Operation::Acquire, sqlx::Error::RowNotFound));
+            };
+            let candidates: i64 = row.try_get(0).map_err(decode)?;
+            let taken: Option<String> = row.try_get(1).map_err(decode)?;
+            let token: Option<i64> = row.try_get(2).map_err(decode)?;
+            match (taken, token) {
+                (Some(name), Some(token)) => {
+                    let key = keys.iter().find(|k| k.as_str() == name).ok_or_else(|| {
+                        LockError::backend(NAME, format!("took {name:?}, which was not asked for"))
+                    })?;
+                    return Ok(Some(Lease::new(
+                        self.id,
+                        key.clone(),
+                        owner,
+                        token_from(token),
+                        ttl,
+                        valid_until(sent, ttl),
+                    )));
+                }
+                _ if candidates == 0 => return Ok(None),
+                // The free name was taken meanwhile: ask again.
+                _ => {}
+            }
+        }
+        Ok(None)
     }
 
     /// One statement for the whole batch.

@@ -94,3 +94,60 @@ async fn lease_acquire_renew_and_release_are_one_round_trip_each() {
 async fn advisory_acquire_renew_and_release_are_one_round_trip_each() {
     one_round_trip_each(Kind::Advisory, "round-trips:advisory").await;
 }
+
+/// The lease table takes a permit behind held slots in one statement: one round trip
+/// however many of the slots before the free one are held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_acquire_any_is_one_round_trip_behind_held_slots() {
+    let server = shared_server().await;
+    let proxy = harness::require(FaultProxy::start(server.addr()).await);
+    let url = format!("postgres://{USER}:{PASSWORD}@{}/postgres", proxy.addr());
+    let backend = builder_at(&url).pool_size(1).build_lease_backend().unwrap();
+    backend.connect().await.unwrap();
+    let slots: Vec<LockKey> = (0..8)
+        .map(|i| LockKey::new(format!("round-trips:any:permit:{i}")).unwrap())
+        .collect();
+    // Prepared on the pooled connection before the delay starts.
+    for _ in 0..3 {
+        let lease = backend
+            .acquire_any(&slots, TTL)
+            .await
+            .unwrap()
+            .expect("free");
+        backend.release(&lease).await.unwrap();
+    }
+    let held: Vec<_> = backend
+        .acquire_many(&slots[..7], TTL)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|l| l.expect("free"))
+        .collect();
+    proxy.delay(ONE_WAY);
+    settle().await;
+    let started = Instant::now();
+    let lease = backend
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("slot 7 is free");
+    let took = started.elapsed();
+    settle().await;
+    let started = Instant::now();
+    assert!(backend.acquire_any(&slots, TTL).await.unwrap().is_none());
+    let refused = started.elapsed();
+    proxy.heal();
+    assert_eq!(lease.key(), &slots[7]);
+    for (call, took) in [
+        ("a permit behind seven held slots", took),
+        ("a full semaphore's refusal", refused),
+    ] {
+        assert!(
+            took >= ONE_WAY * 2 && took < ONE_ROUND_TRIP,
+            "{call} took {took:?}: not one round trip of {:?}",
+            ONE_WAY * 2
+        );
+    }
+    backend.release_many(&held).await.unwrap();
+    backend.release(&lease).await.unwrap();
+}
