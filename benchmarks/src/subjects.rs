@@ -42,14 +42,11 @@ pub async fn open(id: SubjectId, servers: &Servers) -> Result<Arc<dyn Subject>, 
     };
     Ok(match id {
         SubjectId::Memory => Arc::new(Backend::new(id, MemoryBackend::new(), None)),
-        SubjectId::Redis => {
-            let backend = lock_redis::RedisBackend::builder()
-                .url(servers.redis_url()?)
-                .build()
-                .await
-                .map_err(lock_err)?;
-            Arc::new(Backend::new(id, backend, None))
-        }
+        SubjectId::Redis
+        | SubjectId::RedisPing
+        | SubjectId::RedisSetNx
+        | SubjectId::RedisTwoStep
+        | SubjectId::Rslock => open_redis(id, &servers.redis_url()?).await?,
         SubjectId::PgLease => {
             let backend = lock_postgres::PgBuilder::new(servers.postgres_url()?)
                 .pool_size(PG_POOL_SIZE)
@@ -77,10 +74,6 @@ pub async fn open(id: SubjectId, servers: &Servers) -> Result<Arc<dyn Subject>, 
                 .map_err(lock_err)?;
             Arc::new(Backend::new(id, backend, None))
         }
-        SubjectId::RedisPing
-        | SubjectId::RedisSetNx
-        | SubjectId::RedisTwoStep
-        | SubjectId::Rslock => Arc::new(RawRedis::connect(id, &servers.redis_url()?).await?),
         SubjectId::PgRawAdvisory | SubjectId::PgRawAdvisoryToken | SubjectId::PgRawLease => {
             Arc::new(RawPostgres::connect(id, &servers.postgres_url()?).await?)
         }
@@ -88,4 +81,29 @@ pub async fn open(id: SubjectId, servers: &Servers) -> Result<Arc<dyn Subject>, 
             Arc::new(RawEtcd::connect(id, &servers.etcd_endpoint()?).await?)
         }
     })
+}
+
+/// Connects `id`, a subject of the Redis store, to the server at `url`.
+pub async fn open_redis(id: SubjectId, url: &str) -> Result<Arc<dyn Subject>, BenchError> {
+    match id {
+        SubjectId::Redis => {
+            let backend = lock_redis::RedisBackend::builder()
+                .url(url)
+                .build()
+                .await
+                .map_err(|source| BenchError::Lock {
+                    subject: id.slug(),
+                    source,
+                })?;
+            Ok(Arc::new(Backend::new(id, backend, None)))
+        }
+        SubjectId::RedisPing
+        | SubjectId::RedisSetNx
+        | SubjectId::RedisTwoStep
+        | SubjectId::Rslock => Ok(Arc::new(RawRedis::connect(id, url).await?)),
+        other => Err(BenchError::Unexpected {
+            subject: other.slug(),
+            detail: "not a subject of the Redis store".into(),
+        }),
+    }
 }

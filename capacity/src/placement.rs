@@ -4,10 +4,19 @@
 //! threads on another, as in production where they do not compete), in interleaved rounds
 //! of one run, with the client's and the server's CPU per cycle beside cycles/s.
 //!
+//! A pinned client runs on a runtime of its own, started on its one CPU and sized to it
+//! ([`std::thread::available_parallelism`] counts the CPUs a process may use, as a
+//! container's or a cpuset's would): the process's own runtime has a worker per CPU of
+//! the machine, and two workers on one CPU hand each reply to each other through a context
+//! switch, a cost no client given one core pays.
+//!
 //! Each round measures every subject in both placements, the placements' order swapped
 //! and the subjects' order rotated every round, so that every ratio compares measurements
 //! taken seconds apart. The targets are judged on the median round's ratio.
 
+use std::future::Future;
+use std::num::NonZeroUsize;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,6 +40,14 @@ pub const SUBJECTS: [SubjectId; 4] = [
 
 /// The concurrency levels measured.
 pub const LEVELS: [usize; 2] = [16, 64];
+
+/// Opens a subject (connects it, prepares its scripts) on the runtime it is called on, where
+/// its connections' tasks then run.
+pub type Open = Arc<
+    dyn Fn(SubjectId) -> Pin<Box<dyn Future<Output = Result<Arc<dyn Subject>, BenchError>> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Where the server and the client run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,6 +111,50 @@ pub async fn measure(
             .map(|n| n as f64 / sample.ops.max(1) as f64),
         server_us: end.server_since(&start).map(per_cycle),
     })
+}
+
+/// [`measure`] of the subject `open` makes, on a runtime of its own whose worker threads
+/// are as many as the CPUs this process may use now (one, when pinned), on a thread
+/// started now: the subject is opened, measured and closed there, so every task of its
+/// client (its connections' included) runs as a client confined to those CPUs runs.
+pub async fn measure_on_own_runtime(
+    open: &Open,
+    id: SubjectId,
+    tasks: usize,
+    warmup: Duration,
+    duration: Duration,
+    server: Option<u32>,
+) -> Result<Measured, BenchError> {
+    let failed = move |detail: String| BenchError::Unexpected {
+        subject: id.slug(),
+        detail,
+    };
+    let open = open.clone();
+    let (done, result) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("client-runtime".into())
+        .spawn(move || {
+            let workers = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+            let measured = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(workers)
+                .enable_all()
+                .build()
+                .map_err(|e| failed(format!("starting the client's runtime: {e}")))
+                .and_then(|runtime| {
+                    runtime.block_on(async move {
+                        let subject = open(id).await?;
+                        let measured =
+                            measure(subject.clone(), tasks, warmup, duration, server).await;
+                        subject.close().await;
+                        measured
+                    })
+                });
+            let _ = done.send(measured);
+        })
+        .map_err(|e| failed(format!("starting the client's thread: {e}")))?;
+    result
+        .await
+        .map_err(|_| failed("the client's thread ended without a measurement".into()))?
 }
 
 /// One subject's rounds in one placement at one level.
@@ -226,10 +287,13 @@ impl PlacedPairs {
 
 /// Measures every subject of `subjects` (opened on one Redis server, whose pid is
 /// `server`) at every level of [`LEVELS`], shared and pinned, in `plan.pair_rounds`
-/// interleaved rounds of `plan.duration / 3` each. The pinned rounds are skipped, with the
-/// reason kept, when this machine cannot pin (fewer than two CPUs, no server pid).
+/// interleaved rounds of `plan.duration / 3` each. A pinned round opens each subject
+/// again with `open`, on a runtime of the client's one CPU
+/// ([`measure_on_own_runtime`]). The pinned rounds are skipped, with the reason kept,
+/// when this machine cannot pin (fewer than two CPUs, no server pid).
 pub async fn run(
     subjects: &[Arc<dyn Subject>],
+    open: &Open,
     server: Option<u32>,
     plan: &Plan,
     mut progress: impl FnMut(&str),
@@ -266,21 +330,37 @@ pub async fn run(
                     placement.name(),
                     round + 1
                 ));
-                measure_round(&mut out, subjects, server, placement, level, round, plan).await?;
+                let on = Round {
+                    placement,
+                    level,
+                    round,
+                };
+                measure_round(&mut out, subjects, open, server, on, plan).await?;
             }
         }
     }
     Ok(out)
 }
 
+/// Which round [`measure_round`] measures.
+#[derive(Clone, Copy)]
+struct Round {
+    placement: Placement,
+    level: usize,
+    round: usize,
+}
+
 /// One round of every subject in one placement (nothing when pinning is not possible).
 async fn measure_round(
     out: &mut PlacedPairs,
     subjects: &[Arc<dyn Subject>],
+    open: &Open,
     server: Option<u32>,
-    placement: Placement,
-    level: usize,
-    round: usize,
+    Round {
+        placement,
+        level,
+        round,
+    }: Round,
     plan: &Plan,
 ) -> Result<(), BenchError> {
     let _pinned = match (placement, out.cpus, server) {
@@ -299,14 +379,13 @@ async fn measure_round(
     };
     for i in 0..subjects.len() {
         let subject = &subjects[(i + round) % subjects.len()];
-        let measured = measure(
-            subject.clone(),
-            level,
-            plan.warmup,
-            plan.duration / 3,
-            server,
-        )
-        .await?;
+        let (warmup, duration) = (plan.warmup, plan.duration / 3);
+        let measured = match placement {
+            Placement::Shared => measure(subject.clone(), level, warmup, duration, server).await?,
+            Placement::Pinned => {
+                measure_on_own_runtime(open, subject.id(), level, warmup, duration, server).await?
+            }
+        };
         if let Some(row) = out.rows.iter_mut().find(|r| {
             r.placement == placement && r.subject == subject.id() && r.concurrency == level
         }) {
@@ -318,7 +397,67 @@ async fn measure_round(
 
 #[cfg(test)]
 mod tests {
+    use async_trait::async_trait;
+    use parking_lot::Mutex;
+
     use super::*;
+    use crate::subject::{BenchKey, Cycle};
+
+    /// A subject that notes the runtime (its id and worker threads) it was opened on and
+    /// each of its cycles ran on.
+    struct Noting {
+        runtimes: Arc<Mutex<Vec<(tokio::runtime::Id, usize)>>>,
+    }
+
+    fn runtime() -> (tokio::runtime::Id, usize) {
+        let handle = tokio::runtime::Handle::current();
+        (handle.id(), handle.metrics().num_workers())
+    }
+
+    #[async_trait]
+    impl Subject for Noting {
+        fn id(&self) -> SubjectId {
+            SubjectId::Redis
+        }
+
+        async fn cycle(&self, _key: &BenchKey) -> Result<Cycle, BenchError> {
+            self.runtimes.lock().push(runtime());
+            tokio::task::yield_now().await;
+            Ok(Cycle {
+                acquire: Duration::ZERO,
+                acquired: true,
+            })
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 3)]
+    async fn a_client_on_its_own_runtime_is_opened_and_runs_there_with_a_worker_per_cpu() {
+        let runtimes = Arc::new(Mutex::new(Vec::new()));
+        let noted = runtimes.clone();
+        let open: Open = Arc::new(move |_| {
+            let runtimes = noted.clone();
+            Box::pin(async move {
+                runtimes.lock().push(runtime());
+                Ok(Arc::new(Noting { runtimes }) as Arc<dyn Subject>)
+            })
+        });
+        let short = Duration::from_millis(20);
+        let measured = measure_on_own_runtime(&open, SubjectId::Redis, 4, short, short, None)
+            .await
+            .unwrap();
+        assert!(measured.per_sec > 0.0);
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        let (caller, _) = runtime();
+        let runtimes = runtimes.lock();
+        assert!(runtimes.len() > 1, "opened, then cycles: {runtimes:?}");
+        let (own, workers) = runtimes[0];
+        assert_ne!(own, caller, "opened on a runtime other than the caller's");
+        assert_eq!(workers, cpus, "a worker per CPU this process may use");
+        assert!(
+            runtimes.iter().all(|&(id, _)| id == own),
+            "every cycle on the runtime it was opened on"
+        );
+    }
 
     fn row(placement: Placement, subject: SubjectId, per_sec: &[f64], client: &[f64]) -> Row {
         Row {

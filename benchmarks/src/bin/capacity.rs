@@ -719,7 +719,7 @@ async fn profile(args: &Args) -> Result<(), BenchError> {
     let servers = Servers::start(&[id.store()]).await?;
     let server = servers.pid(id.store());
     let subject = subjects::open(id, &servers).await?;
-    let _pinned = if args.pinned {
+    let pinned = if args.pinned {
         match capacity::affinity::pick()
             .and_then(|(s, c)| Ok((s, c, server.ok_or("the server's pid is unknown")?)))
             .and_then(|(s, c, pid)| Ok((s, c, capacity::affinity::pin(pid, s, c)?)))
@@ -736,6 +736,11 @@ async fn profile(args: &Args) -> Result<(), BenchError> {
     } else {
         None
     };
+    // Pinned, a Redis subject runs on a runtime of the client's one CPU, as the pairs do.
+    let on_own_runtime = match id.store() {
+        Store::Redis => Some(benchmarks::placed::open_on_redis(servers.redis_url()?)),
+        _ => None,
+    };
     println!(
         "profiling {} at {} tasks, {} rounds of {:?} (after {:?} of warm-up each); \
          this process: pid {}, server: pid {}",
@@ -749,14 +754,29 @@ async fn profile(args: &Args) -> Result<(), BenchError> {
     );
     let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     for round in 1..=plan.pair_rounds {
-        let m = capacity::placement::measure(
-            subject.clone(),
-            args.tasks,
-            plan.warmup,
-            plan.duration,
-            server,
-        )
-        .await;
+        let m = match (&pinned, &on_own_runtime) {
+            (Some(_), Some(open)) => {
+                capacity::placement::measure_on_own_runtime(
+                    open,
+                    id,
+                    args.tasks,
+                    plan.warmup,
+                    plan.duration,
+                    server,
+                )
+                .await
+            }
+            _ => {
+                capacity::placement::measure(
+                    subject.clone(),
+                    args.tasks,
+                    plan.warmup,
+                    plan.duration,
+                    server,
+                )
+                .await
+            }
+        };
         let m = match m {
             Ok(m) => m,
             Err(e) => {
