@@ -27,7 +27,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::debug;
 
-use self::coalesce::{Kind, PendingAcquire, PendingRelease, Queue};
+use self::coalesce::{Joined, Kind, PendingAcquire, PendingRelease, Queue};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
@@ -56,11 +56,10 @@ const CLEANUP_TIMEOUTS: u32 = 2;
 /// [`LockError::Config`].
 pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 
-/// How many single calls of one kind (`acquire`, `release`) a backend on a single node
-/// has on their way at once; calls that come while that many are in flight wait for one
-/// of them to return and go together as one multi-key script call. Few concurrent callers
-/// are sent without waiting; many still share script calls (docs/DESIGN.md has the
-/// measurements behind 4).
+/// How many single calls (or batches of them) of one kind (`acquire`, `release`) a
+/// backend on a single node has on their way at once; calls that come while that many
+/// are in flight wait for one of them to return and go together as one multi-key script
+/// call (docs/DESIGN.md has the measurements behind 4).
 pub const SENT_AT_ONCE: usize = 4;
 
 /// The Redis lock backend: one script (one round trip) per operation, one pipeline per
@@ -68,9 +67,10 @@ pub const SENT_AT_ONCE: usize = 4;
 ///
 /// Batches send one multi-key script call per hash slot (per node on a single node), of
 /// at most 128 locks each. On a single node, concurrent `acquire` (and `release`) calls
-/// coalesce: while [`SENT_AT_ONCE`] are in flight, the ones that arrive meanwhile wait
-/// and then go together as one multi-key call; a caller that finds fewer in flight sends
-/// at once.
+/// coalesce, without a timer: a caller that finds none of its kind in flight sends at
+/// once; one that finds some yields to the runtime once, and the calls that arrive
+/// meanwhile go with it as one multi-key call; while [`SENT_AT_ONCE`] are in flight, the
+/// ones that arrive wait and go together when one returns.
 /// In a cluster single calls are sent one by one (calls on different slots could not
 /// share a script anyway).
 ///
@@ -588,9 +588,9 @@ impl LockBackend for RedisBackend {
             return self.acquire_one(key, ttl, called).await;
         }
         let mut queued = None;
-        let direct = self.inner.acquires.join(|| {
+        let pending = |queued: &mut Option<_>| {
             let (reply, rx) = oneshot::channel();
-            queued = Some(rx);
+            *queued = Some(rx);
             PendingAcquire {
                 key: key.clone(),
                 ttl,
@@ -598,14 +598,24 @@ impl LockBackend for RedisBackend {
                 runtime: Handle::try_current().ok(),
                 reply,
             }
-        });
-        match queued {
-            Some(rx) if !direct => self.queued_reply("acquire", rx).await,
-            _ => {
-                let _in_flight = self.in_flight(Kind::Acquire);
-                self.acquire_one(key, ttl, called).await
+        };
+        let joined = self.inner.acquires.join(|| pending(&mut queued));
+        if let (Joined::Queued, Some(rx)) = (joined, queued.take()) {
+            return self.queued_reply("acquire", rx).await;
+        }
+        let in_flight = self.in_flight(Kind::Acquire);
+        if joined == Joined::Lead {
+            tokio::task::yield_now().await;
+            let joined_by_others = self.inner.acquires.gathered(|| pending(&mut queued));
+            if let (true, Some(rx)) = (joined_by_others, queued) {
+                // Its mark, dropped, sends the calls gathered, this one among them, as
+                // one batch.
+                drop(in_flight);
+                return self.queued_reply("acquire", rx).await;
             }
         }
+        let _in_flight = in_flight;
+        self.acquire_one(key, ttl, called).await
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
@@ -624,22 +634,30 @@ impl LockBackend for RedisBackend {
             return self.release_one(lease).await;
         }
         let mut queued = None;
-        let direct = self.inner.releases.join(|| {
+        let pending = |queued: &mut Option<_>| {
             let (reply, rx) = oneshot::channel();
-            queued = Some(rx);
+            *queued = Some(rx);
             PendingRelease {
                 lease: lease.clone(),
                 runtime: Handle::try_current().ok(),
                 reply,
             }
-        });
-        match queued {
-            Some(rx) if !direct => self.queued_reply("release", rx).await,
-            _ => {
-                let _in_flight = self.in_flight(Kind::Release);
-                self.release_one(lease).await
+        };
+        let joined = self.inner.releases.join(|| pending(&mut queued));
+        if let (Joined::Queued, Some(rx)) = (joined, queued.take()) {
+            return self.queued_reply("release", rx).await;
+        }
+        let in_flight = self.in_flight(Kind::Release);
+        if joined == Joined::Lead {
+            tokio::task::yield_now().await;
+            let joined_by_others = self.inner.releases.gathered(|| pending(&mut queued));
+            if let (true, Some(rx)) = (joined_by_others, queued) {
+                drop(in_flight);
+                return self.queued_reply("release", rx).await;
             }
         }
+        let _in_flight = in_flight;
+        self.release_one(lease).await
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {

@@ -77,6 +77,36 @@ async fn concurrent_acquires_on_distinct_keys_each_hold_their_key_with_fewer_scr
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_arrive_together_go_as_one_script_call_below_the_limit() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis_with(Duration::from_secs(2)).await;
+    f.proxy.delay(Duration::from_millis(200));
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    // One acquire on its way: fewer than the limit in flight, so nothing queues for that.
+    let slow = {
+        let redis = redis.clone();
+        tokio::spawn(async move { redis.acquire(&LockKey::new("slow").unwrap(), TTL).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // These arrive together (one task polls them all): the first leads, the others join it.
+    let together = keys("together", SENT_AT_ONCE - 1);
+    let leases = join_all(together.iter().map(|k| redis.acquire(k, TTL))).await;
+    for (key, lease) in together.iter().zip(leases) {
+        let lease = lease.unwrap().expect("a free key");
+        assert_eq!(lease.key(), key);
+        assert_eq!(redis.inspect(key).await.unwrap().owner, Some(lease.owner()));
+    }
+    assert!(slow.await.unwrap().unwrap().is_some());
+    let calls = f.calls("evalsha").await;
+    assert_eq!(
+        calls,
+        2,
+        "the acquire in flight, then the {} that arrived together as one script call",
+        together.len()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_acquires_of_one_key_have_exactly_one_winner() {
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
@@ -120,8 +150,8 @@ async fn mixed_concurrent_acquires_give_one_winner_per_key() {
 }
 
 // One thread: the connection's reader cannot run while the callers are polled, so the
-// first `SENT_AT_ONCE` callers are in flight and every other one is queued when they all
-// give up.
+// first caller is in flight, the second leads (it yields, and the others join it), and
+// every other one is queued when they all give up.
 #[tokio::test(flavor = "current_thread")]
 async fn acquires_whose_callers_left_are_given_back_in_the_background() {
     let f = RedisFactory::start().await;
@@ -239,6 +269,9 @@ async fn a_runtime_shutting_down_mid_call_leaves_the_queue_working(kind: Call) {
     for (i, lease) in held.iter().take(SENT_AT_ONCE).enumerate() {
         let (first, lease) = (redis.clone(), lease.clone());
         other.spawn(async move { call(&first, kind, &format!("first-{i}"), &lease).await });
+        // Apart, so that each is sent on its own (calls that arrive together go together)
+        // and they fill the calls in flight.
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The other runtime's calls are on their way (a round trip takes 400 ms); this one
     // queues.
@@ -303,8 +336,14 @@ async fn queued_releases_whose_connection_dropped_are_settled_and_free_their_key
             })
             .collect::<Vec<_>>()
     };
-    let in_flight = release_all(leases);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Apart, so that each is sent on its own (calls that arrive together go together) and
+    // they fill the calls in flight.
+    let mut in_flight = Vec::new();
+    for lease in leases {
+        in_flight.extend(release_all(vec![lease]));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(60)).await;
     let waiting = release_all(queued_leases);
     for release in in_flight {
         assert_eq!(release.await.unwrap().unwrap(), Release::Released);

@@ -2,10 +2,15 @@
 //!
 //! Every Lua script call costs the server a few microseconds of fixed overhead, whatever
 //! it does; under concurrency that overhead, not the network, caps the throughput. So
-//! while [`SENT_AT_ONCE`] calls of a kind (acquire, release) are on their way, the calls
-//! that arrive meanwhile wait in a [`Queue`] and go together, as one multi-key script
-//! call, when one of them returns. A caller that finds fewer in flight sends at once:
-//! batching never waits on a timer, it only forms while the server is busy answering.
+//! calls of a kind (acquire, release) that arrive together go together, as one multi-key
+//! script call, in two ways, neither waiting on a timer:
+//!
+//! - A caller that finds another call of its kind in flight *leads*: it yields to the
+//!   runtime once, and the calls that arrive meanwhile (the other callers woken by the
+//!   same burst of replies, typically) join it; if any did, they all go as one batch.
+//!   A caller that finds none in flight sends at once, without yielding.
+//! - While [`SENT_AT_ONCE`] calls of a kind are on their way, the calls that arrive wait
+//!   in the [`Queue`] and go together when one of them returns.
 
 use std::future::Future;
 use std::time::Duration;
@@ -29,9 +34,24 @@ pub(super) struct Queue<T> {
 
 struct State<T> {
     /// Calls (direct, or batches of queued ones) of this kind on their way: at most
-    /// [`SENT_AT_ONCE`], and exactly that many while any call waits.
+    /// [`SENT_AT_ONCE`], and exactly that many while any call waits, unless a leader is
+    /// gathering.
     busy: usize,
+    /// A leader has yielded and will take the calls that join meanwhile.
+    gathering: bool,
     waiting: Vec<T>,
+}
+
+/// How a caller joined a [`Queue`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Joined {
+    /// Nothing of its kind in flight: it sends at once, and is in flight now.
+    Alone,
+    /// Another call in flight: it is in flight now, yields once, and then asks
+    /// [`Queue::gathered`] whether calls joined it meanwhile.
+    Lead,
+    /// Its item waits in the queue, to be sent in a batch.
+    Queued,
 }
 
 impl<T> Default for Queue<T> {
@@ -39,6 +59,7 @@ impl<T> Default for Queue<T> {
         Self {
             state: Mutex::new(State {
                 busy: 0,
+                gathering: false,
                 waiting: Vec::new(),
             }),
         }
@@ -46,25 +67,46 @@ impl<T> Default for Queue<T> {
 }
 
 impl<T> Queue<T> {
-    /// True when fewer than [`SENT_AT_ONCE`] calls were in flight: the caller sends
-    /// directly and is now one of them (it must call [`Queue::next`] when done). Otherwise
-    /// `item()` joins the queue.
-    pub(super) fn join(&self, item: impl FnOnce() -> T) -> bool {
+    /// Joins the calls of this kind: see [`Joined`]. A caller that is in flight now
+    /// (`Alone`, `Lead`) must end with [`Queue::next`] when done (through its
+    /// [`InFlight`] mark); a queued one, `item()`, is answered by the batch it goes in.
+    pub(super) fn join(&self, item: impl FnOnce() -> T) -> Joined {
         let mut state = self.state.lock();
-        if state.busy >= SENT_AT_ONCE {
+        if state.gathering || state.busy >= SENT_AT_ONCE {
             state.waiting.push(item());
-            false
+            Joined::Queued
         } else {
             state.busy += 1;
+            if state.busy == 1 {
+                Joined::Alone
+            } else {
+                state.gathering = true;
+                Joined::Lead
+            }
+        }
+    }
+
+    /// For a leader that has yielded: false when no call joined meanwhile (it sends
+    /// alone), or true once `item()`, its own call, has joined the ones that did: its
+    /// in-flight mark, dropped, then sends them all as one batch.
+    pub(super) fn gathered(&self, item: impl FnOnce() -> T) -> bool {
+        let mut state = self.state.lock();
+        state.gathering = false;
+        if state.waiting.is_empty() {
+            false
+        } else {
+            state.waiting.push(item());
             true
         }
     }
 
     /// For a call in flight, once it is done: the calls queued meanwhile, to send next as
     /// one batch (which takes its place in flight), or `None` (nothing queued; its place
-    /// is free).
+    /// is free). It ends a leader's gathering too, so a leader whose future is dropped
+    /// while it yields leaves no gathering behind.
     pub(super) fn next(&self) -> Option<Vec<T>> {
         let mut state = self.state.lock();
+        state.gathering = false;
         if state.waiting.is_empty() {
             state.busy -= 1;
             None
@@ -348,28 +390,60 @@ mod tests {
     #[test]
     fn callers_go_directly_until_the_limit_and_later_ones_queue_until_one_is_done() {
         let q = Queue::default();
-        for i in 0..SENT_AT_ONCE {
-            assert!(q.join(|| i), "{i} in flight: direct");
+        assert_eq!(
+            q.join(|| 0),
+            Joined::Alone,
+            "nothing in flight: sent at once"
+        );
+        for i in 1..SENT_AT_ONCE {
+            assert_eq!(q.join(|| i), Joined::Lead, "{i} in flight: leads");
+            assert!(!q.gathered(|| 90), "nothing joined: sent alone");
         }
-        assert!(!q.join(|| 100), "the limit in flight: queued");
-        assert!(!q.join(|| 101));
+        assert_eq!(
+            q.join(|| 100),
+            Joined::Queued,
+            "the limit in flight: queued"
+        );
+        assert_eq!(q.join(|| 101), Joined::Queued);
         assert_eq!(
             q.next(),
             Some(vec![100, 101]),
             "the queued ones form the next batch, in the place of the call done"
         );
-        assert!(
-            !q.join(|| 102),
+        assert_eq!(
+            q.join(|| 102),
+            Joined::Queued,
             "the batch is in flight now: still the limit"
         );
         assert_eq!(q.next(), Some(vec![102]));
         assert_eq!(q.next(), None, "nothing queued: a place is free");
-        assert!(q.join(|| 103), "below the limit again: direct");
-        assert!(!q.join(|| 104), "at the limit again: queued");
+        assert_eq!(q.join(|| 103), Joined::Lead, "below the limit again: leads");
+        assert!(!q.gathered(|| 91));
+        assert_eq!(q.join(|| 104), Joined::Queued, "at the limit again: queued");
         assert_eq!(q.next(), Some(vec![104]));
         for _ in 0..SENT_AT_ONCE {
             assert_eq!(q.next(), None);
         }
-        assert!(q.join(|| 105), "idle: direct");
+        assert_eq!(q.join(|| 105), Joined::Alone, "idle: sent at once");
+    }
+
+    #[test]
+    fn calls_that_arrive_while_a_leader_yields_go_with_it_as_one_batch() {
+        let q = Queue::default();
+        assert_eq!(q.join(|| 0), Joined::Alone);
+        assert_eq!(q.join(|| 1), Joined::Lead);
+        assert_eq!(q.join(|| 2), Joined::Queued, "a leader gathers: joins it");
+        assert_eq!(q.join(|| 3), Joined::Queued);
+        assert!(q.gathered(|| 1), "two joined: the leader goes with them");
+        assert_eq!(
+            q.next(),
+            Some(vec![2, 3, 1]),
+            "the leader's mark sends them all as one batch"
+        );
+        assert_eq!(q.join(|| 4), Joined::Lead, "gathering is over: leads again");
+        // A leader dropped while it yields: its mark's `next` ends the gathering.
+        assert_eq!(q.join(|| 5), Joined::Queued);
+        assert_eq!(q.next(), Some(vec![5]));
+        assert_eq!(q.join(|| 6), Joined::Lead, "no gathering left behind");
     }
 }
