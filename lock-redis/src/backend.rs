@@ -606,12 +606,8 @@ impl LockBackend for RedisBackend {
         let in_flight = self.in_flight(Kind::Acquire);
         if joined == Joined::Lead {
             tokio::task::yield_now().await;
-            let joined_by_others = self.inner.acquires.gathered(|| pending(&mut queued));
-            if let (true, Some(rx)) = (joined_by_others, queued) {
-                // Its mark, dropped, sends the calls gathered, this one among them, as
-                // one batch.
-                drop(in_flight);
-                return self.queued_reply("acquire", rx).await;
+            if let Some(batch) = self.inner.acquires.gathered(|| pending(&mut queued)) {
+                return self.lead_acquires(in_flight, batch, queued).await;
             }
         }
         let _in_flight = in_flight;
@@ -650,10 +646,8 @@ impl LockBackend for RedisBackend {
         let in_flight = self.in_flight(Kind::Release);
         if joined == Joined::Lead {
             tokio::task::yield_now().await;
-            let joined_by_others = self.inner.releases.gathered(|| pending(&mut queued));
-            if let (true, Some(rx)) = (joined_by_others, queued) {
-                drop(in_flight);
-                return self.queued_reply("release", rx).await;
+            if let Some(batch) = self.inner.releases.gathered(|| pending(&mut queued)) {
+                return self.lead_releases(in_flight, batch, queued).await;
             }
         }
         let _in_flight = in_flight;

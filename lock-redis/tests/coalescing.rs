@@ -107,6 +107,51 @@ async fn calls_that_arrive_together_go_as_one_script_call_below_the_limit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_dropped_mid_batch_leaves_the_others_answered_and_its_key_free() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis_with(Duration::from_secs(2)).await;
+    f.proxy.delay(Duration::from_millis(100));
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+    let slow = {
+        let redis = redis.clone();
+        tokio::spawn(async move { redis.acquire(&LockKey::new("slow").unwrap(), TTL).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let keys = keys("led", 3);
+    let mut leader = Box::pin(redis.acquire(&keys[0], TTL));
+    let mut others: Vec<_> = keys[1..]
+        .iter()
+        .map(|k| Box::pin(redis.acquire(k, TTL)))
+        .collect();
+    // The leader yields, the others join it, and then it sends the batch and waits.
+    assert!(futures::poll!(leader.as_mut()).is_pending());
+    for other in &mut others {
+        assert!(futures::poll!(other.as_mut()).is_pending());
+    }
+    assert!(futures::poll!(leader.as_mut()).is_pending());
+    drop(leader);
+    for (key, other) in keys[1..].iter().zip(others) {
+        let lease = other.await.unwrap().expect("a free key");
+        assert_eq!(lease.key(), key);
+    }
+    assert!(slow.await.unwrap().unwrap().is_some());
+    // The batch ran once, after its leader had gone, and gave the leader's key back.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.inspect(&keys[0]).await.unwrap().owner.is_some() {
+        assert!(
+            Instant::now() < deadline,
+            "the gone leader's key is still held"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        f.calls("set").await,
+        4,
+        "the acquire in flight, and each key of the batch taken once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_acquires_of_one_key_have_exactly_one_winner() {
     let f = RedisFactory::start().await;
     let redis = f.redis().await;

@@ -13,6 +13,8 @@
 //!   in the [`Queue`] and go together when one of them returns.
 
 use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use distlock_core::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
@@ -86,17 +88,18 @@ impl<T> Queue<T> {
         }
     }
 
-    /// For a leader that has yielded: false when no call joined meanwhile (it sends
-    /// alone), or true once `item()`, its own call, has joined the ones that did: its
-    /// in-flight mark, dropped, then sends them all as one batch.
-    pub(super) fn gathered(&self, item: impl FnOnce() -> T) -> bool {
+    /// For a leader that has yielded: `None` when no call joined meanwhile (it sends
+    /// alone), or the calls that did with `item()`, its own, among them: its batch, which
+    /// it sends itself ([`RunsToEnd`]) in its place in flight.
+    pub(super) fn gathered(&self, item: impl FnOnce() -> T) -> Option<Vec<T>> {
         let mut state = self.state.lock();
         state.gathering = false;
         if state.waiting.is_empty() {
-            false
+            None
         } else {
-            state.waiting.push(item());
-            true
+            let mut batch = std::mem::take(&mut state.waiting);
+            batch.push(item());
+            Some(batch)
         }
     }
 
@@ -112,6 +115,46 @@ impl<T> Queue<T> {
             None
         } else {
             Some(std::mem::take(&mut state.waiting))
+        }
+    }
+}
+
+/// A leader's batch, polled by the leader (the replies reach their callers from its task,
+/// one hop); if the leader's future is dropped first, the rest of the batch is spawned
+/// on the runtime it is dropped on, so the other callers are still answered.
+pub(super) struct RunsToEnd {
+    batch: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+}
+
+impl RunsToEnd {
+    pub(super) fn new(batch: impl Future<Output = ()> + Send + 'static) -> Self {
+        Self {
+            batch: Some(Box::pin(batch)),
+        }
+    }
+}
+
+impl Future for RunsToEnd {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(batch) = self.batch.as_mut() else {
+            return Poll::Ready(());
+        };
+        ready!(batch.as_mut().poll(cx));
+        self.batch = None;
+        Poll::Ready(())
+    }
+}
+
+impl Drop for RunsToEnd {
+    fn drop(&mut self) {
+        if let Some(batch) = self.batch.take() {
+            // Without a runtime the batch is dropped: its callers learn from their closed
+            // channels, and its in-flight mark hands the queue on.
+            if let Ok(runtime) = Handle::try_current() {
+                runtime.spawn(batch);
+            }
         }
     }
 }
@@ -220,6 +263,37 @@ impl RedisBackend {
             });
             return;
         }
+    }
+
+    /// A leader's turn for acquires: sends `batch` (the calls gathered, its own among
+    /// them, answered on `own`) in its place in flight, `in_flight`; returns its own reply.
+    pub(super) async fn lead_acquires(
+        &self,
+        in_flight: InFlight,
+        batch: Vec<PendingAcquire>,
+        own: Option<Reply<Option<Lease>>>,
+    ) -> Result<Option<Lease>, LockError> {
+        let backend = self.clone();
+        let batch = async move {
+            backend.acquire_queued(batch).await;
+            drop(in_flight);
+        };
+        lead("acquire", batch, own).await
+    }
+
+    /// [`RedisBackend::lead_acquires`] for releases.
+    pub(super) async fn lead_releases(
+        &self,
+        in_flight: InFlight,
+        batch: Vec<PendingRelease>,
+        own: Option<Reply<Release>>,
+    ) -> Result<Release, LockError> {
+        let backend = self.clone();
+        let batch = async move {
+            backend.release_queued(batch).await;
+            drop(in_flight);
+        };
+        lead("release", batch, own).await
     }
 
     pub(super) fn in_flight(&self, kind: Kind) -> InFlight {
@@ -378,6 +452,23 @@ fn duplicate(e: &LockError) -> LockError {
     }
 }
 
+/// Where a queued call's reply comes.
+pub(super) type Reply<T> = oneshot::Receiver<Result<T, LockError>>;
+
+/// Runs a leader's `batch` to its end ([`RunsToEnd`]) and returns the leader's own reply,
+/// which the batch has sent by then.
+async fn lead<T>(
+    operation: &'static str,
+    batch: impl Future<Output = ()> + Send + 'static,
+    own: Option<Reply<T>>,
+) -> Result<T, LockError> {
+    RunsToEnd::new(batch).await;
+    match own {
+        Some(mut reply) => reply.try_recv().unwrap_or_else(|_| Err(dropped(operation))),
+        None => Err(dropped(operation)),
+    }
+}
+
 /// The error of a queued call whose batch was dropped unanswered (its runtime shut down).
 fn dropped(operation: &'static str) -> LockError {
     LockError::outcome_unknown(NAME, operation, "the batch was dropped before its reply")
@@ -397,7 +488,7 @@ mod tests {
         );
         for i in 1..SENT_AT_ONCE {
             assert_eq!(q.join(|| i), Joined::Lead, "{i} in flight: leads");
-            assert!(!q.gathered(|| 90), "nothing joined: sent alone");
+            assert_eq!(q.gathered(|| 90), None, "nothing joined: sent alone");
         }
         assert_eq!(
             q.join(|| 100),
@@ -418,7 +509,7 @@ mod tests {
         assert_eq!(q.next(), Some(vec![102]));
         assert_eq!(q.next(), None, "nothing queued: a place is free");
         assert_eq!(q.join(|| 103), Joined::Lead, "below the limit again: leads");
-        assert!(!q.gathered(|| 91));
+        assert_eq!(q.gathered(|| 91), None);
         assert_eq!(q.join(|| 104), Joined::Queued, "at the limit again: queued");
         assert_eq!(q.next(), Some(vec![104]));
         for _ in 0..SENT_AT_ONCE {
@@ -434,12 +525,12 @@ mod tests {
         assert_eq!(q.join(|| 1), Joined::Lead);
         assert_eq!(q.join(|| 2), Joined::Queued, "a leader gathers: joins it");
         assert_eq!(q.join(|| 3), Joined::Queued);
-        assert!(q.gathered(|| 1), "two joined: the leader goes with them");
         assert_eq!(
-            q.next(),
+            q.gathered(|| 1),
             Some(vec![2, 3, 1]),
-            "the leader's mark sends them all as one batch"
+            "two joined: the leader sends them with its own as one batch"
         );
+        assert_eq!(q.next(), None, "the batch is done, in the leader's place");
         assert_eq!(q.join(|| 4), Joined::Lead, "gathering is over: leads again");
         // A leader dropped while it yields: its mark's `next` ends the gathering.
         assert_eq!(q.join(|| 5), Joined::Queued);
