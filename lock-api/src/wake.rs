@@ -128,6 +128,14 @@ impl ReleaseHub {
         }
     }
 
+    /// How many watchers `key` has in this process. A backend whose releases are announced
+    /// only when an attempt has marked the key waited for (Redis) asks this when it grants
+    /// the key: a release wakes one watcher per process, and the others, asleep in their
+    /// backoff, make no attempt that would mark the key the woken one is granted.
+    pub fn watchers(&self, key: &LockKey) -> usize {
+        self.inner.keys.lock().get(key).map_or(0, |w| w.watchers)
+    }
+
     /// The keys with at least one watcher: what a listener subscribes to again after a
     /// reconnect.
     pub fn watched_keys(&self) -> Vec<LockKey> {
@@ -239,6 +247,21 @@ mod tests {
         drop(other);
         assert_eq!(counts.unsubscribed.load(Ordering::SeqCst), 2);
         assert!(hub.watched_keys().is_empty());
+    }
+
+    #[test]
+    fn watchers_counts_the_watches_of_each_key_until_they_are_dropped() {
+        let hub = ReleaseHub::new(AllKeys);
+        let (a, b) = (hub.watch(&key("job:1")), hub.watch(&key("job:1")));
+        let other = hub.watch(&key("job:2"));
+        assert_eq!(hub.watchers(&key("job:1")), 2);
+        assert_eq!(hub.watchers(&key("job:2")), 1);
+        assert_eq!(hub.watchers(&key("job:3")), 0);
+        drop(a);
+        assert_eq!(hub.watchers(&key("job:1")), 1);
+        drop((b, other));
+        assert_eq!(hub.watchers(&key("job:1")), 0);
+        assert_eq!(hub.watchers(&key("job:2")), 0);
     }
 
     #[tokio::test]

@@ -177,6 +177,15 @@ impl RedisBackend {
         LockKeys::new(&self.inner.prefix, key)
     }
 
+    /// [`Self::keys`] for an acquire: marked to be granted waited for when other waiters
+    /// of this process watch `key` (see `acquire.lua`).
+    fn acquire_keys(&self, key: &LockKey) -> LockKeys {
+        LockKeys {
+            mark_waited: self.inner.listener.others_wait(key),
+            ..self.keys(key)
+        }
+    }
+
     /// Waits for a reply at most the response timeout. No reply in time means the request
     /// may have run: `OutcomeUnknown` for an operation that changes state.
     ///
@@ -295,10 +304,14 @@ impl RedisBackend {
     }
 
     fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
+        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
+        if keys.mark_waited {
+            args.push(b"1".to_vec());
+        }
         Call {
             script: &ACQUIRE_SCRIPT,
             keys: vec![keys.lock.clone()],
-            args: vec![owner.to_string().into(), ttl.as_millis().to_string().into()],
+            args,
         }
     }
 
@@ -330,7 +343,7 @@ impl RedisBackend {
         ttl: Duration,
         called: Instant,
     ) -> Result<Option<Lease>, LockError> {
-        let keys = self.keys(key);
+        let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
         let call = self.acquire_call(&keys, owner, ttl);
         let mut pending = AbandonOnDrop {
@@ -364,10 +377,16 @@ impl RedisBackend {
     ) -> Result<Option<Lease>, LockError> {
         let owner = OwnerId::random();
         let locks: Vec<LockKeys> = keys.iter().map(|k| self.keys(k)).collect();
+        // A semaphore's waiters watch every slot.
+        let mark_waited = keys.iter().any(|k| self.inner.listener.others_wait(k));
         let call = Call {
             script: &ACQUIRE_ANY_SCRIPT,
             keys: locks.iter().map(|k| k.lock.clone()).collect(),
-            args: vec![owner.to_string().into(), ttl.as_millis().to_string().into()],
+            args: vec![
+                owner.to_string().into(),
+                ttl.as_millis().to_string().into(),
+                if mark_waited { b"1" } else { b"0" }.to_vec(),
+            ],
         };
         let mut pending = AbandonOnDrop {
             backend: self,

@@ -10,12 +10,18 @@ use distlock_core::{FencingToken, LockKey, OwnerId};
 pub(crate) struct LockKeys {
     /// Holds `<owner id>:<token>`, with the lease's TTL.
     pub(crate) lock: String,
+    /// An acquire grants the lock already marked waited for (`:w`), so that its release is
+    /// announced: other waiters of this process watch it (see `acquire.lua`).
+    pub(crate) mark_waited: bool,
 }
 
 impl LockKeys {
     pub(crate) fn new(prefix: &str, key: &LockKey) -> Self {
         let lock = format!("{prefix}:{{{}}}", hash_tag(key.as_str()));
-        Self { lock }
+        Self {
+            lock,
+            mark_waited: false,
+        }
     }
 }
 

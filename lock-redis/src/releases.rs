@@ -140,6 +140,14 @@ impl ReleaseListener {
         self.ensure_running().then(|| self.shared.hub.watch(key))
     }
 
+    /// Whether an acquire of `key` grants it marked waited for: more than one waiter of
+    /// this process watches it (see [`ReleaseHub::watchers`]). One may be the caller
+    /// itself, in `Locker::lock`, whose own grant needs no announcement; any other was not
+    /// woken by the release that freed the key, and would mark it only after its backoff.
+    pub(crate) fn others_wait(&self, key: &LockKey) -> bool {
+        self.shared.hub.watchers(key) > 1
+    }
+
     /// The keys waiters of this backend are watching.
     pub(crate) fn watched_keys(&self) -> Vec<LockKey> {
         self.shared.hub.watched_keys()

@@ -85,7 +85,7 @@ async fn an_acquire_any_sent_again_returns_the_slot_it_took() {
     let owner = lease.owner().to_string();
     let mut args = vec!["EVAL", ACQUIRE_ANY, "3"];
     args.extend(lock_keys.iter().map(String::as_str));
-    args.extend([owner.as_str(), "10000", "R"]);
+    args.extend([owner.as_str(), "10000", "0", "R"]);
     let again = harness::require(f.server.command(&args).await);
     assert_eq!(
         again,

@@ -376,3 +376,94 @@ async fn a_batch_release_on_a_cluster_announces_each_waited_key_on_its_shard() {
         spublishes + 2
     );
 }
+
+/// Waiters of one process take the key one after another: every release wakes the next,
+/// not only the first one (the key each of them is granted is marked waited for, since
+/// the others still watch it and made their one attempt before it was granted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
+    let factory = RedisFactory::start().await;
+    let holder = factory.redis().await;
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let k = key("wake:chain");
+    let channel = holder.redis_key(&k);
+    let lease = holder
+        .acquire(&k, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .unwrap();
+    let locker = waiting_locker(waiter.clone());
+    let waiting: Vec<_> = (0..3)
+        .map(|_| {
+            let (locker, k) = (locker.clone(), k.clone());
+            tokio::spawn(async move {
+                let guard = locker.lock(&k).await?;
+                let granted = Instant::now();
+                sleep(Duration::from_millis(50)).await;
+                guard.release().await?;
+                Ok::<_, distlock_core::LockError>(granted)
+            })
+        })
+        .collect();
+    assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
+    // Each has made its first attempt, found the key held, and sleeps in its backoff.
+    sleep(Duration::from_millis(200)).await;
+    let released = Instant::now();
+    holder.release(&lease).await.unwrap();
+    let mut last = Duration::ZERO;
+    for waiting in waiting {
+        let granted = waiting.await.unwrap().unwrap();
+        last = last.max(granted - released);
+    }
+    assert!(
+        last < Duration::from_secs(2),
+        "the third waiter held the key {last:?} after the first release; each holds it \
+         50 ms, and the backoff is {BACKOFF:?}"
+    );
+}
+
+/// The same for a semaphore's permits: waiters of one process take the freed permits one
+/// after another, each release waking the next.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_permit_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
+    let factory = RedisFactory::start().await;
+    let holder: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let name = key("wake:permits");
+    let held = waiting_locker(holder).semaphore(&name, 2).unwrap();
+    let (first, second) = (
+        held.try_acquire().await.unwrap(),
+        held.try_acquire().await.unwrap(),
+    );
+    let (first, second) = (
+        first.expect("a free permit"),
+        second.expect("a free permit"),
+    );
+    let waiting = waiting_locker(waiter).semaphore(&name, 2).unwrap();
+    let waiting: Vec<_> = (0..4)
+        .map(|_| {
+            let semaphore = waiting.clone();
+            tokio::spawn(async move {
+                let permit = semaphore.acquire().await?;
+                let granted = Instant::now();
+                sleep(Duration::from_millis(50)).await;
+                permit.release().await?;
+                Ok::<_, distlock_core::LockError>(granted)
+            })
+        })
+        .collect();
+    sleep(Duration::from_millis(300)).await;
+    let released = Instant::now();
+    first.release().await.unwrap();
+    second.release().await.unwrap();
+    let mut last = Duration::ZERO;
+    for waiting in waiting {
+        let granted = waiting.await.unwrap().unwrap();
+        last = last.max(granted - released);
+    }
+    assert!(
+        last < Duration::from_secs(2),
+        "the fourth waiter held a permit {last:?} after the first releases; each holds it \
+         50 ms, and the backoff is {BACKOFF:?}"
+    );
+}

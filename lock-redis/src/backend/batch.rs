@@ -97,11 +97,24 @@ impl RedisBackend {
         attempts: &[(LockKeys, OwnerId, Duration)],
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
         let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
-        let calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
             let (k, owner, ttl) = &attempts[i];
             keys.push(k.lock.clone());
             args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
         });
+        // The keys granted waited for, one byte per key, when there are any.
+        for (call, group) in calls.iter_mut().zip(&groups) {
+            if group.iter().any(|&i| attempts[i].0.mark_waited) {
+                let marks = group.iter().map(|&i| {
+                    if attempts[i].0.mark_waited {
+                        b'1'
+                    } else {
+                        b'0'
+                    }
+                });
+                call.args.push(marks.collect());
+            }
+        }
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, attempts.len()))
     }
@@ -117,7 +130,7 @@ impl RedisBackend {
     ) -> Result<Vec<Option<Lease>>, LockError> {
         let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
             .iter()
-            .map(|k| (self.keys(k), OwnerId::random(), ttl))
+            .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
             .collect();
         let sent = Instant::now();
         let replies = self.send_acquires("acquire_many", &with_ttl).await;

@@ -328,7 +328,7 @@ impl RedisBackend {
     async fn acquire_queued(&self, batch: Vec<PendingAcquire>) {
         let attempts: Vec<(LockKeys, OwnerId, Duration)> = batch
             .iter()
-            .map(|p| (self.keys(&p.key), OwnerId::random(), p.ttl))
+            .map(|p| (self.acquire_keys(&p.key), OwnerId::random(), p.ttl))
             .collect();
         let longest = batch.iter().map(|p| p.ttl).max().unwrap_or_default();
         let replies = match self.send_acquires("acquire", &attempts).await {

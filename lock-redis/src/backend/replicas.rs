@@ -146,7 +146,7 @@ impl RedisBackend {
         // Nothing is sent yet: no connection free within the response timeout is a plain
         // failure.
         let acked = self.timed("acquire", false, pool.take()).await?;
-        let keys = self.keys(key);
+        let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
         let call = self.acquire_call(&keys, owner, ttl);
         let mut wait_cmd = redis::cmd("WAIT");

@@ -1,7 +1,10 @@
 -- Takes a lock and issues its fencing token, in one atomic step.
 -- KEYS[1] = <prefix>:{<name>}  (holds '<owner id>:<token>', expires after ARGV[2] ms;
 --                               ':w' appended once an acquire found it held)
--- ARGV[1] = owner id (hex), ARGV[2] = ttl in milliseconds
+-- ARGV[1] = owner id (hex), ARGV[2] = ttl in milliseconds, ARGV[3] = '1' to grant the
+-- lock already marked waited for (other waiters of the client's process watch it, which
+-- the release that freed it did not wake: each would otherwise mark it only when it next
+-- tries, after its backoff), absent otherwise
 -- Returns the new token (the current one when the lock already holds this owner id), or
 -- nil when the lock is held by someone else.
 --
@@ -15,7 +18,8 @@
 -- in exponent form.
 local now = redis.call('TIME')
 local token = now[1] .. string.sub('00000' .. now[2], -6)
-if redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token, 'NX', 'PX', ARGV[2]) then
+local mark = ARGV[3] == '1' and ':w' or ''
+if redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token .. mark, 'NX', 'PX', ARGV[2]) then
   return token
 end
 -- This very attempt sent again (a client retry after a lost reply): the lock is already

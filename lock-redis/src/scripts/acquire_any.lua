@@ -2,7 +2,8 @@
 -- token, in one atomic step.
 -- KEYS[i] = <prefix>:{<name i>}  (as in acquire.lua)
 -- ARGV[1] = owner id (hex), the same for every key of the attempt; ARGV[2] = ttl in ms;
--- ARGV[3] = 'R' when this attempt is sent again (a client retry after a lost reply)
+-- ARGV[3] = '1' to grant the lock marked waited for, as in acquire.lua ('0' otherwise);
+-- ARGV[4] = 'R' when this attempt is sent again (a client retry after a lost reply)
 -- Returns {i, token}: the first free lock, taken. Sent again, it first looks for the lock
 -- this attempt took the first time and returns that one, with its token, so a resent
 -- attempt never takes a second lock (a first send skips that look: it reads only up to
@@ -11,7 +12,7 @@
 -- waiters.
 --
 -- The token is the server's clock in microseconds, as in acquire.lua.
-if ARGV[3] == 'R' then
+if ARGV[4] == 'R' then
   for i = 1, #KEYS do
     local held = redis.call('GET', KEYS[i])
     if held then
@@ -24,8 +25,9 @@ if ARGV[3] == 'R' then
 end
 local now = redis.call('TIME')
 local token = now[1] .. string.sub('00000' .. now[2], -6)
+local mark = ARGV[3] == '1' and ':w' or ''
 for i = 1, #KEYS do
-  if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. token, 'NX', 'PX', ARGV[2]) then
+  if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. token .. mark, 'NX', 'PX', ARGV[2]) then
     return {i, token}
   end
 end
