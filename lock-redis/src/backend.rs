@@ -27,7 +27,7 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::debug;
 
-use self::coalesce::{Joined, Kind, PendingAcquire, PendingRelease, Queue};
+use self::coalesce::{PendingAcquire, PendingRelease, Queue, Turn};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
@@ -606,8 +606,7 @@ impl LockBackend for RedisBackend {
         if self.inner.cluster {
             return self.acquire_one(key, ttl, called).await;
         }
-        let mut queued = None;
-        let pending = |queued: &mut Option<_>| {
+        let turn = self.take_turn(|queued| {
             let (reply, rx) = oneshot::channel();
             *queued = Some(rx);
             PendingAcquire {
@@ -617,20 +616,11 @@ impl LockBackend for RedisBackend {
                 runtime: Handle::try_current().ok(),
                 reply,
             }
-        };
-        let joined = self.inner.acquires.join(|| pending(&mut queued));
-        if let (Joined::Queued, Some(rx)) = (joined, queued.take()) {
-            return self.queued_reply("acquire", rx).await;
+        });
+        match turn.await {
+            Turn::Answered(answer) => answer,
+            Turn::Alone(_in_flight) => self.acquire_one(key, ttl, called).await,
         }
-        let in_flight = self.in_flight(Kind::Acquire);
-        if joined == Joined::Lead {
-            tokio::task::yield_now().await;
-            if let Some(batch) = self.inner.acquires.gathered(|| pending(&mut queued)) {
-                return self.lead_acquires(in_flight, batch, queued).await;
-            }
-        }
-        let _in_flight = in_flight;
-        self.acquire_one(key, ttl, called).await
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
@@ -648,8 +638,7 @@ impl LockBackend for RedisBackend {
         if self.inner.cluster {
             return self.release_one(lease).await;
         }
-        let mut queued = None;
-        let pending = |queued: &mut Option<_>| {
+        let turn = self.take_turn(|queued| {
             let (reply, rx) = oneshot::channel();
             *queued = Some(rx);
             PendingRelease {
@@ -657,20 +646,11 @@ impl LockBackend for RedisBackend {
                 runtime: Handle::try_current().ok(),
                 reply,
             }
-        };
-        let joined = self.inner.releases.join(|| pending(&mut queued));
-        if let (Joined::Queued, Some(rx)) = (joined, queued.take()) {
-            return self.queued_reply("release", rx).await;
+        });
+        match turn.await {
+            Turn::Answered(answer) => answer,
+            Turn::Alone(_in_flight) => self.release_one(lease).await,
         }
-        let in_flight = self.in_flight(Kind::Release);
-        if joined == Joined::Lead {
-            tokio::task::yield_now().await;
-            if let Some(batch) = self.inner.releases.gathered(|| pending(&mut queued)) {
-                return self.lead_releases(in_flight, batch, queued).await;
-            }
-        }
-        let _in_flight = in_flight;
-        self.release_one(lease).await
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {

@@ -194,6 +194,58 @@ impl Pending for PendingRelease {
     }
 }
 
+/// A call that waits in a [`Queue`]: its answer, its kind, and how a batch of such calls
+/// is sent.
+pub(super) trait Coalesced: Pending + Send + Sized + 'static {
+    /// What its caller gets.
+    type Output: Send + 'static;
+    /// Its kind, whose calls in flight it counts among.
+    const KIND: Kind;
+    /// The operation, in errors.
+    const OPERATION: &'static str;
+    /// The queue of its kind.
+    fn queue(backend: &RedisBackend) -> &Queue<Self>;
+    /// Sends `batch` as one multi-key call and answers each of its callers.
+    fn send(backend: RedisBackend, batch: Vec<Self>) -> impl Future<Output = ()> + Send;
+}
+
+impl Coalesced for PendingAcquire {
+    type Output = Option<Lease>;
+    const KIND: Kind = Kind::Acquire;
+    const OPERATION: &'static str = "acquire";
+
+    fn queue(backend: &RedisBackend) -> &Queue<Self> {
+        &backend.inner.acquires
+    }
+
+    async fn send(backend: RedisBackend, batch: Vec<Self>) {
+        backend.acquire_queued(batch).await;
+    }
+}
+
+impl Coalesced for PendingRelease {
+    type Output = Release;
+    const KIND: Kind = Kind::Release;
+    const OPERATION: &'static str = "release";
+
+    fn queue(backend: &RedisBackend) -> &Queue<Self> {
+        &backend.inner.releases
+    }
+
+    async fn send(backend: RedisBackend, batch: Vec<Self>) {
+        backend.release_queued(batch).await;
+    }
+}
+
+/// How a single call goes once it has joined the calls of its kind
+/// ([`RedisBackend::take_turn`]).
+pub(super) enum Turn<T> {
+    /// Answered in a batch: queued, or as its leader.
+    Answered(Result<T, LockError>),
+    /// To be sent alone; in flight until the mark is dropped.
+    Alone(InFlight),
+}
+
 /// The two kinds of coalesced calls.
 #[derive(Clone, Copy)]
 pub(super) enum Kind {
@@ -227,27 +279,14 @@ impl RedisBackend {
     /// leaving the queue busy forever.
     fn hand_off(&self, kind: Kind) {
         match kind {
-            Kind::Acquire => {
-                self.send_next(kind, &self.inner.acquires, |backend, batch| async move {
-                    backend.acquire_queued(batch).await
-                })
-            }
-            Kind::Release => {
-                self.send_next(kind, &self.inner.releases, |backend, batch| async move {
-                    backend.release_queued(batch).await
-                })
-            }
+            Kind::Acquire => self.send_next::<PendingAcquire>(),
+            Kind::Release => self.send_next::<PendingRelease>(),
         }
     }
 
-    /// [`RedisBackend::hand_off`] for one queue: `send` answers the batch's callers.
-    fn send_next<T, F, Fut>(&self, kind: Kind, queue: &Queue<T>, send: F)
-    where
-        T: Pending,
-        F: FnOnce(RedisBackend, Vec<T>) -> Fut,
-        Fut: Future<Output = ()> + Send + 'static,
-    {
-        while let Some(batch) = queue.next() {
+    /// [`RedisBackend::hand_off`] for the queue of `T`.
+    fn send_next<T: Coalesced>(&self) {
+        while let Some(batch) = T::queue(self).next() {
             // Looked up only for a batch: most calls end with nothing queued behind them.
             let runtime = batch.iter().find_map(Pending::runtime).cloned();
             let Some(runtime) = runtime.or_else(|| Handle::try_current().ok()) else {
@@ -255,8 +294,8 @@ impl RedisBackend {
                 // callers' channels, which tells them so.
                 continue;
             };
-            let in_flight = self.in_flight(kind);
-            let batch = send(in_flight.backend.clone(), batch);
+            let in_flight = self.in_flight(T::KIND);
+            let batch = T::send(self.clone(), batch);
             runtime.spawn(async move {
                 batch.await;
                 drop(in_flight);
@@ -265,35 +304,37 @@ impl RedisBackend {
         }
     }
 
-    /// A leader's turn for acquires: sends `batch` (the calls gathered, its own among
-    /// them, answered on `own`) in its place in flight, `in_flight`; returns its own reply.
-    pub(super) async fn lead_acquires(
+    /// A single call joins the calls of its kind (`pending(reply)` makes its queue item,
+    /// with `reply` where its answer comes): queued, it waits for its batch's answer; as a
+    /// leader with others gathered, it sends their batch with its own call from its own
+    /// task ([`RunsToEnd`]) and returns its answer; otherwise it is to be sent alone, in
+    /// flight until the returned mark is dropped.
+    pub(super) async fn take_turn<T: Coalesced>(
         &self,
-        in_flight: InFlight,
-        batch: Vec<PendingAcquire>,
-        own: Option<Reply<Option<Lease>>>,
-    ) -> Result<Option<Lease>, LockError> {
-        let backend = self.clone();
-        let batch = async move {
-            backend.acquire_queued(batch).await;
-            drop(in_flight);
-        };
-        lead("acquire", batch, own).await
-    }
-
-    /// [`RedisBackend::lead_acquires`] for releases.
-    pub(super) async fn lead_releases(
-        &self,
-        in_flight: InFlight,
-        batch: Vec<PendingRelease>,
-        own: Option<Reply<Release>>,
-    ) -> Result<Release, LockError> {
-        let backend = self.clone();
-        let batch = async move {
-            backend.release_queued(batch).await;
-            drop(in_flight);
-        };
-        lead("release", batch, own).await
+        pending: impl Fn(&mut Option<Reply<T::Output>>) -> T,
+    ) -> Turn<T::Output> {
+        let queue = T::queue(self);
+        let mut reply = None;
+        let joined = queue.join(|| pending(&mut reply));
+        if let (Joined::Queued, Some(rx)) = (joined, reply.take()) {
+            return Turn::Answered(self.queued_reply(T::OPERATION, rx).await);
+        }
+        let in_flight = self.in_flight(T::KIND);
+        if joined == Joined::Lead {
+            tokio::task::yield_now().await;
+            if let Some(batch) = queue.gathered(|| pending(&mut reply)) {
+                let batch = T::send(self.clone(), batch);
+                RunsToEnd::new(async move {
+                    batch.await;
+                    drop(in_flight);
+                })
+                .await;
+                // Answered by the batch, which has run to its end.
+                let answer = reply.and_then(|mut rx| rx.try_recv().ok());
+                return Turn::Answered(answer.unwrap_or_else(|| Err(dropped(T::OPERATION))));
+            }
+        }
+        Turn::Alone(in_flight)
     }
 
     pub(super) fn in_flight(&self, kind: Kind) -> InFlight {
@@ -454,20 +495,6 @@ fn duplicate(e: &LockError) -> LockError {
 
 /// Where a queued call's reply comes.
 pub(super) type Reply<T> = oneshot::Receiver<Result<T, LockError>>;
-
-/// Runs a leader's `batch` to its end ([`RunsToEnd`]) and returns the leader's own reply,
-/// which the batch has sent by then.
-async fn lead<T>(
-    operation: &'static str,
-    batch: impl Future<Output = ()> + Send + 'static,
-    own: Option<Reply<T>>,
-) -> Result<T, LockError> {
-    RunsToEnd::new(batch).await;
-    match own {
-        Some(mut reply) => reply.try_recv().unwrap_or_else(|_| Err(dropped(operation))),
-        None => Err(dropped(operation)),
-    }
-}
 
 /// The error of a queued call whose batch was dropped unanswered (its runtime shut down).
 fn dropped(operation: &'static str) -> LockError {
