@@ -76,18 +76,30 @@ async fn concurrent_acquires_on_distinct_keys_each_hold_their_key_with_fewer_scr
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn calls_that_arrive_together_go_as_one_script_call_below_the_limit() {
+/// A server whose replies take `delay` each way, its statistics reset, and one acquire
+/// on its way to it: fewer than the limit in flight, so nothing queues for that.
+async fn one_acquire_on_its_way(
+    delay: Duration,
+) -> (
+    RedisFactory,
+    RedisBackend,
+    tokio::task::JoinHandle<Result<Option<Lease>, LockError>>,
+) {
     let f = RedisFactory::start().await;
     let redis = f.redis_with(Duration::from_secs(2)).await;
-    f.proxy.delay(Duration::from_millis(200));
+    f.proxy.delay(delay);
     harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
-    // One acquire on its way: fewer than the limit in flight, so nothing queues for that.
     let slow = {
         let redis = redis.clone();
         tokio::spawn(async move { redis.acquire(&LockKey::new("slow").unwrap(), TTL).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
+    (f, redis, slow)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_that_arrive_together_go_as_one_script_call_below_the_limit() {
+    let (f, redis, slow) = one_acquire_on_its_way(Duration::from_millis(200)).await;
     // These arrive together (one task polls them all): the first leads, the others join it.
     let together = keys("together", SENT_AT_ONCE - 1);
     let leases = join_all(together.iter().map(|k| redis.acquire(k, TTL))).await;
@@ -108,15 +120,7 @@ async fn calls_that_arrive_together_go_as_one_script_call_below_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leader_dropped_mid_batch_leaves_the_others_answered_and_its_key_free() {
-    let f = RedisFactory::start().await;
-    let redis = f.redis_with(Duration::from_secs(2)).await;
-    f.proxy.delay(Duration::from_millis(100));
-    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
-    let slow = {
-        let redis = redis.clone();
-        tokio::spawn(async move { redis.acquire(&LockKey::new("slow").unwrap(), TTL).await })
-    };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    let (f, redis, slow) = one_acquire_on_its_way(Duration::from_millis(100)).await;
     let keys = keys("led", 3);
     let mut leader = Box::pin(redis.acquire(&keys[0], TTL));
     let mut others: Vec<_> = keys[1..]

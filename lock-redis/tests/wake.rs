@@ -31,6 +31,38 @@ fn waiting_locker(backend: Arc<dyn LockBackend>) -> Locker {
         .unwrap()
 }
 
+/// A server; a backend holding a key for 30 s; a second backend instance, to wait on.
+struct Held {
+    factory: RedisFactory,
+    holder: lock_redis::RedisBackend,
+    waiter: Arc<dyn LockBackend>,
+    key: LockKey,
+    /// The key's channel: its name in Redis.
+    channel: String,
+    lease: distlock_core::Lease,
+}
+
+async fn held(name: &str) -> Held {
+    let factory = RedisFactory::start().await;
+    let holder = factory.redis().await;
+    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
+    let key = key(name);
+    let channel = holder.redis_key(&key);
+    let lease = holder
+        .acquire(&key, Duration::from_secs(30))
+        .await
+        .unwrap()
+        .expect("a free key");
+    Held {
+        factory,
+        holder,
+        waiter,
+        key,
+        channel,
+        lease,
+    }
+}
+
 /// The count in a `PUBSUB NUMSUB` or `SHARDNUMSUB` reply for one channel.
 fn count_in(reply: RespValue) -> i64 {
     match &reply {
@@ -67,16 +99,13 @@ async fn await_subscribers(factory: &RedisFactory, channel: &str, want: i64) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_waiters_share_one_subscription_and_leave_none_when_cancelled() {
-    let factory = RedisFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let k = key("wake:shared");
-    let channel = holder.redis_key(&k);
-    let _held = holder
-        .acquire(&k, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
+    let Held {
+        factory,
+        waiter,
+        key: k,
+        channel,
+        ..
+    } = held("wake:shared").await;
     let waiters: Vec<_> = (0..8)
         .map(|_| {
             let locker = waiting_locker(waiter.clone());
@@ -132,16 +161,14 @@ async fn handoff(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_subscribes_again_after_a_server_restart() {
-    let factory = RedisFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let k = key("wake:restart");
-    let channel = holder.redis_key(&k);
-    holder
-        .acquire(&k, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
+    let Held {
+        factory,
+        holder,
+        waiter,
+        key: k,
+        channel,
+        lease: _lease,
+    } = held("wake:restart").await;
     let waiting = wait_for(&waiter, &k);
     assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
 
@@ -382,16 +409,14 @@ async fn a_batch_release_on_a_cluster_announces_each_waited_key_on_its_shard() {
 /// the others still watch it and made their one attempt before it was granted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
-    let factory = RedisFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let k = key("wake:chain");
-    let channel = holder.redis_key(&k);
-    let lease = holder
-        .acquire(&k, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
+    let Held {
+        factory,
+        holder,
+        waiter,
+        key: k,
+        channel,
+        lease,
+    } = held("wake:chain").await;
     let locker = waiting_locker(waiter.clone());
     let waiting: Vec<_> = (0..3)
         .map(|_| {
