@@ -435,16 +435,25 @@ async fn each_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
     sleep(Duration::from_millis(200)).await;
     let released = Instant::now();
     holder.release(&lease).await.unwrap();
-    let mut last = Duration::ZERO;
-    for waiting in waiting {
-        let granted = waiting.await.unwrap().unwrap();
-        last = last.max(granted - released);
-    }
+    let last = last_grant(waiting, released).await;
     assert!(
         last < Duration::from_secs(2),
         "the third waiter held the key {last:?} after the first release; each holds it \
          50 ms, and the backoff is {BACKOFF:?}"
     );
+}
+
+/// How long after `released` the last of `waiting` was granted.
+async fn last_grant(
+    waiting: Vec<tokio::task::JoinHandle<Result<Instant, distlock_core::LockError>>>,
+    released: Instant,
+) -> Duration {
+    let mut last = Duration::ZERO;
+    for waiting in waiting {
+        let granted = waiting.await.unwrap().unwrap();
+        last = last.max(granted - released);
+    }
+    last
 }
 
 /// The same for a semaphore's permits: waiters of one process take the freed permits one
@@ -481,11 +490,7 @@ async fn each_permit_release_in_a_chain_of_waiters_of_one_process_wakes_the_next
     let released = Instant::now();
     first.release().await.unwrap();
     second.release().await.unwrap();
-    let mut last = Duration::ZERO;
-    for waiting in waiting {
-        let granted = waiting.await.unwrap().unwrap();
-        last = last.max(granted - released);
-    }
+    let last = last_grant(waiting, released).await;
     assert!(
         last < Duration::from_secs(2),
         "the fourth waiter held a permit {last:?} after the first releases; each holds it \
