@@ -70,6 +70,13 @@ echo "== cargo package: the published crates, in dependency order"
 # directory would verify against the first run's build of, say, distlock-core 0.1.0,
 # without what changed since. Those builds are the units of the workspace's own crates
 # whose dep-info lists no source file (a path build lists its files); they go first.
+# Cargo also extracts a registry crate's sources once per registry and version and never
+# again, under a directory named after the registry's path: a checkout at the path of an
+# earlier one (a CI clone made again) would verify against that run's sources. A local
+# registry's directory has no host in its name (`-<hash>`); ours go, crates.io's stay.
+for src in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{distlock,distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,lockctl}-[0-9]*; do
+    rm -rf "$src"
+done
 for unit in "$CARGO_TARGET_DIR"/debug/.fingerprint/{distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,distlock,lockctl}-*; do
     for dep_info in "$unit"/dep-lib-*; do
         if [ -f "$dep_info" ] && [ "$(stat -c %s "$dep_info")" -lt 64 ]; then
