@@ -342,18 +342,19 @@ fn check_writes(events: &[&Event], out: &mut Vec<Violation>) {
 /// TTL, still catches a backend that counts from the reply instead.
 pub const SEND_INSTANT_SLACK: Duration = Duration::from_millis(25);
 
-/// I3 (bound half): a grant or renewal never claims validity past its send instant + TTL.
+/// I3 (bound half): a grant or renewal never claims validity past its send instant + TTL
+/// (the latest the backend can have sent it, [`Event::sent_by`]).
 fn check_validity_bounds(events: &[&Event], out: &mut Vec<Violation>) {
     for e in events {
         if let (Some(valid), Some(ttl)) = (e.valid_until, e.ttl)
-            && valid > e.invoked + ttl + SEND_INSTANT_SLACK
+            && valid > e.sent_by + ttl + SEND_INSTANT_SLACK
         {
             violation(
                 out,
                 Invariant::I3,
                 format!(
                     "{e} claims validity {:?} past its send instant plus the TTL {ttl:?}",
-                    valid - (e.invoked + ttl)
+                    valid - (e.sent_by + ttl)
                 ),
             );
         }

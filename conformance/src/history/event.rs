@@ -1,6 +1,8 @@
 //! The record of a case run: one [`Event`] per call, kept in order in a [`History`].
 
+use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use distlock_core::{FencingToken, LockKey, OwnerId};
@@ -72,6 +74,9 @@ pub enum Reply {
     },
     /// The call failed; the text is the error.
     Error(String),
+    /// The call had not returned when the history was checked: a release spawned when a
+    /// guard was dropped, say, which the store may already have carried out.
+    Unfinished,
 }
 
 /// One recorded call.
@@ -91,6 +96,11 @@ pub struct Event {
     pub ttl: Option<Duration>,
     /// When the call was made.
     pub invoked: Instant,
+    /// The latest instant the backend can have sent the request that granted or renewed:
+    /// `invoked` for a call of one request; the reply's instant for a call the backend may
+    /// split into one request per key (`acquire_any`, `acquire_many`: their default
+    /// implementations do), whose granting request may go out long after the call began.
+    pub sent_by: Instant,
     /// When the reply arrived.
     pub completed: Instant,
     /// The end of the client validity window a grant or renewal gave.
@@ -123,6 +133,9 @@ impl fmt::Display for Event {
 #[derive(Debug)]
 pub struct History {
     events: Mutex<Vec<Event>>,
+    /// Releases made and not yet returned, by call number: checked as [`Reply::Unfinished`].
+    unfinished: Mutex<HashMap<u64, Draft>>,
+    calls: AtomicU64,
 }
 
 impl Default for History {
@@ -132,15 +145,35 @@ impl Default for History {
 }
 
 /// The fields of an event before it is numbered.
-struct Draft {
-    op: Op,
-    key: LockKey,
-    owner: Option<OwnerId>,
-    token: Option<FencingToken>,
-    ttl: Option<Duration>,
-    invoked: Instant,
-    valid_until: Option<Instant>,
-    reply: Reply,
+#[derive(Clone, Debug)]
+pub(super) struct Draft {
+    pub(super) op: Op,
+    pub(super) key: LockKey,
+    pub(super) owner: Option<OwnerId>,
+    pub(super) token: Option<FencingToken>,
+    pub(super) ttl: Option<Duration>,
+    pub(super) invoked: Instant,
+    pub(super) sent_by: Option<Instant>,
+    pub(super) valid_until: Option<Instant>,
+    pub(super) reply: Reply,
+}
+
+impl Draft {
+    fn into_event(self, seq: u64, completed: Instant) -> Event {
+        Event {
+            seq,
+            op: self.op,
+            key: self.key,
+            owner: self.owner,
+            token: self.token,
+            ttl: self.ttl,
+            invoked: self.invoked,
+            sent_by: self.sent_by.unwrap_or(self.invoked),
+            completed,
+            valid_until: self.valid_until,
+            reply: self.reply,
+        }
+    }
 }
 
 impl History {
@@ -148,6 +181,8 @@ impl History {
     pub fn new() -> Self {
         Self {
             events: Mutex::new(Vec::new()),
+            unfinished: Mutex::new(HashMap::new()),
+            calls: AtomicU64::new(0),
         }
     }
 
@@ -171,27 +206,31 @@ impl History {
             token,
             ttl,
             invoked,
+            sent_by: None,
             valid_until,
             reply,
         });
     }
 
-    fn push(&self, draft: Draft) {
+    pub(super) fn push(&self, draft: Draft) {
         let completed = Instant::now();
         let mut events = self.events.lock();
         let seq = events.len() as u64;
-        events.push(Event {
-            seq,
-            op: draft.op,
-            key: draft.key,
-            owner: draft.owner,
-            token: draft.token,
-            ttl: draft.ttl,
-            invoked: draft.invoked,
-            completed,
-            valid_until: draft.valid_until,
-            reply: draft.reply,
-        });
+        events.push(draft.into_event(seq, completed));
+    }
+
+    /// Notes a call made and not yet returned (its draft's reply is ignored); until
+    /// [`Self::returned`] it is checked as [`Reply::Unfinished`], and for good when its
+    /// future is dropped: the store may have carried it out all the same.
+    pub(super) fn made(&self, draft: Draft) -> u64 {
+        let call = self.calls.fetch_add(1, Ordering::Relaxed);
+        self.unfinished.lock().insert(call, draft);
+        call
+    }
+
+    /// The call [`Self::made`] returned `call` for has returned (and was recorded).
+    pub(super) fn returned(&self, call: u64) {
+        self.unfinished.lock().remove(&call);
     }
 
     /// A copy of every event so far, in recording order.
@@ -219,8 +258,22 @@ impl History {
             .collect()
     }
 
-    /// Checks every invariant; see [`check`].
+    /// Checks every invariant; see [`check`]. Calls made and not yet returned (a release
+    /// spawned by a dropped guard) are checked too, as [`Reply::Unfinished`].
     pub fn check(&self, options: &CheckOptions) -> Vec<Violation> {
-        check(&self.events(), options)
+        let mut events = self.events();
+        let now = Instant::now();
+        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
+        for draft in unfinished {
+            let seq = events.len() as u64;
+            events.push(
+                Draft {
+                    reply: Reply::Unfinished,
+                    ..draft
+                }
+                .into_event(seq, now),
+            );
+        }
+        check(&events, options)
     }
 }

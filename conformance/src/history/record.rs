@@ -10,7 +10,7 @@ use distlock_core::{
 };
 use tokio::time::Instant;
 
-use super::event::{History, Op, Reply};
+use super::event::{Draft, History, Op, Reply};
 
 /// A backend wrapper that records every call into a [`History`]; behaves exactly like
 /// the backend it wraps (batch calls stay batch calls).
@@ -23,8 +23,13 @@ pub type RecordingBackend = Layered<Arc<History>>;
 /// input of a batch call. `inspect`, `adopt`, `purge` and release watches pass through
 /// unrecorded.
 ///
+/// A release is noted when it is made: one whose future is dropped (or that has not returned
+/// when the history is checked, as a release spawned by a dropped guard) is checked as
+/// [`Reply::Unfinished`], since the store may have carried it out.
+///
 /// # Cancel safety
-/// As cancel safe as the wrapped backend; a cancelled call records nothing.
+/// As cancel safe as the wrapped backend; a cancelled call records nothing but a release
+/// made.
 #[async_trait]
 impl BackendLayer for History {
     async fn acquire(
@@ -35,7 +40,7 @@ impl BackendLayer for History {
     ) -> Result<Option<Lease>, LockError> {
         let invoked = Instant::now();
         let result = next.acquire(key, ttl).await;
-        self.record_acquire(key, ttl, invoked, result.as_ref());
+        self.record_acquire(key, ttl, invoked, None, result.as_ref());
         result
     }
 
@@ -48,8 +53,10 @@ impl BackendLayer for History {
 
     async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
         let invoked = Instant::now();
+        let call = self.made(release_draft(lease, invoked));
         let result = next.release(lease).await;
         self.record_release(lease, invoked, result.as_ref());
+        self.returned(call);
         result
     }
 
@@ -75,16 +82,12 @@ impl BackendLayer for History {
     ) -> Result<Option<Lease>, LockError> {
         let invoked = Instant::now();
         let result = next.acquire_any(keys, ttl).await;
+        let sent_by = Some(Instant::now());
+        let record = |key, outcome| self.record_acquire(key, ttl, invoked, sent_by, outcome);
         match &result {
-            Ok(Some(lease)) => {
-                self.record_acquire(lease.key(), ttl, invoked, Ok(&Some(lease.clone())));
-            }
-            Ok(None) => keys
-                .iter()
-                .for_each(|key| self.record_acquire(key, ttl, invoked, Ok(&None))),
-            Err(e) => keys
-                .iter()
-                .for_each(|key| self.record_acquire(key, ttl, invoked, Err(e))),
+            Ok(Some(lease)) => record(lease.key(), Ok(&Some(lease.clone()))),
+            Ok(None) => keys.iter().for_each(|key| record(key, Ok(&None))),
+            Err(e) => keys.iter().for_each(|key| record(key, Err(e))),
         }
         result
     }
@@ -97,8 +100,9 @@ impl BackendLayer for History {
     ) -> Result<Vec<Option<Lease>>, LockError> {
         let invoked = Instant::now();
         let result = next.acquire_many(keys, ttl).await;
+        let sent_by = Some(Instant::now());
         each_outcome(keys, &result, |key, outcome| {
-            self.record_acquire(key, ttl, invoked, outcome);
+            self.record_acquire(key, ttl, invoked, sent_by, outcome);
         });
         result
     }
@@ -122,10 +126,15 @@ impl BackendLayer for History {
         leases: &[Lease],
     ) -> Result<Vec<Release>, LockError> {
         let invoked = Instant::now();
+        let calls: Vec<u64> = leases
+            .iter()
+            .map(|lease| self.made(release_draft(lease, invoked)))
+            .collect();
         let result = next.release_many(leases).await;
         each_outcome(leases, &result, |lease, outcome| {
             self.record_release(lease, invoked, outcome);
         });
+        calls.into_iter().for_each(|call| self.returned(call));
         result
     }
 }
@@ -152,11 +161,13 @@ impl History {
         );
     }
 
+    /// `sent_by`: see [`Event::sent_by`](super::Event::sent_by); `None` is `invoked`.
     fn record_acquire(
         &self,
         key: &LockKey,
         ttl: Duration,
         invoked: Instant,
+        sent_by: Option<Instant>,
         result: Result<&Option<Lease>, &LockError>,
     ) {
         let (owner, token, valid, reply) = match result {
@@ -169,16 +180,17 @@ impl History {
             Ok(None) => (None, None, None, Reply::Busy),
             Err(e) => (None, None, None, Reply::Error(e.to_string())),
         };
-        self.record(
-            Op::Acquire,
-            key,
+        self.push(Draft {
+            op: Op::Acquire,
+            key: key.clone(),
             owner,
             token,
-            Some(ttl),
+            ttl: Some(ttl),
             invoked,
-            valid,
+            sent_by,
+            valid_until: valid,
             reply,
-        );
+        });
     }
 
     fn record_renewal(
@@ -212,6 +224,21 @@ impl History {
     }
 }
 
+/// A release of `lease` made at `invoked`, before its reply.
+fn release_draft(lease: &Lease, invoked: Instant) -> Draft {
+    Draft {
+        op: Op::Release,
+        key: lease.key().clone(),
+        owner: Some(lease.owner()),
+        token: Some(lease.token()),
+        ttl: Some(lease.ttl()),
+        invoked,
+        sent_by: None,
+        valid_until: None,
+        reply: Reply::Unfinished,
+    }
+}
+
 /// Calls `record` once per input of a batch call with that input's own outcome: its
 /// item of the reply, or the error that failed the whole batch.
 fn each_outcome<I, T>(
@@ -222,5 +249,99 @@ fn each_outcome<I, T>(
     match result {
         Ok(items) => inputs.iter().zip(items).for_each(|(i, t)| record(i, Ok(t))),
         Err(e) => inputs.iter().for_each(|i| record(i, Err(e))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use distlock_core::memory::MemoryBackend;
+    use tokio::sync::Notify;
+
+    use super::*;
+    use crate::history::{CheckOptions, Invariant, SEND_INSTANT_SLACK};
+
+    /// Carries out each release, then holds its reply back until told.
+    #[derive(Debug)]
+    struct LateReplies(Arc<Notify>);
+
+    #[async_trait]
+    impl BackendLayer for LateReplies {
+        async fn release(
+            &self,
+            next: &dyn LockBackend,
+            lease: &Lease,
+        ) -> Result<Release, LockError> {
+            let released = next.release(lease).await;
+            self.0.notified().await;
+            released
+        }
+    }
+
+    /// Sends `acquire_any` late, as the default implementation sends its granting request
+    /// only after a round trip for each key it found held.
+    #[derive(Debug)]
+    struct LateRequests;
+
+    #[async_trait]
+    impl BackendLayer for LateRequests {
+        async fn acquire_any(
+            &self,
+            next: &dyn LockBackend,
+            keys: &[LockKey],
+            ttl: Duration,
+        ) -> Result<Option<Lease>, LockError> {
+            tokio::time::sleep(SEND_INSTANT_SLACK * 4).await;
+            next.acquire_any(keys, ttl).await
+        }
+    }
+
+    #[tokio::test]
+    async fn a_grant_of_acquire_any_counts_from_a_request_sent_before_its_reply() {
+        let history = Arc::new(History::new());
+        let store: Arc<dyn LockBackend> =
+            Arc::new(Layered::new(Arc::new(MemoryBackend::new()), LateRequests));
+        let client = RecordingBackend::new(store, history.clone());
+        let keys = [LockKey::new("permit:0").unwrap()];
+        // Short enough that the margin the backend keeps off it is less than the delay.
+        let ttl = Duration::from_secs(1);
+        let lease = client.acquire_any(&keys, ttl).await.unwrap().unwrap();
+        let violations = history.check(&CheckOptions::default());
+        assert!(violations.is_empty(), "{violations:?}");
+        client.release(&lease).await.unwrap();
+    }
+
+    /// A guard dropped spawns its release: the store may free the key and grant it again
+    /// before that release returns, and a check made meanwhile must count the release as
+    /// made, not see two holders.
+    #[tokio::test]
+    async fn a_release_made_and_not_returned_ends_its_window() {
+        let history = Arc::new(History::new());
+        let reply = Arc::new(Notify::new());
+        let store: Arc<dyn LockBackend> = Arc::new(Layered::new(
+            Arc::new(MemoryBackend::new()),
+            LateReplies(reply.clone()),
+        ));
+        let client = Arc::new(RecordingBackend::new(store, history.clone()));
+        let key = LockKey::new("late").unwrap();
+        let ttl = Duration::from_secs(30);
+        let first = client.acquire(&key, ttl).await.unwrap().unwrap();
+        let releasing = tokio::spawn({
+            let client = client.clone();
+            async move { client.release(&first).await }
+        });
+        let second = loop {
+            if let Some(lease) = client.acquire(&key, ttl).await.unwrap() {
+                break lease;
+            }
+            tokio::task::yield_now().await;
+        };
+        let violations = history.check(&CheckOptions::default());
+        assert!(
+            violations.iter().all(|v| v.invariant != Invariant::I3),
+            "{violations:?}"
+        );
+        reply.notify_one();
+        assert_eq!(releasing.await.unwrap().unwrap(), Release::Released);
+        drop(second);
     }
 }

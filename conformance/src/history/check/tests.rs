@@ -44,6 +44,7 @@ impl Builder {
             token: lease.map(|l| FencingToken(l.1)),
             ttl: Some(TTL),
             invoked: self.at(invoked),
+            sent_by: self.at(invoked),
             completed: self.at(completed),
             valid_until: valid_until.map(|v| self.at(v)),
             reply,
