@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# Installs what `scripts/test.sh` needs and finds missing: the servers the tests start
-# (redis-server, etcd, PostgreSQL, PgBouncer) and the protobuf compiler with its
-# well-known includes, which etcd-client's build script needs. Installs only what is absent, with apt-get, as
+# Installs what `scripts/test.sh` needs and finds missing: the test runner cargo-nextest,
+# the servers the tests start (redis-server, etcd, PostgreSQL, PgBouncer) and the protobuf
+# compiler with its well-known includes, which etcd-client's build script needs. Installs
+# only what is absent, the packages with apt-get, as
 # root. Without root or apt-get it fails naming the one command to run.
 set -euo pipefail
+
+# cargo-nextest runs the tests (scripts/test.sh). Machines with a Rust toolchain here come
+# with it; anywhere else it is built once, from crates.io.
+if ! cargo nextest --version >/dev/null 2>&1; then
+    echo "== installing cargo-nextest"
+    cargo install cargo-nextest --locked
+fi
 
 # Debian package that provides each thing the tests need.
 declare -A provides=(

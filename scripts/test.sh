@@ -12,6 +12,7 @@ missing=()
 for bin in redis-server redis-cli etcd etcdctl protoc pgbouncer; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
+cargo nextest --version >/dev/null 2>&1 || missing+=("cargo-nextest")
 pg_bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)
 if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ]; then missing+=("initdb (PostgreSQL server)"); fi
 if [ ${#missing[@]} -gt 0 ]; then
@@ -38,22 +39,27 @@ cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --features tower --locked -- -D warnings
 cargo clippy "${own_backend[@]}" --all-targets --locked -- -D warnings
-echo "== cargo test"
+echo "== cargo nextest: the workspace's tests, several at once (see .config/nextest.toml)"
 # The conformance tests append, per backend, the cases they stamped and ran, and per
 # broken variant the cases that caught it; printed at the end.
 export DISTLOCK_SUMMARY_DIR="$PWD/target/conformance-summary"
 rm -rf "$DISTLOCK_SUMMARY_DIR"
-cargo test --workspace --locked --no-fail-fast
-echo "== cargo test: examples/own-backend (the suite on a backend outside the workspace)"
-cargo test "${own_backend[@]}" --locked
-echo "== cargo test: feature combinations"
-cargo test -p lockctl --features etcd --locked
+cargo nextest run --workspace --locked --no-tests=fail
+echo "== cargo test --doc: the examples in the docs"
+cargo test --workspace --doc --locked
+echo "== examples/own-backend: the suite on a backend outside the workspace"
+cargo nextest run "${own_backend[@]}" --locked --no-tests=fail
+cargo test "${own_backend[@]}" --doc --locked
+echo "== feature combinations"
+cargo nextest run -p lockctl --features etcd --locked --no-tests=fail
 cargo test -p distlock --no-default-features --locked
 cargo test -p distlock --no-default-features --features etcd --locked
 cargo test -p distlock --no-default-features --features postgres --locked
 cargo test -p distlock --no-default-features --features tower --locked
-echo "== cargo bench --no-run (the benches compile; CI never asserts a speed)"
-cargo bench --workspace --no-run --locked --quiet
+echo "== the benches build (CI never asserts a speed; clippy above checked them too)"
+# In the test build's profile, on its dependencies: an optimized build of the whole
+# workspace would take longer than every test together.
+cargo build --workspace --benches --locked --quiet
 echo "== cargo doc"
 # Every crate with every feature: broken intra-doc links and missing docs fail the run.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked --quiet
