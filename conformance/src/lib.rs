@@ -22,6 +22,7 @@
 
 pub mod broken;
 pub mod cases;
+mod deaf;
 pub mod factory;
 pub mod history;
 mod macros;
@@ -29,5 +30,6 @@ pub mod memory;
 pub mod suite;
 pub mod summary;
 
+pub use deaf::Deaf;
 pub use factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};

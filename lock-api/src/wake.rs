@@ -11,10 +11,17 @@
 //! release, not one per waiter. A watcher dropped after it was woken but before it acted
 //! passes the wake on to the next one.
 //!
+//! The task that hears the releases is a [`ReleaseListener`], the same for every store:
+//! the backend says only how it follows its store over one connection ([`FollowReleases`]).
+//!
 //! A notification is a hint, never a grant: the woken waiter still has to acquire, and
 //! waiters keep their backoff as a fallback, so a lost message (a reconnect, a dropped
 //! packet, a release the store did not announce such as a TTL expiry) delays a waiter by
 //! at most one backoff step and never strands it.
+
+mod listener;
+
+pub use listener::{FollowReleases, Followed, ReleaseListener, Releases};
 
 use std::collections::HashMap;
 use std::fmt;

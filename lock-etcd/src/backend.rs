@@ -42,7 +42,7 @@ use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
 use crate::members::Members;
-use crate::releases::ReleaseListener;
+use crate::releases::{Follower, ReleaseListener};
 use crate::tokens::lock_value;
 
 /// The etcd v3 lock backend. Build one with [`EtcdBackend::builder`].
@@ -115,7 +115,7 @@ impl EtcdBackend {
         Self {
             inner: Arc::new(Inner {
                 id: BackendId::next(),
-                releases: ReleaseListener::new(members.clone(), prefix.clone()),
+                releases: ReleaseListener::new(Follower::new(members.clone(), prefix.clone())),
                 members,
                 prefix,
                 user,

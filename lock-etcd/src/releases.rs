@@ -24,149 +24,74 @@
 //!
 //! # Lifetime
 //!
-//! The task holds no reference to the backend: it ends once the backend's last clone is
-//! dropped (its stop channel closes). A runtime that shuts down drops it; the next watch,
-//! on another runtime, starts it again.
+//! The listener's lifecycle (started by the first watch, followed again with a growing
+//! pause, ended with the backend) is the core's [`distlock_core::wake::ReleaseListener`];
+//! [`Follower`] is how it follows etcd.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::LockKey;
-use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use distlock_core::wake::{FollowReleases, Followed, Releases};
 use etcd_client::{WatchFilterType, WatchOptions, WatchStream};
-use tokio::runtime::Handle;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 use tracing::debug;
 
 use crate::error::Effect;
 use crate::keys::name_of;
 use crate::members::Members;
 
-/// The pause after the first failed attempt to open the watch; it doubles up to
-/// [`LONGEST_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const LONGEST_PAUSE: Duration = Duration::from_secs(2);
-
 /// The release watch of one backend (shared by its clones) and the waiters it wakes.
-pub(crate) struct ReleaseListener {
-    shared: Arc<Shared>,
-    task: Mutex<Option<JoinHandle<()>>>,
-    /// Dropped with the backend, which ends the task.
-    stop: watch::Sender<()>,
-}
+pub(crate) type ReleaseListener = distlock_core::wake::ReleaseListener<Follower>;
 
-/// What the listener task uses.
-struct Shared {
-    hub: ReleaseHub,
+/// How the listener follows etcd: one prefix watch for deletes.
+pub(crate) struct Follower {
     members: Arc<Members>,
     prefix: String,
-    /// Hears deletes but wakes no one, as a watch that silently stopped delivering would.
-    #[cfg(test)]
-    deaf: std::sync::atomic::AtomicBool,
 }
 
-impl ReleaseListener {
-    /// A listener on the lock keys under `prefix`; nothing is opened until a key is watched.
+impl Follower {
+    /// A follower of the lock keys under `prefix`.
     pub(crate) fn new(members: Arc<Members>, prefix: String) -> Self {
-        Self {
-            shared: Arc::new(Shared {
-                hub: ReleaseHub::new(AllKeys),
-                members,
-                prefix,
-                #[cfg(test)]
-                deaf: std::sync::atomic::AtomicBool::new(false),
-            }),
-            task: Mutex::new(None),
-            stop: watch::channel(()).0,
-        }
-    }
-
-    /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
-    /// runtime, where no listener can run (callers poll).
-    pub(crate) fn watch(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.ensure_running().then(|| self.shared.hub.watch(key))
-    }
-
-    /// The keys waiters of this backend are watching.
-    pub(crate) fn watched_keys(&self) -> Vec<LockKey> {
-        self.shared.hub.watched_keys()
-    }
-
-    fn ensure_running(&self) -> bool {
-        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            return true;
-        }
-        let Ok(runtime) = Handle::try_current() else {
-            return false;
-        };
-        *task = Some(runtime.spawn(listen(self.shared.clone(), self.stop.subscribe())));
-        true
-    }
-
-    /// Makes the listener wake no one from now on (`false` restores it).
-    #[cfg(test)]
-    pub(crate) fn deafen(&self, deaf: bool) {
-        use std::sync::atomic::Ordering;
-        self.shared.deaf.store(deaf, Ordering::SeqCst);
-    }
-
-    /// The listener task, once one was started.
-    #[cfg(test)]
-    pub(crate) fn task(&self) -> Option<tokio::task::AbortHandle> {
-        let task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        task.as_ref().map(JoinHandle::abort_handle)
+        Self { members, prefix }
     }
 }
 
-/// Follows the watch, opening it again whenever it ends, until the backend is dropped.
-async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
-    let mut pause = FIRST_PAUSE;
-    loop {
-        // `changed` fails once the sender is dropped with the backend; nothing is ever sent.
-        let created = tokio::select! {
-            _ = stop.changed() => return,
-            created = shared.follow() => created,
-        };
-        if created {
-            pause = FIRST_PAUSE;
-        }
-        tokio::select! {
-            _ = stop.changed() => return,
-            () = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(LONGEST_PAUSE);
-    }
-}
+#[distlock_core::async_trait]
+impl FollowReleases for Follower {
+    const FIRST_PAUSE: Duration = Duration::from_millis(100);
 
-impl Shared {
     /// Opens one watch from the current revision and wakes waiters from it until it ends.
-    /// True if etcd created the watch.
-    async fn follow(&self) -> bool {
+    async fn follow(&self, releases: &Releases, _: usize) -> Followed {
         let mut stream = match self.open().await {
             Ok(stream) => stream,
             Err(e) => {
                 debug!(error = %e, "cannot open the release watch");
-                return false;
+                return Followed::Failed;
             }
         };
         let mut created = false;
+        let ended = |created| {
+            if created {
+                Followed::Lost
+            } else {
+                Followed::Failed
+            }
+        };
         loop {
             let response = match stream.message().await {
                 Ok(Some(response)) => response,
                 Ok(None) => {
                     debug!("the release watch ended");
-                    return created;
+                    return ended(created);
                 }
                 Err(e) => {
                     debug!(error = %e, "the release watch broke");
-                    return created;
+                    return ended(created);
                 }
             };
             if response.created() {
                 created = true;
-                self.wake_all();
+                releases.wake_all();
             }
             if response.canceled() {
                 debug!(
@@ -174,7 +99,7 @@ impl Shared {
                     compact_revision = response.compact_revision(),
                     "etcd cancelled the release watch"
                 );
-                return created;
+                return ended(created);
             }
             // Every event is a delete: the watch filters out puts.
             for event in response.events() {
@@ -182,12 +107,14 @@ impl Shared {
                     .kv()
                     .and_then(|kv| name_of(&self.prefix, "locks", kv.key()));
                 if let Some(key) = name.and_then(|name| LockKey::new(name).ok()) {
-                    self.wake(&key);
+                    releases.wake(&key);
                 }
             }
         }
     }
+}
 
+impl Follower {
     async fn open(&self) -> Result<WatchStream, distlock_core::LockError> {
         let locks = format!("{}/locks/", self.prefix);
         let options = WatchOptions::new()
@@ -200,33 +127,11 @@ impl Shared {
             })
             .await
     }
-
-    fn wake(&self, key: &LockKey) {
-        if !self.is_deaf() {
-            self.hub.notify(key);
-        }
-    }
-
-    fn wake_all(&self) {
-        if !self.is_deaf() {
-            self.hub.notify_all();
-        }
-    }
-
-    #[cfg(test)]
-    fn is_deaf(&self) -> bool {
-        self.deaf.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    #[cfg(not(test))]
-    fn is_deaf(&self) -> bool {
-        false
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use distlock_core::{LockBackend, Locker, RetryPolicy};
+    use distlock_core::{Layered, LockBackend, Locker, RetryPolicy};
     use harness::etcd::EtcdServer;
     use harness::require;
     use tokio::time::Instant;
@@ -253,13 +158,13 @@ mod tests {
     async fn a_waiter_still_acquires_by_its_backoff_when_the_watch_wakes_no_one() {
         let server = require(EtcdServer::start().await);
         let (holder, waiter) = (backend(&server).await, backend(&server).await);
-        waiter.release_listener().deafen(true);
+        let waiter = Arc::new(Layered::new(Arc::new(waiter), conformance::Deaf::default()));
         let held = holder
             .acquire(&key("deaf"), Duration::from_secs(30))
             .await
             .unwrap()
             .unwrap();
-        let locker = Locker::builder(Arc::new(waiter.clone()))
+        let locker = Locker::builder(waiter.clone())
             .ttl(Duration::from_secs(30))
             .retry(RetryPolicy {
                 initial: Duration::from_secs(2),

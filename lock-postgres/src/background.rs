@@ -1,4 +1,4 @@
-//! [`Background`]: a task of the backend's own (the release listener, the announcer),
+//! [`Background`]: a task of the backend's own (the announcer),
 //! started on first use in the caller's runtime and started again there if it ended (its
 //! runtime shut down).
 
@@ -26,12 +26,5 @@ impl Background {
         };
         *slot = Some(runtime.spawn(task()));
         true
-    }
-
-    /// The task, once one was started.
-    #[cfg(test)]
-    pub(crate) fn abort_handle(&self) -> Option<tokio::task::AbortHandle> {
-        let slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        slot.as_ref().map(JoinHandle::abort_handle)
     }
 }

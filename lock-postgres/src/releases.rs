@@ -41,9 +41,9 @@
 //!
 //! # Lifetime
 //!
-//! The task holds no reference to the backend: it ends once the backend is dropped (its
-//! stop channel closes), closing its connection. A runtime that shuts down drops it; the
-//! next watch, on another runtime, starts it again.
+//! The listener's lifecycle (started by the first watch, connected again with a growing
+//! pause, ended with the backend, closing its connection) is the core's
+//! [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows PostgreSQL.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -51,22 +51,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::LockKey;
-use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
+use distlock_core::wake::{FollowReleases, Followed, ReleaseWatch, Releases};
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
-use tokio::sync::{Notify, watch};
+use tokio::sync::watch;
 use tracing::debug;
 
 use crate::PgPooling;
 use crate::announcer::Announcer;
-use crate::background::Background;
 use crate::schema::Schema;
 use crate::waiters::{REGISTER, UNREGISTER, waiter_id};
-
-/// The pause after the first failed attempt to listen; it doubles up to [`LONGEST_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(100);
-const LONGEST_PAUSE: Duration = Duration::from_secs(2);
 
 /// The `application_name` of the listener's sessions, so operators (and tests) can tell
 /// them from the backend's pool.
@@ -82,21 +77,17 @@ pub(crate) fn channel(mode: &str, schema: &Schema) -> String {
 
 /// The release listener of one backend and the waiters it wakes.
 pub(crate) struct ReleaseListener {
-    shared: Arc<Shared>,
+    listener: distlock_core::wake::ReleaseListener<Follower>,
     /// Sends the notifications of released keys that some process waits for.
     announcer: Announcer,
-    task: Background,
-    /// Dropped with the backend, which ends the task.
+    /// Dropped with the backend, which ends the announcer's task.
     stop: watch::Sender<()>,
     /// With [`PgPooling::Transaction`] nothing listens: there is no session to `LISTEN` on.
     pooling: PgPooling,
 }
 
-/// What the listener task uses.
-struct Shared {
-    hub: ReleaseHub,
-    /// Signalled when the set of watched keys changes.
-    changed: Arc<Notify>,
+/// How the listener follows PostgreSQL: a `LISTEN` session of its own.
+pub(crate) struct Follower {
     mode: &'static str,
     schema: Schema,
     channel: String,
@@ -107,21 +98,6 @@ struct Shared {
     request_timeout: Duration,
     /// [`keepalive_sql`] for `request_timeout`.
     keepalive: Arc<str>,
-    /// Hears releases but wakes no one, as a connection that silently lost them would.
-    #[cfg(test)]
-    deaf: std::sync::atomic::AtomicBool,
-}
-
-/// Tells the listener task that the watched keys changed.
-struct Nudge(Arc<Notify>);
-
-impl Subscriptions for Nudge {
-    fn subscribe(&self, _: &LockKey) {
-        self.0.notify_one();
-    }
-    fn unsubscribe(&self, _: &LockKey) {
-        self.0.notify_one();
-    }
 }
 
 impl ReleaseListener {
@@ -136,7 +112,6 @@ impl ReleaseListener {
         request_timeout: Duration,
         pooling: PgPooling,
     ) -> Self {
-        let changed = Arc::new(Notify::new());
         let channel = channel(mode, schema);
         Self {
             announcer: Announcer::new(
@@ -146,9 +121,7 @@ impl ReleaseListener {
                 request_timeout,
                 pooling,
             ),
-            shared: Arc::new(Shared {
-                hub: ReleaseHub::new(Nudge(changed.clone())),
-                changed,
+            listener: distlock_core::wake::ReleaseListener::new(Follower {
                 mode,
                 schema: schema.clone(),
                 channel,
@@ -156,10 +129,7 @@ impl ReleaseListener {
                 connect_timeout,
                 request_timeout,
                 keepalive: keepalive_sql(request_timeout).into(),
-                #[cfg(test)]
-                deaf: std::sync::atomic::AtomicBool::new(false),
             }),
-            task: Background::default(),
             stop: watch::channel(()).0,
             pooling,
         }
@@ -174,7 +144,8 @@ impl ReleaseListener {
 
     /// The waiter id of `key`, which the backend's releases of `key` check.
     pub(crate) fn waiter_id(&self, key: &LockKey) -> (i32, i32) {
-        waiter_id(self.shared.mode, &self.shared.schema, key)
+        let follower = self.listener.follower();
+        waiter_id(follower.mode, &follower.schema, key)
     }
 
     /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
@@ -184,31 +155,18 @@ impl ReleaseListener {
         if self.pooling == PgPooling::Transaction {
             return None;
         }
-        self.ensure_running().then(|| self.shared.hub.watch(key))
+        self.listener.watch(key)
     }
 
     /// The keys waiters of this backend are watching.
     pub(crate) fn watched_keys(&self) -> Vec<LockKey> {
-        self.shared.hub.watched_keys()
-    }
-
-    fn ensure_running(&self) -> bool {
-        let (shared, stop) = (&self.shared, &self.stop);
-        self.task
-            .ensure_running(|| listen(shared.clone(), stop.subscribe()))
-    }
-
-    /// Makes the listener wake no one from now on (`false` restores it).
-    #[cfg(test)]
-    pub(crate) fn deafen(&self, deaf: bool) {
-        use std::sync::atomic::Ordering;
-        self.shared.deaf.store(deaf, Ordering::SeqCst);
+        self.listener.watched_keys()
     }
 
     /// The listener task, once one was started.
     #[cfg(test)]
     pub(crate) fn task(&self) -> Option<tokio::task::AbortHandle> {
-        self.task.abort_handle()
+        self.listener.task()
     }
 }
 
@@ -235,41 +193,34 @@ fn keepalive_sql(request_timeout: Duration) -> String {
     )
 }
 
-/// Listens, connecting again whenever the connection is lost, until the backend is dropped.
-async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
-    let mut pause = FIRST_PAUSE;
-    loop {
+#[distlock_core::async_trait]
+impl FollowReleases for Follower {
+    const FIRST_PAUSE: Duration = Duration::from_millis(100);
+
+    async fn follow(&self, releases: &Releases, _: usize) -> Followed {
         // A pool of one per connection, only so that `PgListener` can open it: a connection
         // given up on goes back to its own pool, never blocking the next one.
         let pool = PgPoolOptions::new()
             .max_connections(1)
-            .acquire_timeout(shared.connect_timeout)
+            .acquire_timeout(self.connect_timeout)
             .idle_timeout(None)
             .max_lifetime(None)
-            .connect_lazy_with(shared.options.clone());
-        // `changed` fails once the sender is dropped with the backend; nothing is ever sent.
-        let listened = tokio::select! {
-            _ = stop.changed() => return,
-            listened = shared.follow(&pool) => listened,
-        };
-        if listened {
-            pause = FIRST_PAUSE;
+            .connect_lazy_with(self.options.clone());
+        if self.follow_pool(&pool, releases).await {
+            Followed::Lost
+        } else {
+            Followed::Failed
         }
-        tokio::select! {
-            _ = stop.changed() => return,
-            () = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(LONGEST_PAUSE);
     }
 }
 
 /// Why the listener stopped following its connection, for the log.
 type Lost = String;
 
-impl Shared {
+impl Follower {
     /// Connects, listens, registers the watched keys and wakes waiters from the
     /// notifications until the connection is lost. True if the `LISTEN` ran.
-    async fn follow(&self, pool: &PgPool) -> bool {
+    async fn follow_pool(&self, pool: &PgPool, releases: &Releases) -> bool {
         let mut listener = match PgListener::connect_with(pool).await {
             Ok(listener) => listener,
             Err(e) => {
@@ -289,7 +240,9 @@ impl Shared {
             return true;
         }
         let mut registered = HashMap::new();
-        let lost = self.follow_listening(&mut listener, &mut registered).await;
+        let lost = self
+            .follow_listening(&mut listener, releases, &mut registered)
+            .await;
         debug!(%lost, "the release listener's connection was lost");
         true
     }
@@ -299,19 +252,20 @@ impl Shared {
     async fn follow_listening(
         &self,
         listener: &mut PgListener,
+        releases: &Releases,
         registered: &mut HashMap<LockKey, (i32, i32)>,
     ) -> Lost {
         loop {
-            if let Err(lost) = self.register(listener, registered).await {
+            if let Err(lost) = self.register(listener, releases, registered).await {
                 return lost;
             }
             tokio::select! {
-                () = self.changed.notified() => {}
+                () = releases.changed() => {}
                 received = tokio::time::timeout(self.request_timeout, listener.try_recv()) => {
                     match received {
                         Ok(Ok(Some(notification))) => {
                             if let Ok(key) = LockKey::new(notification.payload()) {
-                                self.wake(&key);
+                                releases.wake(&key);
                             }
                         }
                         Ok(Ok(None)) => return "closed".to_owned(),
@@ -336,9 +290,10 @@ impl Shared {
     async fn register(
         &self,
         listener: &mut PgListener,
+        releases: &Releases,
         registered: &mut HashMap<LockKey, (i32, i32)>,
     ) -> Result<(), Lost> {
-        let watched: HashSet<LockKey> = self.hub.watched_keys().into_iter().collect();
+        let watched: HashSet<LockKey> = releases.watched_keys().into_iter().collect();
         let gone: Vec<LockKey> = registered
             .keys()
             .filter(|k| !watched.contains(*k))
@@ -359,7 +314,7 @@ impl Shared {
                 .collect();
             self.run(listener, REGISTER, &ids).await?;
             for (key, id) in new.into_iter().zip(ids) {
-                self.wake(&key);
+                releases.wake(&key);
                 registered.insert(key, id);
             }
         }
@@ -392,29 +347,13 @@ impl Shared {
             Err(_) => Err(format!("no reply within {:?}", self.request_timeout)),
         }
     }
-
-    fn wake(&self, key: &LockKey) {
-        if !self.is_deaf() {
-            self.hub.notify(key);
-        }
-    }
-
-    #[cfg(test)]
-    fn is_deaf(&self) -> bool {
-        self.deaf.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    #[cfg(not(test))]
-    fn is_deaf(&self) -> bool {
-        false
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
 
-    use distlock_core::{LockBackend, Locker, RetryPolicy};
+    use distlock_core::{Layered, LockBackend, Locker, RetryPolicy};
     use harness::postgres::PostgresServer;
     use tokio::time::Instant;
 
@@ -443,8 +382,8 @@ mod tests {
         let server = server().await;
         let holder = PgBuilder::new(server.url()).build_lease_backend().unwrap();
         holder.setup().await.unwrap();
-        let waiter = Arc::new(PgBuilder::new(server.url()).build_lease_backend().unwrap());
-        waiter.releases.deafen(true);
+        let waiter = PgBuilder::new(server.url()).build_lease_backend().unwrap();
+        let waiter = Arc::new(Layered::new(Arc::new(waiter), conformance::Deaf::default()));
         let ttl = Duration::from_secs(30);
         let held = holder.acquire(&key("deaf"), ttl).await.unwrap().unwrap();
         let locker = Locker::builder(waiter.clone())

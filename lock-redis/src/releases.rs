@@ -34,53 +34,37 @@
 //!
 //! # Reconnects and lifetime
 //!
-//! When the connection drops, the listener connects again (to the next node, on a
-//! cluster), subscribes to every watched key, and wakes one waiter of each, since releases
-//! while it was away were not heard. A cluster connection with shard channels subscribes
-//! again by itself; each confirmation it hears wakes a waiter of that key, for the same
-//! reason. The task holds no reference to the backend: it ends
-//! once the backend's last clone is dropped. A runtime that shuts down drops it; the next
-//! watch, on another runtime, starts it again.
+//! The listener's lifecycle (started by the first watch, followed again with a growing
+//! pause whenever the connection drops, ended with the backend) is the core's
+//! [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows Redis. After
+//! each reconnect it subscribes to every watched key (on the next node, on a cluster) and
+//! wakes one waiter of each, since releases while it was away were not heard. A cluster
+//! connection with shard channels subscribes again by itself; each confirmation it hears
+//! wakes a waiter of that key, for the same reason.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use distlock_core::LockKey;
-use distlock_core::wake::{ReleaseHub, ReleaseWatch, Subscriptions};
+use distlock_core::wake::{FollowReleases, Followed, ReleaseWatch, Releases};
 use futures::StreamExt;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{ErrorKind, PushInfo, PushKind, RedisError, RedisResult, ServerErrorKind, Value};
-use tokio::runtime::Handle;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
-use tokio::sync::{Notify, watch};
-use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
 use crate::conn::Conn;
 use crate::error::KindName;
 use crate::keys::LockKeys;
 
-/// The pause after the first failed attempt to connect; it doubles up to
-/// [`LONGEST_PAUSE`].
-const FIRST_PAUSE: Duration = Duration::from_millis(50);
-const LONGEST_PAUSE: Duration = Duration::from_secs(2);
+/// The release subscriptions of one backend (shared by its clones); none when this user
+/// may not announce releases, and waiters poll.
+pub(crate) struct ReleaseListener(Option<distlock_core::wake::ReleaseListener<Follower>>);
 
-/// The release subscriptions of one backend (shared by its clones).
-pub(crate) struct ReleaseListener {
-    shared: Arc<Shared>,
-    task: Mutex<Option<JoinHandle<()>>>,
-    /// Dropped with the backend, which ends the task.
-    stop: watch::Sender<()>,
-}
-
-/// What the listener task uses.
-struct Shared {
-    hub: ReleaseHub,
-    /// Nudged when the hub's watched keys change.
-    changed: Arc<Notify>,
+/// How the listener follows the servers.
+pub(crate) struct Follower {
     servers: Servers,
     prefix: String,
     connect_timeout: Duration,
@@ -88,8 +72,6 @@ struct Shared {
 
 /// Where the listener subscribes.
 pub(crate) enum Servers {
-    /// Nowhere: this user may not announce releases, so waiters poll.
-    Off,
     /// `SUBSCRIBE` on one of these (one node, or any node of a cluster older than 7.0),
     /// tried in turn.
     Nodes(Vec<redis::Client>),
@@ -104,140 +86,95 @@ pub(crate) type ShardClient = dyn Fn(PushSender) -> RedisResult<ClusterClient> +
 /// Where a cluster connection sends what the servers push.
 pub(crate) type PushSender = UnboundedSender<PushInfo>;
 
-/// Tells the listener that the watched keys changed.
-struct Nudge(Arc<Notify>);
-
-impl Subscriptions for Nudge {
-    fn subscribe(&self, _: &LockKey) {
-        self.0.notify_one();
-    }
-    fn unsubscribe(&self, _: &LockKey) {
-        self.0.notify_one();
-    }
-}
-
 impl ReleaseListener {
-    /// A listener subscribing on `servers` to the lock keys under `prefix`; nothing is
-    /// opened until a key is watched.
-    pub(crate) fn new(servers: Servers, prefix: String, connect_timeout: Duration) -> Self {
-        let changed = Arc::new(Notify::new());
-        Self {
-            shared: Arc::new(Shared {
-                hub: ReleaseHub::new(Nudge(changed.clone())),
-                changed,
+    /// A listener subscribing on `servers` to the lock keys under `prefix`, or none
+    /// without servers (this user may not announce releases); nothing is opened until a
+    /// key is watched.
+    pub(crate) fn new(servers: Option<Servers>, prefix: String, connect_timeout: Duration) -> Self {
+        Self(servers.map(|servers| {
+            distlock_core::wake::ReleaseListener::new(Follower {
                 servers,
                 prefix,
                 connect_timeout,
-            }),
-            task: Mutex::new(None),
-            stop: watch::channel(()).0,
-        }
+            })
+        }))
     }
 
     /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
-    /// runtime, where no listener can run (callers poll).
+    /// runtime, where no listener can run, and without a listener (callers poll).
     pub(crate) fn watch(&self, key: &LockKey) -> Option<ReleaseWatch> {
-        self.ensure_running().then(|| self.shared.hub.watch(key))
+        self.0.as_ref()?.watch(key)
     }
 
     /// Whether an acquire of `key` grants it marked waited for: more than one waiter of
-    /// this process watches it (see [`ReleaseHub::watchers`]). One may be the caller
-    /// itself, in `Locker::lock`, whose own grant needs no announcement; any other was not
-    /// woken by the release that freed the key, and would mark it only after its backoff.
+    /// this process watches it (see [`distlock_core::wake::ReleaseHub::watchers`]). One may
+    /// be the caller itself, in `Locker::lock`, whose own grant needs no announcement; any
+    /// other was not woken by the release that freed the key, and would mark it only after
+    /// its backoff.
     pub(crate) fn others_wait(&self, key: &LockKey) -> bool {
-        self.shared.hub.watchers(key) > 1
+        self.0.as_ref().is_some_and(|l| l.watchers(key) > 1)
     }
 
     /// The keys waiters of this backend are watching.
     pub(crate) fn watched_keys(&self) -> Vec<LockKey> {
-        self.shared.hub.watched_keys()
-    }
-
-    fn ensure_running(&self) -> bool {
-        if let Servers::Off = self.shared.servers {
-            return false;
-        }
-        let mut task = self.task.lock().unwrap_or_else(PoisonError::into_inner);
-        if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            return true;
-        }
-        let Ok(runtime) = Handle::try_current() else {
-            return false;
-        };
-        *task = Some(runtime.spawn(listen(self.shared.clone(), self.stop.subscribe())));
-        true
+        self.0.as_ref().map_or_else(Vec::new, |l| l.watched_keys())
     }
 }
 
-/// Subscribes, follows the messages, and connects again whenever the connection drops,
-/// until the backend is dropped.
-async fn listen(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
-    let mut pause = FIRST_PAUSE;
-    let mut attempt = 0;
-    loop {
-        // `changed` fails once the sender is dropped with the backend; nothing is sent.
+#[distlock_core::async_trait]
+impl FollowReleases for Follower {
+    const FIRST_PAUSE: Duration = Duration::from_millis(50);
+
+    /// [`Self::follow_node`] on the next node, or [`Self::follow_shards`].
+    async fn follow(&self, releases: &Releases, attempt: usize) -> Followed {
         let mut connected = false;
-        let ended = tokio::select! {
-            _ = stop.changed() => return,
-            ended = shared.follow_any(attempt, &mut connected) => ended,
+        let Err(e) = match &self.servers {
+            Servers::Nodes(clients) => {
+                let client = &clients[attempt % clients.len()];
+                self.follow_node(client, releases, &mut connected).await
+            }
+            Servers::Shards(client) => self.follow_shards(client, releases, &mut connected).await,
         };
-        attempt += 1;
-        let Err(e) = ended;
         if is_refused(&e) {
             warn!(
                 error = %e.kind_name(),
                 "release wake-ups are off: the server refuses this user's SUBSCRIBE (or \
                  SSUBSCRIBE) to the release channels; waiters poll instead"
             );
-            return;
+            return Followed::Refused;
         }
         debug!(error = %e, "release subscription lost; connecting again");
-        // A connection that was made and subscribed starts the backoff afresh: only
-        // failures in a row lengthen it.
         if connected {
-            pause = FIRST_PAUSE;
+            Followed::Lost
+        } else {
+            Followed::Failed
         }
-        tokio::select! {
-            _ = stop.changed() => return,
-            () = tokio::time::sleep(pause) => {}
-        }
-        pause = (pause * 2).min(LONGEST_PAUSE);
     }
 }
 
-impl Shared {
-    /// [`Self::follow`] on the next node, or [`Self::follow_shards`].
-    async fn follow_any(&self, attempt: usize, connected: &mut bool) -> RedisResult<Infallible> {
-        match &self.servers {
-            Servers::Off => std::future::pending().await,
-            Servers::Nodes(clients) => {
-                self.follow(&clients[attempt % clients.len()], connected)
-                    .await
-            }
-            Servers::Shards(client) => self.follow_shards(client, connected).await,
-        }
-    }
-
+impl Follower {
     /// One connection's life on one node: connect, then [`Self::deliver`] its messages.
-    async fn follow(
+    async fn follow_node(
         &self,
         client: &redis::Client,
+        releases: &Releases,
         connected: &mut bool,
     ) -> redis::RedisResult<Infallible> {
         let pubsub = self.connecting(client.get_async_pubsub()).await?;
         let (mut sink, stream) = pubsub.split();
         let heard = stream.map(|message| message.get_channel_name().to_owned());
-        self.deliver(Subscriber::Node(&mut sink), heard, connected)
+        self.deliver(Subscriber::Node(&mut sink), heard, releases, connected)
             .await
     }
 
-    /// [`Self::follow`] with shard channels, through one cluster connection, which
+    /// [`Self::follow_node`] with shard channels, through one cluster connection, which
     /// subscribes again by itself after reconnecting to a node or when a slot moves, and
     /// whose pushes come on a channel. It ends when a subscription fails (the cluster
     /// unreachable, or the command refused).
     async fn follow_shards(
         &self,
         client: &ShardClient,
+        releases: &Releases,
         connected: &mut bool,
     ) -> RedisResult<Infallible> {
         let (sender, mut pushes) = unbounded_channel();
@@ -254,7 +191,7 @@ impl Shared {
             };
             std::future::ready(channel)
         });
-        self.deliver(Subscriber::Shards(&mut cluster), heard, connected)
+        self.deliver(Subscriber::Shards(&mut cluster), heard, releases, connected)
             .await
     }
 
@@ -267,15 +204,16 @@ impl Shared {
         &self,
         mut sink: Subscriber<'_>,
         heard: impl futures::Stream<Item = String>,
+        releases: &Releases,
         connected: &mut bool,
     ) -> RedisResult<Infallible> {
         let mut subscribed: HashMap<String, LockKey> = HashMap::new();
-        self.reconcile(&mut sink, &mut subscribed).await?;
+        self.reconcile(&mut sink, releases, &mut subscribed).await?;
         *connected = true;
         tokio::pin!(heard);
         loop {
             tokio::select! {
-                () = self.changed.notified() => self.reconcile(&mut sink, &mut subscribed).await?,
+                () = releases.changed() => self.reconcile(&mut sink, releases, &mut subscribed).await?,
                 channel = heard.next() => {
                     let Some(channel) = channel else {
                         return Err(RedisError::from(std::io::Error::new(
@@ -284,7 +222,7 @@ impl Shared {
                         )));
                     };
                     if let Some(key) = subscribed.get(&channel) {
-                        self.hub.notify(key);
+                        releases.wake(key);
                     }
                 }
             }
@@ -307,10 +245,10 @@ impl Shared {
     async fn reconcile(
         &self,
         sink: &mut Subscriber<'_>,
+        releases: &Releases,
         subscribed: &mut HashMap<String, LockKey>,
     ) -> redis::RedisResult<()> {
-        let wanted: HashMap<String, LockKey> = self
-            .hub
+        let wanted: HashMap<String, LockKey> = releases
             .watched_keys()
             .into_iter()
             .map(|key| (LockKeys::new(&self.prefix, &key).lock, key))
@@ -336,14 +274,14 @@ impl Shared {
         // subscription taking effect: that waiter looks once more.
         for channel in &new {
             if let Some(key) = subscribed.get(channel) {
-                self.hub.notify(key);
+                releases.wake(key);
             }
         }
         Ok(())
     }
 }
 
-/// What [`Shared::reconcile`] subscribes with.
+/// What [`Follower::reconcile`] subscribes with.
 enum Subscriber<'a> {
     /// A pub/sub connection to one node.
     Node(&'a mut redis::aio::PubSubSink),

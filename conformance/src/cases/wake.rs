@@ -6,13 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
-use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
-use distlock_core::{
-    BackendLayer, Election, Layered, LockBackend, LockError, LockKey, Locker, Release, RetryPolicy,
-};
+use distlock_core::{Election, Layered, LockBackend, LockError, Locker, Release, RetryPolicy};
 use tokio::time::{Instant, sleep};
 
+use crate::deaf::Deaf;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
 
@@ -215,28 +212,4 @@ pub async fn a_cancelled_waiter_leaves_no_subscription(
 async fn joined<T>(ctx: &Ctx<'_>, task: tokio::task::JoinHandle<T>) -> Result<T, Failure> {
     task.await
         .map_err(|e| ctx.fail("the waiting task to finish", e))
-}
-
-/// A layer whose release watches never fire, as when every notification is lost.
-#[derive(Debug)]
-struct Deaf {
-    silent: ReleaseHub,
-}
-
-impl Default for Deaf {
-    fn default() -> Self {
-        Self {
-            silent: ReleaseHub::new(AllKeys),
-        }
-    }
-}
-
-#[async_trait]
-impl BackendLayer for Deaf {
-    fn watch_releases(&self, _: &dyn LockBackend, key: &LockKey) -> Option<ReleaseWatch> {
-        Some(self.silent.watch(key))
-    }
-    fn watched_keys(&self, _: &dyn LockBackend) -> Vec<LockKey> {
-        self.silent.watched_keys()
-    }
 }

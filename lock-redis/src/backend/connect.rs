@@ -173,10 +173,10 @@ impl RedisBackend {
             );
         }
         let servers = match cluster_nodes {
-            _ if refused.is_some() => Servers::Off,
+            _ if refused.is_some() => None,
             Some(nodes) if sharded => {
                 let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
-                Servers::Shards(Box::new(move |pushes| {
+                Some(Servers::Shards(Box::new(move |pushes| {
                     let mut client = ClusterClientBuilder::new(nodes.clone())
                         .connection_timeout(connect_timeout)
                         .use_protocol(ProtocolVersion::RESP3)
@@ -185,9 +185,9 @@ impl RedisBackend {
                         client = client.certs(certificates);
                     }
                     client.build()
-                }))
+                })))
             }
-            _ => Servers::Nodes(listen_on),
+            _ => Some(Servers::Nodes(listen_on)),
         };
         let acked = match acked {
             Some(connector) => Some(

@@ -1,0 +1,309 @@
+//! [`ReleaseListener`]: the task that follows a store's release announcements for one
+//! backend and wakes this process's waiters; written once, for every store.
+//!
+//! A backend says only how it follows its store over one connection
+//! ([`FollowReleases::follow`]): connect, subscribe to the watched keys, wake the waiters of
+//! each release it hears, keep its subscriptions matching the watched keys (it is told when
+//! they change), until the connection is lost. The listener holds the rest:
+//!
+//! * **Start.** Nothing is opened until a key is watched. The first watch starts the
+//!   listener in the caller's tokio runtime. Outside a runtime no listener can run, and
+//!   [`ReleaseListener::watch`] returns `None`: callers poll. A listener whose runtime shut
+//!   down is started again by the next watch, on that watch's runtime.
+//! * **Reconnects.** When a connection is lost, the listener follows again after a pause.
+//!   The pause starts at the backend's [`FollowReleases::FIRST_PAUSE`] and doubles, up to
+//!   two seconds, while attempts fail before following; an attempt that followed starts it
+//!   afresh. Releases in between are not heard: a follower wakes a waiter of each key it
+//!   subscribes to, which then looks at the store again.
+//! * **Refusal.** A store that refuses this user's subscriptions ends the listener for
+//!   good ([`Followed::Refused`]); waiters poll.
+//! * **Lifetime.** The task holds no reference to the backend: it ends once the listener,
+//!   which the backend's last clone owns, is dropped.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::{Notify, watch};
+use tokio::task::{AbortHandle, JoinHandle};
+
+use super::{ReleaseHub, ReleaseWatch, Subscriptions};
+use crate::key::LockKey;
+
+/// The longest pause between two attempts to follow the store.
+const LONGEST_PAUSE: Duration = Duration::from_secs(2);
+
+/// How a backend follows its store's release announcements over one connection.
+#[async_trait]
+pub trait FollowReleases: Send + Sync + 'static {
+    /// The pause after the first attempt that failed before following.
+    const FIRST_PAUSE: Duration;
+
+    /// Follows the store over one connection until it is lost: connects (`attempt` counts
+    /// the attempts before, from 0, so that a backend with several servers can take them in
+    /// turn), subscribes to [`Releases::watched_keys`] and wakes a waiter of each, then
+    /// wakes a waiter of each key whose release it hears, subscribing again whenever
+    /// [`Releases::changed`] says the watched keys changed.
+    ///
+    /// # Cancel safety
+    /// Dropped at an await point when the backend is dropped: what it opened must close
+    /// with it.
+    async fn follow(&self, releases: &Releases, attempt: usize) -> Followed;
+}
+
+/// How one [`FollowReleases::follow`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Followed {
+    /// It failed before following (no connection, or no subscription): the pause before
+    /// the next attempt doubles.
+    Failed,
+    /// It followed the store, then lost the connection: the next pause is the first.
+    Lost,
+    /// The store refuses this user's subscriptions: the listener ends, and waiters poll.
+    Refused,
+}
+
+/// What a follower sees of this process's waiters: the keys they watch, when that set
+/// changes, and their wakes.
+#[derive(Debug)]
+pub struct Releases {
+    hub: ReleaseHub,
+    changed: Arc<Notify>,
+}
+
+impl Releases {
+    /// The keys with at least one waiter: what to subscribe to.
+    pub fn watched_keys(&self) -> Vec<LockKey> {
+        self.hub.watched_keys()
+    }
+
+    /// Resolves once the watched keys changed since it last resolved (or since the
+    /// listener was made).
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a change seen by a cancelled call is kept for the next one.
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// `key` was released (or may have been): wakes one of its waiters in this process.
+    pub fn wake(&self, key: &LockKey) {
+        self.hub.notify(key);
+    }
+
+    /// Wakes one waiter of every watched key: when releases may have been missed.
+    pub fn wake_all(&self) {
+        self.hub.notify_all();
+    }
+}
+
+/// Tells the listener that the watched keys changed.
+struct Nudge(Arc<Notify>);
+
+impl Subscriptions for Nudge {
+    fn subscribe(&self, _: &LockKey) {
+        self.0.notify_one();
+    }
+    fn unsubscribe(&self, _: &LockKey) {
+        self.0.notify_one();
+    }
+}
+
+/// The release listener of one backend (shared by its clones): its waiters' watches, and
+/// the task that follows the store with `F`.
+pub struct ReleaseListener<F> {
+    follower: Arc<F>,
+    releases: Arc<Releases>,
+    task: Mutex<Option<JoinHandle<()>>>,
+    /// Dropped with the listener, which ends the task.
+    stop: watch::Sender<()>,
+}
+
+impl<F> fmt::Debug for ReleaseListener<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReleaseListener")
+            .field("releases", &self.releases)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F: FollowReleases> ReleaseListener<F> {
+    /// A listener that follows the store with `follower`; nothing runs until a key is
+    /// watched.
+    pub fn new(follower: F) -> Self {
+        let changed = Arc::new(Notify::new());
+        Self {
+            follower: Arc::new(follower),
+            releases: Arc::new(Releases {
+                hub: ReleaseHub::new(Nudge(changed.clone())),
+                changed,
+            }),
+            task: Mutex::new(None),
+            stop: watch::channel(()).0,
+        }
+    }
+
+    /// How this listener follows its store.
+    pub fn follower(&self) -> &F {
+        &self.follower
+    }
+
+    /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
+    /// runtime, where no listener can run (callers poll).
+    pub fn watch(&self, key: &LockKey) -> Option<ReleaseWatch> {
+        self.ensure_running().then(|| self.releases.hub.watch(key))
+    }
+
+    /// How many waiters of this process watch `key` (see [`ReleaseHub::watchers`]).
+    pub fn watchers(&self, key: &LockKey) -> usize {
+        self.releases.hub.watchers(key)
+    }
+
+    /// The keys waiters of this process watch.
+    pub fn watched_keys(&self) -> Vec<LockKey> {
+        self.releases.hub.watched_keys()
+    }
+
+    /// The listener's task, once one was started: to see it end.
+    pub fn task(&self) -> Option<AbortHandle> {
+        self.task.lock().as_ref().map(JoinHandle::abort_handle)
+    }
+
+    fn ensure_running(&self) -> bool {
+        let mut task = self.task.lock();
+        if task.as_ref().is_some_and(|t| !t.is_finished()) {
+            return true;
+        }
+        let Ok(runtime) = Handle::try_current() else {
+            return false;
+        };
+        *task = Some(runtime.spawn(listen(
+            self.follower.clone(),
+            self.releases.clone(),
+            self.stop.subscribe(),
+        )));
+        true
+    }
+}
+
+/// Follows the store, again whenever a connection is lost, until the listener is dropped
+/// or the store refuses.
+async fn listen<F: FollowReleases>(
+    follower: Arc<F>,
+    releases: Arc<Releases>,
+    mut stop: watch::Receiver<()>,
+) {
+    let mut pause = F::FIRST_PAUSE;
+    for attempt in 0.. {
+        // `changed` fails once the sender is dropped with the listener; nothing is sent.
+        let followed = tokio::select! {
+            _ = stop.changed() => return,
+            followed = follower.follow(&releases, attempt) => followed,
+        };
+        match followed {
+            Followed::Refused => return,
+            Followed::Lost => pause = F::FIRST_PAUSE,
+            Followed::Failed => {}
+        }
+        tokio::select! {
+            _ = stop.changed() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(LONGEST_PAUSE);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// Fails before following each time, counting its attempts.
+    #[derive(Default)]
+    struct Unreachable(AtomicUsize);
+
+    #[async_trait]
+    impl FollowReleases for Unreachable {
+        const FIRST_PAUSE: Duration = Duration::from_millis(100);
+        async fn follow(&self, _: &Releases, attempt: usize) -> Followed {
+            assert_eq!(attempt, self.0.fetch_add(1, Ordering::SeqCst));
+            Followed::Failed
+        }
+    }
+
+    /// Refused at once.
+    struct Refusing;
+
+    #[async_trait]
+    impl FollowReleases for Refusing {
+        const FIRST_PAUSE: Duration = Duration::from_millis(100);
+        async fn follow(&self, _: &Releases, _: usize) -> Followed {
+            Followed::Refused
+        }
+    }
+
+    fn key(name: &str) -> LockKey {
+        LockKey::new(name).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn failed_attempts_pause_longer_each_time_up_to_two_seconds() {
+        let listener = ReleaseListener::new(Unreachable::default());
+        let _watch = listener.watch(&key("k")).expect("a runtime runs");
+        // Attempts at 0, 0.1, 0.3, 0.7, 1.5, 3.1, 5.1, 7.1 s.
+        tokio::time::sleep(Duration::from_millis(7_150)).await;
+        assert_eq!(listener.follower().0.load(Ordering::SeqCst), 8);
+    }
+
+    #[tokio::test]
+    async fn a_refused_listener_ends_and_a_dropped_one_stops() {
+        let refused = ReleaseListener::new(Refusing);
+        let _watch = refused.watch(&key("k")).expect("a runtime runs");
+        let task = refused.task().expect("the first watch starts it");
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !task.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("a refused listener ends");
+
+        let dropped = ReleaseListener::new(Unreachable::default());
+        drop(dropped.watch(&key("k")));
+        let task = dropped.task().expect("the first watch starts it");
+        drop(dropped);
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !task.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the task ends with its listener");
+    }
+
+    #[test]
+    fn outside_a_runtime_nothing_is_watched() {
+        let listener = ReleaseListener::new(Refusing);
+        assert!(listener.watch(&key("k")).is_none());
+        assert!(listener.task().is_none());
+    }
+
+    #[tokio::test]
+    async fn a_change_of_the_watched_keys_reaches_the_follower() {
+        let listener = ReleaseListener::new(Refusing);
+        let watch = listener.watch(&key("k")).expect("a runtime runs");
+        tokio::time::timeout(Duration::from_secs(1), listener.releases.changed())
+            .await
+            .expect("the first watch of a key is a change");
+        assert_eq!(listener.releases.watched_keys(), [key("k")]);
+        drop(watch);
+        tokio::time::timeout(Duration::from_secs(1), listener.releases.changed())
+            .await
+            .expect("the last watch dropped is a change");
+        assert!(listener.watched_keys().is_empty());
+    }
+}
