@@ -1,8 +1,6 @@
-//! The machine a report was measured on — cores, memory, kernel, CPU, server versions —
-//! and the date, printed at the top of the report so its numbers can be put in context.
+//! The machine a report was measured on — cores, memory, kernel, CPU, and the versions of
+//! the servers its caller started there — and the date, printed at the top of the report so its numbers can be put in context.
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// What a report says about where it ran.
@@ -16,30 +14,32 @@ pub struct Machine {
     pub kernel: String,
     /// The CPU model (`/proc/cpuinfo`).
     pub cpu: String,
-    /// `redis-server --version`, first line.
-    pub redis: String,
-    /// `postgres --version`.
-    pub postgres: String,
-    /// `etcd --version`, first line.
-    pub etcd: String,
+    /// The servers measured, as `(name, version)`, when they ran on this machine: the
+    /// caller that started them says which ([`Machine::with_server`]).
+    pub servers: Vec<(String, String)>,
     /// The UTC date and time the run started, `YYYY-MM-DD HH:MM UTC`.
     pub date: String,
 }
 
 impl Machine {
-    /// Looks at this machine; a part that cannot be read is reported as `unknown`.
+    /// Looks at this machine; a part that cannot be read is reported as `unknown`. No
+    /// server is listed.
     pub fn detect() -> Self {
-        let pg_bin: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         Self {
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             ram_mib: mem_total_mib(),
             kernel: read_trimmed("/proc/sys/kernel/osrelease"),
             cpu: cpu_model(),
-            redis: version("redis-server", &[]),
-            postgres: version("postgres", &pg_bin),
-            etcd: version("etcd", &[]),
+            servers: Vec::new(),
             date: utc_now(),
         }
+    }
+
+    /// This machine, with server `name` of `version` running on it.
+    #[must_use]
+    pub fn with_server(mut self, name: impl Into<String>, version: impl Into<String>) -> Self {
+        self.servers.push((name.into(), version.into()));
+        self
     }
 }
 
@@ -65,61 +65,6 @@ fn cpu_model() -> String {
                 .and_then(|l| l.split_once(':'))
                 .map(|(_, model)| model.trim().to_owned())
         })
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// The directory the test harness takes PostgreSQL from (`harness::postgres::pg_bin_dir`,
-/// not a dependency here so that `lockctl bench` builds without the harness):
-/// `$DISTLOCK_PG_BINDIR` if set, else the newest `/usr/lib/postgresql/N/bin` holding
-/// `postgres`.
-fn pg_bin_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("DISTLOCK_PG_BINDIR") {
-        return Some(PathBuf::from(dir));
-    }
-    std::fs::read_dir("/usr/lib/postgresql")
-        .ok()?
-        .flatten()
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("postgres").is_file().then_some((version, bin))
-        })
-        .max_by_key(|(version, _)| *version)
-        .map(|(_, bin)| bin)
-}
-
-/// The first executable file named `binary` in `extra_dirs`, then on `PATH`.
-fn find_binary(binary: &str, extra_dirs: &[PathBuf]) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    extra_dirs
-        .iter()
-        .cloned()
-        .chain(std::env::split_paths(&path))
-        .map(|dir| dir.join(binary))
-        .find(|candidate| {
-            candidate
-                .metadata()
-                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })
-}
-
-/// The first line of `<binary> --version`, or `not installed`.
-fn version(binary: &str, extra_dirs: &[PathBuf]) -> String {
-    let Some(path) = find_binary(binary, extra_dirs) else {
-        return "not installed".into();
-    };
-    Command::new(path)
-        .arg("--version")
-        .output()
-        .ok()
-        .and_then(|out| {
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .next()
-                .map(|l| l.trim().to_owned())
-        })
-        .filter(|l| !l.is_empty())
         .unwrap_or_else(|| "unknown".into())
 }
 

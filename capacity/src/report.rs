@@ -49,9 +49,9 @@ pub(crate) fn write_header(
     let _ = writeln!(md, "| CPU | {} |", machine.cpu);
     let _ = writeln!(md, "| kernel | {} |", machine.kernel);
     if servers_here {
-        let _ = writeln!(md, "| redis-server | {} |", machine.redis);
-        let _ = writeln!(md, "| postgres | {} |", machine.postgres);
-        let _ = writeln!(md, "| etcd | {} |", machine.etcd);
+        for (name, version) in &machine.servers {
+            let _ = writeln!(md, "| {name} | {version} |");
+        }
     }
 }
 

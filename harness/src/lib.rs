@@ -52,7 +52,6 @@
 
 #[cfg(feature = "etcd")]
 pub mod etcd;
-pub mod faults;
 pub mod pgbouncer;
 pub mod postgres;
 mod process;
@@ -256,6 +255,28 @@ pub fn free_port_with_bus() -> Result<u16, HarnessError> {
     Err(HarnessError::Setup(
         "no free port p on 127.0.0.1 with p + 10000 also free after 200 attempts".into(),
     ))
+}
+
+/// The first line of `<binary> --version` for the binary the harness would start (found
+/// as [`find_binary`] finds it, PostgreSQL's in [`postgres::pg_bin_dir`]), for reports of
+/// where something was measured: `not installed` or `unknown` when it cannot be told.
+pub fn binary_version(binary: &str) -> String {
+    let pg_bin: Vec<PathBuf> = postgres::pg_bin_dir().into_iter().collect();
+    let Ok(path) = find_binary(binary, &pg_bin) else {
+        return "not installed".into();
+    };
+    std::process::Command::new(path)
+        .arg("--version")
+        .output()
+        .ok()
+        .and_then(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .next()
+                .map(|l| l.trim().to_owned())
+        })
+        .filter(|l| !l.is_empty())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// The Debian package that provides `binary`, used in [`HarnessError::MissingBinary`].

@@ -483,7 +483,11 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         })
         .collect();
 
-    let machine = Machine::detect();
+    let machine = ["redis-server", "postgres", "etcd"]
+        .into_iter()
+        .fold(Machine::detect(), |machine, server| {
+            machine.with_server(server, harness::binary_version(server))
+        });
     println!(
         "capacity report ({} run) on {} cores, {} MiB RAM, kernel {}, {}",
         if args.quick { "quick" } else { "full" },
@@ -492,10 +496,8 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         machine.kernel,
         machine.date
     );
-    println!(
-        "servers: {} | {} | {}",
-        machine.redis, machine.postgres, machine.etcd
-    );
+    let versions: Vec<&str> = machine.servers.iter().map(|(_, v)| v.as_str()).collect();
+    println!("servers: {}", versions.join(" | "));
 
     let backend_count = subjects.iter().filter(|s| s.is_backend()).count();
     let steps =

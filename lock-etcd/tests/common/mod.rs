@@ -16,10 +16,10 @@ use conformance::factory::WithFencedResource;
 use conformance::{Factory, LinkFaults, ServerFaults};
 use distlock_core::{EnforcementMode, LockBackend, LockError};
 use harness::etcd::{EtcdCluster, EtcdServer};
-use harness::faults::ProxyGroup;
 use harness::proxy::FaultProxy;
 use harness::require;
 use lock_etcd::EtcdBackend;
+use suite_faults::ProxyGroup;
 use tokio::sync::Mutex;
 use tokio::time::{Instant, sleep};
 
@@ -213,7 +213,7 @@ impl Factory for EtcdFactory {
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         // Faults on a shared server would hit the other tests using it.
         match &self.servers {
-            Servers::Single(s) if self.private => Some(s.clone()),
+            Servers::Single(s) if self.private => Some(suite_faults::server(s.clone())),
             Servers::Cluster(c) if self.private => Some(Arc::new(LeaderFaults {
                 cluster: c.clone(),
                 faulted: Mutex::new(None),

@@ -177,16 +177,16 @@ impl Factory for PgFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        Some(self.proxy.clone())
+        Some(suite_faults::link(self.proxy.clone()))
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         self.private
-            .then(|| self.server.clone() as Arc<dyn ServerFaults>)
+            .then(|| suite_faults::server(self.server.clone()))
     }
 
     fn sessions(&self) -> Option<Arc<dyn SessionFaults>> {
         self.private
-            .then(|| self.server.clone() as Arc<dyn SessionFaults>)
+            .then(|| suite_faults::sessions(self.server.clone()))
     }
 }

@@ -10,11 +10,11 @@ use async_trait::async_trait;
 use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
 use distlock_core::{Lease, LockBackend, LockKey};
 use harness::{
-    faults::ProxyGroup,
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer, RedisServerBuilder, RedisUser},
 };
 use lock_redis::RedisBackend;
+use suite_faults::ProxyGroup;
 
 /// The response timeout the tests use: short, so blackholes are noticed quickly.
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_millis(300);
@@ -97,11 +97,11 @@ impl Factory for RedisFactory {
     }
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        Some(self.proxy.clone())
+        Some(suite_faults::link(self.proxy.clone()))
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
-        Some(self.server.clone())
+        Some(suite_faults::server(self.server.clone()))
     }
 }
 
@@ -201,7 +201,7 @@ impl Factory for RedisClusterFactory {
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
-        Some(self.cluster.clone())
+        Some(suite_faults::cluster(self.cluster.clone()))
     }
 }
 
