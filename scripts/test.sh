@@ -68,8 +68,9 @@ echo "== cargo package: the published crates, in dependency order"
 # distlock-capacity, the three store backends, the facade distlock and lockctl.
 # `--workspace` packages them together, in dependency order, serves the ones not on
 # crates.io from a temporary local registry, and builds each from its .crate.
-# harness, benchmarks and job-queue are `publish = false`; the published crates name
-# harness only as a dev-dependency without a version, which packaging drops.
+# harness, suite-faults, benchmarks and job-queue are `publish = false`; the published
+# crates name the first two only as dev-dependencies without a version, which packaging
+# drops.
 # `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
 # Cargo builds a crate of that registry once per version and takes the build as fresh
 # ever after (a registry's sources never change): a second run in the same target
@@ -90,7 +91,7 @@ for unit in "$CARGO_TARGET_DIR"/debug/.fingerprint/{distlock-core,distlock-confo
         fi
     done
 done
-cargo package --workspace --exclude harness --exclude benchmarks --exclude job-queue \
-    --locked --allow-dirty
+cargo package --workspace --exclude harness --exclude suite-faults --exclude benchmarks \
+    --exclude job-queue --locked --allow-dirty
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"
