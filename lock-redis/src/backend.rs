@@ -214,11 +214,11 @@ impl RedisBackend {
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> impl Future<Output = Result<T, LockError>> {
         tokio::time::timeout(limit, request)
-            .map(move |reply| Self::judged(reply, operation, changes_state, limit))
+            .map(move |reply| Self::reply_or_error(reply, operation, changes_state, limit))
     }
 
     /// What [`Self::timed_within`] makes of a reply, or of none within `limit`.
-    fn judged<T>(
+    fn reply_or_error<T>(
         reply: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
         operation: &'static str,
         changes_state: bool,

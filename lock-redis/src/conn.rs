@@ -368,7 +368,7 @@ impl Conn {
     /// Loads every script on every node (every master of a cluster), so the first call of
     /// each is one round trip. Later losses (restart, `SCRIPT FLUSH`) are handled by reloading.
     pub(crate) async fn load_all(&self) -> RedisResult<()> {
-        for script in crate::scripts::all() {
+        for script in crate::scripts::ALL.map(|lua| &**lua) {
             match self {
                 Conn::Single(_) => self.load(script, SingleNodeRoutingInfo::Random).await?,
                 Conn::Cluster(c, _) => {

@@ -37,7 +37,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Timing};
+use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// The pause between two polls of a call: long enough for a reply to arrive.
 const BETWEEN_POLLS: Duration = Duration::from_millis(2);
@@ -80,6 +80,27 @@ fn never_completed(ctx: &Ctx<'_>, what: &str) -> Failure {
         format!("{what} to complete within {MAX_POLLS} polls"),
         "still pending",
     )
+}
+
+/// Runs `round` on `count` fresh keys with the call `what` dropped after 1, 2, 3 …
+/// polls, until a round's call completed (`round` says so): then the case checks its
+/// history and passes. A call still pending after [`MAX_POLLS`] fails the case.
+async fn each_cut<Round>(
+    ctx: &Ctx<'_>,
+    t: &Timing,
+    what: &str,
+    count: usize,
+    mut round: impl FnMut(usize, Vec<LockKey>) -> Round,
+) -> Result<Outcome, Failure>
+where
+    Round: Future<Output = Result<bool, Failure>>,
+{
+    for polls in 1..=MAX_POLLS {
+        if round(polls, cut_keys(ctx, polls, count)?).await? {
+            return ctx.pass(t);
+        }
+    }
+    Err(never_completed(ctx, what))
 }
 
 /// What every cut case starts from: `first`, whose calls are cut, `other`, which takes

@@ -1,10 +1,12 @@
 //! Cancellation cases on the [`LockBackend`] calls: `acquire`, `renew` and `release`, and
 //! their batch forms, dropped after their 1st, 2nd, 3rd … poll.
+//!
+//! [`LockBackend`]: distlock_core::LockBackend
 
 use distlock_core::{Release, Renewal};
 use tokio::time::Instant;
 
-use super::{BATCH, Clients, MAX_POLLS, cut_after, cut_keys, never_completed, record_given_up};
+use super::{BATCH, Clients, cut_after, each_cut, record_given_up};
 use crate::cases::release_held;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome};
@@ -12,34 +14,33 @@ use crate::suite::{Ctx, Failure, Outcome};
 /// An acquire dropped at any poll leaves no lease behind for longer than its TTL, and
 /// the backend serves the next call.
 pub async fn dropped_acquire_leaves_no_orphan(factory: &dyn Factory) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_acquire_leaves_no_orphan", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, 1)?;
+    let ctx = &Ctx::new("dropped_acquire_leaves_no_orphan", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(ctx, &c.t, "acquire", 1, move |polls, keys| async move {
         match cut_after(c.first.acquire(&keys[0], c.t.ttl), polls).await {
             Some(granted) => {
                 let lease = ctx.ok("acquire", granted)?.ok_or_else(|| {
                     ctx.fail("the acquire of a free key to grant a lease", "Ok(None)")
                 })?;
-                release_held(&ctx, &c.first, &lease).await?;
-                return ctx.pass(&c.t);
+                release_held(ctx, &c.first, &lease).await?;
+                Ok(true)
             }
             None => {
                 let what = format!("an acquire dropped after {polls} poll(s)");
-                c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
+                c.after_the_cut(ctx, &keys, Instant::now(), &what).await?;
+                Ok(false)
             }
         }
-    }
-    Err(never_completed(&ctx, "acquire"))
+    })
+    .await
 }
 
 /// A renew dropped at any poll leaves the lease with its owner: releasing it is the next
 /// call, and it frees the key.
 pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_renew_keeps_the_lease", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, 1)?;
+    let ctx = &Ctx::new("dropped_renew_keeps_the_lease", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(ctx, &c.t, "renew", 1, move |polls, keys| async move {
         let lease = ctx.take(&c.first, &keys[0], c.t.ttl).await?;
         let renewed = cut_after(c.first.renew(&lease), polls).await;
         let completed = renewed.is_some();
@@ -51,14 +52,12 @@ pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outc
                 || format!("{renewed:?}"),
             )?;
         }
-        release_held(&ctx, &c.first, &lease).await?;
+        release_held(ctx, &c.first, &lease).await?;
         let what = format!("a renew dropped after {polls} poll(s)");
-        c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
-        if completed {
-            return ctx.pass(&c.t);
-        }
-    }
-    Err(never_completed(&ctx, "renew"))
+        c.after_the_cut(ctx, &keys, Instant::now(), &what).await?;
+        Ok(completed)
+    })
+    .await
 }
 
 /// A release dropped at any poll, its lease then given up, leaves the key held no longer
@@ -66,10 +65,9 @@ pub async fn dropped_renew_keeps_the_lease(factory: &dyn Factory) -> Result<Outc
 pub async fn dropped_release_frees_the_key_by_its_ttl(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_release_frees_the_key_by_its_ttl", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, 1)?;
+    let ctx = &Ctx::new("dropped_release_frees_the_key_by_its_ttl", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(ctx, &c.t, "release", 1, move |polls, keys| async move {
         let lease = ctx.take(&c.first, &keys[0], c.t.ttl).await?;
         let released = cut_after(c.first.release(&lease), polls).await;
         let completed = released.is_some();
@@ -85,45 +83,49 @@ pub async fn dropped_release_frees_the_key_by_its_ttl(
                     || format!("{released:?}"),
                 )?;
             }
-            None => record_given_up(&ctx, &keys[0], cut, "release"),
+            None => record_given_up(ctx, &keys[0], cut, "release"),
         }
-        c.after_the_cut(&ctx, &keys, cut, &what).await?;
-        if completed {
-            return ctx.pass(&c.t);
-        }
-    }
-    Err(never_completed(&ctx, "release"))
+        c.after_the_cut(ctx, &keys, cut, &what).await?;
+        Ok(completed)
+    })
+    .await
 }
 
 /// An `acquire_many` dropped at any poll leaves no lease behind for longer than its TTL.
 pub async fn dropped_acquire_many_leaves_no_orphan(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_acquire_many_leaves_no_orphan", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, BATCH)?;
-        match cut_after(c.first.acquire_many(&keys, c.t.ttl), polls).await {
-            Some(granted) => {
-                let granted = ctx.ok("acquire_many", granted)?;
-                let leases: Vec<_> = granted.into_iter().flatten().collect();
-                ctx.ensure(
-                    leases.len() == BATCH,
-                    format!("acquire_many of {BATCH} free keys to grant them all"),
-                    || format!("{} granted", leases.len()),
-                )?;
-                for lease in &leases {
-                    release_held(&ctx, &c.first, lease).await?;
+    let ctx = &Ctx::new("dropped_acquire_many_leaves_no_orphan", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(
+        ctx,
+        &c.t,
+        "acquire_many",
+        BATCH,
+        move |polls, keys| async move {
+            match cut_after(c.first.acquire_many(&keys, c.t.ttl), polls).await {
+                Some(granted) => {
+                    let granted = ctx.ok("acquire_many", granted)?;
+                    let leases: Vec<_> = granted.into_iter().flatten().collect();
+                    ctx.ensure(
+                        leases.len() == BATCH,
+                        format!("acquire_many of {BATCH} free keys to grant them all"),
+                        || format!("{} granted", leases.len()),
+                    )?;
+                    for lease in &leases {
+                        release_held(ctx, &c.first, lease).await?;
+                    }
+                    Ok(true)
                 }
-                return ctx.pass(&c.t);
+                None => {
+                    let what = format!("an acquire_many dropped after {polls} poll(s)");
+                    c.after_the_cut(ctx, &keys, Instant::now(), &what).await?;
+                    Ok(false)
+                }
             }
-            None => {
-                let what = format!("an acquire_many dropped after {polls} poll(s)");
-                c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
-            }
-        }
-    }
-    Err(never_completed(&ctx, "acquire_many"))
+        },
+    )
+    .await
 }
 
 /// A `renew_many` dropped at any poll leaves the leases with their owner: releasing them
@@ -131,31 +133,34 @@ pub async fn dropped_acquire_many_leaves_no_orphan(
 pub async fn dropped_renew_many_keeps_the_leases(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_renew_many_keeps_the_leases", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, BATCH)?;
-        let leases = c.take_all(&ctx, &keys).await?;
-        let renewed = cut_after(c.first.renew_many(&leases), polls).await;
-        let completed = renewed.is_some();
-        if let Some(renewed) = renewed {
-            let renewed = ctx.ok("renew_many", renewed)?;
-            ctx.ensure(
-                renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })),
-                "renew_many of held leases to renew them all",
-                || format!("{renewed:?}"),
-            )?;
-        }
-        for lease in &leases {
-            release_held(&ctx, &c.first, lease).await?;
-        }
-        let what = format!("a renew_many dropped after {polls} poll(s)");
-        c.after_the_cut(&ctx, &keys, Instant::now(), &what).await?;
-        if completed {
-            return ctx.pass(&c.t);
-        }
-    }
-    Err(never_completed(&ctx, "renew_many"))
+    let ctx = &Ctx::new("dropped_renew_many_keeps_the_leases", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(
+        ctx,
+        &c.t,
+        "renew_many",
+        BATCH,
+        move |polls, keys| async move {
+            let leases = c.take_all(ctx, &keys).await?;
+            let renewed = cut_after(c.first.renew_many(&leases), polls).await;
+            let completed = renewed.is_some();
+            if let Some(renewed) = renewed {
+                let renewed = ctx.ok("renew_many", renewed)?;
+                ctx.ensure(
+                    renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })),
+                    "renew_many of held leases to renew them all",
+                    || format!("{renewed:?}"),
+                )?;
+            }
+            for lease in &leases {
+                release_held(ctx, &c.first, lease).await?;
+            }
+            let what = format!("a renew_many dropped after {polls} poll(s)");
+            c.after_the_cut(ctx, &keys, Instant::now(), &what).await?;
+            Ok(completed)
+        },
+    )
+    .await
 }
 
 /// A `release_many` dropped at any poll, its leases then given up, leaves no key held
@@ -163,35 +168,38 @@ pub async fn dropped_renew_many_keeps_the_leases(
 pub async fn dropped_release_many_frees_the_keys_by_their_ttl(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
-    let ctx = Ctx::new("dropped_release_many_frees_the_keys_by_their_ttl", factory);
-    let c = Clients::new(&ctx).await?;
-    for polls in 1..=MAX_POLLS {
-        let keys = cut_keys(&ctx, polls, BATCH)?;
-        let leases = c.take_all(&ctx, &keys).await?;
-        let released = cut_after(c.first.release_many(&leases), polls).await;
-        let completed = released.is_some();
-        let cut = Instant::now();
-        drop(leases);
-        let what = format!("a release_many dropped after {polls} poll(s)");
-        match released {
-            Some(released) => {
-                let released = ctx.ok("release_many", released)?;
-                ctx.ensure(
-                    released.iter().all(|r| *r == Release::Released),
-                    "release_many of held leases to release them all",
-                    || format!("{released:?}"),
-                )?;
-            }
-            None => {
-                for key in &keys {
-                    record_given_up(&ctx, key, cut, "release_many");
+    let ctx = &Ctx::new("dropped_release_many_frees_the_keys_by_their_ttl", factory);
+    let c = &Clients::new(ctx).await?;
+    each_cut(
+        ctx,
+        &c.t,
+        "release_many",
+        BATCH,
+        move |polls, keys| async move {
+            let leases = c.take_all(ctx, &keys).await?;
+            let released = cut_after(c.first.release_many(&leases), polls).await;
+            let completed = released.is_some();
+            let cut = Instant::now();
+            drop(leases);
+            let what = format!("a release_many dropped after {polls} poll(s)");
+            match released {
+                Some(released) => {
+                    let released = ctx.ok("release_many", released)?;
+                    ctx.ensure(
+                        released.iter().all(|r| *r == Release::Released),
+                        "release_many of held leases to release them all",
+                        || format!("{released:?}"),
+                    )?;
+                }
+                None => {
+                    for key in &keys {
+                        record_given_up(ctx, key, cut, "release_many");
+                    }
                 }
             }
-        }
-        c.after_the_cut(&ctx, &keys, cut, &what).await?;
-        if completed {
-            return ctx.pass(&c.t);
-        }
-    }
-    Err(never_completed(&ctx, "release_many"))
+            c.after_the_cut(ctx, &keys, cut, &what).await?;
+            Ok(completed)
+        },
+    )
+    .await
 }
