@@ -185,7 +185,11 @@ pub trait BackendLayer: Debug + Send + Sync + 'static {
 
 /// A layer shared behind an `Arc` is the same layer: code that keeps a clone of the
 /// `Arc` reads the layer's state (its counts, its switches) while the backend runs.
+///
+/// Every method is forwarded (the lint says so when one is added): a default here would
+/// bypass the layer.
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl<L: BackendLayer + ?Sized> BackendLayer for Arc<L> {
     fn name(&self, next: &dyn LockBackend) -> &'static str {
         (**self).name(next)
@@ -303,7 +307,10 @@ impl<L: BackendLayer> Layered<L> {
     }
 }
 
+/// Every method goes through the layer (the lint says so when one is added): a default
+/// here would bypass it, and a waiter on a layered backend would poll.
 #[async_trait]
+#[deny(clippy::missing_trait_methods)]
 impl<L: BackendLayer> LockBackend for Layered<L> {
     fn name(&self) -> &'static str {
         self.layer.name(&*self.inner)
