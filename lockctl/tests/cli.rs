@@ -700,8 +700,17 @@ mod on_postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn check_passes_in_both_modes_and_cleans_up() {
         let (server, url) = server_with_tables().await;
-        for mode in ["lease", "advisory"] {
-            let stdout = check_passes(&format!("{url}&mode={mode}"));
+        // Both modes at once, as two deployments sharing a server would: the longest test of
+        // the workspace otherwise.
+        let checks = std::thread::scope(|scope| {
+            ["lease", "advisory"]
+                .map(|mode| {
+                    let url = format!("{url}&mode={mode}");
+                    (mode, scope.spawn(move || check_passes(&url)))
+                })
+                .map(|(mode, check)| (mode, check.join().expect("the check's thread")))
+        });
+        for (mode, stdout) in checks {
             assert!(stdout.contains("cleanup: purged the "), "{mode}: {stdout}");
         }
         let rows = require(
