@@ -56,7 +56,7 @@ cargo test -p distlock --no-default-features --locked
 cargo test -p distlock --no-default-features --features etcd --locked
 cargo test -p distlock --no-default-features --features postgres --locked
 cargo test -p distlock --no-default-features --features tower --locked
-echo "== the benches build (CI never asserts a speed; clippy above checked them too)"
+echo "== the benches build (CI never asserts a speed)"
 # In the test build's profile, on its dependencies: an optimized build of the whole
 # workspace would take longer than every test together.
 cargo build --workspace --benches --locked --quiet
