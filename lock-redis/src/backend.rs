@@ -8,6 +8,7 @@ mod batch;
 mod coalesce;
 mod connect;
 mod replicas;
+mod reply;
 
 use std::fmt;
 use std::future::Future;
@@ -17,17 +18,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::wake::ReleaseWatch;
 use distlock_core::{
-    BackendId, Capabilities, DriverFailure, FailureKind, Fence, FencingToken, Lease, LockBackend,
-    LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
+    BackendId, Capabilities, DriverFailure, Effect, FailureKind, Fence, FencingToken, Lease,
+    LockBackend, LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
 use futures::FutureExt;
-use redis::{RedisError, Script, Value};
+use redis::{RedisError, Script};
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::debug;
 
 use self::coalesce::{PendingAcquire, PendingRelease, Queue, Turn};
+use self::reply::{release, renewal};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
@@ -194,15 +196,10 @@ impl RedisBackend {
     fn timed<T>(
         &self,
         operation: &'static str,
-        changes_state: bool,
+        effect: Effect,
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> impl Future<Output = Result<T, LockError>> {
-        self.timed_within(
-            self.inner.response_timeout,
-            operation,
-            changes_state,
-            request,
-        )
+        self.timed_within(self.inner.response_timeout, operation, effect, request)
     }
 
     /// [`Self::timed`] with a limit of its own (a cluster's batch waits longer).
@@ -210,26 +207,25 @@ impl RedisBackend {
         &self,
         limit: Duration,
         operation: &'static str,
-        changes_state: bool,
+        effect: Effect,
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> impl Future<Output = Result<T, LockError>> {
         tokio::time::timeout(limit, request)
-            .map(move |reply| Self::reply_or_error(reply, operation, changes_state, limit))
+            .map(move |reply| Self::reply_or_error(reply, operation, effect, limit))
     }
 
     /// What [`Self::timed_within`] makes of a reply, or of none within `limit`.
     fn reply_or_error<T>(
         reply: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
         operation: &'static str,
-        changes_state: bool,
+        effect: Effect,
         limit: Duration,
     ) -> Result<T, LockError> {
         match reply {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(map_error(operation, changes_state, &e)),
+            Ok(Err(e)) => Err(map_error(operation, effect, &e)),
             Err(_) => {
                 let message = format!("no reply within {limit:?}");
-                let effect = crate::error::effect(operation, changes_state);
                 Err(DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect))
             }
         }
@@ -353,7 +349,11 @@ impl RedisBackend {
             over: None,
         };
         let reply = self
-            .timed("acquire", true, self.invoke_resending::<Option<u64>>(&call))
+            .timed(
+                "acquire",
+                Effect::Write("acquire"),
+                self.invoke_resending::<Option<u64>>(&call),
+            )
             .await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {
@@ -397,7 +397,7 @@ impl RedisBackend {
         // Sent again after a dropped connection, with the flag that makes the script look
         // for the slot this attempt took first (see `acquire_any.lua`).
         let reply = self
-            .timed("acquire", true, async {
+            .timed("acquire", Effect::Write("acquire"), async {
                 match self.inner.conn.invoke::<Option<(usize, u64)>>(&call).await {
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
                         debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
@@ -465,7 +465,11 @@ impl RedisBackend {
     /// very next request.
     async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
         let released = self
-            .timed("release", true, self.release_until_settled(lease, None))
+            .timed(
+                "release",
+                Effect::Write("release"),
+                self.release_until_settled(lease, None),
+            )
             .await?;
         Ok(release(released))
     }
@@ -533,8 +537,12 @@ impl RedisBackend {
             )],
             args: vec![token.to_string().into()],
         };
-        self.timed(operation, true, self.inner.conn.invoke(&call))
-            .await
+        self.timed(
+            operation,
+            Effect::Write(operation),
+            self.inner.conn.invoke(&call),
+        )
+        .await
     }
 
     /// Runs `script` on `keys` (all of one hash slot) with `args` sent as bytes, so a
@@ -554,8 +562,12 @@ impl RedisBackend {
             keys: keys.to_vec(),
             args: args.iter().map(|a| a.to_vec()).collect(),
         };
-        self.timed(operation, true, self.inner.conn.invoke(&call))
-            .await
+        self.timed(
+            operation,
+            Effect::Write(operation),
+            self.inner.conn.invoke(&call),
+        )
+        .await
     }
 
     /// Runs a command that only reads (routed by its first key in a cluster).
@@ -564,7 +576,7 @@ impl RedisBackend {
         operation: &'static str,
         cmd: &redis::Cmd,
     ) -> Result<T, LockError> {
-        self.timed(operation, false, self.inner.conn.command(cmd))
+        self.timed(operation, Effect::None, self.inner.conn.command(cmd))
             .await
     }
 
@@ -628,7 +640,11 @@ impl LockBackend for RedisBackend {
         let call = self.lease_call(&RENEW_SCRIPT, lease, Extra::Ttl);
         let sent = Instant::now();
         let renewed: i64 = self
-            .timed("renew", true, self.inner.conn.invoke(&call))
+            .timed(
+                "renew",
+                Effect::Write("renew"),
+                self.inner.conn.invoke(&call),
+            )
             .await?;
         Ok(renewal(renewed, sent, lease.ttl()))
     }
@@ -657,7 +673,7 @@ impl LockBackend for RedisBackend {
         lease.check_backend(self.inner.id, NAME)?;
         let call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
         let (current, newest): (i64, u64) = self
-            .timed("fence", false, self.inner.conn.invoke(&call))
+            .timed("fence", Effect::None, self.inner.conn.invoke(&call))
             .await?;
         Ok(if current == 1 {
             Fence::Current
@@ -675,14 +691,8 @@ impl LockBackend for RedisBackend {
         let keys = self.keys(key);
         let mut pipe = redis::pipe();
         pipe.get(&keys.lock).pttl(&keys.lock);
-        let conn = self.inner.conn.clone();
         let (held, pttl): (Option<String>, i64) = self
-            .timed("inspect", false, async move {
-                match conn {
-                    Conn::Single(mut c) => pipe.query_async(&mut c).await,
-                    Conn::Cluster(mut c, _) => pipe.query_async(&mut c).await,
-                }
-            })
+            .timed("inspect", Effect::None, self.inner.conn.pipeline(&pipe))
             .await?;
         let (owner, token) = held.as_deref().and_then(parse_held).unzip();
         Ok(LockInfo {
@@ -729,7 +739,11 @@ impl LockBackend for RedisBackend {
         let mut del = redis::cmd("DEL");
         del.arg(&keys.lock);
         let _deleted: i64 = self
-            .timed("purge", true, self.inner.conn.command(&del))
+            .timed(
+                "purge",
+                Effect::Write("purge"),
+                self.inner.conn.command(&del),
+            )
             .await?;
         Ok(())
     }
@@ -847,32 +861,4 @@ pub(super) fn lease_args(lease: &Lease, extra: Extra) -> (String, String) {
         Extra::Ttl => (value, lease.ttl().as_millis().to_string()),
         Extra::Token | Extra::Release => (value, token),
     }
-}
-
-fn renewal(renewed: i64, sent: Instant, ttl: Duration) -> Renewal {
-    if renewed == 1 {
-        Renewal::Renewed {
-            valid_until: valid_until(sent, ttl),
-        }
-    } else {
-        Renewal::Lost
-    }
-}
-
-fn release(released: i64) -> Release {
-    if released == 1 {
-        Release::Released
-    } else {
-        Release::NotHeld
-    }
-}
-
-fn parse_token(reply: Option<Value>) -> Result<Option<u64>, LockError> {
-    let Some(reply) = reply else {
-        return Err(LockError::backend(NAME, "the acquire script sent no reply"));
-    };
-    let reply = reply
-        .extract_error()
-        .map_err(|e| map_error("acquire", true, &e))?;
-    redis::from_redis_value::<Option<u64>>(reply).map_err(|e| LockError::backend(NAME, e))
 }

@@ -179,6 +179,17 @@ impl Conn {
         }
     }
 
+    /// Runs `pipe` in one round trip (on a cluster its keys must share a slot).
+    pub(crate) async fn pipeline<T: FromRedisValue>(
+        &self,
+        pipe: &redis::Pipeline,
+    ) -> RedisResult<T> {
+        match self {
+            Conn::Single(c) => pipe.query_async(&mut c.clone()).await,
+            Conn::Cluster(c, _) => pipe.query_async(&mut c.clone()).await,
+        }
+    }
+
     /// Runs many script calls: one pipeline per node. Returns one reply per call, in order;
     /// the outer error means nothing can be said about any call (single node only).
     ///

@@ -101,17 +101,8 @@ fn is_auth_error(e: &RedisError) -> bool {
 }
 
 /// Turns a client error into the public error, without the store's type or credentials.
-pub(crate) fn map_error(operation: &'static str, changes_state: bool, e: &RedisError) -> LockError {
-    classify(operation, e).into_error(NAME, effect(operation, changes_state))
-}
-
-/// What a call that `changes_state` could have changed when it fails.
-pub(crate) fn effect(operation: &'static str, changes_state: bool) -> Effect {
-    if changes_state {
-        Effect::Write(operation)
-    } else {
-        Effect::None
-    }
+pub(crate) fn map_error(operation: &'static str, effect: Effect, e: &RedisError) -> LockError {
+    classify(operation, e).into_error(NAME, effect)
 }
 
 /// What a failed request's error says about it. The client error is kept as the source
@@ -183,13 +174,17 @@ mod tests {
             "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
             "CLUSTERDOWN The cluster is down",
         ] {
-            let err = map_error("acquire", true, &server_error(reply));
+            let err = map_error("acquire", Effect::Write("acquire"), &server_error(reply));
             assert!(
                 matches!(err, LockError::Unavailable { .. }) && err.is_retryable(),
                 "{reply}: {err:?}"
             );
         }
-        let err = map_error("acquire", true, &server_error("ERR unknown command"));
+        let err = map_error(
+            "acquire",
+            Effect::Write("acquire"),
+            &server_error("ERR unknown command"),
+        );
         assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
     }
 }

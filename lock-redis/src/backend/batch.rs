@@ -6,11 +6,13 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use distlock_core::Effect;
 use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
 use tokio::time::Instant;
 
-use super::{Extra, RedisBackend, lease_args, parse_token};
+use super::reply::parse_token;
+use super::{Extra, RedisBackend, lease_args};
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{is_resendable, is_unreachable, map_error};
 use crate::keys::LockKeys;
@@ -36,7 +38,8 @@ impl RedisBackend {
             node_timeout
         };
         let request = self.inner.conn.batch(calls, node_timeout);
-        self.timed_within(limit, operation, true, request).await
+        self.timed_within(limit, operation, Effect::Write(operation), request)
+            .await
     }
 
     /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
@@ -60,11 +63,11 @@ impl RedisBackend {
                     unreachable.get_or_insert(e);
                     out.push(None);
                 }
-                Err(e) => return Err(map_error(operation, true, &e)),
+                Err(e) => return Err(map_error(operation, Effect::Write(operation), &e)),
             }
         }
         match unreachable {
-            Some(e) if answered == 0 => Err(map_error(operation, true, &e)),
+            Some(e) if answered == 0 => Err(map_error(operation, Effect::Write(operation), &e)),
             _ => Ok(out),
         }
     }
@@ -163,7 +166,7 @@ impl RedisBackend {
                 other => other,
             };
             match reply
-                .map_err(|e| map_error("acquire_many", true, &e))
+                .map_err(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e))
                 .and_then(|v| parse_token(Some(v)))
             {
                 Ok(token) => {
@@ -180,7 +183,8 @@ impl RedisBackend {
             }
         }
         if failure.is_none() && answered == 0 {
-            failure = unreachable.map(|e| map_error("acquire_many", true, &e));
+            failure =
+                unreachable.map(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e));
         }
         if let Some(e) = failure {
             // A failed batch holds nothing: give back what it took.

@@ -17,6 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
+use distlock_core::Effect;
 use distlock_core::{BoxError, Lease, LockBackend, LockError, LockKey, OwnerId, Release};
 use parking_lot::Mutex;
 use tokio::runtime::Handle;
@@ -24,7 +25,8 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 use super::batch::spread;
-use super::{Extra, NAME, RedisBackend, SENT_AT_ONCE, parse_token, release};
+use super::reply::{parse_token, release};
+use super::{Extra, NAME, RedisBackend, SENT_AT_ONCE};
 use crate::error::{is_resendable, map_error};
 use crate::keys::LockKeys;
 use crate::scripts::RELEASE_MANY_SCRIPT;
@@ -391,7 +393,7 @@ impl RedisBackend {
         let mut orphans = Vec::new();
         for ((p, (keys, owner, _)), reply) in batch.into_iter().zip(attempts).zip(replies) {
             let outcome = match reply
-                .map_err(|e| map_error("acquire", true, &e))
+                .map_err(|e| map_error("acquire", Effect::Write("acquire"), &e))
                 .and_then(|v| parse_token(Some(v)))
             {
                 Ok(token) => Ok(token.map(|t| self.lease(&p.key, owner, t, p.ttl, p.called))),
@@ -443,7 +445,9 @@ impl RedisBackend {
             self.settle_releases(&mut replies, &leases).await;
             Ok(replies)
         };
-        let replies = self.timed("release", true, request).await;
+        let replies = self
+            .timed("release", Effect::Write("release"), request)
+            .await;
         let replies = match replies {
             Ok(replies) => replies,
             Err(e) => {
@@ -457,7 +461,7 @@ impl RedisBackend {
             let outcome = reply
                 .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
                 .map(release)
-                .map_err(|e| map_error("release", true, &e));
+                .map_err(|e| map_error("release", Effect::Write("release"), &e));
             let _ = p.reply.send(outcome);
         }
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use distlock_core::{BackendId, Capabilities, LockError};
 use parking_lot::Mutex;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{ProtocolVersion, RedisError, Value};
@@ -115,18 +115,12 @@ impl RedisBackend {
         };
         // Connecting does not prove the credentials: a server with a password accepts the
         // connection and refuses the first command.
-        let ping = redis::cmd("PING");
-        let probe = match &conn {
-            Conn::Single(c) => {
-                with_timeout(b.connect_timeout, c.clone().req_packed_command(&ping)).await
-            }
-            Conn::Cluster(c, _) => {
-                with_timeout(b.connect_timeout, c.clone().req_packed_command(&ping)).await
-            }
-        };
-        probe
-            .and_then(Value::extract_error)
-            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        with_timeout(
+            b.connect_timeout,
+            conn.command::<Value>(&redis::cmd("PING")),
+        )
+        .await
+        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
         let infos = with_timeout(b.connect_timeout, conn.server_infos())
             .await
             .map_err(|e| connect_error(&shown_urls.join(","), e))?;

@@ -12,6 +12,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use distlock_core::Effect;
 use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use parking_lot::Mutex;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -21,7 +22,8 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use super::connect::with_timeout;
-use super::{AbandonOnDrop, NAME, RedisBackend, parse_token};
+use super::reply::parse_token;
+use super::{AbandonOnDrop, NAME, RedisBackend};
 use crate::conn::{ClusterState, Conn};
 use crate::error::map_error;
 
@@ -145,7 +147,7 @@ impl RedisBackend {
         };
         // Nothing is sent yet: no connection free within the response timeout is a plain
         // failure.
-        let acked = self.timed("acquire", false, pool.take()).await?;
+        let acked = self.timed("acquire", Effect::None, pool.take()).await?;
         let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
         let call = self.acquire_call(&keys, owner, ttl);
@@ -160,7 +162,11 @@ impl RedisBackend {
         };
         let sent = Instant::now();
         let replies = self
-            .timed("acquire", true, conn.invoke_with(&call, &[wait_cmd]))
+            .timed(
+                "acquire",
+                Effect::Write("acquire"),
+                conn.invoke_with(&call, &[wait_cmd]),
+            )
             .await;
         let mut replies = match replies {
             Ok(r) => r.into_iter(),
@@ -185,7 +191,7 @@ impl RedisBackend {
         };
         let acked: i64 = match replies.next().map(Value::extract_error) {
             Some(Ok(v)) => redis::from_redis_value(v).map_err(|e| LockError::backend(NAME, e))?,
-            Some(Err(e)) => return Err(map_error("acquire", true, &e)),
+            Some(Err(e)) => return Err(map_error("acquire", Effect::Write("acquire"), &e)),
             None => 0,
         };
         let lease = self.lease(key, owner, token, ttl, sent);
