@@ -39,11 +39,53 @@ cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --features tower --locked -- -D warnings
 cargo clippy "${own_backend[@]}" --all-targets --locked -- -D warnings
+# Packaging builds each published crate from its .crate file, the crates it depends on
+# again with its own features: minutes of compiling that need no server, so they run
+# beside the tests (which leave a core idle much of the time), in a target directory of
+# their own so that neither build waits for the other's lock.
+package_target="$CARGO_TARGET_DIR/package-check"
+package_crates() {
+    # What a user depends on or installs: distlock-core, distlock-conformance,
+    # distlock-capacity, the three store backends, the facade distlock and lockctl.
+    # `--workspace` packages them together, in dependency order, serves the ones not on
+    # crates.io from a temporary local registry, and builds each from its .crate.
+    # harness, suite-faults, benchmarks and job-queue are `publish = false`; the published
+    # crates name the first two only as dev-dependencies without a version, which packaging
+    # drops.
+    # `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
+    # Cargo builds a crate of that registry once per version and takes the build as fresh
+    # ever after (a registry's sources never change): a second run in the same target
+    # directory would verify against the first run's build of, say, distlock-core 0.1.0,
+    # without what changed since. Those builds are the units of the workspace's own crates
+    # whose dep-info lists no source file (a path build lists its files); they go first.
+    # Cargo also extracts a registry crate's sources once per registry and version and never
+    # again, under a directory named after the registry's path: a checkout at the path of an
+    # earlier one (a CI clone made again) would verify against that run's sources. A local
+    # registry's directory has no host in its name (`-<hash>`); ours go, crates.io's stay.
+    for src in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{distlock,distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,lockctl}-[0-9]*; do
+        rm -rf "$src"
+    done
+    for unit in "$package_target"/debug/.fingerprint/{distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,distlock,lockctl}-*; do
+        for dep_info in "$unit"/dep-lib-*; do
+            if [ -f "$dep_info" ] && [ "$(stat -c %s "$dep_info")" -lt 64 ]; then
+                rm -rf "$unit" "$package_target"/debug/deps/*-"${unit##*-}".*
+            fi
+        done
+    done
+    CARGO_TARGET_DIR="$package_target" cargo package --workspace --exclude harness \
+        --exclude suite-faults --exclude benchmarks --exclude job-queue --locked --allow-dirty
+}
 echo "== cargo nextest: the workspace's tests, several at once (see .config/nextest.toml)"
 # The conformance tests append, per backend, the cases they stamped and ran, and per
 # broken variant the cases that caught it; printed at the end.
 export DISTLOCK_SUMMARY_DIR="$PWD/target/conformance-summary"
 rm -rf "$DISTLOCK_SUMMARY_DIR"
+cargo nextest run --workspace --locked --no-run
+package_log="$CARGO_TARGET_DIR/package.log"
+package_crates >"$package_log" 2>&1 &
+packaging=$!
+# A step that fails ends the run: the packaging (cargo and what it started) goes with it.
+trap 'pkill -TERM -P "$packaging" 2>/dev/null; kill "$packaging" 2>/dev/null || true' EXIT
 cargo nextest run --workspace --locked --no-tests=fail
 echo "== cargo test --doc: the examples in the docs"
 cargo test --workspace --doc --locked
@@ -63,35 +105,13 @@ cargo build --workspace --benches --locked --quiet
 echo "== cargo doc"
 # Every crate with every feature: broken intra-doc links and missing docs fail the run.
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked --quiet
-echo "== cargo package: the published crates, in dependency order"
-# What a user depends on or installs: distlock-core, distlock-conformance,
-# distlock-capacity, the three store backends, the facade distlock and lockctl.
-# `--workspace` packages them together, in dependency order, serves the ones not on
-# crates.io from a temporary local registry, and builds each from its .crate.
-# harness, suite-faults, benchmarks and job-queue are `publish = false`; the published
-# crates name the first two only as dev-dependencies without a version, which packaging
-# drops.
-# `--allow-dirty`: a local run checks the work tree as it is; CI's clone is clean.
-# Cargo builds a crate of that registry once per version and takes the build as fresh
-# ever after (a registry's sources never change): a second run in the same target
-# directory would verify against the first run's build of, say, distlock-core 0.1.0,
-# without what changed since. Those builds are the units of the workspace's own crates
-# whose dep-info lists no source file (a path build lists its files); they go first.
-# Cargo also extracts a registry crate's sources once per registry and version and never
-# again, under a directory named after the registry's path: a checkout at the path of an
-# earlier one (a CI clone made again) would verify against that run's sources. A local
-# registry's directory has no host in its name (`-<hash>`); ours go, crates.io's stay.
-for src in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/{distlock,distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,lockctl}-[0-9]*; do
-    rm -rf "$src"
-done
-for unit in "$CARGO_TARGET_DIR"/debug/.fingerprint/{distlock-core,distlock-conformance,distlock-capacity,lock-redis,lock-etcd,lock-postgres,distlock,lockctl}-*; do
-    for dep_info in "$unit"/dep-lib-*; do
-        if [ -f "$dep_info" ] && [ "$(stat -c %s "$dep_info")" -lt 64 ]; then
-            rm -rf "$unit" "$CARGO_TARGET_DIR"/debug/deps/*-"${unit##*-}".*
-        fi
-    done
-done
-cargo package --workspace --exclude harness --exclude suite-faults --exclude benchmarks \
-    --exclude job-queue --locked --allow-dirty
+echo "== cargo package: the published crates (built beside the tests), in dependency order"
+if ! wait "$packaging"; then
+    cat "$package_log"
+    echo "test: cargo package failed" >&2
+    exit 1
+fi
+trap - EXIT
+cat "$package_log"
 echo "== conformance summary"
 cat "$DISTLOCK_SUMMARY_DIR/backends.txt" "$DISTLOCK_SUMMARY_DIR/broken-variants.txt"
