@@ -163,9 +163,11 @@ fn cut_keys(ctx: &Ctx<'_>, polls: usize, count: usize) -> Result<Vec<LockKey>, F
         .collect()
 }
 
-/// Records that the owner gave up the newest grant of `key` at `at` (a release that was
-/// dropped, whose outcome nobody saw): its validity window ends there, so the checker
-/// does not take a later holder for an overlap.
+/// Records that the owner gave up the newest grant of `key` at `at` without a release the
+/// history shows (a `with_lock` or guard release dropped before its release call was
+/// made, a runtime shut down mid-call): its validity window ends there, so the checker
+/// does not take a later holder for an overlap. A release call that was made and then
+/// dropped needs none: the history keeps it as unfinished.
 fn record_given_up(ctx: &Ctx<'_>, key: &LockKey, at: Instant, what: &str) {
     if let Some(grant) = ctx.history().grants(key).last() {
         ctx.history().record(
