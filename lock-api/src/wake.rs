@@ -19,8 +19,10 @@
 //! packet, a release the store did not announce such as a TTL expiry) delays a waiter by
 //! at most one backoff step and never strands it.
 
+mod background;
 mod listener;
 
+pub use background::Background;
 pub use listener::{FollowReleases, Followed, ReleaseListener, Releases};
 
 use std::collections::HashMap;

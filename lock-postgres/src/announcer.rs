@@ -33,13 +33,13 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use distlock_core::wake::Background;
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection};
 use tokio::sync::{Notify, watch};
 use tracing::debug;
 
 use crate::PgPooling;
-use crate::background::Background;
 use crate::statement::{Statement, Value};
 
 /// The `application_name` of the announcer's session.

@@ -19,7 +19,6 @@
 
 mod advisory;
 mod announcer;
-mod background;
 mod client;
 mod config;
 mod error;

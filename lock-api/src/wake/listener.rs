@@ -25,12 +25,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use parking_lot::Mutex;
-use tokio::runtime::Handle;
 use tokio::sync::{Notify, watch};
-use tokio::task::{AbortHandle, JoinHandle};
+use tokio::task::AbortHandle;
 
-use super::{ReleaseHub, ReleaseWatch, Subscriptions};
+use super::{Background, ReleaseHub, ReleaseWatch, Subscriptions};
 use crate::key::LockKey;
 
 /// The longest pause between two attempts to follow the store.
@@ -117,7 +115,7 @@ impl Subscriptions for Nudge {
 pub struct ReleaseListener<F> {
     follower: Arc<F>,
     releases: Arc<Releases>,
-    task: Mutex<Option<JoinHandle<()>>>,
+    task: Background,
     /// Dropped with the listener, which ends the task.
     stop: watch::Sender<()>,
 }
@@ -141,7 +139,7 @@ impl<F: FollowReleases> ReleaseListener<F> {
                 hub: ReleaseHub::new(Nudge(changed.clone())),
                 changed,
             }),
-            task: Mutex::new(None),
+            task: Background::default(),
             stop: watch::channel(()).0,
         }
     }
@@ -169,23 +167,13 @@ impl<F: FollowReleases> ReleaseListener<F> {
 
     /// The listener's task, once one was started: to see it end.
     pub fn task(&self) -> Option<AbortHandle> {
-        self.task.lock().as_ref().map(JoinHandle::abort_handle)
+        self.task.abort_handle()
     }
 
     fn ensure_running(&self) -> bool {
-        let mut task = self.task.lock();
-        if task.as_ref().is_some_and(|t| !t.is_finished()) {
-            return true;
-        }
-        let Ok(runtime) = Handle::try_current() else {
-            return false;
-        };
-        *task = Some(runtime.spawn(listen(
-            self.follower.clone(),
-            self.releases.clone(),
-            self.stop.subscribe(),
-        )));
-        true
+        let (follower, releases, stop) = (&self.follower, &self.releases, &self.stop);
+        self.task
+            .ensure_running(|| listen(follower.clone(), releases.clone(), stop.subscribe()))
     }
 }
 
