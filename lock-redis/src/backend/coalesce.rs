@@ -13,6 +13,7 @@
 //!   in the [`Queue`] and go together when one of them returns.
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -201,8 +202,6 @@ impl Pending for PendingRelease {
 pub(super) trait Coalesced: Pending + Send + Sized + 'static {
     /// What its caller gets.
     type Output: Send + 'static;
-    /// Its kind, whose calls in flight it counts among.
-    const KIND: Kind;
     /// The operation, in errors.
     const OPERATION: &'static str;
     /// The queue of its kind.
@@ -213,7 +212,6 @@ pub(super) trait Coalesced: Pending + Send + Sized + 'static {
 
 impl Coalesced for PendingAcquire {
     type Output = Option<Lease>;
-    const KIND: Kind = Kind::Acquire;
     const OPERATION: &'static str = "acquire";
 
     fn queue(backend: &RedisBackend) -> &Queue<Self> {
@@ -227,7 +225,6 @@ impl Coalesced for PendingAcquire {
 
 impl Coalesced for PendingRelease {
     type Output = Release;
-    const KIND: Kind = Kind::Release;
     const OPERATION: &'static str = "release";
 
     fn queue(backend: &RedisBackend) -> &Queue<Self> {
@@ -241,37 +238,30 @@ impl Coalesced for PendingRelease {
 
 /// How a single call goes once it has joined the calls of its kind
 /// ([`RedisBackend::take_turn`]).
-pub(super) enum Turn<T> {
+pub(super) enum Turn<T: Coalesced> {
     /// Answered in a batch: queued, or as its leader.
-    Answered(Result<T, LockError>),
+    Answered(Result<T::Output, LockError>),
     /// To be sent alone; in flight until the mark is dropped.
-    Alone(InFlight),
+    Alone(InFlight<T>),
 }
 
-/// The two kinds of coalesced calls.
-#[derive(Clone, Copy)]
-pub(super) enum Kind {
-    Acquire,
-    Release,
-}
-
-/// Marks a call of `kind` in flight; when it is done (or its future is dropped), the calls
-/// queued meanwhile are sent as the next batch.
-pub(super) struct InFlight {
+/// Marks a call of `T`'s kind in flight; when it is done (or its future is dropped), the
+/// calls queued meanwhile are sent as the next batch.
+pub(super) struct InFlight<T: Coalesced> {
     backend: RedisBackend,
-    kind: Kind,
+    kind: PhantomData<fn() -> T>,
 }
 
-impl Drop for InFlight {
+impl<T: Coalesced> Drop for InFlight<T> {
     fn drop(&mut self) {
-        self.backend.hand_off(self.kind);
+        self.backend.send_next::<T>();
     }
 }
 
 impl RedisBackend {
-    /// Called when the call of `kind` in flight is done: sends the calls queued meanwhile
-    /// as one batch, in a task of its own (so it runs even when no caller waits any more),
-    /// or marks the queue idle.
+    /// Called when the call of `T`'s kind in flight is done: sends the calls queued
+    /// meanwhile as one batch, in a task of its own (so it runs even when no caller waits
+    /// any more), or marks the queue idle.
     ///
     /// The batch runs on the runtime of one of its callers, not on the one of the call
     /// just done: a backend may be shared by several runtimes, and the one that ends the
@@ -279,14 +269,6 @@ impl RedisBackend {
     /// into the task: if that runtime drops the task unpolled after all, dropping the mark
     /// hands off again (the batch's callers learn from their closed channels) instead of
     /// leaving the queue busy forever.
-    fn hand_off(&self, kind: Kind) {
-        match kind {
-            Kind::Acquire => self.send_next::<PendingAcquire>(),
-            Kind::Release => self.send_next::<PendingRelease>(),
-        }
-    }
-
-    /// [`RedisBackend::hand_off`] for the queue of `T`.
     fn send_next<T: Coalesced>(&self) {
         while let Some(batch) = T::queue(self).next() {
             // Looked up only for a batch: most calls end with nothing queued behind them.
@@ -296,7 +278,7 @@ impl RedisBackend {
                 // callers' channels, which tells them so.
                 continue;
             };
-            let in_flight = self.in_flight(T::KIND);
+            let in_flight = self.in_flight::<T>();
             let batch = T::send(self.clone(), batch);
             runtime.spawn(async move {
                 batch.await;
@@ -314,14 +296,14 @@ impl RedisBackend {
     pub(super) async fn take_turn<T: Coalesced>(
         &self,
         pending: impl Fn(&mut Option<Reply<T::Output>>) -> T,
-    ) -> Turn<T::Output> {
+    ) -> Turn<T> {
         let queue = T::queue(self);
         let mut reply = None;
         let joined = queue.join(|| pending(&mut reply));
         if let (Joined::Queued, Some(rx)) = (joined, reply.take()) {
             return Turn::Answered(self.queued_reply(T::OPERATION, rx).await);
         }
-        let in_flight = self.in_flight(T::KIND);
+        let in_flight = self.in_flight::<T>();
         if joined == Joined::Lead {
             tokio::task::yield_now().await;
             if let Some(batch) = queue.gathered(|| pending(&mut reply)) {
@@ -339,10 +321,10 @@ impl RedisBackend {
         Turn::Alone(in_flight)
     }
 
-    pub(super) fn in_flight(&self, kind: Kind) -> InFlight {
+    pub(super) fn in_flight<T: Coalesced>(&self) -> InFlight<T> {
         InFlight {
             backend: self.clone(),
-            kind,
+            kind: PhantomData,
         }
     }
 
