@@ -22,7 +22,7 @@ use distlock_core::{
     LockBackend, LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
 use futures::FutureExt;
-use redis::{RedisError, Script};
+use redis::RedisError;
 use tokio::runtime::Handle;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
@@ -36,7 +36,7 @@ use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, 
 use crate::keys::{LockKeys, parse_held};
 use crate::releases::ReleaseListener;
 use crate::scripts::{
-    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, RELEASE_MANY_SCRIPT,
+    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, Lua, RELEASE_MANY_SCRIPT,
     RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
 };
 
@@ -313,7 +313,7 @@ impl RedisBackend {
 
     /// A renew, release or fence call: the lock key, the value the lease holds it with,
     /// and `extra` (the TTL of a renew, the token of the others; see [`Extra::Release`]).
-    fn lease_call(&self, script: &'static redis::Script, lease: &Lease, extra: Extra) -> Call {
+    fn lease_call(&self, script: &'static Lua, lease: &Lease, extra: Extra) -> Call {
         let (value, token_or_ttl) = lease_args(lease, extra);
         let mut args = vec![value.into(), token_or_ttl.into()];
         if let Extra::Release = extra {
@@ -525,7 +525,7 @@ impl RedisBackend {
     pub(crate) async fn run_script<T: redis::FromRedisValue>(
         &self,
         operation: &'static str,
-        script: &'static redis::Script,
+        script: &'static Lua,
         resource: &str,
         token: u64,
     ) -> Result<T, LockError> {
@@ -549,11 +549,11 @@ impl RedisBackend {
     /// caller's value reaches the script unchanged. A script that [runs once] is never
     /// sent again after a connection error.
     ///
-    /// [runs once]: crate::scripts::runs_once
+    /// [runs once]: crate::scripts::Lua::runs_once
     pub(crate) async fn run_script_on<T: redis::FromRedisValue>(
         &self,
         operation: &'static str,
-        script: &'static Script,
+        script: &'static Lua,
         keys: &[String],
         args: &[&[u8]],
     ) -> Result<T, LockError> {

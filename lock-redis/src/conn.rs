@@ -12,19 +12,19 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::scripts::runs_once;
+use crate::scripts::Lua;
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
-    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, Script, ServerError,
+    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, ServerError,
     ServerErrorKind, Value,
 };
 
 /// One script call in a batch.
 #[derive(Clone)]
 pub(crate) struct Call {
-    pub(crate) script: &'static Script,
+    pub(crate) script: &'static Lua,
     pub(crate) keys: Vec<String>,
     /// Sent as they are: a fenced write's value may be any bytes.
     pub(crate) args: Vec<Vec<u8>>,
@@ -63,7 +63,7 @@ impl Call {
 ///
 /// The cluster connection follows redirects and, after a connection error, sends a request
 /// again, which may then run twice. A script whose second run reports something else than
-/// its first (see [`crate::scripts::runs_once`]) goes through [`ClusterState::once`]
+/// its first (see [`Lua::runs_once`]) goes through [`ClusterState::once`]
 /// instead, and its redirects are followed here.
 #[derive(Clone)]
 pub(crate) enum Conn {
@@ -110,7 +110,7 @@ impl Conn {
         // single node's, which every call's future would otherwise carry.
         match self {
             Conn::Single(c) => inv.invoke_async(&mut c.clone()).await,
-            Conn::Cluster(..) if runs_once(call.script) => {
+            Conn::Cluster(..) if call.script.runs_once() => {
                 let reply = Box::pin(self.invoke_once(call)).await?;
                 T::from_redis_value(reply).map_err(RedisError::from)
             }
@@ -276,7 +276,7 @@ impl Conn {
 
     /// One pipeline of the calls at `idx` to one node (after `ASKING` when `asking`);
     /// NOSCRIPT replies are sent again once after loading their scripts on that node. In a
-    /// cluster, calls of a script that [runs once](runs_once) are never sent again after a
+    /// cluster, calls of a script that [runs once](Lua::runs_once) are never sent again after a
     /// connection error.
     async fn node_batch(
         &self,
@@ -285,7 +285,7 @@ impl Conn {
         route: SingleNodeRoutingInfo,
         asking: bool,
     ) -> RedisResult<Vec<RedisResult<Value>>> {
-        let once = idx.iter().any(|&i| runs_once(calls[i].script));
+        let once = idx.iter().any(|&i| calls[i].script.runs_once());
         let pipeline = |calls: &mut dyn Iterator<Item = &Call>| {
             let mut pipe = Pipeline::with_capacity(idx.len() + 1);
             if asking {
@@ -305,7 +305,7 @@ impl Conn {
         if missing.is_empty() {
             return Ok(out);
         }
-        let mut scripts: Vec<&'static Script> = Vec::new();
+        let mut scripts: Vec<&'static Lua> = Vec::new();
         for &j in &missing {
             let call = &calls[idx[j]];
             if !scripts
@@ -362,9 +362,9 @@ impl Conn {
         }
     }
 
-    async fn load(&self, script: &Script, route: SingleNodeRoutingInfo) -> RedisResult<()> {
+    async fn load(&self, script: &Lua, route: SingleNodeRoutingInfo) -> RedisResult<()> {
         let mut cmd = redis::cmd("SCRIPT");
-        cmd.arg("LOAD").arg(script_source(script));
+        cmd.arg("LOAD").arg(script.source());
         match self {
             Conn::Single(c) => c.clone().req_packed_command(&cmd).await?.extract_error()?,
             Conn::Cluster(c, _) => {
@@ -379,12 +379,12 @@ impl Conn {
     /// Loads every script on every node (every master of a cluster), so the first call of
     /// each is one round trip. Later losses (restart, `SCRIPT FLUSH`) are handled by reloading.
     pub(crate) async fn load_all(&self) -> RedisResult<()> {
-        for script in crate::scripts::ALL.map(|lua| &**lua) {
+        for script in crate::scripts::ALL {
             match self {
                 Conn::Single(_) => self.load(script, SingleNodeRoutingInfo::Random).await?,
                 Conn::Cluster(c, _) => {
                     let mut cmd = redis::cmd("SCRIPT");
-                    cmd.arg("LOAD").arg(script_source(script));
+                    cmd.arg("LOAD").arg(script.source());
                     c.clone()
                         .route_command(
                             cmd,
@@ -464,10 +464,6 @@ impl Conn {
             (Err(e), None) => Err(e),
         }
     }
-}
-
-fn script_source(script: &Script) -> &'static str {
-    crate::scripts::source(script)
 }
 
 fn parse_cluster_slots(reply: Value) -> SlotOwners {

@@ -25,7 +25,7 @@ impl Lua {
     }
 
     /// A script whose second run reports something else than its first (see
-    /// [`runs_once`]).
+    /// [`Lua::runs_once`]).
     const fn once(source: &'static str) -> Self {
         Self {
             source,
@@ -86,25 +86,20 @@ pub(crate) static ALL: [&Lua; 11] = [
     &RELEASE_MANY_SCRIPT,
 ];
 
-/// The entry of `script` in [`ALL`].
-fn lua(script: &Script) -> Option<&'static Lua> {
-    ALL.iter()
-        .copied()
-        .find(|lua| lua.get_hash() == script.get_hash())
-}
+impl Lua {
+    /// True for the scripts whose second run reports something else than their first, so
+    /// a client must never send them again after a connection error: a release sent again
+    /// after it ran says "not held" (a second release is `NotHeld` by contract), and a
+    /// fenced write sent again after a newer token was admitted says `Stale` for a write
+    /// that landed. The others are safe to resend: an acquire (single, batch or any-of)
+    /// sent again with its owner id returns its token; renew, fence and abandon report the
+    /// same thing twice.
+    pub(crate) fn runs_once(&self) -> bool {
+        self.runs_once
+    }
 
-/// True for the scripts whose second run reports something else than their first, so a
-/// client must never send them again after a connection error: a release sent again after
-/// it ran says "not held" (a second release is `NotHeld` by contract), and a fenced write
-/// sent again after a newer token was admitted says `Stale` for a write that landed. The
-/// others are safe to resend: an acquire (single, batch or any-of) sent again with its
-/// owner id returns its token; renew, fence and abandon report the same thing twice.
-pub(crate) fn runs_once(script: &Script) -> bool {
-    lua(script).is_some_and(|lua| lua.runs_once)
-}
-
-/// The source of one of the scripts above, for `SCRIPT LOAD` before a pipeline is resent
-/// (`redis::Script` keeps its source private).
-pub(crate) fn source(script: &Script) -> &'static str {
-    lua(script).map_or("", |lua| lua.source)
+    /// Its source, for `SCRIPT LOAD` (`redis::Script` keeps its source private).
+    pub(crate) fn source(&self) -> &'static str {
+        self.source
+    }
 }

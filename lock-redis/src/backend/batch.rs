@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use distlock_core::Effect;
 use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
-use redis::{ErrorKind, RedisError, RedisResult, Script, Value};
+use redis::{ErrorKind, RedisError, RedisResult, Value};
 use tokio::time::Instant;
 
 use super::reply::parse_token;
@@ -16,7 +16,7 @@ use super::{Extra, RedisBackend, lease_args};
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{is_resendable, is_unreachable, map_error};
 use crate::keys::LockKeys;
-use crate::scripts::ACQUIRE_MANY_SCRIPT;
+use crate::scripts::{ACQUIRE_MANY_SCRIPT, Lua};
 
 /// Most locks in one multi-key script call. A script runs atomically and holds the server
 /// meanwhile, so a long batch is split into several calls (pipelined together).
@@ -205,7 +205,7 @@ impl RedisBackend {
     pub(super) async fn send_lease_batch(
         &self,
         operation: &'static str,
-        script: &'static Script,
+        script: &'static Lua,
         leases: &[&Lease],
         extra: Extra,
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
@@ -218,7 +218,7 @@ impl RedisBackend {
     /// carry (for [`spread`]).
     pub(super) fn lease_calls(
         &self,
-        script: &'static Script,
+        script: &'static Lua,
         leases: &[&Lease],
         extra: Extra,
     ) -> (Vec<Vec<usize>>, Vec<Call>) {
@@ -263,7 +263,7 @@ impl RedisBackend {
 
 /// One multi-key call per group: `item(i, keys, args)` adds item `i`'s keys and arguments.
 fn grouped_calls(
-    script: &'static Script,
+    script: &'static Lua,
     groups: &[Vec<usize>],
     mut item: impl FnMut(usize, &mut Vec<String>, &mut Vec<Vec<u8>>),
 ) -> Vec<Call> {
