@@ -13,6 +13,7 @@
 //! with `--child`, see [`child_main`]), reads what they print, stops and resumes the
 //! leader, and audits the job table at the end.
 
+use std::collections::HashMap;
 use std::error::Error;
 use std::fmt;
 use std::process::Stdio;
@@ -278,6 +279,9 @@ struct Schedulers {
     children: Vec<Child>,
     lines: mpsc::UnboundedReceiver<(u32, Event)>,
     rejected: Vec<(u32, i64, FencingToken)>,
+    /// Each child's token of its latest election: a leader that lost its lease (a late
+    /// renewal on a loaded machine) and was elected again holds a newer one.
+    terms: HashMap<u32, FencingToken>,
 }
 
 impl Schedulers {
@@ -315,6 +319,7 @@ impl Schedulers {
             children,
             lines,
             rejected: Vec::new(),
+            terms: HashMap::new(),
         })
     }
 
@@ -328,8 +333,12 @@ impl Schedulers {
             .await
             .map_err(|_| format!("timed out waiting for {waiting_for}"))?
             .ok_or("every scheduler exited")?;
-        if let (id, Event::Rejected(interval, token)) = &line {
-            self.rejected.push((*id, *interval, *token));
+        match &line {
+            (id, Event::Rejected(interval, token)) => self.rejected.push((*id, *interval, *token)),
+            (id, Event::Elected(token)) => {
+                self.terms.insert(*id, *token);
+            }
+            _ => {}
         }
         Ok(line)
     }
@@ -437,9 +446,12 @@ pub async fn run(postgres_url: &str) -> Result<Report, BoxError> {
     .await?;
 
     let mut schedulers = Schedulers::start(postgres_url, &run)?;
-    let (leader, old) = schedulers.elected(None).await?;
+    let (leader, _) = schedulers.elected(None).await?;
     schedulers.triggers(leader, 5).await?;
     schedulers.stop_while_armed(leader).await?;
+    // The token it holds as it stops: its first, unless it lost the lease on the way and
+    // was elected again.
+    let old = schedulers.terms[&leader];
     println!("-- scheduler {leader} stopped (SIGSTOP) while waiting to fire; its lease runs out");
     let (successor, new) = schedulers.elected(Some(leader)).await?;
     schedulers.triggers(successor, 5).await?;
