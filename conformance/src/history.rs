@@ -10,7 +10,8 @@
 //! - **I2** the fenced resource admits tokens in non-decreasing order only, and the
 //!   read-modify-write workload under the lock loses no update;
 //! - **I3** the client validity windows of different grants never overlap (no-fault runs),
-//!   and no grant or renewal claims validity beyond its send instant plus the TTL;
+//!   and no grant or renewal claims validity beyond its reply plus the TTL (the history
+//!   cannot see the send instant it counts from; a case over a delayed link checks that);
 //! - **I4** release or renewal of a lost lease (or of a lease nobody was granted) returns
 //!   `NotHeld`/`Lost`, and leaves the holder untouched: a holder's renewals and fence
 //!   checks succeed while its validity window lasts;
@@ -32,7 +33,7 @@ mod counter;
 mod event;
 mod record;
 
-pub use check::{CheckOptions, Invariant, SEND_INSTANT_SLACK, SemaphoreSpec, Violation, check};
+pub use check::{CheckOptions, Invariant, SemaphoreSpec, Violation, check};
 pub use counter::FencedCounter;
 pub use event::{Event, History, Op, Reply};
 pub use record::RecordingBackend;

@@ -96,11 +96,6 @@ pub struct Event {
     pub ttl: Option<Duration>,
     /// When the call was made.
     pub invoked: Instant,
-    /// The latest instant the backend can have sent the request that granted or renewed:
-    /// `invoked` for a call of one request; the reply's instant for a call the backend may
-    /// split into one request per key (`acquire_any`, `acquire_many`: their default
-    /// implementations do), whose granting request may go out long after the call began.
-    pub sent_by: Instant,
     /// When the reply arrived.
     pub completed: Instant,
     /// The end of the client validity window a grant or renewal gave.
@@ -153,7 +148,6 @@ pub(super) struct Draft {
     pub(super) token: Option<FencingToken>,
     pub(super) ttl: Option<Duration>,
     pub(super) invoked: Instant,
-    pub(super) sent_by: Option<Instant>,
     pub(super) valid_until: Option<Instant>,
     pub(super) reply: Reply,
 }
@@ -168,7 +162,6 @@ impl Draft {
             token: self.token,
             ttl: self.ttl,
             invoked: self.invoked,
-            sent_by: self.sent_by.unwrap_or(self.invoked),
             completed,
             valid_until: self.valid_until,
             reply: self.reply,
@@ -206,7 +199,6 @@ impl History {
             token,
             ttl,
             invoked,
-            sent_by: None,
             valid_until,
             reply,
         });

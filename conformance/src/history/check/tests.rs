@@ -44,7 +44,6 @@ impl Builder {
             token: lease.map(|l| FencingToken(l.1)),
             ttl: Some(TTL),
             invoked: self.at(invoked),
-            sent_by: self.at(invoked),
             completed: self.at(completed),
             valid_until: valid_until.map(|v| self.at(v)),
             reply,
@@ -200,13 +199,16 @@ fn i3_overlapping_windows_are_reported() {
 }
 
 #[test]
-fn i3_validity_beyond_send_plus_ttl_is_reported() {
+fn i3_validity_beyond_reply_plus_ttl_is_reported() {
     let a = OwnerId::random();
     let mut h = Builder::new();
     h.push(Op::Acquire, Some((a, 1)), 0, 1, Some(150), Reply::Granted);
     let v = h.check();
     only(&v, Invariant::I3);
-    assert!(v[0].message.contains("past its send instant"), "{v:#?}");
+    assert!(
+        v[0].message.contains("past its reply plus the TTL"),
+        "{v:#?}"
+    );
 }
 
 #[test]
