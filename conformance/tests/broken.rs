@@ -66,12 +66,28 @@ async fn a_failure_says_what_was_expected_and_what_the_history_shows() {
     assert_eq!(factory.name(), "broken");
 }
 
-/// A fenced resource that admits every token, stale ones included.
-struct AdmitsAll;
+/// A fenced resource that admits every token, stale ones included, and stores every
+/// value.
+#[derive(Default)]
+struct AdmitsAll(parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>);
 
 #[async_trait::async_trait]
 impl distlock_core::FencedResource for AdmitsAll {
-    async fn admit(
+    async fn write(
+        &self,
+        resource: &str,
+        _token: distlock_core::FencingToken,
+        value: &[u8],
+    ) -> Result<distlock_core::Admission, distlock_core::LockError> {
+        self.0.lock().insert(resource.to_owned(), value.to_vec());
+        Ok(distlock_core::Admission::Admitted)
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, distlock_core::LockError> {
+        Ok(self.0.lock().get(resource).cloned())
+    }
+
+    async fn check_only(
         &self,
         _resource: &str,
         _token: distlock_core::FencingToken,
@@ -82,8 +98,10 @@ impl distlock_core::FencedResource for AdmitsAll {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_workload_writes_through_the_factorys_fenced_resource() {
-    let factory =
-        conformance::factory::WithFencedResource::new(BrokenFactory::control(), AdmitsAll);
+    let factory = conformance::factory::WithFencedResource::new(
+        BrokenFactory::control(),
+        AdmitsAll::default(),
+    );
     let case = conformance::suite::case("paused_holder_is_fenced").unwrap();
     let failure = (case.run)(&factory).await.unwrap_err();
     assert!(failure.expected.contains("late write"), "{failure}");

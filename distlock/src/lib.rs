@@ -104,15 +104,18 @@
 //! let key = LockKey::new("payout:42")?;
 //! let guard = locker.lock(&key).await?;
 //! let first = guard.token();
-//! // Every write downstream carries the guard's token; the store checks it.
-//! assert_eq!(ledger.admit("payout:42", first).await?, Admission::Admitted);
+//! // Every write downstream carries the guard's token; the store checks it and writes in
+//! // one step.
+//! assert_eq!(ledger.write("payout:42", first, b"paid").await?, Admission::Admitted);
 //! guard.release().await?;
 //!
 //! // The next holder gets a higher token, and then a write with the old one is refused.
 //! let next = locker.lock(&key).await?;
 //! assert!(next.token() > first);
-//! assert!(ledger.admit("payout:42", next.token()).await?.is_admitted());
-//! assert!(matches!(ledger.admit("payout:42", first).await?, Admission::Stale { .. }));
+//! assert!(ledger.write("payout:42", next.token(), b"refunded").await?.is_admitted());
+//! let late = ledger.write("payout:42", first, b"paid").await?;
+//! assert!(matches!(late, Admission::Stale { .. }));
+//! assert_eq!(ledger.read("payout:42").await?.as_deref(), Some(&b"refunded"[..]));
 //! next.release().await?;
 //! # Ok(()) }
 //! ```

@@ -134,9 +134,8 @@ impl ElectionBuilder {
 ///
 /// let leadership = election.campaign().await?; // waits until this process leads
 /// // Every trigger carries the leader's token; the queue refuses an older one.
-/// if jobs.admit("queue:reports", leadership.token()).await?.is_admitted() {
-///     // enqueue the job in the same transaction as the admission
-/// }
+/// let trigger = jobs.write("queue:reports", leadership.token(), b"run").await?;
+/// assert!(trigger.is_admitted());
 /// // Act while leading: once the lease is lost or past its local deadline, the loop is
 /// // dropped before its next step, even right after a pause no timer has noticed yet.
 /// let acting = leadership.status().while_held(async {

@@ -92,35 +92,62 @@ impl Admission {
 ///
 /// # The write must be conditional on the token, in the same step
 ///
-/// [`FencedResource::admit`] is **check only**: it records the token and says whether a
-/// write may go ahead, but it does not write. Checking first and writing afterwards is
-/// not fencing: a holder that pauses between `Admitted` and its write (a GC pause, a slow
+/// [`FencedResource::write`] is the fenced write: the store compares the token with the
+/// highest it has admitted for the resource, records it, and stores the value only when
+/// admitted, **in one atomic step** (a script, a transaction). A holder that pauses and
+/// wakes after a newer holder has written is refused, not applied late.
+///
+/// [`FencedResource::check_only`] records the token and says whether a write may go
+/// ahead, but writes nothing. Checking first and writing elsewhere afterwards is not
+/// fencing: a holder that pauses between `Admitted` and its write (a GC pause, a slow
 /// network, a descheduled process) still writes after a newer holder has been admitted,
-/// and overwrites it. A write is fenced only when the store applies it **conditionally on
-/// the token, in the same transaction or script as the check**:
+/// and overwrites it. Call it on its own only where a late write is harmless: to try out
+/// [`EnforcementMode::Shadow`], or to count stale workers.
+///
+/// Where the side effect is not a value this store keeps, make it conditional on the
+/// token in the store that has it:
 ///
 /// - PostgreSQL: `PgFencedResource::admit_in(&mut tx, ..)`, then the write in the same
 ///   `tx`, committed together (the token row stays locked until the commit);
-/// - etcd: `EtcdFencedResource::write`, one transaction that compares the fence and puts
-///   the value;
 /// - in memory: [`MemoryFencedResource::admit_with`], which runs the write under the
 ///   same lock as the check;
 /// - any other store: make the token part of the write's own condition
 ///   (`UPDATE .. SET .., fence = $token WHERE id = $id AND fence <= $token`, a script that
 ///   compares and sets), and treat "nothing changed" as stale.
 ///
-/// Call `admit` on its own only where a late write is harmless: to try out
-/// [`EnforcementMode::Shadow`], to count stale workers, or in tests.
+/// Every implementation admits a token equal to the highest seen (the newest holder may
+/// write many times), never lowers the recorded token, and in shadow mode stores a stale
+/// token's value too (logged and counted) without lowering the token.
 #[async_trait]
 pub trait FencedResource: Send + Sync {
-    /// **Check only, not atomic with the write:** admits a write to `resource` carrying
-    /// `token` if `token` is at least the highest admitted so far, and records it as the
-    /// highest. Nothing stops this caller from writing after a newer holder is admitted;
-    /// see the trait docs for the conditional forms that do.
+    /// The fenced write: stores `value` as `resource`'s value if `token` is at least the
+    /// highest admitted so far, and records `token` as the highest, in one atomic step of
+    /// the store. A stale token writes nothing in enforce mode.
+    ///
+    /// # Cancel safety
+    /// Not cancel safe: a cancelled write may or may not have been applied (never a stale
+    /// one in enforce mode).
+    async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: &[u8],
+    ) -> Result<Admission, LockError>;
+
+    /// The value last stored by [`FencedResource::write`] for `resource`, if any.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError>;
+
+    /// **Check only, not atomic with any write:** admits `token` for `resource` if it is at
+    /// least the highest admitted so far, and records it as the highest. Nothing stops this
+    /// caller from writing after a newer holder is admitted; see the trait docs.
     ///
     /// # Cancel safety
     /// A cancelled call may or may not have recorded `token`; it never writes.
-    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError>;
+    async fn check_only(&self, resource: &str, token: FencingToken)
+    -> Result<Admission, LockError>;
 }
 
 /// Decides an admission from the highest token seen so far, records stale writes in
@@ -145,11 +172,19 @@ pub fn decide(
     }
 }
 
-/// An in-memory fenced resource: the highest admitted token per resource name.
+/// An in-memory fenced resource: the highest admitted token and the value written, per
+/// resource name.
 #[derive(Debug, Default)]
 pub struct MemoryFencedResource {
     mode: EnforcementMode,
-    latest: Mutex<HashMap<String, FencingToken>>,
+    fences: Mutex<HashMap<String, Fence>>,
+}
+
+/// What a [`MemoryFencedResource`] keeps for one resource.
+#[derive(Debug, Default)]
+struct Fence {
+    latest: Option<FencingToken>,
+    value: Option<Vec<u8>>,
 }
 
 impl MemoryFencedResource {
@@ -157,23 +192,24 @@ impl MemoryFencedResource {
     pub fn new(mode: EnforcementMode) -> Self {
         Self {
             mode,
-            latest: Mutex::new(HashMap::new()),
+            fences: Mutex::new(HashMap::new()),
         }
     }
 
     /// The highest token admitted for `resource`.
     pub fn latest(&self, resource: &str) -> Option<FencingToken> {
-        self.latest.lock().get(resource).copied()
+        self.fences.lock().get(resource).and_then(|f| f.latest)
     }
 
-    /// Admits synchronously; **check only**, see [`FencedResource::admit`].
-    pub fn admit_now(&self, resource: &str, token: FencingToken) -> Admission {
+    /// [`FencedResource::check_only`], synchronously: **check only**.
+    pub fn check_only_now(&self, resource: &str, token: FencingToken) -> Admission {
         self.admit_with(resource, token, || {})
     }
 
-    /// The atomic form: checks `token` and, if the write is admitted, runs `write` while
-    /// still holding the lock the check took, so no newer token can be admitted in
-    /// between. A stale token in enforce mode does not run `write`.
+    /// The atomic form for a write this resource does not keep: checks `token` and, if the
+    /// write is admitted, runs `write` while still holding the lock the check took, so no
+    /// newer token can be admitted in between. A stale token in enforce mode does not run
+    /// `write`.
     ///
     /// ```
     /// use distlock::{EnforcementMode, FencingToken, MemoryFencedResource};
@@ -192,14 +228,25 @@ impl MemoryFencedResource {
         token: FencingToken,
         write: impl FnOnce(),
     ) -> Admission {
-        let mut latest = self.latest.lock();
-        let seen = latest.get(resource).copied();
-        let admission = decide(self.mode, resource, token, seen);
-        if seen.is_none_or(|s| token > s) {
-            latest.insert(resource.to_owned(), token);
+        self.admit_then(resource, token, |_| write())
+    }
+
+    /// Decides `token` for `resource` and, if admitted, runs `write` on the resource's
+    /// entry, all under the lock.
+    fn admit_then(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        write: impl FnOnce(&mut Fence),
+    ) -> Admission {
+        let mut fences = self.fences.lock();
+        let fence = fences.entry(resource.to_owned()).or_default();
+        let admission = decide(self.mode, resource, token, fence.latest);
+        if fence.latest.is_none_or(|seen| token > seen) {
+            fence.latest = Some(token);
         }
         if admission.is_admitted() {
-            write();
+            write(fence);
         }
         admission
     }
@@ -207,8 +254,31 @@ impl MemoryFencedResource {
 
 #[async_trait]
 impl FencedResource for MemoryFencedResource {
-    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
-        Ok(self.admit_now(resource, token))
+    async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: &[u8],
+    ) -> Result<Admission, LockError> {
+        Ok(self.admit_then(resource, token, |fence| {
+            fence.value = Some(value.to_vec());
+        }))
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
+        Ok(self
+            .fences
+            .lock()
+            .get(resource)
+            .and_then(|f| f.value.clone()))
+    }
+
+    async fn check_only(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, LockError> {
+        Ok(self.check_only_now(resource, token))
     }
 }
 
@@ -219,25 +289,25 @@ mod tests {
     #[test]
     fn enforce_rejects_lower_tokens_and_admits_equal_or_higher() {
         let r = MemoryFencedResource::new(EnforcementMode::Enforce);
-        assert_eq!(r.admit_now("a", FencingToken(5)), Admission::Admitted);
-        assert_eq!(r.admit_now("a", FencingToken(5)), Admission::Admitted);
+        assert_eq!(r.check_only_now("a", FencingToken(5)), Admission::Admitted);
+        assert_eq!(r.check_only_now("a", FencingToken(5)), Admission::Admitted);
         assert_eq!(
-            r.admit_now("a", FencingToken(4)),
+            r.check_only_now("a", FencingToken(4)),
             Admission::Stale {
                 latest: FencingToken(5)
             }
         );
-        assert_eq!(r.admit_now("a", FencingToken(9)), Admission::Admitted);
+        assert_eq!(r.check_only_now("a", FencingToken(9)), Admission::Admitted);
         assert_eq!(r.latest("a"), Some(FencingToken(9)));
         // Resources are independent.
-        assert_eq!(r.admit_now("b", FencingToken(1)), Admission::Admitted);
+        assert_eq!(r.check_only_now("b", FencingToken(1)), Admission::Admitted);
     }
 
     #[test]
     fn shadow_lets_a_stale_write_through_but_reports_it() {
         let r = MemoryFencedResource::new(EnforcementMode::Shadow);
-        r.admit_now("a", FencingToken(5));
-        let a = r.admit_now("a", FencingToken(3));
+        r.check_only_now("a", FencingToken(5));
+        let a = r.check_only_now("a", FencingToken(3));
         assert_eq!(
             a,
             Admission::ShadowStale {
@@ -273,6 +343,33 @@ mod tests {
                 .was_stale()
         );
         assert!(applied, "shadow mode lets the stale write through");
+    }
+
+    #[tokio::test]
+    async fn write_stores_the_value_of_an_admitted_token_only() {
+        let r = MemoryFencedResource::new(EnforcementMode::Enforce);
+        assert_eq!(r.read("a").await.unwrap(), None);
+        let write = |token, value: &'static [u8]| r.write("a", FencingToken(token), value);
+        assert_eq!(write(2, b"two").await.unwrap(), Admission::Admitted);
+        assert!(!write(1, b"one").await.unwrap().is_admitted());
+        assert_eq!(r.read("a").await.unwrap().as_deref(), Some(&b"two"[..]));
+        assert_eq!(write(2, b"again").await.unwrap(), Admission::Admitted);
+        assert_eq!(r.read("a").await.unwrap().as_deref(), Some(&b"again"[..]));
+
+        let shadow = MemoryFencedResource::new(EnforcementMode::Shadow);
+        shadow.write("a", FencingToken(3), b"three").await.unwrap();
+        assert!(
+            shadow
+                .write("a", FencingToken(2), b"late")
+                .await
+                .unwrap()
+                .was_stale()
+        );
+        assert_eq!(
+            shadow.read("a").await.unwrap().as_deref(),
+            Some(&b"late"[..])
+        );
+        assert_eq!(shadow.latest("a"), Some(FencingToken(3)));
     }
 
     #[test]

@@ -51,7 +51,7 @@ async fn one_leader_at_a_time_among_campaigners() {
                     let now = acting.fetch_add(1, Ordering::SeqCst) + 1;
                     most_acting.fetch_max(now, Ordering::SeqCst);
                     terms.lock().push(leadership.token());
-                    let admitted = queue.admit("queue", leadership.token()).await.unwrap();
+                    let admitted = queue.check_only("queue", leadership.token()).await.unwrap();
                     assert_eq!(admitted, Admission::Admitted);
                     sleep(Duration::from_millis(50)).await;
                     acting.fetch_sub(1, Ordering::SeqCst);
@@ -142,7 +142,7 @@ async fn a_lost_lease_ends_leadership_and_the_old_leaders_triggers_are_refused()
     let old = first.campaign().await.unwrap();
     assert!(
         queue
-            .admit("queue", old.token())
+            .check_only("queue", old.token())
             .await
             .unwrap()
             .is_admitted()
@@ -165,14 +165,14 @@ async fn a_lost_lease_ends_leadership_and_the_old_leaders_triggers_are_refused()
     );
     assert!(
         queue
-            .admit("queue", new.token())
+            .check_only("queue", new.token())
             .await
             .unwrap()
             .is_admitted()
     );
     // The old leader resumes and fires once more: refused downstream.
     assert_eq!(
-        queue.admit("queue", old.token()).await.unwrap(),
+        queue.check_only("queue", old.token()).await.unwrap(),
         Admission::Stale {
             latest: new.token()
         }

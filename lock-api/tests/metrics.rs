@@ -66,8 +66,8 @@ fn acquire_renew_loss_and_stale_writes_are_counted() {
             guard.lost().await;
 
             let fenced = MemoryFencedResource::new(EnforcementMode::Shadow);
-            fenced.admit_now("ledger", FencingToken(2));
-            fenced.admit_now("ledger", FencingToken(1));
+            fenced.check_only_now("ledger", FencingToken(2));
+            fenced.check_only_now("ledger", FencingToken(1));
         });
     });
     let snapshot: Snapshot = snapshotter.snapshot().into_vec();

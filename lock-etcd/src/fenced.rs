@@ -52,43 +52,9 @@ impl EtcdFencedResource {
         etcd_key(self.backend.key_prefix(), "fenced", resource)
     }
 
-    /// The etcd key holding `resource`'s value written by [`EtcdFencedResource::write`].
+    /// The etcd key holding `resource`'s value written by [`FencedResource::write`].
     pub fn data_key(&self, resource: &str) -> String {
         etcd_key(self.backend.key_prefix(), "data", resource)
-    }
-
-    /// Writes `value` to `resource` if `token` is at least the highest admitted token, and
-    /// records `token` as the highest. A stale token writes nothing in enforce mode; in
-    /// shadow mode the value is written, the fence is left as it was, and the write is
-    /// logged and counted.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe: a cancelled write may or may not have been applied.
-    pub async fn write(
-        &self,
-        resource: &str,
-        token: FencingToken,
-        value: impl Into<Vec<u8>>,
-    ) -> Result<Admission, LockError> {
-        self.guarded(resource, token, Some(value.into())).await
-    }
-
-    /// The value last written to `resource`, if any.
-    pub async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
-        check_resource(resource)?;
-        let key = self.data_key(resource);
-        let mut resp = self
-            .backend
-            .call(Effect::None, |client| {
-                let key = key.clone();
-                async move { client.kv_client().get(key, None).await }
-            })
-            .await?;
-        Ok(resp
-            .take_kvs()
-            .into_iter()
-            .next()
-            .map(|kv| kv.value().to_vec()))
     }
 
     /// The highest token admitted for `resource`, if any.
@@ -141,9 +107,41 @@ impl EtcdFencedResource {
     }
 }
 
+/// [`FencedResource::write`] is the transaction of the module docs, putting the value
+/// with the fence; [`FencedResource::check_only`] the same transaction without it.
 #[async_trait]
 impl FencedResource for EtcdFencedResource {
-    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
+    async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: &[u8],
+    ) -> Result<Admission, LockError> {
+        self.guarded(resource, token, Some(value.to_vec())).await
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
+        check_resource(resource)?;
+        let key = self.data_key(resource);
+        let mut resp = self
+            .backend
+            .call(Effect::None, |client| {
+                let key = key.clone();
+                async move { client.kv_client().get(key, None).await }
+            })
+            .await?;
+        Ok(resp
+            .take_kvs()
+            .into_iter()
+            .next()
+            .map(|kv| kv.value().to_vec()))
+    }
+
+    async fn check_only(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, LockError> {
         self.guarded(resource, token, None).await
     }
 }

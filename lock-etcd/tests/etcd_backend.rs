@@ -267,7 +267,7 @@ async fn a_prefix_and_a_name_that_concatenate_alike_are_different_locks() {
     let inner_resource = EtcdFencedResource::new(&data_prefix, EnforcementMode::Enforce);
     assert_eq!(
         outer_resource
-            .write("x/data/y", held.token(), "outer")
+            .write("x/data/y", held.token(), b"outer")
             .await
             .unwrap(),
         Admission::Admitted
@@ -297,7 +297,7 @@ async fn the_fenced_resource_stores_only_the_newest_holders_writes() {
 
     assert_eq!(
         enforce
-            .write(resource, second.token(), "from second")
+            .write(resource, second.token(), b"from second")
             .await
             .unwrap(),
         Admission::Admitted
@@ -305,14 +305,14 @@ async fn the_fenced_resource_stores_only_the_newest_holders_writes() {
     // The same token may write again.
     assert_eq!(
         enforce
-            .write(resource, second.token(), "second again")
+            .write(resource, second.token(), b"second again")
             .await
             .unwrap(),
         Admission::Admitted
     );
     assert_eq!(
         enforce
-            .write(resource, first.token(), "late first")
+            .write(resource, first.token(), b"late first")
             .await
             .unwrap(),
         Admission::Stale {
@@ -328,7 +328,7 @@ async fn the_fenced_resource_stores_only_the_newest_holders_writes() {
         Some(second.token())
     );
     assert_eq!(
-        enforce.admit(resource, first.token()).await.unwrap(),
+        enforce.check_only(resource, first.token()).await.unwrap(),
         Admission::Stale {
             latest: second.token()
         }
@@ -338,7 +338,7 @@ async fn the_fenced_resource_stores_only_the_newest_holders_writes() {
     let shadow = EtcdFencedResource::new(&backend, EnforcementMode::Shadow);
     assert_eq!(
         shadow
-            .write(resource, first.token(), "shadowed first")
+            .write(resource, first.token(), b"shadowed first")
             .await
             .unwrap(),
         Admission::ShadowStale {
@@ -351,7 +351,7 @@ async fn the_fenced_resource_stores_only_the_newest_holders_writes() {
     );
     assert_eq!(shadow.latest(resource).await.unwrap(), Some(second.token()));
     assert!(matches!(
-        enforce.write("", second.token(), "x").await,
+        enforce.write("", second.token(), b"x").await,
         Err(LockError::InvalidKey { .. })
     ));
     backend.release(&second).await.unwrap();
@@ -379,7 +379,7 @@ async fn concurrent_holders_fenced_in_etcd_lose_no_update() {
                     .unwrap()
                     .map_or(0, |v| String::from_utf8(v).unwrap().parse().unwrap());
                 let admitted = fenced
-                    .write(k.as_str(), lease.token(), (now + 1).to_string())
+                    .write(k.as_str(), lease.token(), (now + 1).to_string().as_bytes())
                     .await
                     .unwrap();
                 assert_eq!(admitted, Admission::Admitted);

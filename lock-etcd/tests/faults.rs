@@ -82,9 +82,9 @@ async fn assert_fenced(
     assert_eq!(fence, Fence::Current, "the new holder is untouched");
     let resource = EtcdFencedResource::new(new_client, EnforcementMode::Enforce);
     let r = new.key().as_str();
-    let admitted = until_answered("admit", deadline, || resource.admit(r, new.token())).await;
+    let admitted = until_answered("admit", deadline, || resource.check_only(r, new.token())).await;
     assert_eq!(admitted, Admission::Admitted);
-    let late = until_answered("admit", deadline, || resource.admit(r, old.token())).await;
+    let late = until_answered("admit", deadline, || resource.check_only(r, old.token())).await;
     assert_eq!(
         late,
         Admission::Stale {

@@ -20,6 +20,10 @@ pub(crate) enum Operation {
     Fence,
     Inspect,
     Admit,
+    /// `PgFencedResource`'s fenced write.
+    Write,
+    /// `PgFencedResource`'s read of a value.
+    Read,
     RecordKey,
     Purge,
     /// The advisory backend's check that connections keep their server sessions.
@@ -36,6 +40,8 @@ impl Operation {
             Self::Fence => "fence",
             Self::Inspect => "inspect",
             Self::Admit => "admit",
+            Self::Write => "fenced write",
+            Self::Read => "fenced read",
             Self::RecordKey => "record",
             Self::Purge => "purge",
             Self::CheckPooling => "pooling check",
@@ -46,7 +52,7 @@ impl Operation {
     /// effect unknown.
     fn effect(self) -> Effect {
         match self {
-            Self::Fence | Self::Inspect | Self::CheckPooling => Effect::None,
+            Self::Fence | Self::Inspect | Self::Read | Self::CheckPooling => Effect::None,
             _ => Effect::Write(self.as_str()),
         }
     }

@@ -50,6 +50,8 @@ pub struct PgFencedResource {
     mode: EnforcementMode,
     admit_sql: Arc<str>,
     latest_sql: Arc<str>,
+    write_sql: Arc<str>,
+    read_sql: Arc<str>,
 }
 
 impl PgFencedResource {
@@ -67,6 +69,8 @@ impl PgFencedResource {
             ),
             latest_sql: schema
                 .sql("SELECT last_fencing_token FROM {s}.distlock_fenced WHERE resource = $1"),
+            write_sql: schema.sql("UPDATE {s}.distlock_fenced SET value = $2 WHERE resource = $1"),
+            read_sql: schema.sql("SELECT value FROM {s}.distlock_fenced WHERE resource = $1"),
             pool,
             schema,
             mode,
@@ -154,10 +158,52 @@ impl PgFencedResource {
     }
 }
 
+/// [`FencedResource::write`] is [`PgFencedResource::admit_in`] and the value's `UPDATE` in
+/// one transaction of its own (the value is `<schema>.distlock_fenced.value`);
+/// [`FencedResource::check_only`] is `admit_in` alone.
+///
+/// # Cancel safety
+/// A call dropped before its commit is rolled back when the connection returns to the
+/// pool; one dropped during the commit may or may not have been applied.
 #[async_trait]
 impl FencedResource for PgFencedResource {
-    /// [`PgFencedResource::admit_in`] in a transaction of its own.
-    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
+    async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: &[u8],
+    ) -> Result<Admission, LockError> {
+        let fail = |e| error::from_sqlx(NAME, Operation::Write, &self.schema, e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let admission = self.admit_in(&mut tx, resource, token).await?;
+        if admission.is_admitted() {
+            sqlx::query(AssertSqlSafe(self.write_sql.clone()))
+                .bind(resource)
+                .bind(value)
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        Ok(admission)
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
+        check_name(resource, "resource")?;
+        let value: Option<Option<Vec<u8>>> =
+            sqlx::query_scalar(AssertSqlSafe(self.read_sql.clone()))
+                .bind(resource)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| error::from_sqlx(NAME, Operation::Read, &self.schema, e))?;
+        Ok(value.flatten())
+    }
+
+    async fn check_only(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, LockError> {
         let fail = |e| error::from_sqlx(NAME, Operation::Admit, &self.schema, e);
         let mut tx = self.pool.begin().await.map_err(fail)?;
         let admission = self.admit_in(&mut tx, resource, token).await?;

@@ -128,7 +128,8 @@ pub(crate) async fn setup(
         )",
         "CREATE TABLE IF NOT EXISTS {s}.distlock_fenced (
             resource text PRIMARY KEY,
-            last_fencing_token bigint
+            last_fencing_token bigint,
+            value bytea
         )",
         "CREATE TABLE IF NOT EXISTS {s}.distlock_idempotency (
             key text PRIMARY KEY,
@@ -140,6 +141,26 @@ pub(crate) async fn setup(
             .execute(&mut *tx)
             .await
             .map_err(fail)?;
+    }
+    // Tables made before the fenced write stored values lack the column. ALTER TABLE needs
+    // the table's owner even with IF NOT EXISTS, so it only runs when the column is missing.
+    let has_value: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM information_schema.columns \
+          WHERE table_schema = $1 AND table_name = 'distlock_fenced' AND column_name = 'value')",
+    )
+    .persistent(false)
+    .bind(schema.as_str())
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(fail)?;
+    if !has_value {
+        sqlx::query(AssertSqlSafe(schema.sql(
+            "ALTER TABLE {s}.distlock_fenced ADD COLUMN IF NOT EXISTS value bytea",
+        )))
+        .persistent(false)
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
     }
     tx.commit().await.map_err(fail)
 }

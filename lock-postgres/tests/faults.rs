@@ -145,7 +145,10 @@ async fn lease_table_holder_paused_past_its_ttl_is_fenced() {
 
     let old = paused.acquire(&k, ttl).await.unwrap().expect("free");
     assert_eq!(
-        fenced.admit("payout:paused", old.token()).await.unwrap(),
+        fenced
+            .check_only("payout:paused", old.token())
+            .await
+            .unwrap(),
         Admission::Admitted
     );
     // The holder stalls past its TTL without renewing (a GC pause, a frozen VM).
@@ -157,7 +160,10 @@ async fn lease_table_holder_paused_past_its_ttl_is_fenced() {
         .expect("expired, so free");
     assert!(new.token() > old.token());
     assert_eq!(
-        fenced.admit("payout:paused", new.token()).await.unwrap(),
+        fenced
+            .check_only("payout:paused", new.token())
+            .await
+            .unwrap(),
         Admission::Admitted
     );
 
@@ -171,7 +177,10 @@ async fn lease_table_holder_paused_past_its_ttl_is_fenced() {
         }
     );
     assert_eq!(
-        fenced.admit("payout:paused", old.token()).await.unwrap(),
+        fenced
+            .check_only("payout:paused", old.token())
+            .await
+            .unwrap(),
         Admission::Stale {
             latest: new.token()
         }

@@ -10,32 +10,30 @@ use crate::keys::fenced_resource_key;
 use crate::scripts::{ADMIT_SCRIPT, ADMIT_WRITE_SCRIPT};
 
 /// A [`FencedResource`] in Redis: `<prefix>:fenced:{<resource>}` holds the highest token
-/// admitted for the resource (no TTL).
+/// admitted for the resource and `<prefix>:fenced:{<resource>}:data` its value (neither
+/// has a TTL).
 ///
 /// In [`EnforcementMode::Shadow`] a stale token is logged, counted in
 /// `distlock_fence_rejected_total{mode="shadow"}` and let through; in
 /// [`EnforcementMode::Enforce`] it is rejected. A stale token never lowers the stored one.
 ///
-/// # Fenced writes
-///
-/// [`RedisFencedResource::write`] is the fenced form: one script compares the token, stores
-/// it as the highest and, only when admitted (or let through in shadow mode), sets a field
-/// of the hash `<prefix>:fenced:{<resource>}:data`. No newer token can be admitted between
-/// the check and the write, and both keys share the resource's hash tag, so this works on
-/// a Redis Cluster too. [`FencedResource::admit`] alone is **check only**: a holder that
-/// pauses after `Admitted` and then writes elsewhere still writes after a newer holder.
+/// [`FencedResource::write`] is one script: it compares the token, stores it as the
+/// highest and, only when admitted (or let through in shadow mode), sets the value. No
+/// newer token can be admitted between the check and the write, and both keys share the
+/// resource's hash tag, so this works on a Redis Cluster too. It needs only the commands of
+/// README's ACL line (`GET`, `SET`).
 ///
 /// ```no_run
 /// # async fn run(backend: distlock::redis::RedisBackend, token: distlock::FencingToken)
 /// # -> Result<(), distlock::LockError> {
-/// use distlock::EnforcementMode;
+/// use distlock::{EnforcementMode, FencedResource};
 /// use distlock::redis::RedisFencedResource;
 ///
 /// let ledger = RedisFencedResource::new(backend, EnforcementMode::Enforce);
-/// if !ledger.write("account:7", token, "balance", b"10").await?.is_admitted() {
+/// if !ledger.write("account:7", token, b"10").await?.is_admitted() {
 ///     // A newer holder has written: this worker is stale and wrote nothing.
 /// }
-/// assert!(ledger.read("account:7", "balance").await?.is_some());
+/// assert!(ledger.read("account:7").await?.is_some());
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -54,53 +52,6 @@ impl RedisFencedResource {
     pub fn mode(&self) -> EnforcementMode {
         self.mode
     }
-
-    /// Sets `field` of `resource`'s data hash to `value` if `token` is at least the highest
-    /// admitted token, and records `token` as the highest, in one script. A stale token
-    /// writes nothing in enforce mode; in shadow mode the value is written, the stored
-    /// token is left as it was, and the write is logged and counted.
-    ///
-    /// # Cancel safety
-    /// Not cancel safe: a cancelled write may or may not have been applied.
-    pub async fn write(
-        &self,
-        resource: &str,
-        token: FencingToken,
-        field: &str,
-        value: &[u8],
-    ) -> Result<Admission, LockError> {
-        let fence = fenced_resource_key(self.backend.key_prefix(), resource);
-        let data = format!("{fence}:data");
-        let token_arg = token.get().to_string();
-        let shadow: &[u8] = match self.mode {
-            EnforcementMode::Shadow => b"1",
-            EnforcementMode::Enforce => b"0",
-        };
-        let latest: String = self
-            .backend
-            .run_script_on(
-                "fenced_write",
-                &ADMIT_WRITE_SCRIPT,
-                &[fence, data],
-                &[token_arg.as_bytes(), shadow, field.as_bytes(), value],
-            )
-            .await?;
-        Ok(decide(self.mode, resource, token, parse_latest(&latest)?))
-    }
-
-    /// The value of `field` last written to `resource` by [`RedisFencedResource::write`].
-    ///
-    /// # Cancel safety
-    /// Cancel safe: it only reads.
-    pub async fn read(&self, resource: &str, field: &str) -> Result<Option<Vec<u8>>, LockError> {
-        let data = format!(
-            "{}:data",
-            fenced_resource_key(self.backend.key_prefix(), resource)
-        );
-        let mut hget = redis::cmd("HGET");
-        hget.arg(data).arg(field);
-        self.backend.read_command("fenced_read", &hget).await
-    }
 }
 
 /// The highest admitted token as the scripts return it (`''` when none).
@@ -118,7 +69,46 @@ fn parse_latest(latest: &str) -> Result<Option<FencingToken>, LockError> {
 
 #[async_trait]
 impl FencedResource for RedisFencedResource {
-    async fn admit(&self, resource: &str, token: FencingToken) -> Result<Admission, LockError> {
+    async fn write(
+        &self,
+        resource: &str,
+        token: FencingToken,
+        value: &[u8],
+    ) -> Result<Admission, LockError> {
+        let fence = fenced_resource_key(self.backend.key_prefix(), resource);
+        let data = format!("{fence}:data");
+        let token_arg = token.get().to_string();
+        let shadow: &[u8] = match self.mode {
+            EnforcementMode::Shadow => b"1",
+            EnforcementMode::Enforce => b"0",
+        };
+        let latest: String = self
+            .backend
+            .run_script_on(
+                "fenced_write",
+                &ADMIT_WRITE_SCRIPT,
+                &[fence, data],
+                &[token_arg.as_bytes(), shadow, value],
+            )
+            .await?;
+        Ok(decide(self.mode, resource, token, parse_latest(&latest)?))
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
+        let data = format!(
+            "{}:data",
+            fenced_resource_key(self.backend.key_prefix(), resource)
+        );
+        let mut get = redis::cmd("GET");
+        get.arg(data);
+        self.backend.read_command("fenced_read", &get).await
+    }
+
+    async fn check_only(
+        &self,
+        resource: &str,
+        token: FencingToken,
+    ) -> Result<Admission, LockError> {
         let latest: String = self
             .backend
             .run_script("admit", &ADMIT_SCRIPT, resource, token.get())

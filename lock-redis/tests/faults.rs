@@ -66,11 +66,11 @@ async fn a_server_paused_past_the_ttl_loses_the_guard_and_fences_out_the_old_hol
 
     let resource = RedisFencedResource::new(new.clone(), EnforcementMode::Enforce);
     assert_eq!(
-        resource.admit("ledger", lease.token()).await.unwrap(),
+        resource.check_only("ledger", lease.token()).await.unwrap(),
         Admission::Admitted
     );
     assert_eq!(
-        resource.admit("ledger", old_token).await.unwrap(),
+        resource.check_only("ledger", old_token).await.unwrap(),
         Admission::Stale {
             latest: lease.token()
         }

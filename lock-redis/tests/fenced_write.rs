@@ -1,4 +1,4 @@
-//! `RedisFencedResource::write` checks the token and writes in one script: a stale holder's
+//! `RedisFencedResource`'s `FencedResource::write` checks the token and writes in one script: a stale holder's
 //! write is refused even when it was paused between being admitted and writing.
 
 mod common;
@@ -13,20 +13,19 @@ use harness::redis::RespValue;
 use lock_redis::{RedisBackend, RedisFencedResource};
 
 const RESOURCE: &str = "account:7";
-const FIELD: &str = "balance";
 
-/// The value of [`FIELD`], as text so a failed assertion reads well.
+/// The resource's value, as text so a failed assertion reads well.
 async fn balance(ledger: &RedisFencedResource) -> Option<String> {
-    let value = ledger.read(RESOURCE, FIELD).await.unwrap();
+    let value = ledger.read(RESOURCE).await.unwrap();
     value.map(|v| String::from_utf8(v).unwrap())
 }
 
 async fn stale_write_is_refused_and_current_write_lands(redis: RedisBackend) {
     let ledger = RedisFencedResource::new(redis, EnforcementMode::Enforce);
-    let first = ledger.write(RESOURCE, FencingToken(5), FIELD, b"50").await;
+    let first = ledger.write(RESOURCE, FencingToken(5), b"50").await;
     assert_eq!(first.unwrap(), Admission::Admitted);
 
-    let stale = ledger.write(RESOURCE, FencingToken(4), FIELD, b"40").await;
+    let stale = ledger.write(RESOURCE, FencingToken(4), b"40").await;
     assert_eq!(
         stale.unwrap(),
         Admission::Stale {
@@ -39,12 +38,12 @@ async fn stale_write_is_refused_and_current_write_lands(redis: RedisBackend) {
         "the stale write changed the value"
     );
 
-    let same = ledger.write(RESOURCE, FencingToken(5), FIELD, b"55").await;
+    let same = ledger.write(RESOURCE, FencingToken(5), b"55").await;
     assert_eq!(same.unwrap(), Admission::Admitted);
-    let newer = ledger.write(RESOURCE, FencingToken(6), FIELD, b"60").await;
+    let newer = ledger.write(RESOURCE, FencingToken(6), b"60").await;
     assert_eq!(newer.unwrap(), Admission::Admitted);
     assert_eq!(balance(&ledger).await.as_deref(), Some("60"));
-    assert_eq!(ledger.read(RESOURCE, "other").await.unwrap(), None);
+    assert_eq!(ledger.read("account:8").await.unwrap(), None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -70,7 +69,7 @@ async fn paused_old_holder_writing_after_the_new_holder_leaves_the_new_value() {
     let ttl = Duration::from_millis(500);
 
     let old = redis.acquire(&key, ttl).await.unwrap().expect("free lock");
-    let checked = ledger.admit(RESOURCE, old.token()).await.unwrap();
+    let checked = ledger.check_only(RESOURCE, old.token()).await.unwrap();
     assert_eq!(checked, Admission::Admitted);
     // The old holder pauses until its lease has expired; a new holder takes over.
     tokio::time::sleep(ttl + Duration::from_millis(100)).await;
@@ -80,10 +79,10 @@ async fn paused_old_holder_writing_after_the_new_holder_leaves_the_new_value() {
         .unwrap()
         .expect("expired lock");
     assert!(new.token() > old.token());
-    let landed = ledger.write(RESOURCE, new.token(), FIELD, b"new").await;
+    let landed = ledger.write(RESOURCE, new.token(), b"new").await;
     assert_eq!(landed.unwrap(), Admission::Admitted);
 
-    let late = ledger.write(RESOURCE, old.token(), FIELD, b"old").await;
+    let late = ledger.write(RESOURCE, old.token(), b"old").await;
     assert_eq!(
         late.unwrap(),
         Admission::Stale {
@@ -107,7 +106,7 @@ async fn concurrent_writers_leave_the_highest_tokens_value() {
         tokio::spawn(async move {
             let value = t.to_string();
             ledger
-                .write(RESOURCE, FencingToken(t), FIELD, value.as_bytes())
+                .write(RESOURCE, FencingToken(t), value.as_bytes())
                 .await
                 .unwrap()
         })
@@ -123,12 +122,12 @@ async fn shadow_mode_lets_a_stale_write_through_and_reports_it_stale() {
     let f = RedisFactory::start().await;
     let ledger = RedisFencedResource::new(f.redis().await, EnforcementMode::Shadow);
     ledger
-        .write(RESOURCE, FencingToken(5), FIELD, b"50")
+        .write(RESOURCE, FencingToken(5), b"50")
         .await
         .unwrap();
 
     let stale = ledger
-        .write(RESOURCE, FencingToken(3), FIELD, b"30")
+        .write(RESOURCE, FencingToken(3), b"30")
         .await
         .unwrap();
     assert_eq!(
@@ -144,7 +143,7 @@ async fn shadow_mode_lets_a_stale_write_through_and_reports_it_stale() {
         "shadow mode must let the stale write through"
     );
     // The stale write did not lower the stored token.
-    let still_stale = ledger.write(RESOURCE, FencingToken(4), FIELD, b"40").await;
+    let still_stale = ledger.write(RESOURCE, FencingToken(4), b"40").await;
     assert_eq!(
         still_stale.unwrap(),
         Admission::ShadowStale {
@@ -161,14 +160,14 @@ async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluste
     let f = RedisClusterFactory::behind_proxies().await;
     let proxies = f.proxies.clone().expect("behind proxies");
     let redis = f.redis().await;
-    // The resource's keys, `<prefix>:fenced:{<resource>}` and its `:data` hash, read and
+    // The resource's keys, `<prefix>:fenced:{<resource>}` and its `:data` value, read and
     // written on their node directly, past the proxies.
     let fence = format!("{}:fenced:{{{RESOURCE}}}", redis.key_prefix());
     let data = format!("{fence}:data");
     let ledger = RedisFencedResource::new(redis, EnforcementMode::Enforce);
     assert_eq!(
         ledger
-            .write(RESOURCE, FencingToken(4), FIELD, b"40")
+            .write(RESOURCE, FencingToken(4), b"40")
             .await
             .unwrap(),
         Admission::Admitted
@@ -195,10 +194,10 @@ async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluste
         .for_each(|p| p.delay(Duration::from_millis(300)));
     let old = tokio::spawn({
         let ledger = ledger.clone();
-        async move { ledger.write(RESOURCE, FencingToken(5), FIELD, b"50").await }
+        async move { ledger.write(RESOURCE, FencingToken(5), b"50").await }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while on_node(&["HGET", &data, FIELD]).await.as_deref() != Some("50") {
+    while on_node(&["GET", &data]).await.as_deref() != Some("50") {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the write never landed"
@@ -208,7 +207,7 @@ async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluste
     // The reply is held back; a newer holder writes, as its own fenced write would.
     proxies.iter().for_each(|p| p.blackhole());
     on_node(&["SET", &fence, "6"]).await;
-    on_node(&["HSET", &data, FIELD, "60"]).await;
+    on_node(&["SET", &data, "60"]).await;
     // The connection drops with the reply still held back (the reset takes effect within
     // a scheduler tick); then the links work again, without delay, so a client that sent
     // the write again would have its answer at once.
@@ -232,7 +231,7 @@ async fn a_fenced_write_whose_reply_was_lost_is_never_reported_stale_on_a_cluste
         "{outcome:?}"
     );
     assert_eq!(
-        on_node(&["HGET", &data, FIELD]).await.as_deref(),
+        on_node(&["GET", &data]).await.as_deref(),
         Some("60"),
         "the old write ran again"
     );

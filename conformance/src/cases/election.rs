@@ -90,7 +90,7 @@ pub async fn election_one_leader_at_a_time(factory: &dyn Factory) -> Result<Outc
                     let leadership = election.campaign().await?;
                     let now = acting.fetch_add(1, Ordering::SeqCst) + 1;
                     most_acting.fetch_max(now, Ordering::SeqCst);
-                    let read = counter.read().await;
+                    let read = counter.read(&key).await?;
                     // Act across a suspension, so overlapping leaders would interleave.
                     sleep(Duration::from_millis(5)).await;
                     let written = counter
@@ -119,7 +119,7 @@ pub async fn election_one_leader_at_a_time(factory: &dyn Factory) -> Result<Outc
         "one leader at a time",
         || format!("{} acting at once", most_acting.load(Ordering::SeqCst)),
     )?;
-    let value = counter.read().await;
+    let value = ctx.ok("read the counter", counter.read(&key).await)?;
     ctx.ensure(
         admitted == total && value == total as u64,
         format!("{total} admitted writes and the counter at {total}"),
@@ -289,7 +289,7 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
     );
     let counter = ctx.counter();
     let old = ctx.ok("campaign of the only campaigner", leader.campaign().await)?;
-    let read = counter.read().await;
+    let read = ctx.ok("read the counter", counter.read(&key).await)?;
     let written = ctx.ok(
         "fenced write",
         counter.write(&key, old.token(), read, read + 1).await,
@@ -322,7 +322,7 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
         format!("the new leader's token above {}", old.token()),
         || new.token(),
     )?;
-    let read = counter.read().await;
+    let read = ctx.ok("read the counter", counter.read(&key).await)?;
     let written = ctx.ok(
         "fenced write",
         counter.write(&key, new.token(), read, read + 1).await,
@@ -335,7 +335,7 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
 
     frozen.thaw();
     // The old leader resumes and fires once more with its old token.
-    let read = counter.read().await;
+    let read = ctx.ok("read the counter", counter.read(&key).await)?;
     let late = ctx.ok(
         "fenced write",
         counter.write(&key, old.token(), read, read + 1).await,

@@ -563,12 +563,12 @@ pub async fn paused_holder_is_fenced(factory: &dyn Factory) -> Result<Outcome, F
         || format!("{first:?}"),
     )?;
     // The holder reads, then stalls past its TTL without renewing (a GC pause).
-    let read = counter.read().await;
+    let read = ctx.ok("read the counter", counter.read(&key).await)?;
     let deadline = t.expired_by(Instant::now());
     let new = ctx
         .take_by(&b, &key, t.ttl, deadline, "while the old holder is paused")
         .await?;
-    let read_new = counter.read().await;
+    let read_new = ctx.ok("read the counter", counter.read(&key).await)?;
     let admitted = ctx.ok(
         "write",
         counter

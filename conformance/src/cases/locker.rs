@@ -98,7 +98,7 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
                         let token = guard.token();
                         let (key, counter) = (key.clone(), counter.clone());
                         async move {
-                            let read = counter.read().await;
+                            let read = counter.read(&key).await?;
                             // Hold the lock across a suspension so overlapping holders
                             // would interleave their read and write.
                             sleep(Duration::from_millis(1)).await;
@@ -124,7 +124,7 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
         format!("all {total} writes admitted"),
         || format!("{admitted} admitted"),
     )?;
-    let value = counter.read().await;
+    let value = ctx.ok("read the counter", counter.read(&key).await)?;
     ctx.ensure(
         value == total as u64,
         format!("the counter at {total} (no lost update)"),

@@ -94,7 +94,7 @@ async fn late_write_rejected(
         ),
         || format!("{late:?}"),
     )?;
-    let value = counter.read().await;
+    let value = ctx.ok("read the counter", counter.read(new.key()).await)?;
     ctx.ensure(
         value == 2,
         "the counter to hold the new holder's value 2",

@@ -29,7 +29,11 @@ pub async fn restart_leaves_old_holder_fenced(factory: &dyn Factory) -> Result<O
     let server = ctx.server()?;
     // Calls that fail around the restart may have reached the store.
     ctx.with_faults();
-    let h = holder_wrote(&ctx, "the holder's write before the restart").await?;
+    // The workload's store is not the one restarted: a store restarted without
+    // persistence (as users run Redis for locks only) loses the values written to it, and
+    // what this case shows is the lock's fencing across the restart.
+    let counter = ctx.counter_in_memory();
+    let h = holder_wrote(&ctx, counter, "the holder's write before the restart").await?;
 
     server.kill().await;
     server.restart().await;
@@ -52,7 +56,12 @@ pub async fn terminated_sessions_leave_old_holder_fenced(
     let sessions = ctx.sessions()?;
     // Calls that fail as their session ends may have reached the store.
     ctx.with_faults();
-    let h = holder_wrote(&ctx, "the holder's write before the sessions end").await?;
+    let h = holder_wrote(
+        &ctx,
+        ctx.counter(),
+        "the holder's write before the sessions end",
+    )
+    .await?;
 
     sessions.terminate().await;
 
@@ -82,7 +91,7 @@ pub async fn server_paused_past_ttl_keeps_holders_apart(
 ) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("server_paused_past_ttl_keeps_holders_apart", factory);
     let server = ctx.server()?;
-    let h = holder_wrote(&ctx, "the holder's write before the pause").await?;
+    let h = holder_wrote(&ctx, ctx.counter(), "the holder's write before the pause").await?;
 
     server.pause().await;
     // The contender asks while the server is frozen and the old lease is still valid.
@@ -122,16 +131,19 @@ struct Holder {
     read: u64,
 }
 
-/// [`Holder`]: `a` takes key `k` and writes through the counter (`what`).
-async fn holder_wrote(ctx: &Ctx<'_>, what: &str) -> Result<Holder, Failure> {
+/// [`Holder`]: `a` takes key `k` and writes through `counter` (`what`).
+async fn holder_wrote(
+    ctx: &Ctx<'_>,
+    counter: FencedCounter,
+    what: &str,
+) -> Result<Holder, Failure> {
     let (a, b) = (ctx.client().await, ctx.client().await);
     let t = ctx.timing(&a);
     let key = ctx.key("k")?;
-    let counter = ctx.counter();
     let old = ctx.take(&a, &key, t.ttl).await?;
     let granted = Instant::now();
     write_admitted(ctx, &counter, &key, &old, what).await?;
-    let read = counter.read().await;
+    let read = ctx.ok("read the counter", counter.read(&key).await)?;
     Ok(Holder {
         a,
         b,
@@ -327,8 +339,8 @@ async fn write_admitted(
     lease: &Lease,
     what: &str,
 ) -> Result<(), Failure> {
-    let read = counter.read().await;
     let deadline = Instant::now() + RECOVERY_GRACE;
+    let read = until_answered(ctx, "read the counter", deadline, || counter.read(key)).await?;
     let admission = until_answered(ctx, what, deadline, || {
         counter.write(key, lease.token(), read, read + 1)
     })

@@ -12,35 +12,25 @@ use tokio::time::Instant;
 
 use super::event::{History, Op, Reply};
 
-/// A counter guarded by a fenced resource: the downstream store of the read-modify-write
-/// workload. A write is admitted (and applied) atomically with the fencing check, and
-/// recorded in the history in admission order.
+/// A counter kept by a fenced resource: the downstream store of the read-modify-write
+/// workload. Its value is the resource's, written with [`FencedResource::write`], the
+/// store's atomic check-and-write, and every write is recorded in the history.
 ///
 /// The resource is in memory ([`FencedCounter::new`]) or a backend's own
-/// ([`FencedCounter::on`]: a Redis script, a PostgreSQL guarded row, an etcd transaction);
-/// either way the store decides the admission, and the counter's lock, held across it,
-/// makes the check and the write one step for this workload.
+/// ([`FencedCounter::on`]: a Redis script, a PostgreSQL transaction, an etcd transaction);
+/// either way the store decides the admission and keeps the value, so a store that applies
+/// a refused write, or loses an admitted one, shows as a lost update (I2). The counter
+/// holds a lock of its own across each write only to record writes in the order the store
+/// admitted them.
 pub struct FencedCounter {
-    resource: Gate,
-    value: tokio::sync::Mutex<u64>,
+    resource: Arc<dyn FencedResource>,
+    order: tokio::sync::Mutex<()>,
     history: Arc<History>,
-}
-
-/// Where a [`FencedCounter`]'s admissions are decided.
-enum Gate {
-    Memory(MemoryFencedResource),
-    Store(Arc<dyn FencedResource>),
 }
 
 impl fmt::Debug for FencedCounter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let gate = match self.resource {
-            Gate::Memory(_) => "memory",
-            Gate::Store(_) => "store",
-        };
-        f.debug_struct("FencedCounter")
-            .field("resource", &gate)
-            .finish_non_exhaustive()
+        f.debug_struct("FencedCounter").finish_non_exhaustive()
     }
 }
 
@@ -48,33 +38,41 @@ impl FencedCounter {
     /// A counter at zero on an in-memory resource in enforce mode, recording into
     /// `history`.
     pub fn new(history: Arc<History>) -> Self {
-        Self::with_gate(
-            Gate::Memory(MemoryFencedResource::new(EnforcementMode::Enforce)),
+        Self::on(
+            Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce)),
             history,
         )
     }
 
-    /// A counter at zero whose writes `resource` admits (it must be in enforce mode),
-    /// recording into `history`.
+    /// A counter at zero kept by `resource` (it must be in enforce mode), recording into
+    /// `history`.
     pub fn on(resource: Arc<dyn FencedResource>, history: Arc<History>) -> Self {
-        Self::with_gate(Gate::Store(resource), history)
-    }
-
-    fn with_gate(resource: Gate, history: Arc<History>) -> Self {
         Self {
             resource,
-            value: tokio::sync::Mutex::new(0),
+            order: tokio::sync::Mutex::new(()),
             history,
         }
     }
 
-    /// The current value.
-    pub async fn read(&self) -> u64 {
-        *self.value.lock().await
+    /// The counter's value for the resource named after `key` (zero before any write).
+    pub async fn read(&self, key: &LockKey) -> Result<u64, LockError> {
+        let Some(bytes) = self.resource.read(key.as_str()).await? else {
+            return Ok(0);
+        };
+        std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|text| text.parse().ok())
+            .ok_or_else(|| {
+                LockError::backend(
+                    "fenced counter",
+                    format!("the resource holds {bytes:?}, not a counter value"),
+                )
+            })
     }
 
     /// Writes `value` (computed from `read`) with `token`, if the resource admits the
-    /// token. Returns the admission, or the store's error (recorded, nothing written).
+    /// token. Returns the admission, or the store's error (recorded; the write may or may
+    /// not have been applied).
     pub async fn write(
         &self,
         key: &LockKey,
@@ -83,22 +81,19 @@ impl FencedCounter {
         value: u64,
     ) -> Result<Admission, LockError> {
         let invoked = Instant::now();
-        let mut current = self.value.lock().await;
-        let admission = match &self.resource {
-            Gate::Memory(resource) => Ok(resource.admit_now(key.as_str(), token)),
-            Gate::Store(resource) => resource.admit(key.as_str(), token).await,
-        };
+        let _order = self.order.lock().await;
+        let admission = self
+            .resource
+            .write(key.as_str(), token, value.to_string().as_bytes())
+            .await;
         let reply = match &admission {
             Ok(Admission::Stale { latest } | Admission::ShadowStale { latest }) => {
                 Reply::Rejected { latest: *latest }
             }
-            Ok(Admission::Admitted) => {
-                *current = value;
-                Reply::Admitted { read, wrote: value }
-            }
+            Ok(Admission::Admitted) => Reply::Admitted { read, wrote: value },
             Err(e) => Reply::Error(e.to_string()),
         };
-        // Recorded under the value lock, so the history's order is the admission order.
+        // Recorded under the order lock, so the history's order is the admission order.
         self.history.record(
             Op::Write,
             key,
@@ -126,7 +121,7 @@ mod tests {
         let write = |token, read, value| counter.write(&key, FencingToken(token), read, value);
         assert!(write(2, 0, 1).await.unwrap().is_admitted());
         assert!(!write(1, 1, 2).await.unwrap().is_admitted());
-        assert_eq!(counter.read().await, 1);
+        assert_eq!(counter.read(&key).await.unwrap(), 1);
         let events = history.events();
         assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![0, 1]);
         assert_eq!(

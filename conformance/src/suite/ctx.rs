@@ -134,6 +134,12 @@ impl<'f> Ctx<'f> {
         }
     }
 
+    /// The workload's fenced counter in memory, whatever the factory has: for a case that
+    /// restarts the store, which may lose the values written to it.
+    pub fn counter_in_memory(&self) -> FencedCounter {
+        FencedCounter::new(self.history.clone())
+    }
+
     /// The factory's link faults; the case must need [`Need::LinkFaults`](super::Need::LinkFaults).
     pub fn link(&self) -> Result<Arc<dyn LinkFaults>, Failure> {
         self.factory

@@ -105,7 +105,7 @@ pub async fn take_locks() -> Result<(), BoxError> {
         .with_lock(&key, |guard| {
             let token = guard.token();
             let ledger = &ledger;
-            async move { ledger.admit("payout:42", token).await }
+            async move { ledger.write("payout:42", token, b"paid").await }
         })
         .await??;
     println!(
@@ -118,7 +118,7 @@ pub async fn take_locks() -> Result<(), BoxError> {
     }
     // The first holder's late write, with its older token.
     if !matches!(
-        ledger.admit("payout:42", old_token).await?,
+        ledger.write("payout:42", old_token, b"paid late").await?,
         Admission::Stale { .. }
     ) {
         return Err("a stale write was admitted".into());

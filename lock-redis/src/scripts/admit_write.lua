@@ -1,9 +1,9 @@
--- Fenced write: the token check and the caller's write in one script, so no newer token
--- can be admitted between them.
+-- Fenced write: the token check and the write of the resource's value in one script, so
+-- no newer token can be admitted between them.
 -- KEYS[1] = <prefix>:fenced:{<resource>}, KEYS[2] = <prefix>:fenced:{<resource>}:data
 -- ARGV[1] = the writer's token (decimal, no leading zeros)
 -- ARGV[2] = '1' to write a stale token's value too (shadow mode), else '0'
--- ARGV[3] = field, ARGV[4] = value
+-- ARGV[3] = the value
 -- Returns the highest token seen before this call ('' when none); stores the new highest.
 -- Tokens are compared as decimal strings (length, then text), as in admit.lua; an equal
 -- token is admitted.
@@ -14,6 +14,6 @@ if current and latest ~= token then
   redis.call('SET', KEYS[1], token)
 end
 if current or ARGV[2] == '1' then
-  redis.call('HSET', KEYS[2], ARGV[3], ARGV[4])
+  redis.call('SET', KEYS[2], ARGV[3])
 end
 return latest or ''

@@ -329,23 +329,30 @@ impl Run {
     /// The side effect: a payment, fenced and keyed as the strategy says. False when the
     /// fencing check refused it, which tells the worker it is stale and must stop.
     fn write(&self, job: &Job, token: Option<FencingToken>) -> bool {
-        if self.strategy.fences()
-            && let Some(token) = token
-        {
-            let resource = format!("{}job:{}", self.key_prefix, job.id);
-            if !self.fenced.admit_now(&resource, token).is_admitted() {
-                bump(&self.counters.stale_rejected);
-                return false;
+        let pay = || {
+            if self.strategy.idempotent() {
+                let key = format!("payment:{}", job.id);
+                if self.ledger.apply_once(&key, job.id, job.amount_cents) == Applied::Repeat {
+                    bump(&self.counters.idempotent_repeats);
+                }
+            } else {
+                self.ledger.apply(job.id, job.amount_cents);
+            }
+        };
+        match token.filter(|_| self.strategy.fences()) {
+            // The payment runs under the check's lock: no newer token between the two.
+            Some(token) => {
+                let resource = format!("{}job:{}", self.key_prefix, job.id);
+                let admitted = self.fenced.admit_with(&resource, token, pay).is_admitted();
+                if !admitted {
+                    bump(&self.counters.stale_rejected);
+                }
+                admitted
+            }
+            None => {
+                pay();
+                true
             }
         }
-        if self.strategy.idempotent() {
-            let key = format!("payment:{}", job.id);
-            if self.ledger.apply_once(&key, job.id, job.amount_cents) == Applied::Repeat {
-                bump(&self.counters.idempotent_repeats);
-            }
-        } else {
-            self.ledger.apply(job.id, job.amount_cents);
-        }
-        true
     }
 }

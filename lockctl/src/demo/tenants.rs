@@ -314,18 +314,24 @@ impl Run {
     /// Writes one step of `execution` to the ledger; with fencing, only if the permit's
     /// token is still the newest of its slot. False when refused.
     fn write(&self, execution: usize, permit: Option<&Permit>) -> bool {
-        if self.limit == Limit::SemaphoreFence
-            && let Some(permit) = permit
-            && !self
-                .fenced
-                .admit_now(permit.key().as_str(), permit.token())
-                .is_admitted()
-        {
-            self.stale_refused.fetch_add(1, Ordering::SeqCst);
-            return false;
+        let step = || self.ledger.lock()[execution].1.push(Instant::now());
+        match permit.filter(|_| self.limit == Limit::SemaphoreFence) {
+            // The step is written under the check's lock: no newer token between the two.
+            Some(permit) => {
+                let admitted = self
+                    .fenced
+                    .admit_with(permit.key().as_str(), permit.token(), step)
+                    .is_admitted();
+                if !admitted {
+                    self.stale_refused.fetch_add(1, Ordering::SeqCst);
+                }
+                admitted
+            }
+            None => {
+                step();
+                true
+            }
         }
-        self.ledger.lock()[execution].1.push(Instant::now());
-        true
     }
 
     fn row(&self) -> TenantRow {
