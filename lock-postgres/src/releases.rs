@@ -353,7 +353,9 @@ impl Follower {
 mod tests {
     use std::sync::Arc;
 
-    use distlock_core::{Layered, LockBackend, Locker, RetryPolicy};
+    use distlock_core::{
+        BackendLayer, Layered, Lease, LockBackend, LockError, Locker, RetryPolicy,
+    };
     use harness::postgres::PostgresServer;
     use tokio::time::Instant;
 
@@ -383,7 +385,9 @@ mod tests {
         let holder = PgBuilder::new(server.url()).build_lease_backend().unwrap();
         holder.setup().await.unwrap();
         let waiter = PgBuilder::new(server.url()).build_lease_backend().unwrap();
-        let waiter = Arc::new(Layered::new(Arc::new(waiter), conformance::Deaf::default()));
+        let deaf = Arc::new(Layered::new(Arc::new(waiter), conformance::Deaf::default()));
+        let refused = Arc::new(Refusals::default());
+        let waiter = Arc::new(Layered::new(deaf, refused.clone()));
         let ttl = Duration::from_secs(30);
         let held = holder.acquire(&key("deaf"), ttl).await.unwrap().unwrap();
         let locker = Locker::builder(waiter.clone())
@@ -395,7 +399,9 @@ mod tests {
             .build()
             .unwrap();
         let waiting = tokio::spawn(async move { locker.lock(&key("deaf")).await });
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Released once the waiter's first attempt was refused (its first connection may
+        // take a while on a loaded machine): it is then in its first backoff step.
+        refused.0.notified().await;
         assert_eq!(waiter.watched_keys(), [key("deaf")], "the waiter watches");
         let released_at = Instant::now();
         holder.release(&held).await.unwrap();
@@ -407,6 +413,26 @@ mod tests {
         assert!(released_at.elapsed() >= BACKOFF / 2 - Duration::from_millis(500));
         assert!(guard.token() > held.token());
         guard.release().await.unwrap();
+    }
+
+    /// Says when an acquire was refused (the key held by another).
+    #[derive(Debug, Default)]
+    struct Refusals(tokio::sync::Notify);
+
+    #[async_trait::async_trait]
+    impl BackendLayer for Refusals {
+        async fn acquire(
+            &self,
+            next: &dyn LockBackend,
+            key: &LockKey,
+            ttl: Duration,
+        ) -> Result<Option<Lease>, LockError> {
+            let granted = next.acquire(key, ttl).await;
+            if matches!(granted, Ok(None)) {
+                self.0.notify_one();
+            }
+            granted
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
