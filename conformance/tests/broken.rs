@@ -107,3 +107,55 @@ async fn the_workload_writes_through_the_factorys_fenced_resource() {
     assert!(failure.expected.contains("late write"), "{failure}");
     assert_eq!(failure.invariants, vec![Invariant::I2], "{failure}");
 }
+
+/// A fenced resource that judges tokens right but stores every value, a refused one too:
+/// a check and a write that are not one step.
+#[derive(Default)]
+struct StoresRefusedWrites {
+    fence: distlock_core::MemoryFencedResource,
+    values: parking_lot::Mutex<std::collections::HashMap<String, Vec<u8>>>,
+}
+
+#[async_trait::async_trait]
+impl distlock_core::FencedResource for StoresRefusedWrites {
+    async fn write(
+        &self,
+        resource: &str,
+        token: distlock_core::FencingToken,
+        value: &[u8],
+    ) -> Result<distlock_core::Admission, distlock_core::LockError> {
+        let admission = self.fence.check_only_now(resource, token);
+        self.values
+            .lock()
+            .insert(resource.to_owned(), value.to_vec());
+        Ok(admission)
+    }
+
+    async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, distlock_core::LockError> {
+        Ok(self.values.lock().get(resource).cloned())
+    }
+
+    async fn check_only(
+        &self,
+        resource: &str,
+        token: distlock_core::FencingToken,
+    ) -> Result<distlock_core::Admission, distlock_core::LockError> {
+        Ok(self.fence.check_only_now(resource, token))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workload_sees_a_refused_write_the_resource_stored() {
+    let factory = conformance::factory::WithFencedResource::new(
+        BrokenFactory::control(),
+        StoresRefusedWrites::default(),
+    );
+    let case = conformance::suite::case("paused_holder_is_fenced").unwrap();
+    let failure = (case.run)(&factory).await.unwrap_err();
+    assert!(
+        failure
+            .expected
+            .contains("the counter to hold the new holder's value 2"),
+        "{failure}"
+    );
+}

@@ -18,6 +18,7 @@ use futures::StreamExt;
 use tokio::sync::Notify;
 use tokio::time::{Instant, sleep, timeout, timeout_at};
 
+use super::stale_value;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
 
@@ -338,12 +339,20 @@ pub async fn election_loss_after_pause(factory: &dyn Factory) -> Result<Outcome,
     let read = ctx.ok("read the counter", counter.read(&key).await)?;
     let late = ctx.ok(
         "fenced write",
-        counter.write(&key, old.token(), read, read + 1).await,
+        counter
+            .write(&key, old.token(), read, stale_value(read))
+            .await,
     )?;
     ctx.ensure(
         !late.is_admitted(),
         "the old leader's late trigger refused by the fenced resource",
         || format!("{late:?}"),
+    )?;
+    let value = ctx.ok("read the counter", counter.read(&key).await)?;
+    ctx.ensure(
+        value == 2,
+        "the counter to hold the new leader's value 2",
+        || value,
     )?;
     let released = ctx.ok("resign of the lost leadership", old.resign().await)?;
     ctx.ensure(

@@ -7,7 +7,7 @@ use distlock_core::{Fence, Lease, LockBackend, LockKey, Release, Renewal};
 use futures::future::join_all;
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::{forged, late_write_rejected, release_held, token_above};
+use super::{forged, late_write_rejected, release_held, stale_value, token_above};
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
 
@@ -583,7 +583,9 @@ pub async fn paused_holder_is_fenced(factory: &dyn Factory) -> Result<Outcome, F
     // The old holder wakes up and writes what it computed before the pause.
     let late = ctx.ok(
         "write",
-        counter.write(&key, old.token(), read, read + 1).await,
+        counter
+            .write(&key, old.token(), read, stale_value(read))
+            .await,
     )?;
     late_write_rejected(&ctx, &counter, late, "the paused holder", &old, &new).await?;
     let fence = ctx.ok("fence of the paused holder", a.fence(&old).await)?;

@@ -75,8 +75,16 @@ fn token_above(
     })
 }
 
-/// Checks that the late write of `who` (the holder of `old`) was rejected after the new
-/// holder of `new` wrote, and that `counter` holds the new holder's value 2.
+/// What a stale holder writes after reading `read` (before the new holder wrote): a value
+/// no admitted write carries (the workload's writes add one), so a store that refuses the
+/// write but keeps its value shows in the counter.
+fn stale_value(read: u64) -> u64 {
+    read + 100
+}
+
+/// Checks that the late write of `who` (the holder of `old`, its value from
+/// [`stale_value`]) was rejected after the new holder of `new` wrote, and that `counter`
+/// holds the new holder's value 2.
 async fn late_write_rejected(
     ctx: &Ctx<'_>,
     counter: &FencedCounter,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use distlock_core::{Fence, Lease, LockBackend, LockError, LockKey, Renewal};
 use tokio::time::{Instant, sleep, sleep_until};
 
-use super::{late_write_rejected, release_held, token_above};
+use super::{late_write_rejected, release_held, stale_value, token_above};
 use crate::factory::Factory;
 use crate::history::FencedCounter;
 use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
@@ -374,7 +374,7 @@ async fn old_holder_fenced(
     write_admitted(ctx, counter, new.key(), new, "the new holder's write").await?;
     let deadline = Instant::now() + RECOVERY_GRACE;
     let late = until_answered(ctx, "the old holder's late write", deadline, || {
-        counter.write(old.key(), old.token(), read, read + 1)
+        counter.write(old.key(), old.token(), read, stale_value(read))
     })
     .await?;
     late_write_rejected(ctx, counter, late, "the old holder", old, new).await?;
