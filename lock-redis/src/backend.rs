@@ -69,12 +69,9 @@ pub const SENT_AT_ONCE: usize = 4;
 ///
 /// Batches send one multi-key script call per hash slot (per node on a single node), of
 /// at most 128 locks each. On a single node, concurrent `acquire` (and `release`) calls
-/// coalesce, without a timer: a caller that finds none of its kind in flight sends at
-/// once; one that finds some yields to the runtime once, and the calls that arrive
-/// meanwhile go with it as one multi-key call; while [`SENT_AT_ONCE`] are in flight, the
-/// ones that arrive wait and go together when one returns.
-/// In a cluster single calls are sent one by one (calls on different slots could not
-/// share a script anyway).
+/// coalesce into such calls, without a timer (at most [`SENT_AT_ONCE`] of a kind on their
+/// way; the crate docs say how); in a cluster single calls are sent one by one (calls on
+/// different slots could not share a script anyway).
 ///
 /// Keys: `<prefix>:{<name>}` holds `<owner id>:<token>` with the lease's TTL, and
 /// nothing is kept once it is released or expired. A token is the server's clock in µs,

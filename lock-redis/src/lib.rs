@@ -18,10 +18,14 @@
 //!   items of a node that does not answer (dead, or silent past the response timeout)
 //!   while another node does are `None` / [`distlock_core::Renewal::Unreachable`] /
 //!   [`distlock_core::Release::Unreachable`]; when no node answers, the call fails.
-//! * **Coalescing.** On a single node, `acquire` and `release` calls made while another
-//!   of the same kind is in flight wait for it and then go together as one multi-key
-//!   script call (each caller gets its own result; a lone caller sends at once). A script
-//!   call's fixed server cost is then paid once per batch, not once per lock.
+//! * **Coalescing.** A script call costs the server a few microseconds whatever it does,
+//!   and under concurrency that cost, not the network, caps throughput; so on a single
+//!   node, `acquire` and `release` calls that arrive together go together as one
+//!   multi-key script call, each caller getting its own result, without a timer: a
+//!   caller that finds no call of its kind in flight sends at once; one that finds some
+//!   yields to the runtime once and takes along the calls that arrive meanwhile; while
+//!   [`SENT_AT_ONCE`] calls of a kind are on their way, later ones wait and go together
+//!   when one returns.
 //! * **Cluster.** A lock's key has a hash tag, so batches group keys by slot; redirects
 //!   are followed.
 //!   The cluster client sends a request again after a connection error, so the scripts

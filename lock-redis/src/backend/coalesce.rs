@@ -1,16 +1,8 @@
-//! Coalescing of single calls on one node.
-//!
-//! Every Lua script call costs the server a few microseconds of fixed overhead, whatever
-//! it does; under concurrency that overhead, not the network, caps the throughput. So
-//! calls of a kind (acquire, release) that arrive together go together, as one multi-key
-//! script call, in two ways, neither waiting on a timer:
-//!
-//! - A caller that finds another call of its kind in flight *leads*: it yields to the
-//!   runtime once, and the calls that arrive meanwhile (the other callers woken by the
-//!   same burst of replies, typically) join it; if any did, they all go as one batch.
-//!   A caller that finds none in flight sends at once, without yielding.
-//! - While [`SENT_AT_ONCE`] calls of a kind are on their way, the calls that arrive wait
-//!   in the [`Queue`] and go together when one of them returns.
+//! Coalescing of single calls on one node: the crate docs say what it does and why; here
+//! is how. A caller that finds another call of its kind in flight *leads*: it yields once,
+//! and the callers that [`Queue::join`] meanwhile go with it as one batch, sent from the
+//! leader's task. While [`SENT_AT_ONCE`] calls of a kind are on their way, later callers
+//! wait in the [`Queue`] and go together when one returns.
 
 use std::future::Future;
 use std::marker::PhantomData;
