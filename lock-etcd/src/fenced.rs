@@ -60,7 +60,12 @@ impl EtcdFencedResource {
     /// The highest token admitted for `resource`, if any.
     pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
         check_resource(resource)?;
-        let key = self.fence_key(resource);
+        let fence = self.get(self.fence_key(resource)).await?;
+        fence.map(|value| parse_token(&value)).transpose()
+    }
+
+    /// The value of the etcd key `key`, if it exists.
+    async fn get(&self, key: String) -> Result<Option<Vec<u8>>, LockError> {
         let mut resp = self
             .backend
             .call(Effect::None, |client| {
@@ -68,10 +73,11 @@ impl EtcdFencedResource {
                 async move { client.kv_client().get(key, None).await }
             })
             .await?;
-        resp.take_kvs()
-            .first()
-            .map(|kv| parse_token(kv.value()))
-            .transpose()
+        Ok(resp
+            .take_kvs()
+            .into_iter()
+            .next()
+            .map(|kv| kv.into_key_value().1))
     }
 
     async fn guarded(
@@ -122,19 +128,7 @@ impl FencedResource for EtcdFencedResource {
 
     async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
         check_resource(resource)?;
-        let key = self.data_key(resource);
-        let mut resp = self
-            .backend
-            .call(Effect::None, |client| {
-                let key = key.clone();
-                async move { client.kv_client().get(key, None).await }
-            })
-            .await?;
-        Ok(resp
-            .take_kvs()
-            .into_iter()
-            .next()
-            .map(|kv| kv.value().to_vec()))
+        self.get(self.data_key(resource)).await
     }
 
     async fn check_only(
