@@ -355,16 +355,20 @@ impl Schedulers {
         }
     }
 
-    /// Waits until `leader` has enqueued `count` more jobs.
-    async fn triggers(&mut self, leader: u32, count: usize) -> Result<(), BoxError> {
+    /// Waits until the leader has enqueued `count` more jobs, starting from `leader` and
+    /// following each election after it (a leader whose renewal came late on a loaded
+    /// machine loses its lease, and another is elected); returns the leader then.
+    async fn triggers(&mut self, mut leader: u32, count: usize) -> Result<u32, BoxError> {
         let deadline = Instant::now() + STEP;
         let mut seen = 0;
         while seen < count {
-            if let (id, Event::Triggered(_)) = self.next(deadline, "triggers").await? {
-                seen += usize::from(id == leader);
+            match self.next(deadline, "triggers").await? {
+                (id, Event::Triggered(_)) if id == leader => seen += 1,
+                (id, Event::Elected(_)) if id != leader => leader = id,
+                _ => {}
             }
         }
-        Ok(())
+        Ok(leader)
     }
 
     /// Stops `leader` while it waits for the interval it armed (SIGSTOP right after its
@@ -446,18 +450,18 @@ pub async fn run(postgres_url: &str) -> Result<Report, BoxError> {
     .await?;
 
     let mut schedulers = Schedulers::start(postgres_url, &run)?;
-    let (leader, _) = schedulers.elected(None).await?;
-    schedulers.triggers(leader, 5).await?;
+    let (first, _) = schedulers.elected(None).await?;
+    let leader = schedulers.triggers(first, 5).await?;
     schedulers.stop_while_armed(leader).await?;
     // The token it holds as it stops: its first, unless it lost the lease on the way and
     // was elected again.
     let old = schedulers.terms[&leader];
     println!("-- scheduler {leader} stopped (SIGSTOP) while waiting to fire; its lease runs out");
     let (successor, new) = schedulers.elected(Some(leader)).await?;
-    schedulers.triggers(successor, 5).await?;
+    let leading = schedulers.triggers(successor, 5).await?;
     schedulers.signal(leader, "CONT").await?;
     println!("-- scheduler {leader} resumed (SIGCONT) with token {old}");
-    schedulers.triggers(successor, 5).await?;
+    schedulers.triggers(leading, 5).await?;
     let stale_rejected = schedulers.stop_all().await?;
 
     let mut report = audit(&pool, &run).await?;
