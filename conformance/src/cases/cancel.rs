@@ -37,7 +37,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
 
 /// The pause between two polls of a call: long enough for a reply to arrive.
 const BETWEEN_POLLS: Duration = Duration::from_millis(2);
@@ -221,13 +221,21 @@ async fn after_the_cut(
     what: &str,
 ) -> Result<(), Failure> {
     let deadline = t.expired_by(cut);
+    // The other client holds for long, so its leases never run out during the checks on a
+    // slow machine (an advisory lock's session ends after a TTL idle, and the first
+    // client's next acquire may open a new connection first). What it waits for is still
+    // bounded by the TTL of whatever the cut left.
+    let long_ttl = fit_ttl(
+        &other.capabilities(),
+        (t.ttl * 20).max(Duration::from_secs(10)),
+    );
     // All keys are taken in one round, so none of the other client's leases runs out
     // while it waits for the rest.
     let taken = loop {
         serves(ctx, t, first, probe, what).await?;
         let mut taken = Vec::with_capacity(keys.len());
         for key in keys {
-            match ctx.ok("acquire", other.acquire(key, t.ttl).await)? {
+            match ctx.ok("acquire", other.acquire(key, long_ttl).await)? {
                 Some(lease) => taken.push(lease),
                 None => break,
             }
