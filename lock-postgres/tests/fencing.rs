@@ -157,7 +157,8 @@ async fn concurrent_writers_leave_the_highest_tokens_value() {
     let (_server, pool) = pool().await;
     let fenced = PgFencedResource::new(pool, "distlock", EnforcementMode::Enforce).unwrap();
     let r = "fence:concurrent";
-    let writes = (1..=40u64).rev().map(|t| {
+    // Lowest first, so that many are admitted and their transactions overlap.
+    let writes = (1..=40u64).map(|t| {
         let fenced = fenced.clone();
         tokio::spawn(async move {
             let value = t.to_string();
