@@ -9,7 +9,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use distlock::memory::MemoryBackend;
+use distlock::backend::Layered;
+use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
 use distlock::{FencingToken, LockBackend, LockError, LockKey, Locker};
 use tokio::time::Instant;
@@ -47,16 +48,13 @@ where
     }
 }
 
-fn locker(backend: &MemoryBackend, ttl: Duration) -> Locker {
-    Locker::builder(Arc::new(backend.client()))
-        .ttl(ttl)
-        .build()
-        .unwrap()
+fn locker(client: impl LockBackend + 'static, ttl: Duration) -> Locker {
+    Locker::builder(Arc::new(client)).ttl(ttl).build().unwrap()
 }
 
 /// Holds `job`'s key from another client of the store.
 async fn held_elsewhere(backend: &MemoryBackend, job: &Job) -> distlock::LockGuard {
-    locker(backend, Duration::from_secs(30))
+    locker(backend.client(), Duration::from_secs(30))
         .try_lock(&key_of(job).unwrap())
         .await
         .unwrap()
@@ -66,7 +64,7 @@ async fn held_elsewhere(backend: &MemoryBackend, job: &Job) -> distlock::LockGua
 #[tokio::test]
 async fn the_job_runs_under_its_lock_with_the_token() {
     let store = MemoryBackend::new();
-    let layer = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of);
+    let layer = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of);
     let probe = Arc::new(store.client());
     let mut service = layer.layer(Handler(move |locked: Locked<Job>| {
         let probe = probe.clone();
@@ -99,7 +97,7 @@ async fn a_miss_hands_the_job_back_and_runs_nothing() {
     let _holder = held_elsewhere(&store, &job).await;
     let ran = Arc::new(AtomicU32::new(0));
     let counted = ran.clone();
-    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
         .on_miss(OnMiss::Requeue)
         .layer(Handler(move |_: Locked<Job>| {
             counted.fetch_add(1, Ordering::SeqCst);
@@ -118,7 +116,7 @@ async fn retries_take_the_key_once_its_holder_lets_go() {
     let store = MemoryBackend::new();
     let job = Job { id: 3, delivery: 1 };
     let holder = held_elsewhere(&store, &job).await;
-    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
         .on_miss(OnMiss::Retry {
             attempts: 50,
             delay: Duration::from_millis(20),
@@ -139,7 +137,7 @@ async fn retries_take_the_key_once_its_holder_lets_go() {
 async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
     let store = MemoryBackend::new();
     let _holder = held_elsewhere(&store, &Job { id: 4, delivery: 1 }).await;
-    let mut service = LockLayer::new(locker(&store, Duration::from_secs(30)), key_of)
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
         .dead_letter_after(3, |job: &Job| job.delivery)
         .layer(Handler(|_: Locked<Job>| async { Ok::<_, Infallible>(()) }));
     for delivery in 1..=2 {
@@ -162,18 +160,18 @@ async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
 /// another step after its pause, is stopped instead.
 #[tokio::test]
 async fn a_lost_lease_stops_the_job_before_its_next_step() {
-    let store = MemoryBackend::new();
+    let faults = Arc::new(Faults::default());
+    let store = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
     let steps = Arc::new(AtomicU32::new(0));
     let counted = steps.clone();
-    let store = Arc::new(store);
-    let locker = locker(&store, Duration::from_millis(300));
+    let locker = locker(store, Duration::from_millis(300));
     let mut service = LockLayer::new(locker, key_of).layer(Handler(move |_: Locked<Job>| {
         let steps = counted.clone();
-        let store = store.clone();
+        let faults = faults.clone();
         async move {
             steps.fetch_add(1, Ordering::SeqCst);
-            // Every call to the store hangs from now on: renewals never answer.
-            store.faults().partition();
+            // Every call to the store fails from now on: renewals never succeed.
+            faults.partition();
             tokio::time::sleep(Duration::from_secs(2)).await;
             steps.fetch_add(1, Ordering::SeqCst);
             Ok::<_, Infallible>(())
@@ -206,7 +204,8 @@ async fn each_tick_runs_once_across_instances_and_a_standby_takes_over() {
     let store = MemoryBackend::new();
     let runs: Runs = Arc::default();
     let instance = |store: &MemoryBackend| {
-        let election = Election::new(locker(store, Duration::from_secs(30)), "nightly").unwrap();
+        let election =
+            Election::new(locker(store.client(), Duration::from_secs(30)), "nightly").unwrap();
         let layer = LeaderLayer::new(election).unwrap();
         let runs = runs.clone();
         let service = layer.layer(Handler(move |tick: Locked<Job>| {

@@ -92,6 +92,13 @@ impl Lease {
         Self::new(backend, key, owner, token, ttl, Instant::now())
     }
 
+    /// The same lease, trusted only until `valid_until` (a layer that knows the request
+    /// left earlier than the backend saw it).
+    pub(crate) fn with_valid_until(mut self, valid_until: Instant) -> Self {
+        self.valid_until = valid_until;
+        self
+    }
+
     /// Attaches a backend-private handle.
     #[must_use]
     pub fn with_handle(mut self, handle: Arc<dyn Any + Send + Sync>) -> Self {

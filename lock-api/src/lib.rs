@@ -5,6 +5,7 @@ mod election;
 mod env;
 mod error;
 mod failure;
+mod faults;
 mod fencing;
 mod guard;
 mod instrumented;

@@ -1,14 +1,14 @@
-//! The in-memory reference backend, with fault knobs for testing the layers above it.
+//! The in-memory reference backend, and the fault layer for testing the code above a
+//! backend.
 //!
 //! [`MemoryBackend`] keeps its state in one process, on tokio's clock (so tests can
 //! pause time). It is the reference every other backend is compared against: it meets
-//! the whole [`LockBackend`] contract. Its [`Faults`] handle makes calls fail, slow
-//! down, hang, lose their replies, or fail until "healed", to test how `Locker`, the
-//! watchdog and user code react.
+//! the whole [`LockBackend`] contract. [`Faults`], a layer around it (or around any
+//! backend), makes calls fail, slow down, hang, lose their replies, or fail until
+//! "healed", to test how `Locker`, the watchdog and user code react.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -22,6 +22,8 @@ use crate::lease::{
     BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal, valid_until,
 };
 use crate::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+
+pub use crate::faults::Faults;
 
 const NAME: &str = "memory";
 
@@ -46,7 +48,6 @@ pub struct MemoryBackend {
     /// Wakes waiters of every client of the store when a key is released (not when a
     /// TTL runs out: like Redis, the store does not announce expiries).
     releases: ReleaseHub,
-    faults: Arc<Faults>,
     capabilities: Capabilities,
 }
 
@@ -102,27 +103,20 @@ impl MemoryBackend {
             id: BackendId::next(),
             keys: Arc::new(Mutex::new(HashMap::new())),
             releases: ReleaseHub::new(AllKeys),
-            faults: Arc::new(Faults::default()),
             capabilities,
         }
     }
 
-    /// Another client of the same store: it sees the same locks and fault knobs, but is
-    /// a separate backend instance, so leases do not cross between the two (as with two
+    /// Another client of the same store: it sees the same locks, but is a separate
+    /// backend instance, so leases do not cross between the two (as with two
     /// connections to one Redis server).
     pub fn client(&self) -> Self {
         Self {
             id: BackendId::next(),
             keys: self.keys.clone(),
             releases: self.releases.clone(),
-            faults: self.faults.clone(),
             capabilities: self.capabilities.clone(),
         }
-    }
-
-    /// The fault knobs of this backend (shared by all its clients).
-    pub fn faults(&self) -> &Faults {
-        &self.faults
     }
 
     fn check_lease(&self, lease: &Lease) -> Result<(), LockError> {
@@ -143,7 +137,6 @@ impl LockBackend for MemoryBackend {
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities.check_ttl(ttl)?;
         let sent = Instant::now();
-        self.faults.before_call().await?;
         let lease = {
             let now = Instant::now();
             let mut keys = self.keys.lock();
@@ -168,14 +161,12 @@ impl LockBackend for MemoryBackend {
                 ))
             }
         };
-        self.faults.after_call("acquire")?;
         Ok(lease)
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
         self.check_lease(lease)?;
         let sent = Instant::now();
-        self.faults.before_call().await?;
         let renewal = {
             let now = Instant::now();
             let mut keys = self.keys.lock();
@@ -191,13 +182,11 @@ impl LockBackend for MemoryBackend {
                 _ => Renewal::Lost,
             }
         };
-        self.faults.after_call("renew")?;
         Ok(renewal)
     }
 
     async fn release(&self, lease: &Lease) -> Result<Release, LockError> {
         self.check_lease(lease)?;
-        self.faults.before_call().await?;
         let release = {
             let now = Instant::now();
             let mut keys = self.keys.lock();
@@ -209,16 +198,14 @@ impl LockBackend for MemoryBackend {
                 _ => Release::NotHeld,
             }
         };
-        if release == Release::Released && !self.faults.notifications_lost() {
+        if release == Release::Released {
             self.releases.notify(lease.key());
         }
-        self.faults.after_call("release")?;
         Ok(release)
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.check_lease(lease)?;
-        self.faults.before_call().await?;
         let fence = {
             let now = Instant::now();
             let keys = self.keys.lock();
@@ -232,7 +219,6 @@ impl LockBackend for MemoryBackend {
                 },
             }
         };
-        self.faults.after_call("fence")?;
         Ok(fence)
     }
 
@@ -283,13 +269,11 @@ impl LockBackend for MemoryBackend {
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
-        self.faults.before_call().await?;
         self.keys.lock().remove(key);
         Ok(())
     }
 
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        self.faults.before_call().await?;
         let now = Instant::now();
         let keys = self.keys.lock();
         let state = keys.get(key);
@@ -304,196 +288,12 @@ impl LockBackend for MemoryBackend {
     }
 }
 
-/// Fault knobs of a [`MemoryBackend`]; every knob applies to every call until changed.
-///
-/// A failed call (`fail_next`, `partition`) does nothing in the store and returns
-/// [`LockError::Unavailable`]. A call with a lost reply (`lose_replies`) takes effect in
-/// the store and returns [`LockError::OutcomeUnknown`].
-#[derive(Debug, Default)]
-pub struct Faults {
-    fail_next: AtomicU64,
-    lose_replies: AtomicU64,
-    delay_micros: AtomicU64,
-    partitioned: AtomicBool,
-    hung: AtomicBool,
-    lose_notifications: AtomicBool,
-    calls: AtomicU64,
-    heal: tokio::sync::Notify,
-}
-
-impl Faults {
-    /// The next `n` calls fail with `Unavailable` and change nothing.
-    pub fn fail_next(&self, n: u64) {
-        self.fail_next.store(n, Ordering::SeqCst);
-    }
-
-    /// The next `n` calls take effect but lose their reply (`OutcomeUnknown`).
-    pub fn lose_replies(&self, n: u64) {
-        self.lose_replies.store(n, Ordering::SeqCst);
-    }
-
-    /// Every call waits `delay` before it reaches the store.
-    pub fn delay(&self, delay: Duration) {
-        let micros = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
-        self.delay_micros.store(micros, Ordering::SeqCst);
-    }
-
-    /// Every call fails with `Unavailable` until [`Faults::heal`].
-    pub fn partition(&self) {
-        self.partitioned.store(true, Ordering::SeqCst);
-    }
-
-    /// Every call hangs, never reaching the store, until [`Faults::heal`].
-    pub fn hang(&self) {
-        self.hung.store(true, Ordering::SeqCst);
-    }
-
-    /// Releases take effect but wake no waiter (`false` restores the wakes), as when the
-    /// store's notification is lost on the way.
-    pub fn lose_notifications(&self, lose: bool) {
-        self.lose_notifications.store(lose, Ordering::SeqCst);
-    }
-
-    fn notifications_lost(&self) -> bool {
-        self.lose_notifications.load(Ordering::SeqCst)
-    }
-
-    /// Ends a partition, a hang and a delay; pending failure counts are kept.
-    pub fn heal(&self) {
-        self.partitioned.store(false, Ordering::SeqCst);
-        self.hung.store(false, Ordering::SeqCst);
-        self.delay_micros.store(0, Ordering::SeqCst);
-        self.heal.notify_waiters();
-    }
-
-    /// How many calls reached the backend (including failed ones).
-    pub fn calls(&self) -> u64 {
-        self.calls.load(Ordering::SeqCst)
-    }
-
-    async fn before_call(&self) -> Result<(), LockError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        loop {
-            let healed = self.heal.notified();
-            if !self.hung.load(Ordering::SeqCst) {
-                break;
-            }
-            healed.await;
-        }
-        let delay = self.delay_micros.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_micros(delay)).await;
-        }
-        if self.partitioned.load(Ordering::SeqCst) {
-            return Err(LockError::unavailable(NAME, "partitioned (injected fault)"));
-        }
-        if take_one(&self.fail_next) {
-            return Err(LockError::unavailable(NAME, "injected failure"));
-        }
-        Ok(())
-    }
-
-    fn after_call(&self, operation: &'static str) -> Result<(), LockError> {
-        if take_one(&self.lose_replies) {
-            return Err(LockError::outcome_unknown(
-                NAME,
-                operation,
-                "reply lost (injected fault)",
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// Decrements `counter` if it is above zero; true if it did.
-fn take_one(counter: &AtomicU64) -> bool {
-    counter
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-        .is_ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn key(s: &str) -> LockKey {
         LockKey::new(s).unwrap()
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn failed_calls_change_nothing() {
-        let b = MemoryBackend::new();
-        b.faults().fail_next(1);
-        let err = b
-            .acquire(&key("k"), Duration::from_secs(1))
-            .await
-            .unwrap_err();
-        assert!(err.is_retryable());
-        let lease = b
-            .acquire(&key("k"), Duration::from_secs(1))
-            .await
-            .unwrap()
-            .unwrap();
-        assert_eq!(
-            lease.token(),
-            FencingToken(1),
-            "the failed call issued no token"
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_lost_reply_still_takes_effect() {
-        let b = MemoryBackend::new();
-        b.faults().lose_replies(1);
-        let err = b
-            .acquire(&key("k"), Duration::from_secs(1))
-            .await
-            .unwrap_err();
-        assert!(matches!(err, LockError::OutcomeUnknown { .. }));
-        assert!(
-            b.acquire(&key("k"), Duration::from_secs(1))
-                .await
-                .unwrap()
-                .is_none()
-        );
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert!(
-            b.acquire(&key("k"), Duration::from_secs(1))
-                .await
-                .unwrap()
-                .is_some()
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_hung_call_resumes_on_heal() {
-        let b = Arc::new(MemoryBackend::new());
-        b.faults().hang();
-        let call = tokio::spawn({
-            let b = b.clone();
-            async move { b.acquire(&key("k"), Duration::from_secs(1)).await }
-        });
-        tokio::time::sleep(Duration::from_secs(5)).await;
-        assert!(!call.is_finished());
-        b.faults().heal();
-        assert!(call.await.unwrap().unwrap().is_some());
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_partition_fails_every_call_until_healed() {
-        let b = MemoryBackend::new();
-        b.faults().partition();
-        for _ in 0..3 {
-            assert!(b.acquire(&key("k"), Duration::from_secs(1)).await.is_err());
-        }
-        b.faults().heal();
-        assert!(
-            b.acquire(&key("k"), Duration::from_secs(1))
-                .await
-                .unwrap()
-                .is_some()
-        );
-        assert_eq!(b.faults().calls(), 4);
     }
 
     #[tokio::test(start_paused = true)]

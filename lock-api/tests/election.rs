@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::memory::MemoryBackend;
+use distlock_core::memory::{Faults, MemoryBackend};
 use distlock_core::{
     Admission, BackendLayer, Capabilities, Election, EnforcementMode, FencedResource, FencingToken,
     Layered, Lease, LockBackend, LockError, LockInfo, LockKey, Locker, MemoryFencedResource,
@@ -17,13 +17,10 @@ use tokio::time::{Instant, sleep, timeout};
 
 const TTL: Duration = Duration::from_secs(3);
 
-/// An election for `role` on a new client of `store`, with its own locker (as another
-/// process would have).
-fn election(store: &MemoryBackend, role: &str) -> Election {
-    let locker = Locker::builder(Arc::new(store.client()))
-        .ttl(TTL)
-        .build()
-        .unwrap();
+/// An election for `role` on `client`, a new client of a store, with its own locker (as
+/// another process would have).
+fn election(client: impl LockBackend + 'static, role: &str) -> Election {
+    let locker = Locker::builder(Arc::new(client)).ttl(TTL).build().unwrap();
     Election::new(locker, role).unwrap()
 }
 
@@ -38,7 +35,7 @@ async fn one_leader_at_a_time_among_campaigners() {
     let queue = Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce));
     let tasks: Vec<_> = (0..CAMPAIGNERS)
         .map(|_| {
-            let election = election(&store, "scheduler");
+            let election = election(store.client(), "scheduler");
             let (acting, most_acting, terms, queue) = (
                 acting.clone(),
                 most_acting.clone(),
@@ -75,7 +72,9 @@ async fn one_leader_at_a_time_among_campaigners() {
 #[tokio::test(start_paused = true)]
 async fn tokens_strictly_increase_across_leaders() {
     let store = MemoryBackend::new();
-    let elections: Vec<_> = (0..3).map(|_| election(&store, "sweeper")).collect();
+    let elections: Vec<_> = (0..3)
+        .map(|_| election(store.client(), "sweeper"))
+        .collect();
     let mut last = FencingToken(0);
     for round in 0..9 {
         let leadership = elections[round % 3].campaign().await.unwrap();
@@ -97,7 +96,7 @@ async fn tokens_strictly_increase_across_leaders() {
 #[tokio::test(start_paused = true)]
 async fn a_standby_takes_over_within_one_backoff_step_after_resign() {
     let store = MemoryBackend::new();
-    let leader = election(&store, "scheduler");
+    let leader = election(store.client(), "scheduler");
     let retry = RetryPolicy {
         initial: Duration::from_millis(10),
         max: Duration::from_millis(100),
@@ -137,8 +136,13 @@ async fn a_standby_takes_over_within_one_backoff_step_after_resign() {
 #[tokio::test(start_paused = true)]
 async fn a_lost_lease_ends_leadership_and_the_old_leaders_triggers_are_refused() {
     let store = MemoryBackend::new();
+    let faults = Arc::new(Faults::default());
+    let faulty = || Layered::new(Arc::new(store.client()), faults.clone());
     let queue = MemoryFencedResource::new(EnforcementMode::Enforce);
-    let (first, second) = (election(&store, "scheduler"), election(&store, "scheduler"));
+    let (first, second) = (
+        election(faulty(), "scheduler"),
+        election(faulty(), "scheduler"),
+    );
     let old = first.campaign().await.unwrap();
     assert!(
         queue
@@ -150,11 +154,11 @@ async fn a_lost_lease_ends_leadership_and_the_old_leaders_triggers_are_refused()
     let standby = tokio::spawn(async move { second.campaign().await.unwrap() });
 
     // The old leader cannot reach the store (a pause, a partition) past its TTL.
-    store.faults().partition();
+    faults.partition();
     let lost = timeout(TTL * 2, old.lost()).await;
     assert!(lost.is_ok(), "lost() fires when the lease runs out");
     assert!(!old.is_leader());
-    store.faults().heal();
+    faults.heal();
 
     let new = timeout(TTL * 2, standby).await.unwrap().unwrap();
     assert!(
@@ -185,7 +189,10 @@ async fn a_lost_lease_ends_leadership_and_the_old_leaders_triggers_are_refused()
 async fn a_cancelled_campaign_leaves_nothing_held() {
     let store = MemoryBackend::new();
     let key = election_key("scheduler").unwrap();
-    let (first, second) = (election(&store, "scheduler"), election(&store, "scheduler"));
+    let (first, second) = (
+        election(store.client(), "scheduler"),
+        election(store.client(), "scheduler"),
+    );
 
     // Cancelled while waiting for the leader: it does not take over later.
     let leader = first.campaign().await.unwrap();
@@ -233,8 +240,11 @@ async fn a_cancelled_campaign_leaves_nothing_held() {
 #[tokio::test(start_paused = true)]
 async fn observe_reports_each_leader_in_turn() {
     let store = MemoryBackend::new();
-    let (first, second) = (election(&store, "scheduler"), election(&store, "scheduler"));
-    let watcher = election(&store, "scheduler");
+    let (first, second) = (
+        election(store.client(), "scheduler"),
+        election(store.client(), "scheduler"),
+    );
+    let watcher = election(store.client(), "scheduler");
     let mut leaders = Box::pin(watcher.observe());
     assert_eq!(leaders.next().await.unwrap().unwrap(), None);
 
@@ -323,11 +333,9 @@ async fn observe_ends_with_unsupported_on_a_backend_without_inspect() {
 
 #[tokio::test]
 async fn bad_settings_are_refused_before_anything_is_sent() {
-    let store = MemoryBackend::new();
-    let locker = Locker::builder(Arc::new(store.client()))
-        .ttl(TTL)
-        .build()
-        .unwrap();
+    let faults = Arc::new(Faults::default());
+    let store = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
+    let locker = Locker::builder(Arc::new(store)).ttl(TTL).build().unwrap();
     let empty = Election::new(locker.clone(), "");
     assert!(
         matches!(empty, Err(LockError::InvalidKey { .. })),
@@ -348,7 +356,7 @@ async fn bad_settings_are_refused_before_anything_is_sent() {
         .poll_interval(Duration::ZERO)
         .build();
     assert!(matches!(poll, Err(LockError::Config(_))), "{poll:?}");
-    assert_eq!(store.faults().calls(), 0);
+    assert_eq!(faults.calls(), 0);
 }
 
 #[tokio::test(start_paused = true)]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::memory::MemoryBackend;
+use distlock_core::memory::{Faults, MemoryBackend};
 use distlock_core::{
     BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
     RetryPolicy, async_trait,
@@ -174,10 +174,11 @@ async fn one_renew_many_call_renews_every_due_lease() {
 
 #[tokio::test(start_paused = true)]
 async fn a_partition_is_reported_no_later_than_valid_until() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
-    backend.faults().partition();
+    faults.partition();
     let deadline = guard.valid_until();
     guard.lost().await;
     assert!(Instant::now() <= deadline, "reported after valid_until");
@@ -186,16 +187,17 @@ async fn a_partition_is_reported_no_later_than_valid_until() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hanging_store_is_reported_no_later_than_valid_until() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
-    backend.faults().hang();
+    faults.hang();
     let deadline = guard.valid_until();
     tokio::time::timeout_at(deadline + Duration::from_millis(1), guard.lost())
         .await
         .expect("lost() did not resolve by valid_until");
     assert!(!guard.is_held());
-    backend.faults().heal();
+    faults.heal();
 }
 
 #[tokio::test(start_paused = true)]
@@ -282,10 +284,11 @@ fn the_watchdog_starts_again_on_a_new_runtime_after_its_runtime_shut_down() {
 
 #[tokio::test(start_paused = true)]
 async fn transient_renewal_errors_are_retried() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
-    backend.faults().fail_next(2);
+    faults.fail_next(2);
     sleep(TTL * 2).await;
     assert!(
         guard.is_held(),
@@ -332,14 +335,15 @@ async fn a_lost_renewal_marks_the_guard_lost_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let finished = Arc::new(AtomicBool::new(false));
     let job = {
         let finished = finished.clone();
-        let backend = backend.clone();
+        let faults = faults.clone();
         move |_: &distlock_core::LockGuard| async move {
-            backend.faults().partition();
+            faults.partition();
             sleep(TTL * 10).await;
             finished.store(true, Ordering::SeqCst);
         }
@@ -351,12 +355,13 @@ async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let job = {
-        let backend = backend.clone();
+        let faults = faults.clone();
         move |_: &distlock_core::LockGuard| async move {
-            backend.faults().hang();
+            faults.hang();
             sleep(TTL * 10).await;
         }
     };
@@ -367,35 +372,37 @@ async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
         Instant::now() - started <= TTL,
         "with_lock waited on the hung store"
     );
-    backend.faults().heal();
+    faults.heal();
 }
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     let job = {
-        let backend = backend.clone();
+        let faults = faults.clone();
         move |_: &distlock_core::LockGuard| async move {
-            backend.faults().hang();
+            faults.hang();
             7
         }
     };
     let started = Instant::now();
     assert_eq!(locker.with_lock(&key("job"), job).await.unwrap(), 7);
     assert!(Instant::now() - started <= TTL);
-    backend.faults().heal();
+    faults.heal();
 }
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_keeps_a_result_ready_before_the_deadline_and_polls_nothing_at_it() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
     // No renewal gets through: each lease runs out at its first deadline.
     let job = |finish_before: Duration| {
-        let backend = backend.clone();
+        let faults = faults.clone();
         move |guard: &distlock_core::LockGuard| {
-            backend.faults().partition();
+            faults.partition();
             let until = guard.valid_until();
             async move {
                 sleep_until(until - finish_before).await;
@@ -408,11 +415,11 @@ async fn with_lock_keeps_a_result_ready_before_the_deadline_and_polls_nothing_at
         .with_lock(&key("job"), job(Duration::from_millis(1)))
         .await;
     assert_eq!(kept.unwrap(), 42, "the finished job's result was dropped");
-    backend.faults().heal();
+    faults.heal();
     // A job woken at its lease's deadline is not polled again.
     let late = locker.with_lock(&key("job"), job(Duration::ZERO)).await;
     assert!(matches!(late, Err(LockError::Lost)), "{late:?}");
-    backend.faults().heal();
+    faults.heal();
 }
 
 #[tokio::test(start_paused = true)]
@@ -468,13 +475,14 @@ async fn lock_waits_for_the_holder_and_times_out() {
 
 #[tokio::test(start_paused = true)]
 async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = Locker::builder(backend.clone())
         .ttl(TTL)
         .wait_timeout(Some(Duration::from_secs(1)))
         .build()
         .unwrap();
-    backend.faults().hang();
+    faults.hang();
     let result = tokio::time::timeout(Duration::from_secs(60), locker.lock(&key("job")))
         .await
         .expect("lock() waited on the hung call past its wait timeout");
@@ -482,14 +490,15 @@ async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
         matches!(result, Err(LockError::Timeout { .. })),
         "{result:?}"
     );
-    backend.faults().heal();
+    faults.heal();
 }
 
 #[tokio::test(start_paused = true)]
 async fn lock_retries_transient_errors_within_its_deadline() {
-    let backend = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
     let locker = locker(backend.clone());
-    backend.faults().fail_next(3);
+    faults.fail_next(3);
     assert!(locker.lock(&key("job")).await.is_ok());
 }
 

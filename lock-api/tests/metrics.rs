@@ -4,7 +4,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::memory::MemoryBackend;
+use distlock_core::memory::{Faults, MemoryBackend};
 use distlock_core::telemetry::{
     ACQUIRE_SECONDS, ACQUIRE_TOTAL, FENCE_REJECTED_TOTAL, HELD, HELD_SECONDS, LOST_TOTAL,
     RENEW_TOTAL, WAIT_SECONDS,
@@ -51,7 +51,8 @@ fn acquire_renew_loss_and_stale_writes_are_counted() {
             .build()
             .unwrap();
         runtime.block_on(async {
-            let backend = Arc::new(MemoryBackend::new());
+            let faults = Arc::new(Faults::default());
+            let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
             let locker = Locker::builder(backend.clone())
                 .ttl(Duration::from_secs(3))
                 .build()
@@ -62,7 +63,7 @@ fn acquire_renew_loss_and_stale_writes_are_counted() {
             let held = locker.held();
             assert_eq!(held, 1);
             tokio::time::sleep(Duration::from_millis(1100)).await;
-            backend.faults().partition();
+            faults.partition();
             guard.lost().await;
 
             let fenced = MemoryFencedResource::new(EnforcementMode::Shadow);
@@ -273,7 +274,8 @@ fn a_lost_lease_records_its_hold_up_to_its_deadline() {
     let mut expected = Duration::ZERO;
     let valid_for = &mut expected;
     let snapshot = recorded(move || async move {
-        let backend = Arc::new(MemoryBackend::new());
+        let faults = Arc::new(Faults::default());
+        let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
         let locker = memory_locker(backend.clone(), Duration::from_secs(30));
         let granted = Instant::now();
         let guard = locker
@@ -282,7 +284,7 @@ fn a_lost_lease_records_its_hold_up_to_its_deadline() {
             .unwrap()
             .unwrap();
         *valid_for = guard.valid_until() - granted;
-        backend.faults().partition();
+        faults.partition();
         // A pause of ten seconds, three times the TTL: no renewal runs during it.
         tokio::time::advance(Duration::from_secs(10)).await;
         assert!(!guard.is_held());

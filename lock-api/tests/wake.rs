@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::memory::MemoryBackend;
-use distlock_core::{LockBackend, LockKey, Locker, RetryPolicy};
+use distlock_core::memory::{Faults, MemoryBackend};
+use distlock_core::{Layered, LockBackend, LockKey, Locker, RetryPolicy};
 use tokio::time::Instant;
 
 const TTL: Duration = Duration::from_secs(60);
@@ -16,8 +16,8 @@ fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
 }
 
-fn locker(backend: &MemoryBackend) -> Locker {
-    Locker::builder(Arc::new(backend.client()))
+fn locker(client: impl LockBackend + 'static) -> Locker {
+    Locker::builder(Arc::new(client))
         .ttl(TTL)
         .retry(RetryPolicy {
             initial: BACKOFF,
@@ -31,7 +31,7 @@ fn locker(backend: &MemoryBackend) -> Locker {
 #[tokio::test(start_paused = true)]
 async fn a_release_wakes_a_waiter_at_once_not_after_its_backoff() {
     let store = MemoryBackend::new();
-    let (holder, waiter) = (locker(&store), locker(&store));
+    let (holder, waiter) = (locker(store.client()), locker(store.client()));
     let guard = holder.try_lock(&key("job:1")).await.unwrap().unwrap();
     let waiting = tokio::spawn(async move {
         let guard = waiter.lock(&key("job:1")).await.unwrap();
@@ -52,9 +52,11 @@ async fn a_release_wakes_a_waiter_at_once_not_after_its_backoff() {
 #[tokio::test(start_paused = true)]
 async fn a_waiter_still_acquires_when_the_notification_is_lost() {
     let store = MemoryBackend::new();
-    let (holder, waiter) = (locker(&store), locker(&store));
+    let faults = Arc::new(Faults::default());
+    let faulty = || Layered::new(Arc::new(store.client()), faults.clone());
+    let (holder, waiter) = (locker(faulty()), locker(faulty()));
     let guard = holder.try_lock(&key("job:1")).await.unwrap().unwrap();
-    store.faults().lose_notifications(true);
+    faults.lose_notifications(true);
     let started = Instant::now();
     let waiting = tokio::spawn(async move { waiter.lock(&key("job:1")).await.map(|_| ()) });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -71,7 +73,7 @@ async fn a_waiter_still_acquires_when_the_notification_is_lost() {
 #[tokio::test(start_paused = true)]
 async fn a_cancelled_waiter_leaves_no_subscription_behind() {
     let store = MemoryBackend::new();
-    let (holder, waiter) = (locker(&store), locker(&store));
+    let (holder, waiter) = (locker(store.client()), locker(store.client()));
     let _guard = holder.try_lock(&key("job:1")).await.unwrap().unwrap();
     let waiting = tokio::spawn(async move { waiter.lock(&key("job:1")).await.map(|_| ()) });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -85,18 +87,20 @@ async fn a_cancelled_waiter_leaves_no_subscription_behind() {
 async fn sixteen_waiters_take_turns_with_one_store_call_per_handoff() {
     const WAITERS: u64 = 16;
     let store = MemoryBackend::new();
-    let holder = locker(&store);
+    let faults = Arc::new(Faults::default());
+    let faulty = || Layered::new(Arc::new(store.client()), faults.clone());
+    let holder = locker(faulty());
     let guard = holder.try_lock(&key("job:1")).await.unwrap().unwrap();
     let mut tasks = Vec::new();
     for _ in 0..WAITERS {
-        let waiter = locker(&store);
+        let waiter = locker(faulty());
         tasks.push(tokio::spawn(async move {
             let guard = waiter.lock(&key("job:1")).await.unwrap();
             guard.release().await.unwrap();
         }));
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    let before = store.faults().calls();
+    let before = faults.calls();
     let started = Instant::now();
     guard.release().await.unwrap();
     for task in tasks {
@@ -104,7 +108,7 @@ async fn sixteen_waiters_take_turns_with_one_store_call_per_handoff() {
     }
     // Each handoff: the release, and one acquire by the one waiter it woke. Waking every
     // waiter would cost up to 16 acquires per handoff.
-    let calls = store.faults().calls() - before;
+    let calls = faults.calls() - before;
     assert_eq!(
         calls,
         1 + 2 * WAITERS,

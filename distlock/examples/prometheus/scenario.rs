@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use distlock::memory::MemoryBackend;
+use distlock::backend::Layered;
+use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, LeaderLayer, LockLayer, Locked, OnMiss};
 use distlock::{
-    Admission, Election, EnforcementMode, FencedResource, LockError, LockKey, Locker,
+    Admission, Election, EnforcementMode, FencedResource, LockBackend, LockError, LockKey, Locker,
     MemoryFencedResource,
 };
 use metrics_exporter_prometheus::{BuildError, PrometheusBuilder};
@@ -79,7 +80,7 @@ fn free_port() -> std::io::Result<u16> {
 /// instance that does not lead.
 pub async fn take_locks() -> Result<(), BoxError> {
     let store = MemoryBackend::new();
-    let locker = new_locker(&store, Duration::from_secs(5))?;
+    let locker = new_locker(store.client(), Duration::from_secs(5))?;
 
     for id in 1..=3 {
         let key = LockKey::new(format!("payout:{id}"))?;
@@ -126,7 +127,7 @@ pub async fn take_locks() -> Result<(), BoxError> {
 
     // Held again: a caller that waits at most 100 ms gives up.
     let holder = locker.try_lock(&key).await?.ok_or("a free key")?;
-    let impatient = new_locker(&store, Duration::from_millis(100))?;
+    let impatient = new_locker(store.client(), Duration::from_millis(100))?;
     match impatient.lock(&key).await {
         Err(LockError::Timeout { .. }) => {}
         other => return Err(format!("a wait on a held key: {other:?}").into()),
@@ -142,13 +143,14 @@ pub async fn take_locks() -> Result<(), BoxError> {
     holder.release().await?;
 
     // A job whose store stops answering loses its lease and is stopped.
-    let flaky = Arc::new(MemoryBackend::new());
+    let faults = Arc::new(Faults::default());
+    let flaky = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
     let stalls = Work {
         takes: Duration::from_secs(2),
-        partitions: Some(flaky.clone()),
+        partitions: Some(faults),
     };
     let mut jobs =
-        LockLayer::new(new_locker(&flaky, Duration::from_secs(5))?, job_key).layer(stalls);
+        LockLayer::new(new_locker(flaky, Duration::from_secs(5))?, job_key).layer(stalls);
     if !matches!(jobs.call(7).await, Err(JobError::Lost { .. })) {
         return Err("a job ran on after its lease was lost".into());
     }
@@ -156,11 +158,11 @@ pub async fn take_locks() -> Result<(), BoxError> {
     // Two instances of a cron worker: one leads and runs the tick, the other skips it.
     let instances = [
         LeaderLayer::new(Election::new(
-            new_locker(&store, Duration::from_secs(5))?,
+            new_locker(store.client(), Duration::from_secs(5))?,
             "nightly",
         )?)?,
         LeaderLayer::new(Election::new(
-            new_locker(&store, Duration::from_secs(5))?,
+            new_locker(store.client(), Duration::from_secs(5))?,
             "nightly",
         )?)?,
     ];
@@ -182,8 +184,8 @@ pub async fn take_locks() -> Result<(), BoxError> {
 }
 
 /// A locker on a client of `store` that waits up to `wait` in `lock`.
-fn new_locker(store: &MemoryBackend, wait: Duration) -> Result<Locker, LockError> {
-    Locker::builder(Arc::new(store.client()))
+fn new_locker(client: impl LockBackend + 'static, wait: Duration) -> Result<Locker, LockError> {
+    Locker::builder(Arc::new(client))
         .ttl(TTL)
         .wait_timeout(Some(wait))
         .build()
@@ -194,11 +196,12 @@ fn job_key(job: &u64) -> Result<LockKey, LockError> {
     LockKey::new(format!("payout:{job}"))
 }
 
-/// A job: it takes `takes`, and first cuts its store off if `partitions` names one.
+/// A job: it takes `takes`, and first cuts its store off if `partitions` holds the store's
+/// faults.
 #[derive(Clone, Debug, Default)]
 struct Work {
     takes: Duration,
-    partitions: Option<Arc<MemoryBackend>>,
+    partitions: Option<Arc<Faults>>,
 }
 
 impl Service<Locked<u64>> for Work {
@@ -211,8 +214,8 @@ impl Service<Locked<u64>> for Work {
     }
 
     fn call(&mut self, job: Locked<u64>) -> Self::Future {
-        if let Some(store) = &self.partitions {
-            store.faults().partition();
+        if let Some(faults) = &self.partitions {
+            faults.partition();
         }
         let takes = self.takes;
         Box::pin(async move {
