@@ -37,7 +37,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
+use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// The pause between two polls of a call: long enough for a reply to arrive.
 const BETWEEN_POLLS: Duration = Duration::from_millis(2);
@@ -225,10 +225,7 @@ async fn after_the_cut(
     // slow machine (an advisory lock's session ends after a TTL idle, and the first
     // client's next acquire may open a new connection first). What it waits for is still
     // bounded by the TTL of whatever the cut left.
-    let long_ttl = fit_ttl(
-        &other.capabilities(),
-        (t.ttl * 20).max(Duration::from_secs(10)),
-    );
+    let long_ttl = t.long_ttl;
     // All keys are taken in one round, so none of the other client's leases runs out
     // while it waits for the rest.
     let taken = loop {

@@ -10,7 +10,7 @@ use tokio::time::{Instant, timeout};
 
 use super::release_held;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+use crate::suite::{Ctx, Failure, Outcome};
 
 /// TTLs a backend with `caps` must refuse: zero, one a lease would be trusted for no
 /// time at all (the validity margin itself), below the minimum, above the maximum, and
@@ -229,7 +229,7 @@ pub async fn validity_counts_from_the_send_instant(
     let link = ctx.link()?;
     let a = ctx.client().await;
     let t = ctx.timing(&a);
-    let long_ttl = fit_ttl(&a.capabilities(), (t.ttl * 20).max(Duration::from_secs(10)));
+    let long_ttl = t.long_ttl;
     let renewed_key = ctx.key("renewed")?;
     let held = ctx.take(&a, &renewed_key, long_ttl).await?;
     let key = ctx.key("k")?;

@@ -80,9 +80,16 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
     let ctx = Ctx::new("contention_loses_no_update", factory);
     let first = ctx.client().await;
     let t = ctx.timing(&first);
-    let mut lockers = vec![locker(&ctx, first, &t)?];
+    // No holder crashes or pauses here, so the leases outlast any renewal a loaded machine
+    // delays: each hold reads and writes the store's fenced resource, and with the short
+    // TTL a renewal late on a loaded three-member etcd cluster lost a lease mid-write.
+    let held = Timing {
+        ttl: t.long_ttl,
+        ..t.clone()
+    };
+    let mut lockers = vec![locker(&ctx, first, &held)?];
     for _ in 1..4 {
-        lockers.push(locker(&ctx, ctx.client().await, &t)?);
+        lockers.push(locker(&ctx, ctx.client().await, &held)?);
     }
     let key = ctx.key("counter")?;
     let counter = Arc::new(ctx.counter());

@@ -13,7 +13,7 @@ use tokio::time::{Instant, sleep};
 use super::locker::locker;
 use super::wake::{LONG_BACKOFF, WOKEN_WITHIN, waiting_locker};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+use crate::suite::{Ctx, Failure, Outcome};
 
 /// Permits of the semaphores the cases make: more than one, so a bug that counts one
 /// permit as the whole semaphore shows.
@@ -221,10 +221,7 @@ pub async fn a_permit_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Ou
     let holder = ctx.client().await;
     let t = ctx.timing(&holder);
     // The holder's leases outlive the wait, so only a release can free a permit.
-    let hold = fit_ttl(
-        &holder.capabilities(),
-        (t.ttl * 20).max(Duration::from_secs(10)),
-    );
+    let hold = t.long_ttl;
     let waiter = waiting_locker(&ctx, ctx.client().await, t.ttl, LONG_BACKOFF)?;
     let semaphore = ctx.semaphore(&waiter, "woken", 2)?;
     let mut held = Vec::new();

@@ -11,7 +11,7 @@ use tokio::time::{Instant, sleep};
 
 use crate::deaf::Deaf;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+use crate::suite::{Ctx, Failure, Outcome};
 
 /// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
 pub(super) const LONG_BACKOFF: Duration = Duration::from_secs(8);
@@ -47,11 +47,8 @@ pub async fn a_release_wakes_a_waiter(factory: &dyn Factory) -> Result<Outcome, 
     let holder = ctx.client().await;
     let t = ctx.timing(&holder);
     // The holder's lease outlives the wait, so only its release can free the key.
-    let hold = (t.ttl * 20).max(Duration::from_secs(10));
     let key = ctx.key("woken")?;
-    let held = ctx
-        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
-        .await?;
+    let held = ctx.take(&holder, &key, t.long_ttl).await?;
     let client = ctx.client().await;
     // A wrapper that forwards the capabilities but not the watch claims to wake waiters
     // while they poll: say so plainly rather than by the slow handoff alone.
@@ -93,10 +90,7 @@ pub async fn a_resignation_wakes_a_campaigning_standby(
     let first = ctx.client().await;
     let t = ctx.timing(&first);
     // The leader's lease outlives the wait, so only its resignation can free the role.
-    let ttl = fit_ttl(
-        &first.capabilities(),
-        (t.ttl * 20).max(Duration::from_secs(10)),
-    );
+    let ttl = t.long_ttl;
     let key = ctx.key("role")?;
     let campaigner = |client: Arc<dyn LockBackend>| -> Result<Election, Failure> {
         let locker = waiting_locker(&ctx, client, ttl, LONG_BACKOFF)?;
@@ -150,11 +144,8 @@ pub async fn a_waiter_whose_wake_is_lost_still_acquires(
     let ctx = Ctx::new("a_waiter_whose_wake_is_lost_still_acquires", factory);
     let holder = ctx.client().await;
     let t = ctx.timing(&holder);
-    let hold = (t.ttl * 20).max(Duration::from_secs(10));
     let key = ctx.key("wake-lost")?;
-    let held = ctx
-        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
-        .await?;
+    let held = ctx.take(&holder, &key, t.long_ttl).await?;
     let deaf = Arc::new(Layered::new(ctx.client().await, Deaf::default()));
     let waiter = waiting_locker(&ctx, deaf, t.ttl, BACKOFF)?;
     let waiting = {
@@ -179,11 +170,8 @@ pub async fn a_cancelled_waiter_leaves_no_subscription(
     let ctx = Ctx::new("a_cancelled_waiter_leaves_no_subscription", factory);
     let holder = ctx.client().await;
     let t = ctx.timing(&holder);
-    let hold = (t.ttl * 20).max(Duration::from_secs(10));
     let key = ctx.key("cancelled")?;
-    let held = ctx
-        .take(&holder, &key, fit_ttl(&holder.capabilities(), hold))
-        .await?;
+    let held = ctx.take(&holder, &key, t.long_ttl).await?;
     let client = ctx.client().await;
     let waiter = waiting_locker(&ctx, client.clone(), t.ttl, LONG_BACKOFF)?;
     let waiting = {

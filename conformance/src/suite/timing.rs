@@ -13,6 +13,10 @@ pub struct Timing {
     pub ttl: Duration,
     /// How long after a TTL runs out the store may take to notice (expiry lag).
     pub expiry_slack: Duration,
+    /// A TTL for a holder that must not lose its lease while a case waits or works on a
+    /// loaded machine (20 TTLs, at least 10 s, fitted to the store): only a release, a
+    /// fault or a cut frees its key.
+    pub long_ttl: Duration,
 }
 
 impl Timing {
@@ -24,6 +28,7 @@ impl Timing {
             // Stores expire leases on their own schedule (etcd checks every 500 ms):
             // half a TTL, at least 200 ms, past the deadline is still "on time".
             expiry_slack: (ttl / 2).max(Duration::from_millis(200)),
+            long_ttl: fit_ttl(caps, (ttl * 20).max(Duration::from_secs(10))),
         }
     }
 
