@@ -1,4 +1,5 @@
-//! PostgreSQL for tests: `initdb` into a temp dir and `postgres` on a free 127.0.0.1 port,
+//! PostgreSQL for tests: a cluster `initdb` made once, copied into a temp dir, and
+//! `postgres` on a free 127.0.0.1 port,
 //! run as the `postgres` OS user when the tests run as root. Creates the login role
 //! [`USER`] with password [`PASSWORD`] (SCRAM over TCP, so wrong-password tests work).
 //!
@@ -136,9 +137,96 @@ impl ServerKind for Postgres {
     }
 }
 
+/// The options every test cluster is made with.
+const INITDB_ARGS: [&str; 8] = [
+    "-U",
+    SUPERUSER,
+    "--auth-local=trust",
+    "--auth-host=scram-sha-256",
+    "-E",
+    "UTF8",
+    "--locale=C",
+    "--no-sync",
+];
+
+/// The data directory of a cluster `initdb` made once with [`INITDB_ARGS`], which every
+/// server copies instead of running `initdb` again: hundreds of tests start a server, and
+/// a copy took 0.16 s of CPU here against initdb's 1 s. It lives under `/tmp`, named after the `initdb`
+/// binary (path, size, modification time), the options and the OS user, so another
+/// PostgreSQL or other options make another. Made in a directory of its own and renamed
+/// into place, so a server never copies half of one; tests that start at once may each
+/// make one, and the first rename wins.
+async fn cluster_template(
+    initdb: &Path,
+    user: Option<(u32, u32)>,
+) -> Result<PathBuf, HarnessError> {
+    use std::hash::{DefaultHasher, Hash, Hasher};
+    let meta = std::fs::metadata(initdb)
+        .map_err(|e| HarnessError::io(format!("reading {}", initdb.display()), e))?;
+    let mut hasher = DefaultHasher::new();
+    (initdb, meta.len(), meta.modified().ok(), INITDB_ARGS, user).hash(&mut hasher);
+    let template = PathBuf::from(format!(
+        "/tmp/distlock-pg-template-{:016x}",
+        hasher.finish()
+    ));
+    let data = template.join("data");
+    if data.join("PG_VERSION").is_file() {
+        return Ok(data);
+    }
+    let staging = owned_temp_dir("distlock-pg-template-making-", user)?;
+    let mut cmd = tokio::process::Command::new(initdb);
+    cmd.arg("-D")
+        .arg(staging.path().join("data"))
+        .args(INITDB_ARGS)
+        .env("LC_ALL", "C")
+        .current_dir(staging.path());
+    if let Some((uid, gid)) = user {
+        cmd.uid(uid).gid(gid);
+    }
+    run(
+        cmd,
+        format!("initdb -D {}", staging.path().join("data").display()),
+        Duration::from_secs(120),
+    )
+    .await?;
+    // Another test's rename may have won meanwhile: then this one fails and its
+    // directory is removed on drop.
+    if std::fs::rename(staging.path(), &template).is_ok() {
+        let _ = staging.keep();
+    }
+    if data.join("PG_VERSION").is_file() {
+        Ok(data)
+    } else {
+        Err(HarnessError::Setup(format!(
+            "no cluster template at {} after initdb",
+            data.display()
+        )))
+    }
+}
+
+/// A temp dir PostgreSQL, running as `user`, can write in.
+fn owned_temp_dir(
+    prefix: &str,
+    user: Option<(u32, u32)>,
+) -> Result<tempfile::TempDir, HarnessError> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = super::temp_dir(prefix)?;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+        .map_err(|e| HarnessError::io(format!("chmod 755 {}", dir.path().display()), e))?;
+    if let Some((uid, gid)) = user {
+        std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).map_err(|e| {
+            HarnessError::io(
+                format!("chown {} to the postgres user", dir.path().display()),
+                e,
+            )
+        })?;
+    }
+    Ok(dir)
+}
+
 impl PostgresServer {
-    /// Runs `initdb` (UTF-8, C locale, `--auth-local=trust --auth-host=scram-sha-256`),
-    /// starts `postgres -c listen_addresses=127.0.0.1 -c fsync=off` (tests only) with its
+    /// Copies a cluster `initdb` made (UTF-8, C locale, `--auth-local=trust
+    /// --auth-host=scram-sha-256`, made once and copied), starts `postgres -c listen_addresses=127.0.0.1 -c fsync=off` (tests only) with its
     /// Unix socket in the temp dir, waits until `select 1` works, then creates the role
     /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
     /// `postgres`) and gives [`SUPERUSER`] its TCP password.
@@ -159,43 +247,14 @@ impl PostgresServer {
         let psql = find_binary("psql", &bin_dir)?;
         let user = run_as()?;
 
-        let dir = super::temp_dir("distlock-pg-")?;
-        {
-            use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
-                .map_err(|e| HarnessError::io(format!("chmod 755 {}", dir.path().display()), e))?;
-        }
-        if let Some((uid, gid)) = user {
-            std::os::unix::fs::chown(dir.path(), Some(uid), Some(gid)).map_err(|e| {
-                HarnessError::io(
-                    format!("chown {} to the postgres user", dir.path().display()),
-                    e,
-                )
-            })?;
-        }
+        let dir = owned_temp_dir("distlock-pg-", user)?;
         let data = dir.path().join("data");
-
-        let mut cmd = tokio::process::Command::new(&initdb);
-        cmd.arg("-D")
-            .arg(&data)
-            .args([
-                "-U",
-                SUPERUSER,
-                "--auth-local=trust",
-                "--auth-host=scram-sha-256",
-                "-E",
-                "UTF8",
-                "--locale=C",
-                "--no-sync",
-            ])
-            .env("LC_ALL", "C")
-            .current_dir(dir.path());
-        if let Some((uid, gid)) = user {
-            cmd.uid(uid).gid(gid);
-        }
+        let template = cluster_template(&initdb, user).await?;
+        let mut cp = tokio::process::Command::new("cp");
+        cp.arg("-a").arg(&template).arg(&data);
         run(
-            cmd,
-            format!("initdb -D {}", data.display()),
+            cp,
+            format!("cp -a {} {}", template.display(), data.display()),
             Duration::from_secs(120),
         )
         .await?;
