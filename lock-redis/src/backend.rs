@@ -1,8 +1,10 @@
 //! [`RedisBackend`]: the [`LockBackend`] on one Redis node or a Redis Cluster: the type,
 //! its single calls and the trait impl. The rest of it lives in the submodules: `connect`
-//! (building one), `batch` (multi-key script calls per hash slot, one pipeline per node),
-//! `coalesce` (single calls that arrive while one is in flight go together as one batch)
-//! and `replicas` (`WAIT` after each acquire, over connections of their own).
+//! (building one), `batch` (multi-key script calls per hash slot, one pipeline per node;
+//! the batches of coalesced single calls among them), `coalesce` (the coalescer: single
+//! calls that arrive while one is in flight go together as one batch), `reply` (what the
+//! scripts' replies mean) and `replicas` (`WAIT` after each acquire, over connections of
+//! their own).
 
 mod batch;
 mod coalesce;
@@ -23,12 +25,11 @@ use distlock_core::{
 };
 use futures::FutureExt;
 use redis::RedisError;
-use tokio::runtime::Handle;
-use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tracing::debug;
 
-use self::coalesce::{PendingAcquire, PendingRelease, Queue, Turn};
+use self::batch::Acquire;
+use self::coalesce::Coalescer;
 use self::reply::{release, renewal};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn};
@@ -114,10 +115,10 @@ struct Inner {
     /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
     /// `PUBLISH`.
     sharded: bool,
-    /// Acquires waiting for the one in flight (single node only).
-    acquires: Queue<PendingAcquire>,
-    /// Releases waiting for the one in flight (single node only).
-    releases: Queue<PendingRelease>,
+    /// Single acquires, coalesced (single node only).
+    acquires: Coalescer<Acquire, Option<Lease>>,
+    /// Single releases, coalesced (single node only).
+    releases: Coalescer<Lease, Release>,
     /// Hears the releases of the keys this instance's waiters watch.
     listener: ReleaseListener,
 }
@@ -615,21 +616,15 @@ impl LockBackend for RedisBackend {
         if self.inner.cluster {
             return self.acquire_one(key, ttl, called).await;
         }
-        let turn = self.take_turn(|queued| {
-            let (reply, rx) = oneshot::channel();
-            *queued = Some(rx);
-            PendingAcquire {
-                key: key.clone(),
-                ttl,
-                called,
-                runtime: Handle::try_current().ok(),
-                reply,
-            }
-        });
-        match turn.await {
-            Turn::Answered(answer) => answer,
-            Turn::Alone(_in_flight) => self.acquire_one(key, ttl, called).await,
-        }
+        let batched = || Acquire {
+            key: key.clone(),
+            ttl,
+            called,
+        };
+        self.inner
+            .acquires
+            .run(self, batched, || self.acquire_one(key, ttl, called))
+            .await
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
@@ -651,19 +646,10 @@ impl LockBackend for RedisBackend {
         if self.inner.cluster {
             return self.release_one(lease).await;
         }
-        let turn = self.take_turn(|queued| {
-            let (reply, rx) = oneshot::channel();
-            *queued = Some(rx);
-            PendingRelease {
-                lease: lease.clone(),
-                runtime: Handle::try_current().ok(),
-                reply,
-            }
-        });
-        match turn.await {
-            Turn::Answered(answer) => answer,
-            Turn::Alone(_in_flight) => self.release_one(lease).await,
-        }
+        self.inner
+            .releases
+            .run(self, || lease.clone(), || self.release_one(lease))
+            .await
     }
 
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {

@@ -1,22 +1,23 @@
-//! Batches: the items of a batch call (or of coalesced single calls) grouped into
-//! multi-key script calls, one per hash slot (all items on a single node) and at most
-//! [`CHUNK`] items each, sent as one pipeline per node; the replies are spread back over
-//! the items.
+//! Batches: the items of a batch call (or of coalesced single calls, which the
+//! [`SendBatch`] impls here send) grouped into multi-key script calls, one per hash slot
+//! (all items on a single node) and at most [`CHUNK`] items each, sent as one pipeline per
+//! node; the replies are spread back over the items.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use distlock_core::Effect;
+use distlock_core::{BoxError, Effect, Release};
 use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Value};
 use tokio::time::Instant;
 
-use super::reply::parse_token;
-use super::{Extra, RedisBackend, lease_args};
+use super::coalesce::{SendBatch, Waiting};
+use super::reply::{parse_token, release};
+use super::{Extra, NAME, RedisBackend, lease_args};
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{is_resendable, is_unreachable, map_error};
 use crate::keys::LockKeys;
-use crate::scripts::{ACQUIRE_MANY_SCRIPT, Lua};
+use crate::scripts::{ACQUIRE_MANY_SCRIPT, Lua, RELEASE_MANY_SCRIPT};
 
 /// Most locks in one multi-key script call. A script runs atomically and holds the server
 /// meanwhile, so a long batch is split into several calls (pipelined together).
@@ -258,6 +259,160 @@ impl RedisBackend {
             })
         });
         futures::future::join_all(settle).await;
+    }
+}
+
+/// One caller's acquire as it goes in a coalesced batch, with the instant its caller
+/// called.
+pub(super) struct Acquire {
+    pub(super) key: LockKey,
+    pub(super) ttl: Duration,
+    pub(super) called: Instant,
+}
+
+/// Coalesced acquires go as one acquire batch. A lease whose caller has gone (dropped its
+/// future) is released in the background, not left to expire.
+impl SendBatch<Acquire, Option<Lease>> for RedisBackend {
+    const BACKEND: &'static str = NAME;
+    const OPERATION: &'static str = "acquire";
+
+    async fn send(self, batch: Vec<Waiting<Acquire, Option<Lease>>>) {
+        let attempts: Vec<(LockKeys, OwnerId, Duration)> = batch
+            .iter()
+            .map(|w| {
+                (
+                    self.acquire_keys(&w.call.key),
+                    OwnerId::random(),
+                    w.call.ttl,
+                )
+            })
+            .collect();
+        let longest = batch.iter().map(|w| w.call.ttl).max().unwrap_or_default();
+        let replies = match self.send_acquires("acquire", &attempts).await {
+            Ok(replies) => replies,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(
+                        attempts.into_iter().map(|(k, o, _)| (k, o)).collect(),
+                        longest,
+                    );
+                }
+                for w in batch {
+                    let _ = w.answer(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        let mut unknown = Vec::new();
+        let mut orphans = Vec::new();
+        for ((w, (keys, owner, _)), reply) in batch.into_iter().zip(attempts).zip(replies) {
+            let Acquire { key, ttl, called } = &w.call;
+            let outcome = match reply
+                .map_err(|e| map_error("acquire", Effect::Write("acquire"), &e))
+                .and_then(|v| parse_token(Some(v)))
+            {
+                Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, *ttl, *called))),
+                Err(e) => {
+                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                        unknown.push((keys, owner));
+                    }
+                    Err(e)
+                }
+            };
+            if let Err(Ok(Some(lease))) = w.answer(outcome) {
+                orphans.push(lease);
+            }
+        }
+        if !unknown.is_empty() {
+            self.abandon(unknown, longest);
+        }
+        if !orphans.is_empty() {
+            tokio::spawn(async move {
+                let released = self.release_many(&orphans).await;
+                tracing::debug!(
+                    leases = orphans.len(),
+                    done = released.is_ok(),
+                    "released the leases of acquires whose callers had gone"
+                );
+            });
+        }
+    }
+}
+
+/// Coalesced releases go as one release batch. When the batch's connection drops, each
+/// release is settled as a direct one is ([`RedisBackend::release_until_settled`]): asked
+/// on the new connection and sent again if it did not run, all within the response
+/// timeout.
+impl SendBatch<Lease, Release> for RedisBackend {
+    const BACKEND: &'static str = NAME;
+    const OPERATION: &'static str = "release";
+
+    async fn send(self, batch: Vec<Waiting<Lease, Release>>) {
+        let leases: Vec<&Lease> = batch.iter().map(|w| &w.call).collect();
+        let (groups, calls) = self.lease_calls(&RELEASE_MANY_SCRIPT, &leases, Extra::Release);
+        let request = async {
+            let mut replies = match self
+                .inner
+                .conn
+                .batch(&calls, self.inner.response_timeout)
+                .await
+            {
+                Ok(replies) => spread(&groups, replies, leases.len()),
+                Err(e) if is_resendable(&e) => leases.iter().map(|_| Err(e.clone())).collect(),
+                Err(e) => return Err(e),
+            };
+            self.settle_releases(&mut replies, &leases).await;
+            Ok(replies)
+        };
+        let replies = self
+            .timed("release", Effect::Write("release"), request)
+            .await;
+        let replies = match replies {
+            Ok(replies) => replies,
+            Err(e) => {
+                for w in batch {
+                    let _ = w.answer(Err(duplicate(&e)));
+                }
+                return;
+            }
+        };
+        for (w, reply) in batch.into_iter().zip(replies) {
+            let outcome = reply
+                .and_then(|v| Ok(redis::from_redis_value::<i64>(v)?))
+                .map(release)
+                .map_err(|e| map_error("release", Effect::Write("release"), &e));
+            let _ = w.answer(outcome);
+        }
+    }
+}
+
+/// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`,
+/// nor is its source: each copy keeps the source's text).
+fn duplicate(e: &LockError) -> LockError {
+    let source = |s: &Option<BoxError>| s.as_ref().map(|s| BoxError::from(s.to_string()));
+    match e {
+        LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message,
+            source: s,
+        } => LockError::OutcomeUnknown {
+            backend,
+            operation,
+            message: message.clone(),
+            source: source(s),
+        },
+        LockError::Unavailable {
+            backend,
+            message,
+            source: s,
+        } => LockError::Unavailable {
+            backend,
+            message: message.clone(),
+            source: source(s),
+        },
+        LockError::Config(message) => LockError::Config(message.clone()),
+        other => LockError::backend(NAME, other.to_string()),
     }
 }
 

@@ -13,9 +13,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::{ProtocolVersion, RedisError, Value};
 use tracing::warn;
 
-use super::coalesce::Queue;
+use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
-use super::{Inner, LONGEST_TTL, RedisBackend};
+use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, redact_url};
 use crate::conn::{ClusterState, Conn};
 use crate::error::{config_error, connect_error};
@@ -196,6 +196,9 @@ impl RedisBackend {
             .server_side_ttl(true)
             .inspect(true)
             .wakes_waiters(refused.is_none());
+        // A queued call waits for the call in flight ahead of it and then its own batch,
+        // each bounded by the response timeout; the third one is slack.
+        let coalesced_patience = b.response_timeout * 3;
         Ok(Self {
             inner: Arc::new(Inner {
                 conn,
@@ -209,8 +212,8 @@ impl RedisBackend {
                 shown_urls,
                 cluster: b.cluster,
                 sharded,
-                acquires: Queue::default(),
-                releases: Queue::default(),
+                acquires: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
+                releases: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
             }),
         })
     }
