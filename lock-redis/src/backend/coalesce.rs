@@ -82,8 +82,8 @@ where
         }
     }
 
-    /// Runs one call: `call()` is what goes in a batch, sent by `sender`; `alone()` sends
-    /// it by itself when nothing else goes with it.
+    /// Runs one call: `batched()` is the call as it goes in a batch, which `sender` sends;
+    /// `alone()` sends it by itself when nothing goes with it.
     ///
     /// A queued caller waits for its batch's answer. A leader with others gathered sends
     /// their batch with its own call from its own task ([`RunsToEnd`]) and returns its
@@ -101,7 +101,7 @@ where
     pub(super) async fn run<S, F>(
         &self,
         sender: &S,
-        call: impl Fn() -> C,
+        batched: impl Fn() -> C,
         alone: impl FnOnce() -> F,
     ) -> Result<O, LockError>
     where
@@ -113,7 +113,7 @@ where
             let (tx, rx) = oneshot::channel();
             *reply = Some(rx);
             Waiting {
-                call: call(),
+                call: batched(),
                 runtime: Handle::try_current().ok(),
                 reply: tx,
             }
