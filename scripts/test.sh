@@ -72,7 +72,9 @@ package_crates() {
             fi
         done
     done
-    CARGO_TARGET_DIR="$package_target" cargo package --workspace --exclude harness \
+    # Each crate builds as a root of its own, where the workspace's profiles do not reach:
+    # with no debug information, as nothing of these builds ever runs.
+    CARGO_PROFILE_DEV_DEBUG=false CARGO_TARGET_DIR="$package_target" cargo package --workspace --exclude harness \
         --exclude suite-faults --exclude benchmarks --exclude job-queue --locked --allow-dirty
 }
 echo "== cargo nextest: the workspace's tests, several at once (see .config/nextest.toml)"
