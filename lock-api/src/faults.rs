@@ -240,11 +240,14 @@ impl BackendLayer for Faults {
     }
 
     fn watch_releases(&self, next: &dyn LockBackend, key: &LockKey) -> Option<ReleaseWatch> {
-        let watch = next.watch_releases(key)?;
+        // Asked before the backend is: a store's watch may subscribe on the wire.
         if self.lose_notifications.load(Ordering::SeqCst) {
-            return Some(self.silent.watch(key));
+            return next
+                .capabilities()
+                .wakes_waiters
+                .then(|| self.silent.watch(key));
         }
-        Some(watch)
+        next.watch_releases(key)
     }
 
     fn watched_keys(&self, next: &dyn LockBackend) -> Vec<LockKey> {
