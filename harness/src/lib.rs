@@ -49,7 +49,14 @@
 //!   `etcd-client` needs `protoc` (Debian package `protobuf-compiler`).
 //!
 //! [`postgres`], [`pgbouncer`] and [`proxy`] need no feature.
+//!
+//! # A wall clock tests can step
+//!
+//! [`ShiftedClock`] runs servers (the `clock` method of their builders) and client
+//! processes ([`rerun_under`]) with their wall clock shifted or frozen, and steps it while
+//! they run; monotonic clocks are untouched.
 
+mod clock;
 #[cfg(feature = "etcd")]
 pub mod etcd;
 pub mod pgbouncer;
@@ -60,6 +67,7 @@ pub mod proxy;
 pub mod redis;
 mod server;
 
+pub use clock::{ShiftedClock, rerun_under};
 pub use server::{Server, ServerKind};
 
 use std::collections::HashSet;

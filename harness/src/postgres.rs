@@ -9,13 +9,14 @@
 //! (`fsync=on`, `synchronous_commit=on`: every commit waits for its flush), for
 //! measurements.
 
+use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
 use super::process::Spec;
 use super::server::{Server, ServerKind};
-use super::{HarnessError, find_binary, free_port, start_on_free_ports};
+use super::{HarnessError, ShiftedClock, find_binary, free_port, start_on_free_ports};
 
 /// The non-superuser login role that [`PostgresServer::url`] uses.
 pub const USER: &str = "distlock";
@@ -224,23 +225,38 @@ fn owned_temp_dir(
     Ok(dir)
 }
 
-impl PostgresServer {
-    /// Copies a cluster `initdb` made (UTF-8, C locale, `--auth-local=trust
-    /// --auth-host=scram-sha-256`, made once and copied), starts `postgres -c listen_addresses=127.0.0.1 -c fsync=off` (tests only) with its
-    /// Unix socket in the temp dir, waits until `select 1` works, then creates the role
-    /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
-    /// `postgres`) and gives [`SUPERUSER`] its TCP password.
-    pub async fn start() -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once(false)).await
+/// Options for a [`PostgresServer`]; see [`PostgresServer::builder`].
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct PostgresServerBuilder {
+    durable: bool,
+    /// The environment of a [`ShiftedClock`]; empty for the real clock.
+    clock: Vec<(OsString, OsString)>,
+}
+
+impl PostgresServerBuilder {
+    /// The server's durability as deployed, as [`PostgresServer::start_durable`] runs it.
+    pub fn durable(mut self, on: bool) -> Self {
+        self.durable = on;
+        self
     }
 
-    /// [`start`](Self::start) with the server's durability as deployed: `fsync=on` and
-    /// `synchronous_commit=on`, so every commit that writes waits for its WAL flush.
-    pub async fn start_durable() -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once(true)).await
+    /// Runs the server, and so every backend it forks, under `clock` (also after
+    /// [`restart`](Server::restart)), which must outlive it: `now()`, `clock_timestamp()`
+    /// and every other use of the wall clock read it. `pg_sleep` measures its time on the
+    /// wall clock too: a step forward ends it early, a step back makes it longer, and it
+    /// does not end while the clock is frozen.
+    pub fn clock(mut self, clock: &ShiftedClock) -> Self {
+        self.clock = clock.envs();
+        self
     }
 
-    async fn start_once(durable: bool) -> Result<Self, HarnessError> {
+    /// Starts the server as [`PostgresServer::start`] describes.
+    pub async fn start(self) -> Result<PostgresServer, HarnessError> {
+        start_on_free_ports(|| self.clone().start_once()).await
+    }
+
+    async fn start_once(self) -> Result<PostgresServer, HarnessError> {
         let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         let initdb = find_binary("initdb", &bin_dir)?;
         let postgres = find_binary("postgres", &bin_dir)?;
@@ -271,7 +287,12 @@ impl PostgresServer {
             "listen_addresses=127.0.0.1".into(),
             // `fsync=off` is for tests only: a machine crash could corrupt the cluster.
             "-c".into(),
-            if durable { "fsync=on" } else { "fsync=off" }.into(),
+            if self.durable {
+                "fsync=on"
+            } else {
+                "fsync=off"
+            }
+            .into(),
             "-c".into(),
             "synchronous_commit=on".into(),
             "-c".into(),
@@ -281,7 +302,10 @@ impl PostgresServer {
             what: format!("postgres on 127.0.0.1:{port}"),
             program: postgres,
             args: args.into_iter().map(Into::into).collect(),
-            envs: vec![("LC_ALL".into(), "C".into())],
+            envs: [("LC_ALL".into(), "C".into())]
+                .into_iter()
+                .chain(self.clock)
+                .collect(),
             cwd: dir.path().to_path_buf(),
             user,
             log: dir.path().join("postgres.log"),
@@ -296,6 +320,28 @@ impl PostgresServer {
             ))
             .await?;
         Ok(server)
+    }
+}
+
+impl PostgresServer {
+    /// Copies a cluster `initdb` made (UTF-8, C locale, `--auth-local=trust
+    /// --auth-host=scram-sha-256`, made once and copied), starts `postgres -c listen_addresses=127.0.0.1 -c fsync=off` (tests only) with its
+    /// Unix socket in the temp dir, waits until `select 1` works, then creates the role
+    /// [`USER`] (LOGIN, CREATEDB, may create tables in schema `public` of database
+    /// `postgres`) and gives [`SUPERUSER`] its TCP password.
+    pub async fn start() -> Result<Self, HarnessError> {
+        Self::builder().start().await
+    }
+
+    /// [`start`](Self::start) with the server's durability as deployed: `fsync=on` and
+    /// `synchronous_commit=on`, so every commit that writes waits for its WAL flush.
+    pub async fn start_durable() -> Result<Self, HarnessError> {
+        Self::builder().durable(true).start().await
+    }
+
+    /// Options: durability, the wall clock.
+    pub fn builder() -> PostgresServerBuilder {
+        PostgresServerBuilder::default()
     }
 
     /// `postgres://distlock:distlock-test-pw@127.0.0.1:PORT/postgres`.

@@ -11,7 +11,7 @@ mod resp;
 mod user;
 
 pub use builder::{AppendFsync, RedisServerBuilder, RedisTls};
-pub use cluster::{RedisCluster, key_slot};
+pub use cluster::{RedisCluster, RedisClusterBuilder, key_slot};
 pub use node::{Redis, RedisServer};
 pub use resp::{COMMAND_TIMEOUT, RespValue, resp_command};
 pub use user::RedisUser;

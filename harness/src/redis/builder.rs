@@ -1,13 +1,15 @@
 //! The options of a single `redis-server` ([`RedisServerBuilder`], [`RedisTls`]) and its
 //! command line.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 
 use super::node::{Redis, RedisServer};
 use super::user::RedisUser;
 use crate::process::Spec;
 use crate::{
-    HarnessError, Server, find_binary, free_port, free_port_with_bus, start_on_free_ports, temp_dir,
+    HarnessError, Server, ShiftedClock, find_binary, free_port, free_port_with_bus,
+    start_on_free_ports, temp_dir,
 };
 
 /// The PEM files of a TLS port: the server's certificate chain and key, and the CA that
@@ -55,6 +57,8 @@ pub struct RedisServerBuilder {
     extra_args: Vec<String>,
     tls: Option<RedisTls>,
     replica_of: Option<SocketAddr>,
+    /// The environment of a [`ShiftedClock`]; empty for the real clock.
+    clock: Vec<(OsString, OsString)>,
 }
 
 impl RedisServerBuilder {
@@ -120,6 +124,13 @@ impl RedisServerBuilder {
     /// returns once the replica has synced (`master_link_status:up`).
     pub fn replica_of(mut self, master: SocketAddr) -> Self {
         self.replica_of = Some(master);
+        self
+    }
+
+    /// Runs the server under `clock` (also after [`RedisServer::restart`]), which must
+    /// outlive it: `TIME`, key expiry and every other use of the wall clock read it.
+    pub fn clock(mut self, clock: &ShiftedClock) -> Self {
+        self.clock = clock.envs();
         self
     }
 
@@ -240,7 +251,7 @@ impl RedisServerBuilder {
             ),
             program,
             args: args.into_iter().map(Into::into).collect(),
-            envs: Vec::new(),
+            envs: self.clock,
             cwd: dir.path().to_path_buf(),
             user: None,
             log: dir.path().join("redis.log"),

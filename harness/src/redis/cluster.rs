@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use super::builder::RedisServerBuilder;
 use super::node::RedisServer;
 use super::resp::RespValue;
-use crate::{HarnessError, Probe, find_binary, wait_until};
+use crate::{HarnessError, Probe, ShiftedClock, find_binary, wait_until};
 
 /// How long a 3-node cluster may take to report `cluster_state:ok`.
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -31,6 +32,8 @@ pub fn key_slot(key: &[u8]) -> u16 {
 #[derive(Debug)]
 pub struct RedisCluster {
     nodes: Vec<RedisServer>,
+    /// The options every node is started with, replicas too.
+    node: RedisServerBuilder,
 }
 
 impl RedisCluster {
@@ -38,41 +41,14 @@ impl RedisCluster {
     /// with `redis-cli --cluster create`, and waits until every node reports
     /// `cluster_state:ok`.
     pub async fn start() -> Result<Self, HarnessError> {
-        let redis_cli = find_binary("redis-cli", &[])?;
-        let mut nodes = Vec::with_capacity(3);
-        for _ in 0..3 {
-            nodes.push(RedisServer::builder().cluster(true).start().await?);
+        Self::builder().start().await
+    }
+
+    /// Options: the wall clock of the nodes.
+    pub fn builder() -> RedisClusterBuilder {
+        RedisClusterBuilder {
+            node: RedisServer::builder().cluster(true),
         }
-        let mut cmd = tokio::process::Command::new(&redis_cli);
-        cmd.arg("--cluster").arg("create");
-        for node in &nodes {
-            cmd.arg(format!("127.0.0.1:{}", node.port()));
-        }
-        cmd.args(["--cluster-replicas", "0", "--cluster-yes"])
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true);
-        let command_line = format!("redis-cli --cluster create ({:?})", cluster_ports(&nodes));
-        let output = tokio::time::timeout(Duration::from_secs(60), cmd.output())
-            .await
-            .map_err(|_| HarnessError::Timeout {
-                what: command_line.clone(),
-                after: Duration::from_secs(60),
-            })?
-            .map_err(|e| HarnessError::io(format!("running {command_line}"), e))?;
-        if !output.status.success() {
-            return Err(HarnessError::CommandFailed {
-                command: command_line,
-                status: output.status.to_string(),
-                stderr: format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&output.stderr),
-                    String::from_utf8_lossy(&output.stdout)
-                ),
-            });
-        }
-        let cluster = RedisCluster { nodes };
-        cluster.wait_healthy(CLUSTER_TIMEOUT).await?;
-        Ok(cluster)
     }
 
     /// The nodes, in start order (node 0 holds the lowest slots after creation).
@@ -154,11 +130,12 @@ impl RedisCluster {
     }
 
     /// Starts a cluster node that joins as a replica of `master` (one of [`nodes`]) and
-    /// returns once it has synced with it, so the cluster can fail `master` over to it.
+    /// returns once it has synced with it, so the cluster can fail `master` over to it. It
+    /// runs under the cluster's [clock](RedisClusterBuilder::clock), if it has one.
     ///
     /// [`nodes`]: Self::nodes
     pub async fn start_replica(&self, master: &RedisServer) -> Result<RedisServer, HarnessError> {
-        let replica = RedisServer::builder().cluster(true).start().await?;
+        let replica = self.node.clone().start().await?;
         let master_id = master
             .command(&["CLUSTER", "MYID"])
             .await?
@@ -208,6 +185,64 @@ impl RedisCluster {
     /// The node that serves `key` (see [`key_slot`]).
     pub async fn node_for_key(&self, key: &[u8]) -> Result<&RedisServer, HarnessError> {
         self.node_for_slot(key_slot(key)).await
+    }
+}
+
+/// Options for a [`RedisCluster`]; see [`RedisCluster::builder`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RedisClusterBuilder {
+    node: RedisServerBuilder,
+}
+
+impl RedisClusterBuilder {
+    /// Runs every node under `clock`, one clock for them all (also replicas started with
+    /// [`RedisCluster::start_replica`], and nodes after a restart); it must outlive them.
+    pub fn clock(mut self, clock: &ShiftedClock) -> Self {
+        self.node = self.node.clock(clock);
+        self
+    }
+
+    /// Starts the cluster as [`RedisCluster::start`] describes.
+    pub async fn start(self) -> Result<RedisCluster, HarnessError> {
+        let redis_cli = find_binary("redis-cli", &[])?;
+        let mut nodes = Vec::with_capacity(3);
+        for _ in 0..3 {
+            nodes.push(self.node.clone().start().await?);
+        }
+        let mut cmd = tokio::process::Command::new(&redis_cli);
+        cmd.arg("--cluster").arg("create");
+        for node in &nodes {
+            cmd.arg(format!("127.0.0.1:{}", node.port()));
+        }
+        cmd.args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true);
+        let command_line = format!("redis-cli --cluster create ({:?})", cluster_ports(&nodes));
+        let output = tokio::time::timeout(Duration::from_secs(60), cmd.output())
+            .await
+            .map_err(|_| HarnessError::Timeout {
+                what: command_line.clone(),
+                after: Duration::from_secs(60),
+            })?
+            .map_err(|e| HarnessError::io(format!("running {command_line}"), e))?;
+        if !output.status.success() {
+            return Err(HarnessError::CommandFailed {
+                command: command_line,
+                status: output.status.to_string(),
+                stderr: format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&output.stderr),
+                    String::from_utf8_lossy(&output.stdout)
+                ),
+            });
+        }
+        let cluster = RedisCluster {
+            nodes,
+            node: self.node,
+        };
+        cluster.wait_healthy(CLUSTER_TIMEOUT).await?;
+        Ok(cluster)
     }
 }
 
