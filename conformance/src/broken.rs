@@ -35,7 +35,7 @@ use parking_lot::Mutex;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use crate::factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
+use crate::factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::Invariant;
 
 const NAME: &str = "broken";
@@ -47,6 +47,10 @@ pub enum BrokenKind {
     RepeatedToken,
     /// A restart resets the token counters, so tokens start again from 1.
     TokenDropsAfterRestart,
+    /// A token is the store's wall clock in µs, read at the grant, and a release waits
+    /// (a bounded spin) for the clock to pass the token; nothing else is kept: a clock
+    /// stepped back hands out lower tokens.
+    TokenFromClock,
     /// Acquire checks that the key is free, yields, then takes it: concurrent acquires
     /// of one free key all win.
     GrantedTwice,
@@ -85,9 +89,10 @@ pub enum BrokenKind {
 
 impl BrokenKind {
     /// Every variant.
-    pub const ALL: [BrokenKind; 16] = [
+    pub const ALL: [BrokenKind; 17] = [
         BrokenKind::RepeatedToken,
         BrokenKind::TokenDropsAfterRestart,
+        BrokenKind::TokenFromClock,
         BrokenKind::GrantedTwice,
         BrokenKind::RenewRevivesExpired,
         BrokenKind::ReleaseWithoutOwnerCheck,
@@ -143,6 +148,11 @@ pub const CAUGHT_BY: &[Catch] = &[
     Catch {
         kind: BrokenKind::TokenDropsAfterRestart,
         cases: &["tokens_increase_across_restarts"],
+        invariants: &[Invariant::I1],
+    },
+    Catch {
+        kind: BrokenKind::TokenFromClock,
+        cases: &["tokens_keep_rising_across_a_clock_step"],
         invariants: &[Invariant::I1],
     },
     Catch {
@@ -289,6 +299,8 @@ struct Store {
     paused: AtomicBool,
     /// Requests fail until restarted.
     killed: AtomicBool,
+    /// How far the store's wall clock is behind the real one, in µs.
+    clock_behind_micros: AtomicU64,
     changed: Notify,
 }
 
@@ -323,6 +335,14 @@ impl Store {
     /// The reply's way back: held while the link is cut.
     async fn reply(&self) {
         self.wait_clear(&self.cut).await;
+    }
+
+    /// The store's wall clock in µs since the Unix epoch.
+    fn clock_micros(&self) -> u64 {
+        let real = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+        real.saturating_sub(self.clock_behind_micros.load(Ordering::SeqCst))
     }
 
     fn set(&self, flag: &AtomicBool, on: bool) {
@@ -377,7 +397,10 @@ impl BrokenBackend {
         if held && !self.has(BrokenKind::GrantedTwice) && !force {
             return None;
         }
-        if !self.has(BrokenKind::RepeatedToken) || state.last_token == 0 {
+        if self.has(BrokenKind::TokenFromClock) {
+            // The bug: the clock alone, which a step back sends below earlier tokens.
+            state.last_token = self.store.clock_micros();
+        } else if !self.has(BrokenKind::RepeatedToken) || state.last_token == 0 {
             state.last_token += 1;
         }
         let token = FencingToken(state.last_token);
@@ -519,6 +542,15 @@ impl LockBackend for BrokenBackend {
                 _ => Release::NotHeld,
             }
         };
+        if released == Release::Released && self.has(BrokenKind::TokenFromClock) {
+            // The next grant reads a later clock, unless it stands still or went back.
+            let token = lease.token().get();
+            for _ in 0..1000 {
+                if self.store.clock_micros() > token {
+                    break;
+                }
+            }
+        }
         let silent = self.has(BrokenKind::ReleaseWakesNoOne)
             || (permit && self.has(BrokenKind::PermitReleaseWakesNoOne));
         if released == Release::Released && !silent {
@@ -715,6 +747,10 @@ impl Factory for BrokenFactory {
     fn failover(&self) -> Option<Arc<dyn Failover>> {
         Some(Arc::new(BrokenFaults(self.clone())))
     }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        Some(Arc::new(BrokenFaults(self.clone())))
+    }
 }
 
 /// The fault controls of a [`BrokenFactory`]'s store.
@@ -772,6 +808,17 @@ impl SessionFaults for BrokenFaults {
         for state in self.0.store.keys.lock().values_mut() {
             state.holder = None;
         }
+    }
+}
+
+#[async_trait]
+impl ClockFaults for BrokenFaults {
+    async fn step_back(&self, by: Duration) {
+        let micros = u64::try_from(by.as_micros()).unwrap_or(u64::MAX);
+        self.0
+            .store
+            .clock_behind_micros
+            .fetch_add(micros, Ordering::SeqCst);
     }
 }
 

@@ -48,6 +48,13 @@ pub trait Factory: Send + Sync {
     fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
         None
     }
+
+    /// The wall clock the store's tokens may be read from, if the factory can step it
+    /// under the running store: the server's (Redis, PostgreSQL) or the clients' (etcd).
+    /// A store whose tokens never read a clock has none to step.
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        None
+    }
 }
 
 /// A factory that adds a backend's own fenced resource to another factory.
@@ -101,6 +108,10 @@ impl<F: Factory> Factory for WithFencedResource<F> {
     fn fenced_resource(&self) -> Option<Arc<dyn FencedResource>> {
         Some(self.resource.clone())
     }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        self.inner.clock()
+    }
 }
 
 /// Faults between the clients and the store. Every fault lasts until [`LinkFaults::heal`].
@@ -135,6 +146,16 @@ pub trait SessionFaults: Send + Sync {
     /// `pg_terminate_backend`), as an administrator or a crashed backend would; the
     /// server keeps running.
     async fn terminate(&self);
+}
+
+/// A wall clock stepped under a running store, as NTP stepping a large offset, chrony's
+/// `makestep`, a resumed VM or a repeated leap second do.
+#[async_trait]
+pub trait ClockFaults: Send + Sync {
+    /// Steps the wall clock back by `by` (steps add up) while the store keeps running;
+    /// monotonic clocks are untouched. Returns once every process the clock is for reads
+    /// the stepped time.
+    async fn step_back(&self, by: Duration);
 }
 
 /// Fail-over of the store's nodes.

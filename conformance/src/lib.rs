@@ -31,5 +31,5 @@ pub mod suite;
 pub mod summary;
 
 pub use deaf::Deaf;
-pub use factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
+pub use factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};

@@ -16,6 +16,7 @@ macro_rules! __conformance_cases {
             tokens_increase_across_releases: [],
             tokens_increase_across_expiries: [],
             tokens_increase_across_restarts: [server_faults],
+            tokens_keep_rising_across_a_clock_step: [clock_step],
             restart_leaves_old_holder_fenced: [server_faults],
             server_paused_past_ttl_keeps_holders_apart: [server_faults],
             terminated_sessions_leave_old_holder_fenced: [server_faults, session_kill],
@@ -102,6 +103,9 @@ macro_rules! __conformance_need {
     (failover) => {
         $crate::suite::Need::Failover
     };
+    (clock_step) => {
+        $crate::suite::Need::ClockStep
+    };
 }
 
 /// Stamps one test per conformance case the backend can run, and one test,
@@ -115,7 +119,8 @@ macro_rules! __conformance_need {
 /// `server_faults` ([`crate::Factory::server`]), `inspect` (the backend implements
 /// `inspect`), `distinct_clients` (each `backend()` call is a separate instance),
 /// `wakes_waiters` (the backend announces releases to waiters), `session_kill`
-/// ([`crate::Factory::sessions`]), `failover` ([`crate::Factory::failover`]). A case
+/// ([`crate::Factory::sessions`]), `failover` ([`crate::Factory::failover`]), `clock_step`
+/// ([`crate::Factory::clock`]). A case
 /// is stamped only when every capability it needs is declared, so nothing is skipped at
 /// run time; `conformance_stamped_cases` fails if the declaration differs from what the
 /// factory has, either way.
@@ -157,49 +162,52 @@ macro_rules! conformance_tests {
 
 /// Stamps the tests for [`conformance_tests`]; not a stable API.
 ///
-/// The declared capabilities become seven flags, `[link_faults server_faults inspect
-/// distinct_clients wakes_waiters session_kill failover]`, each `yes` or `no`; a case is stamped when every need of it finds
+/// The declared capabilities become eight flags, `[link_faults server_faults inspect
+/// distinct_clients wakes_waiters session_kill failover clock_step]`, each `yes` or `no`; a case is stamped when every need of it finds
 /// its flag `yes`.
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __stamp_conformance_tests {
     ([$factory:expr; $($capability:ident),*] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
+            @flags [no no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [] $($cases)*
         );
     };
     ([$factory:expr; $($capability:ident),*; only $only:ident] $($cases:tt)*) => {
         $crate::__stamp_conformance_tests!(
-            @flags [no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
+            @flags [no no no no no no no no] [$($capability),*] [$factory] [$($capability),*] [$only]
             $($cases)*
         );
     };
 
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d $w $k $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [link_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [yes $s $i $d $w $k $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d $w $k $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [server_faults $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l yes $i $d $w $k $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d $w $k $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [inspect $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s yes $d $w $k $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes $w $k $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [distinct_clients $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i yes $w $k $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [wakes_waiters $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d yes $k $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [wakes_waiters $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d yes $k $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [session_kill $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w yes $f] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [session_kill $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w yes $f $c] [$($more),*] $($rest)*);
     };
-    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [failover $(, $more:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w $k yes] [$($more),*] $($rest)*);
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [failover $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w $k yes $c] [$($more),*] $($rest)*);
+    };
+    (@flags [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [clock_step $(, $more:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@flags [$l $s $i $d $w $k $f yes] [$($more),*] $($rest)*);
     };
     (@flags $flags:tt [$other:ident $(, $more:ident)*] $($rest:tt)*) => {
         ::std::compile_error!(::std::concat!(
             "unknown conformance capability `", ::std::stringify!($other),
-            "`; expected link_faults, server_faults, inspect, distinct_clients, wakes_waiters, session_kill or failover"
+            "`; expected link_faults, server_faults, inspect, distinct_clients, wakes_waiters, session_kill, failover or clock_step"
         ));
     };
     (@flags $flags:tt [] [$factory:expr] [$($capability:ident),*] $only:tt
@@ -258,6 +266,9 @@ macro_rules! __stamp_conformance_tests {
     (@only failover [failover $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@case $($rest)*);
     };
+    (@only clock_step [clock_step $($x:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case $($rest)*);
+    };
     (@only $only:ident [$other:ident $($x:ident)*] $($rest:tt)*) => {
         $crate::__stamp_conformance_tests!(@only $only [$($x)*] $($rest)*);
     };
@@ -269,26 +280,29 @@ macro_rules! __stamp_conformance_tests {
     };
 
     // A need whose flag is `yes`: check the next one.
-    (@case [yes $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [yes $s $i $d $w $k $f] [$($need)*] $($rest)*);
+    (@case [yes $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [link_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [yes $s $i $d $w $k $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt yes $i:tt $d:tt $w:tt $k:tt $f:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l yes $i $d $w $k $f] [$($need)*] $($rest)*);
+    (@case [$l:tt yes $i:tt $d:tt $w:tt $k:tt $f:tt $c:tt] [server_faults $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l yes $i $d $w $k $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt yes $d:tt $w:tt $k:tt $f:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s yes $d $w $k $f] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt yes $d:tt $w:tt $k:tt $f:tt $c:tt] [inspect $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s yes $d $w $k $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt yes $w:tt $k:tt $f:tt] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i yes $w $k $f] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt yes $w:tt $k:tt $f:tt $c:tt] [distinct_clients $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i yes $w $k $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt $d:tt yes $k:tt $f:tt] [wakes_waiters $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i $d yes $k $f] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt $d:tt yes $k:tt $f:tt $c:tt] [wakes_waiters $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d yes $k $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt yes $f:tt] [session_kill $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w yes $f] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt yes $f:tt $c:tt] [session_kill $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w yes $f $c] [$($need)*] $($rest)*);
     };
-    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt yes] [failover $($need:ident)*] $($rest:tt)*) => {
-        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w $k yes] [$($need)*] $($rest)*);
+    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt yes $c:tt] [failover $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w $k yes $c] [$($need)*] $($rest)*);
+    };
+    (@case [$l:tt $s:tt $i:tt $d:tt $w:tt $k:tt $f:tt yes] [clock_step $($need:ident)*] $($rest:tt)*) => {
+        $crate::__stamp_conformance_tests!(@case [$l $s $i $d $w $k $f yes] [$($need)*] $($rest)*);
     };
     // Every need met: the test.
     (@case $flags:tt [] $case:ident $factory:expr) => {

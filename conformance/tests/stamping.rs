@@ -11,7 +11,7 @@ mod control {
         async { conformance::broken::BrokenFactory::control() },
         capabilities: [
             link_faults, server_faults, inspect, distinct_clients, wakes_waiters, session_kill,
-            failover,
+            failover, clock_step,
         ],
     );
 }

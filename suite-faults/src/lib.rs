@@ -1,4 +1,5 @@
-//! The conformance suite's faults ([`LinkFaults`], [`ServerFaults`], [`SessionFaults`])
+//! The conformance suite's faults ([`LinkFaults`], [`ServerFaults`], [`SessionFaults`],
+//! [`ClockFaults`])
 //! dealt through the test harness's proxies and servers, so every backend's test factory
 //! hands out the same ones instead of a wrapper of its own. A crate of its own, so that the
 //! harness depends on nothing of the workspace and the suite on nothing unpublished.
@@ -12,11 +13,11 @@
 
 use std::ops::Deref;
 use std::sync::Arc;
-#[cfg(feature = "redis")]
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
-use conformance::factory::{LinkFaults, ServerFaults, SessionFaults};
+use conformance::factory::{ClockFaults, LinkFaults, ServerFaults, SessionFaults};
+use futures::future::BoxFuture;
 use harness::postgres::{PostgresServer, USER};
 use harness::proxy::FaultProxy;
 use harness::{Server, ServerKind, require};
@@ -37,6 +38,51 @@ pub fn server<K: ServerKind>(server: Arc<Server<K>>) -> Arc<dyn ServerFaults> {
 #[cfg(feature = "redis")]
 pub fn cluster(cluster: Arc<harness::redis::RedisCluster>) -> Arc<dyn ServerFaults> {
     Arc::new(Cluster(cluster))
+}
+
+/// What a process under a [`harness::ShiftedClock`] reads as the wall clock: a server's
+/// own answer (`TIME`, `clock_timestamp()`), or this process's clock.
+pub type ClockProbe = Box<dyn Fn() -> BoxFuture<'static, SystemTime> + Send + Sync>;
+
+/// Clock faults on the processes started under `clock` (servers, through their builders'
+/// `clock`, or a client process run with [`harness::rerun_under`]). After each step every
+/// probe must read the stepped clock, within [`CLOCK_SLACK`]: a shim that did not take
+/// (a server started without it, a process that does not read the clock through libc)
+/// fails the test instead of letting a case pass with nothing stepped.
+pub fn clock(clock: Arc<harness::ShiftedClock>, probes: Vec<ClockProbe>) -> Arc<dyn ClockFaults> {
+    assert!(
+        !probes.is_empty(),
+        "a stepped clock needs a process to check"
+    );
+    Arc::new(Clock { clock, probes })
+}
+
+/// How far a probe's reading may be from the stepped clock's: the time a probe's round
+/// trip takes on a loaded machine, far below any step a case makes.
+pub const CLOCK_SLACK: Duration = Duration::from_secs(5);
+
+struct Clock {
+    clock: Arc<harness::ShiftedClock>,
+    probes: Vec<ClockProbe>,
+}
+
+#[async_trait]
+impl ClockFaults for Clock {
+    async fn step_back(&self, by: Duration) {
+        require(self.clock.step_back(by));
+        for probe in &self.probes {
+            let read = probe().await;
+            let expected = require(self.clock.now());
+            let off = read
+                .duration_since(expected)
+                .unwrap_or_else(|e| e.duration());
+            assert!(
+                off < CLOCK_SLACK,
+                "a process under the stepped clock reads {read:?}, {off:?} away from the \
+                 clock's {expected:?}: the step did not reach it"
+            );
+        }
+    }
 }
 
 /// Session faults on `server`: the sessions of the test role ended.

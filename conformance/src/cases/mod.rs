@@ -11,6 +11,7 @@
 
 mod batch;
 mod cancel;
+mod clock;
 mod election;
 mod input;
 mod lease;
@@ -21,6 +22,7 @@ mod wake;
 
 pub use batch::*;
 pub use cancel::*;
+pub use clock::*;
 pub use election::*;
 pub use input::*;
 pub use lease::*;

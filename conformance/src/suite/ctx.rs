@@ -10,7 +10,7 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use super::{Failure, Outcome, Timing};
-use crate::factory::{Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
+use crate::factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
     CheckOptions, FencedCounter, History, Invariant, RecordingBackend, SemaphoreSpec, Violation,
 };
@@ -166,6 +166,13 @@ impl<'f> Ctx<'f> {
         self.factory
             .failover()
             .ok_or_else(|| self.fail("the factory to fail over", "none"))
+    }
+
+    /// The factory's wall clock; the case must need [`Need::ClockStep`](super::Need::ClockStep).
+    pub fn clock(&self) -> Result<Arc<dyn ClockFaults>, Failure> {
+        self.factory
+            .clock()
+            .ok_or_else(|| self.fail("the factory to step a clock", "none"))
     }
 
     /// Fails with `expected` / `got()` unless `holds`.

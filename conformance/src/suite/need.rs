@@ -35,11 +35,13 @@ pub enum Need {
     SessionKill,
     /// Fail-over: [`Factory::failover`] is `Some` (`failover`).
     Failover,
+    /// A wall clock to step back: [`Factory::clock`] is `Some` (`clock_step`).
+    ClockStep,
 }
 
 impl Need {
     /// Every need, in the order the macro's flags list them.
-    pub const ALL: [Need; 7] = [
+    pub const ALL: [Need; 8] = [
         Need::LinkFaults,
         Need::ServerFaults,
         Need::Inspect,
@@ -47,6 +49,7 @@ impl Need {
         Need::WakesWaiters,
         Need::SessionKill,
         Need::Failover,
+        Need::ClockStep,
     ];
 
     /// The name the macro declares it with.
@@ -59,6 +62,7 @@ impl Need {
             Need::WakesWaiters => "wakes_waiters",
             Need::SessionKill => "session_kill",
             Need::Failover => "failover",
+            Need::ClockStep => "clock_step",
         }
     }
 
@@ -72,6 +76,7 @@ impl Need {
             Need::WakesWaiters => "a store that announces releases to waiters",
             Need::SessionKill => "a way to end the store's client sessions",
             Need::Failover => "a replica to fail over to",
+            Need::ClockStep => "a wall clock the store's tokens may read, stepped back under it",
         }
     }
 
@@ -87,6 +92,7 @@ impl Need {
             Need::WakesWaiters => factory.backend().await.capabilities().wakes_waiters,
             Need::SessionKill => factory.sessions().is_some(),
             Need::Failover => factory.failover().is_some(),
+            Need::ClockStep => factory.clock().is_some(),
         }
     }
 }
