@@ -32,7 +32,7 @@ use self::batch::Acquire;
 use self::coalesce::Coalescer;
 use self::reply::{release, renewal};
 use crate::config::RedisBackendBuilder;
-use crate::conn::{Call, Conn};
+use crate::conn::{Call, Conn, key_slot};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
 use crate::keys::{LockKeys, parse_held};
 use crate::releases::ReleaseListener;
@@ -75,12 +75,14 @@ pub const SENT_AT_ONCE: usize = 4;
 /// different slots could not share a script anyway).
 ///
 /// Keys: `<prefix>:{<name>}` holds `<owner id>:<token>` with the lease's TTL, and
-/// nothing is kept once it is released or expired. A token is the server's clock in µs,
-/// read when the key is granted; a release returns only once the clock is past its token.
-/// So tokens keep increasing across restarts (with or without persistence, from a
-/// snapshot behind the last grants), `FLUSHALL` and failovers, as long as the clock of
-/// the server that grants next does not read earlier than the tokens already granted
-/// (docs/DESIGN.md has the argument).
+/// nothing of it is kept once it is released or expired. A token is one more than the
+/// highest granted on the server (on a Cluster, in the key's hash slot), kept in a
+/// high-water key that never expires, or the server's clock in µs when that is higher:
+/// state first, the clock only as a floor. So tokens keep increasing when the server's
+/// clock steps back, and, when the state is lost or behind (a restart with or without
+/// persistence, `FLUSHALL`, a failover to a replica that missed the last grants), as long
+/// as the clock of the server that grants next has moved past what was lost
+/// (docs/DESIGN.md has the argument, and what two faults at once can do).
 ///
 /// Cheap to clone: clones share the connection.
 ///
@@ -112,6 +114,11 @@ struct Inner {
     /// The URLs with passwords hidden, for `Debug`.
     shown_urls: Vec<String>,
     cluster: bool,
+    /// Hash slots divide the keys: a cluster, or a single node that runs in cluster mode
+    /// (`redis_mode:cluster`; it answers for the keys of its slots and refuses a script
+    /// whose keys span slots). Batches are then grouped by slot, and tokens counted per
+    /// slot (see [`RedisBackend::high_water`]).
+    slotted: bool,
     /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
     /// `PUBLISH`.
     sharded: bool,
@@ -175,6 +182,16 @@ impl RedisBackend {
 
     fn keys(&self, key: &LockKey) -> LockKeys {
         LockKeys::new(&self.inner.prefix, key)
+    }
+
+    /// The high-water key that `lock` shares with the other locks of its hash slot (on a
+    /// Cluster) or of the server, which the acquire and fence scripts read (see
+    /// `acquire.lua`).
+    pub(super) fn high_water(&self, lock: &str) -> String {
+        crate::keys::high_water_key(
+            &self.inner.prefix,
+            self.inner.slotted.then(|| key_slot(lock.as_bytes())),
+        )
     }
 
     /// [`Self::keys`] for an acquire: marked to be granted waited for when other waiters
@@ -304,24 +321,29 @@ impl RedisBackend {
         }
         Call {
             script: &ACQUIRE_SCRIPT,
-            keys: vec![keys.lock.clone()],
+            keys: vec![keys.lock.clone(), self.high_water(&keys.lock)],
             args,
         }
     }
 
-    /// A renew, release or fence call: the lock key, the value the lease holds it with,
-    /// and `extra` (the TTL of a renew, the token of the others; see [`Extra::Release`]).
+    /// A renew, release or fence call: the lock key (and for a fence the high-water key it
+    /// shares), the value the lease holds it with, and `extra` (see [`Extra`]).
     fn lease_call(&self, script: &'static Lua, lease: &Lease, extra: Extra) -> Call {
-        let (value, token_or_ttl) = lease_args(lease, extra);
-        let mut args = vec![value.into(), token_or_ttl.into()];
-        if let Extra::Release = extra {
-            args.extend(self.announce_arg());
-        }
-        Call {
-            script,
-            keys: vec![self.keys(lease.key()).lock],
-            args,
-        }
+        let (value, more) = lease_args(lease, extra);
+        let mut args: Vec<Vec<u8>> = std::iter::once(value).chain(more).map(Into::into).collect();
+        let lock = self.keys(lease.key()).lock;
+        let keys = match extra {
+            Extra::Release => {
+                args.extend(self.announce_arg());
+                vec![lock]
+            }
+            Extra::Token => {
+                let high_water = self.high_water(&lock);
+                vec![lock, high_water]
+            }
+            Extra::Ttl => vec![lock],
+        };
+        Call { script, keys, args }
     }
 
     /// The last argument of the release and abandon scripts: `S` makes them announce with
@@ -379,7 +401,12 @@ impl RedisBackend {
         let mark_waited = keys.iter().any(|k| self.inner.listener.others_wait(k));
         let call = Call {
             script: &ACQUIRE_ANY_SCRIPT,
-            keys: locks.iter().map(|k| k.lock.clone()).collect(),
+            // On a single node: one high-water key for all.
+            keys: locks
+                .iter()
+                .map(|k| k.lock.clone())
+                .chain([self.high_water(&locks[0].lock)])
+                .collect(),
             args: vec![
                 owner.to_string().into(),
                 ttl.as_millis().to_string().into(),
@@ -668,8 +695,8 @@ impl LockBackend for RedisBackend {
     }
 
     /// The holder, its token and what is left of its TTL, from the lock key. A free key
-    /// has no token: nothing is kept after a release or an expiry (the next grant's
-    /// token is the server clock then, above every earlier one).
+    /// has no token: nothing of the key is kept after a release or an expiry (the next
+    /// grant's token is above the high-water key its hash slot shares).
     async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
         let keys = self.keys(key);
         let mut pipe = redis::pipe();
@@ -824,24 +851,26 @@ impl LockBackend for RedisBackend {
     }
 }
 
-/// What a lease call sends after the value the lease holds its key with.
+/// What a lease call sends besides the value the lease holds its key with.
 #[derive(Clone, Copy)]
 pub(super) enum Extra {
     /// The lease's TTL in milliseconds (renewals).
     Ttl,
-    /// The lease's token (fence checks).
+    /// The lease's token, and the high-water key as a second key (fence checks).
     Token,
-    /// The lease's token, whose reply waits for the clock to pass it, and after the
-    /// leases the announcing command ([`RedisBackend::announce_arg`]): releases.
+    /// Nothing per lease, and after the leases the announcing command
+    /// ([`RedisBackend::announce_arg`]): releases.
     Release,
 }
 
-/// `<owner id>:<token>`, what the lock key holds while `lease` holds it, and `extra`.
-pub(super) fn lease_args(lease: &Lease, extra: Extra) -> (String, String) {
-    let token = lease.token().get().to_string();
+/// `<owner id>:<token>`, what the lock key holds while `lease` holds it, and the argument
+/// `extra` adds after it, if any.
+pub(super) fn lease_args(lease: &Lease, extra: Extra) -> (String, Option<String>) {
+    let token = lease.token().get();
     let value = format!("{}:{token}", lease.owner());
     match extra {
-        Extra::Ttl => (value, lease.ttl().as_millis().to_string()),
-        Extra::Token | Extra::Release => (value, token),
+        Extra::Ttl => (value, Some(lease.ttl().as_millis().to_string())),
+        Extra::Token => (value, Some(token.to_string())),
+        Extra::Release => (value, None),
     }
 }

@@ -1,9 +1,15 @@
 //! The Redis key layout: `<prefix>:{<name>}` holds `<owner id>:<token>` while the lock is
-//! held (with `:w` appended once an acquire found it held, so its release is announced),
-//! and nothing else is kept. The braces are a Redis Cluster hash tag, so the keys of one
-//! batch call can be grouped by slot, and the key's name is also its release channel.
+//! held (with `:w` appended once an acquire found it held, so its release is announced).
+//! The braces are a Redis Cluster hash tag, so the keys of one batch call can be grouped by
+//! slot, and the key's name is also its release channel. Beside the locks, a high-water
+//! key holds the highest token granted: `<prefix>:tokens` on a single node, and on a
+//! Cluster `<prefix>:tokens:{<tag>}` for each hash slot, with a tag of that slot (a
+//! script's keys must share one). It never expires: it is what tokens are counted from
+//! (see `acquire.lua`), one small key per slot at most.
 
 use distlock_core::{FencingToken, LockKey, OwnerId};
+
+use crate::conn::key_slot;
 
 /// The Redis key of one lock.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -40,6 +46,40 @@ pub(crate) fn parse_held(value: &str) -> Option<(OwnerId, FencingToken)> {
 pub(crate) fn fenced_resource_key(prefix: &str, resource: &str) -> String {
     format!("{prefix}:fenced:{{{}}}", hash_tag(resource))
 }
+
+/// The high-water key of the locks of `slot` on a Cluster, or of every lock on a single
+/// node (`None`).
+pub(crate) fn high_water_key(prefix: &str, slot: Option<u16>) -> String {
+    match slot {
+        None => format!("{prefix}:tokens"),
+        Some(slot) => format!("{prefix}:tokens:{{{}}}", slot_tag(slot)),
+    }
+}
+
+/// A short hash tag that hashes to `slot`: the first decimal number that does, found for
+/// every slot once (some 170,000 CRC16s of a few bytes, under a few milliseconds).
+fn slot_tag(slot: u16) -> &'static str {
+    static TAGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let tags = TAGS.get_or_init(|| {
+        let mut tags = vec![String::new(); SLOTS];
+        let mut left = SLOTS;
+        let mut n = 0u32;
+        while left > 0 {
+            let tag = n.to_string();
+            let slot = &mut tags[usize::from(key_slot(tag.as_bytes()))];
+            if slot.is_empty() {
+                *slot = tag;
+                left -= 1;
+            }
+            n += 1;
+        }
+        tags
+    });
+    &tags[usize::from(slot) % SLOTS]
+}
+
+/// Hash slots in a Redis Cluster.
+const SLOTS: usize = 16384;
 
 /// The name as it goes between the braces.
 ///
@@ -96,6 +136,20 @@ mod tests {
         for bad in ["", "x", &format!("{owner}"), &format!("{owner}:"), "zz:12"] {
             assert_eq!(parse_held(bad), None, "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_slots_high_water_key_hashes_to_that_slot() {
+        assert_eq!(high_water_key("distlock", None), "distlock:tokens");
+        for slot in (0..16384).step_by(97).chain([16383]) {
+            let key = high_water_key("distlock", Some(slot));
+            assert_eq!(key_slot(key.as_bytes()), slot, "{key}");
+        }
+        // The lock keys of a slot and its high-water key go into one script call.
+        let lock = keys("payout:42").lock;
+        let slot = key_slot(lock.as_bytes());
+        let high = high_water_key("distlock", Some(slot));
+        assert_eq!(key_slot(high.as_bytes()), slot);
     }
 
     #[test]

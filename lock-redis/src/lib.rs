@@ -7,10 +7,12 @@
 //!   each, run with `EVALSHA` (the script is loaded again when the server answers
 //!   `NOSCRIPT`, for example after a restart or `SCRIPT FLUSH`).
 //! * **Tokens that never go back.** Acquire sets the lock with `SET NX PX` to
-//!   `<owner id>:<token>`, the token being the server's clock in µs; nothing is kept after
-//!   a release, which returns only once the clock is past the token. Tokens keep
-//!   increasing across restarts (whatever persistence brings back), `FLUSHALL` and
-//!   failovers, as long as the server clock does not go back.
+//!   `<owner id>:<token>`, the token being one more than the highest granted before (a
+//!   high-water key per server, or per hash slot on a Cluster, that never expires), or
+//!   the server's clock in µs when that is higher. Tokens keep increasing when the
+//!   server's clock steps back, and across restarts (whatever persistence brings back),
+//!   `FLUSHALL` and failovers, as long as the clock of the server that grants next has
+//!   moved past the tokens the store lost.
 //! * **Batches.** `acquire_many`, `renew_many` and `release_many` send one pipeline per
 //!   node of multi-key script calls (one per hash slot in a cluster, at most 128 locks
 //!   each), so a watchdog renews thousands of leases in one round trip and a few script
@@ -48,7 +50,8 @@
 //! master of a cluster, and fails with [`distlock_core::LockError::Config`] on an older one.
 //!
 //! Redis replication is asynchronous: a failover can lose a lock that was granted (the
-//! token still protects fenced writes, since the server clock keeps tokens increasing).
+//! token still protects fenced writes: the promoted replica's clock floors the tokens it
+//! grants above those it missed).
 //! [`RedisBackendBuilder::replica_acks`] narrows that window with `WAIT`; it does not close it.
 //! Passwords never appear in `Debug` output or errors.
 //!

@@ -12,5 +12,5 @@ conformance::conformance_tests!(
         );
         conformance::factory::WithFencedResource::new(factory, fenced)
     },
-    capabilities: [server_faults, inspect, distinct_clients, wakes_waiters],
+    capabilities: [server_faults, inspect, distinct_clients, wakes_waiters, clock_step],
 );

@@ -30,7 +30,7 @@ mod link {
             );
             conformance::factory::WithFencedResource::new(factory, fenced)
         },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters, clock_step],
         only_needing: link_faults,
     );
 }

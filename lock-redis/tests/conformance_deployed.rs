@@ -64,21 +64,21 @@ async fn with_fenced(
 mod persistent {
     conformance::conformance_tests!(
         async { super::with_fenced(super::persistent().await).await },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters, clock_step],
     );
 }
 
 mod acl_user {
     conformance::conformance_tests!(
         async { super::with_fenced(super::acl_user(true).await).await },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters, clock_step],
     );
 }
 
 mod acl_user_without_channels {
     conformance::conformance_tests!(
         async { super::with_fenced(super::acl_user(false).await).await },
-        capabilities: [link_faults, server_faults, inspect, distinct_clients],
+        capabilities: [link_faults, server_faults, inspect, distinct_clients, clock_step],
     );
 }
 

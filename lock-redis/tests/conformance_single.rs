@@ -12,5 +12,5 @@ conformance::conformance_tests!(
         );
         conformance::factory::WithFencedResource::new(factory, fenced)
     },
-    capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters],
+    capabilities: [link_faults, server_faults, inspect, distinct_clients, wakes_waiters, clock_step],
 );

@@ -1,7 +1,9 @@
 //! One key per lock: `<prefix>:{<name>}` holds `<owner id>:<token>` while held, the token
-//! being the server's clock in µs as an exact integer, and nothing is left once released.
-//! A free key keeps no token: a stale lease's fence check then names the server clock,
-//! which is above its token.
+//! being the server's clock in µs as an exact integer (one above the last when the clock
+//! has not moved past it), and nothing of it is left once released; beside the locks, one
+//! high-water key, `<prefix>:tokens`, holds the newest token granted. A free key keeps no
+//! token of its own: a stale lease's fence check then names the high-water token, which
+//! is at least its token.
 
 mod common;
 
@@ -23,8 +25,17 @@ async fn server_clock(server: &RedisServer) -> u64 {
     part(0) * 1_000_000 + part(1)
 }
 
+/// How many keys the server holds: the locks held, and the high-water key once a lock
+/// was granted.
 async fn keys_left(server: &RedisServer) -> RespValue {
     harness::require(server.command(&["DBSIZE"]).await)
+}
+
+/// The high-water key's token.
+async fn high_water(server: &RedisServer) -> Option<u64> {
+    harness::require(server.command(&["GET", "distlock:tokens"]).await)
+        .as_text()
+        .map(|t| t.parse().expect("a token"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -47,10 +58,11 @@ async fn a_held_key_holds_owner_and_token_and_nothing_is_left_after_release() {
             .await,
     );
     assert_eq!(held.as_text(), Some(format!("{}:{token}", lease.owner())));
-    assert_eq!(keys_left(&f.server).await, RespValue::Integer(1));
+    assert_eq!(keys_left(&f.server).await, RespValue::Integer(2));
+    assert_eq!(high_water(&f.server).await, Some(token));
 
     assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
-    assert_eq!(keys_left(&f.server).await, RespValue::Integer(0));
+    assert_eq!(keys_left(&f.server).await, RespValue::Integer(1));
 
     let keys: Vec<LockKey> = (0..20)
         .map(|i| LockKey::new(format!("job:{i}:batch")).unwrap())
@@ -58,13 +70,15 @@ async fn a_held_key_holds_owner_and_token_and_nothing_is_left_after_release() {
     let leases = common::acquire_all(&redis, &keys, TTL).await;
     assert_eq!(leases.len(), keys.len());
     assert!(leases.iter().all(|l| l.token() > lease.token()));
+    let newest = leases.iter().map(|l| l.token().get()).max();
+    assert_eq!(high_water(&f.server).await, newest);
     let released = redis.release_many(&leases).await.unwrap();
     assert!(released.iter().all(|r| *r == Release::Released));
-    assert_eq!(keys_left(&f.server).await, RespValue::Integer(0));
+    assert_eq!(keys_left(&f.server).await, RespValue::Integer(1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_released_lease_is_stale_with_the_clock_between_its_token_and_the_next() {
+async fn a_released_lease_is_stale_with_the_high_water_token_between_its_token_and_the_next() {
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
     let key = LockKey::new("job:8").unwrap();
@@ -74,11 +88,15 @@ async fn a_released_lease_is_stale_with_the_clock_between_its_token_and_the_next
     let Fence::Stale { current } = redis.fence(&lease).await.unwrap() else {
         panic!("a released lease is stale")
     };
-    assert!(current > lease.token(), "{current} <= {}", lease.token());
+    assert_eq!(
+        current,
+        lease.token(),
+        "the newest token granted is its own"
+    );
     assert_eq!(redis.inspect(&key).await.unwrap().token, None);
 
     let next = redis.acquire(&key, TTL).await.unwrap().expect("a free key");
-    assert!(next.token() >= current, "{} < {current}", next.token());
+    assert!(next.token() > current, "{} <= {current}", next.token());
     // While someone holds the key, a stale lease learns the holder's token.
     assert_eq!(
         redis.fence(&lease).await.unwrap(),
@@ -154,5 +172,9 @@ async fn only_a_release_someone_waited_for_is_announced() {
         vec![Release::Released]
     );
     assert_eq!(announced().await, 2);
-    assert_eq!(keys_left(&f.server).await, RespValue::Integer(0));
+    assert_eq!(
+        keys_left(&f.server).await,
+        RespValue::Integer(1),
+        "the high-water key"
+    );
 }

@@ -30,13 +30,29 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
 
     let again = harness::require(
         f.server
-            .command(&["EVAL", ACQUIRE, "1", &lock_key, &owner, "10000"])
+            .command(&[
+                "EVAL",
+                ACQUIRE,
+                "2",
+                &lock_key,
+                "distlock:tokens",
+                &owner,
+                "10000",
+            ])
             .await,
     );
     assert_eq!(again, token, "the single-key script");
     let again = harness::require(
         f.server
-            .command(&["EVAL", ACQUIRE_MANY, "1", &lock_key, &owner, "10000"])
+            .command(&[
+                "EVAL",
+                ACQUIRE_MANY,
+                "2",
+                &lock_key,
+                "distlock:tokens",
+                &owner,
+                "10000",
+            ])
             .await,
     );
     assert_eq!(
@@ -48,7 +64,15 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     // Someone else's attempt is still refused, and the token did not move.
     let other = harness::require(
         f.server
-            .command(&["EVAL", ACQUIRE, "1", &lock_key, "someone-else", "10000"])
+            .command(&[
+                "EVAL",
+                ACQUIRE,
+                "2",
+                &lock_key,
+                "distlock:tokens",
+                "someone-else",
+                "10000",
+            ])
             .await,
     );
     assert_eq!(other, RespValue::Bulk(None));
@@ -83,9 +107,9 @@ async fn an_acquire_any_sent_again_returns_the_slot_it_took() {
 
     let lock_keys: Vec<String> = slots.iter().map(|s| redis.redis_key(s)).collect();
     let owner = lease.owner().to_string();
-    let mut args = vec!["EVAL", ACQUIRE_ANY, "3"];
+    let mut args = vec!["EVAL", ACQUIRE_ANY, "4"];
     args.extend(lock_keys.iter().map(String::as_str));
-    args.extend([owner.as_str(), "10000", "0", "R"]);
+    args.extend(["distlock:tokens", owner.as_str(), "10000", "0", "R"]);
     let again = harness::require(f.server.command(&args).await);
     assert_eq!(
         again,

@@ -1,8 +1,11 @@
-//! Tokens never go back, whatever the server comes back with: a restart without
+//! Tokens never go back, whatever the server's clock does or the server comes back with:
+//! its wall clock stepped back (the key held across the step, or released before it),
+//! frozen (a release and a re-grant within one clock tick), a restart without
 //! persistence, a restart from an RDB snapshot or an AOF that is behind the last grants
-//! (after `kill -9`), `FLUSHALL`, and a failover (of a replica, or within a Cluster) to
-//! a replica that missed the last grants. Each case runs lock cycles (single and batch calls), brings the server back
-//! that way, runs more, and checks that every later token is above every earlier one.
+//! (after `kill -9`), `FLUSHALL`, and a failover (of a replica, or within a Cluster) to a
+//! replica that missed the last grants. Each case runs lock cycles (single and batch
+//! calls), brings the fault, runs more, and checks that every later token is above every
+//! earlier one.
 
 mod common;
 
@@ -10,7 +13,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::RedisClusterFactory;
+use distlock_core::{Fence, FencingToken};
 use distlock_core::{LockBackend, LockKey, Release};
+use harness::ShiftedClock;
 use harness::redis::{RedisServer, RespValue};
 use lock_redis::RedisBackend;
 
@@ -281,4 +286,136 @@ async fn tokens_keep_increasing_after_a_cluster_failover_to_a_replica_that_misse
         &after,
         "after a cluster failover to a replica behind the grants",
     );
+}
+
+/// A server (no persistence, as the harness starts it) under a wall clock the test steps.
+async fn server_under_a_clock() -> (RedisServer, ShiftedClock) {
+    let clock = harness::require(ShiftedClock::new());
+    let server = harness::require(RedisServer::builder().clock(&clock).start().await);
+    (server, clock)
+}
+
+/// How far the clock steps back: a minute, as NTP stepping a drifted VM's clock might.
+const STEP: Duration = Duration::from_secs(60);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_when_the_server_clock_steps_back_under_a_held_key() {
+    let (server, clock) = server_under_a_clock().await;
+    let redis = backend(&server).await;
+    let before = cycles(&redis, &key(), CYCLES).await;
+    let held = redis
+        .acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+
+    harness::require(clock.step_back(STEP));
+
+    assert_eq!(redis.release(&held).await.unwrap(), Release::Released);
+    let after = cycles(&redis, &key(), CYCLES).await;
+    let mut granted = before;
+    granted.push(held.token().get());
+    assert_above(
+        &granted,
+        &after,
+        "after the clock stepped back under a held key",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_keep_increasing_when_the_server_clock_steps_back_under_a_free_key() {
+    let (server, clock) = server_under_a_clock().await;
+    let redis = backend(&server).await;
+    let before = cycles(&redis, &key(), CYCLES).await;
+
+    harness::require(clock.step_back(STEP));
+
+    let after = cycles(&redis, &key(), CYCLES).await;
+    assert_above(
+        &before,
+        &after,
+        "after the clock stepped back under a free key",
+    );
+    // A step of hours, and a name never granted before beside the first.
+    harness::require(clock.step_back(Duration::from_secs(6 * 3600)));
+    let later = cycles(&redis, &key(), CYCLES).await;
+    assert_above(&after, &later, "after a step back of six hours");
+    let other = LockKey::new("report:weekly").unwrap();
+    let first = cycles(&redis, &other, 1).await;
+    assert_above(
+        &later,
+        &first,
+        "a new name after the steps (one high-water key)",
+    );
+}
+
+/// A stopped clock is the limit of every re-grant within one tick: each grant is above
+/// the last, and a release does not wait for the clock (no `TIME` call on the server's
+/// one thread).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_and_a_regrant_within_one_clock_tick_get_higher_tokens_and_no_wait() {
+    let (server, clock) = server_under_a_clock().await;
+    let redis = backend(&server).await;
+    cycles(&redis, &key(), 1).await;
+
+    harness::require(clock.freeze());
+    let lease = redis
+        .acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    let time_calls = common::command_calls(&server, "time").await;
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+    assert_eq!(
+        common::command_calls(&server, "time").await,
+        time_calls,
+        "a release read the server clock"
+    );
+    let after = cycles(&redis, &key(), CYCLES).await;
+    harness::require(clock.thaw());
+    assert_above(
+        &[lease.token().get()],
+        &after,
+        "with the clock standing still",
+    );
+}
+
+/// `fence` on a free key reports at least the newest token granted for it, never a clock
+/// reading that a step back put below it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_on_a_free_key_reports_at_least_its_newest_token_after_a_step_back() {
+    let (server, clock) = server_under_a_clock().await;
+    let redis = backend(&server).await;
+    let lease = redis
+        .acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert_eq!(redis.release(&lease).await.unwrap(), Release::Released);
+
+    harness::require(clock.step_back(STEP));
+
+    let fence = redis.fence(&lease).await.unwrap();
+    assert!(
+        matches!(fence, Fence::Stale { current } if current >= lease.token()),
+        "{fence:?} for a released lease with token {}",
+        lease.token()
+    );
+    // With the high-water key gone too (FLUSHALL), what is left is the clock: the floor
+    // of the next token, which the next grant does not go below.
+    command(&server, &["FLUSHALL"]).await;
+    let Fence::Stale { current: floor } = redis.fence(&lease).await.unwrap() else {
+        panic!("a released lease reported current");
+    };
+    let next = redis
+        .acquire(&key(), TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert!(
+        next.token() >= floor,
+        "{:?} below the floor {floor:?}",
+        next.token()
+    );
+    assert!(floor > FencingToken(0));
 }

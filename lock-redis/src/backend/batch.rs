@@ -74,12 +74,13 @@ impl RedisBackend {
     }
 
     /// The items of a batch (given by the slots of their keys) grouped into multi-key
-    /// script calls: in a cluster a call's keys must share a hash slot; on one node any
+    /// script calls: where hash slots divide the keys (a cluster, or a node in cluster
+    /// mode) a call's keys must share a slot; on one node in standalone mode any
     /// keys go together. At most [`CHUNK`] items per call.
     fn groups(&self, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
         let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
         for (i, slot) in slots.enumerate() {
-            let slot = if self.inner.cluster { slot } else { 0 };
+            let slot = if self.inner.slotted { slot } else { 0 };
             by_slot.entry(slot).or_default().push(i);
         }
         by_slot
@@ -106,8 +107,11 @@ impl RedisBackend {
             keys.push(k.lock.clone());
             args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
         });
-        // The keys granted waited for, one byte per key, when there are any.
+        // The high-water key each call's locks share, after them; and the keys granted
+        // waited for, one byte per key, when there are any.
         for (call, group) in calls.iter_mut().zip(&groups) {
+            let high_water = self.high_water(&call.keys[0]);
+            call.keys.push(high_water);
             if group.iter().any(|&i| attempts[i].0.mark_waited) {
                 let marks = group.iter().map(|&i| {
                     if attempts[i].0.mark_waited {
@@ -226,9 +230,9 @@ impl RedisBackend {
         let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
         let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
         let mut calls = grouped_calls(script, &groups, |i, call_keys, args| {
-            let (value, token_or_ttl) = lease_args(leases[i], extra);
+            let (value, more) = lease_args(leases[i], extra);
             call_keys.push(keys[i].lock.clone());
-            args.extend([value.into(), token_or_ttl.into()]);
+            args.extend(std::iter::once(value).chain(more).map(Into::into));
         });
         if let Extra::Release = extra {
             for call in &mut calls {

@@ -130,6 +130,10 @@ impl RedisBackend {
             crate::version::check(info)
                 .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
         }
+        let slotted = b.cluster
+            || infos
+                .iter()
+                .any(|info| info.lines().any(|l| l.trim() == "redis_mode:cluster"));
         // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
         // The `replica_acks` connections go to these same nodes: nothing more to read.
         let memory = with_timeout(b.connect_timeout, memory_infos(&conn, &shown_urls[0]))
@@ -219,6 +223,7 @@ impl RedisBackend {
                 id: BackendId::next(),
                 shown_urls,
                 cluster: b.cluster,
+                slotted,
                 sharded,
                 acquires: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
                 releases: Coalescer::new(SENT_AT_ONCE, coalesced_patience),

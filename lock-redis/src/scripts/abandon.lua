@@ -1,24 +1,19 @@
 -- Frees a lock taken by an acquire whose reply was lost: the token is unknown, and the
 -- owner id alone identifies that attempt (it is random per attempt). Waiters are told
--- if any marked the key, and the clock waited for past the token, as on a release.
+-- if any marked the key, as on a release.
 -- KEYS[1] = lock key, ARGV[1] = owner id, ARGV[2] = 'S' to announce with SPUBLISH, as
--- release.lua's ARGV[3]
+-- release.lua's ARGV[2]
 -- Returns 1 when the key was deleted, 0 otherwise.
 local held = redis.call('GET', KEYS[1])
 if not held then
   return 0
 end
-local owner, token, waited = string.match(held, '^(%x+):(%d+)(:?w?)$')
+local owner, waited = string.match(held, '^(%x+):%d+(:?w?)$')
 if owner ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
 if waited ~= '' then
   redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
-end
-token = tonumber(token)
-for _ = 1, 1000 do
-  local now = redis.call('TIME')
-  if now[1] * 1000000 + now[2] > token then break end
 end
 return 1

@@ -1,6 +1,7 @@
 -- Takes a lock and issues its fencing token, in one atomic step.
 -- KEYS[1] = <prefix>:{<name>}  (holds '<owner id>:<token>', expires after ARGV[2] ms;
 --                               ':w' appended once an acquire found it held)
+-- KEYS[2] = the high-water key the lock shares (see below)
 -- ARGV[1] = owner id (hex), ARGV[2] = ttl in milliseconds, ARGV[3] = '1' to grant the
 -- lock already marked waited for (other waiters of the client's process watch it, which
 -- the release that freed it did not wake: each would otherwise mark it only when it next
@@ -8,18 +9,21 @@
 -- Returns the new token (the current one when the lock already holds this owner id), or
 -- nil when the lock is held by someone else.
 --
--- The token is the server's clock in microseconds, read once the key is free: every
--- earlier token of this key was read while an earlier holder's key existed, and that key
--- went by expiry (a TTL of at least a millisecond later) or by a release, which returns
--- only once the clock is past its token. So, as long as the clock of the server that
--- grants does not read earlier than a token it or its predecessor granted, tokens only
--- increase, whatever the server's data came back with (restart, snapshot, FLUSHALL,
--- failover). The clock is built as decimal text: Lua would print a number this large
--- in exponent form.
+-- The token is one more than the high-water key's, or the server's clock in microseconds
+-- when that is higher, and becomes the high-water key's: state first, the clock only as a
+-- floor. The high-water key (one per server, or per hash slot on a Cluster) holds the
+-- highest token granted to any lock that shares it and never expires, so tokens rise
+-- whatever the clock does while it is there; when it is gone (a restart without
+-- persistence, FLUSHALL) or behind (a snapshot or a replica that missed the last grants),
+-- the clock, which has moved on since, is above what was lost. Lua numbers are doubles,
+-- exact for integers up to 2^53 (a clock in µs reaches that in the year 2255); '%.0f'
+-- prints them without an exponent.
 local now = redis.call('TIME')
-local token = now[1] .. string.sub('00000' .. now[2], -6)
+local token = string.format('%.0f', math.max(now[1] * 1000000 + now[2],
+  (tonumber(redis.call('GET', KEYS[2])) or 0) + 1))
 local mark = ARGV[3] == '1' and ':w' or ''
 if redis.call('SET', KEYS[1], ARGV[1] .. ':' .. token .. mark, 'NX', 'PX', ARGV[2]) then
+  redis.call('SET', KEYS[2], token)
   return token
 end
 -- This very attempt sent again (a client retry after a lost reply): the lock is already

@@ -1,6 +1,7 @@
 -- Takes one free lock of several (a semaphore's permit slots) and issues its fencing
 -- token, in one atomic step.
--- KEYS[i] = <prefix>:{<name i>}  (as in acquire.lua)
+-- KEYS[1..n] = <prefix>:{<name i>}  (as in acquire.lua); KEYS[n+1] = the high-water key
+-- they share (as in acquire.lua)
 -- ARGV[1] = owner id (hex), the same for every key of the attempt; ARGV[2] = ttl in ms;
 -- ARGV[3] = '1' to grant the lock marked waited for, as in acquire.lua ('0' otherwise);
 -- ARGV[4] = 'R' when this attempt is sent again (a client retry after a lost reply)
@@ -11,9 +12,10 @@
 -- waited for, as acquire.lua marks one, so its release is announced to the semaphore's
 -- waiters.
 --
--- The token is the server's clock in microseconds, as in acquire.lua.
+-- The token is issued as in acquire.lua.
+local n = #KEYS - 1
 if ARGV[4] == 'R' then
-  for i = 1, #KEYS do
+  for i = 1, n do
     local held = redis.call('GET', KEYS[i])
     if held then
       local owner, token = string.match(held, '^(%x+):(%d+)')
@@ -24,15 +26,17 @@ if ARGV[4] == 'R' then
   end
 end
 local now = redis.call('TIME')
-local token = now[1] .. string.sub('00000' .. now[2], -6)
+local token = string.format('%.0f', math.max(now[1] * 1000000 + now[2],
+  (tonumber(redis.call('GET', KEYS[n + 1])) or 0) + 1))
 local mark = ARGV[3] == '1' and ':w' or ''
-for i = 1, #KEYS do
+for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. token .. mark, 'NX', 'PX', ARGV[2]) then
+    redis.call('SET', KEYS[n + 1], token)
     return {i, token}
   end
 end
 -- Every lock is held: mark each waited for. `APPEND` keeps the key's TTL.
-for i = 1, #KEYS do
+for i = 1, n do
   local held = redis.call('GET', KEYS[i])
   if held and string.sub(held, -2) ~= ':w' then
     redis.call('APPEND', KEYS[i], ':w')

@@ -1,21 +1,26 @@
 -- Takes many locks of one hash slot and issues their fencing tokens, in one atomic step:
--- for each lock, what acquire.lua does for one. The clock is read once per call: the
--- locks are different keys, and each is granted only once its earlier holder is gone.
--- KEYS[i] = <prefix>:{<name i>}  (holds '<owner id>:<token>', expires after its ttl)
+-- for each lock, what acquire.lua does for one. One token serves the call: the locks are
+-- different keys, and it is above every token the high-water key they share has seen.
+-- KEYS[1..n] = <prefix>:{<name i>}  (holds '<owner id>:<token>', expires after its ttl);
+-- KEYS[n+1] = the high-water key they share (as in acquire.lua)
 -- ARGV[2i-1] = owner id i (hex), ARGV[2i] = ttl i in milliseconds; ARGV[2n+1], when
 -- present, one byte per lock: '1' to grant lock i marked waited for (as acquire.lua's
 -- ARGV[3])
 -- Returns one entry per lock: its new token (the current one when it already holds this
 -- owner id), or nil when it is held by someone else.
+local n = #KEYS - 1
 local now = redis.call('TIME')
-local token = now[1] .. string.sub('00000' .. now[2], -6)
-local marks = ARGV[2 * #KEYS + 1]
+local token = string.format('%.0f', math.max(now[1] * 1000000 + now[2],
+  (tonumber(redis.call('GET', KEYS[n + 1])) or 0) + 1))
+local marks = ARGV[2 * n + 1]
+local granted = false
 local out = {}
-for i = 1, #KEYS do
+for i = 1, n do
   local owner = ARGV[2 * i - 1]
   local mark = marks and string.byte(marks, i) == 49 and ':w' or ''
   if redis.call('SET', KEYS[i], owner .. ':' .. token .. mark, 'NX', 'PX', ARGV[2 * i]) then
     out[i] = token
+    granted = true
   else
     -- Sent again by a client retry: already ours; held by another: marked waited for;
     -- as in acquire.lua.
@@ -30,5 +35,8 @@ for i = 1, #KEYS do
       end
     end
   end
+end
+if granted then
+  redis.call('SET', KEYS[n + 1], token)
 end
 return out

@@ -3,25 +3,18 @@
 -- (an acquire that found it held appends ':w' to its value): a release nobody waits for
 -- costs no PUBLISH.
 -- KEYS[1] = lock key
--- ARGV[1] = '<owner id>:<token>', ARGV[2] = the token, ARGV[3] = 'S' to announce with
--- SPUBLISH (a Redis 7 cluster: the message stays on the key's shard), absent for PUBLISH
+-- ARGV[1] = '<owner id>:<token>', ARGV[2] = 'S' to announce with SPUBLISH (a Redis 7
+-- cluster: the message stays on the key's shard), absent for PUBLISH
 -- Returns 1 when released, 0 when the lease was no longer held.
 --
 -- The announcement is best effort: a user without rights on the channel gets an error
--- from PUBLISH, which must not undo or fail the release. The reply waits until the
--- server clock is past the token, so the next grant of this key reads a later clock
--- (see acquire.lua); in practice the first reading already is, and the wait is bounded
--- in case the clock stands still or went back.
+-- from PUBLISH, which must not undo or fail the release. Nothing waits for the clock: the
+-- next token comes from the high-water key the grant raised (see acquire.lua).
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] or held == ARGV[1] .. ':w' then
   redis.call('DEL', KEYS[1])
   if held ~= ARGV[1] then
-    redis.pcall(ARGV[3] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
-  end
-  local token = tonumber(ARGV[2])
-  for _ = 1, 1000 do
-    local now = redis.call('TIME')
-    if now[1] * 1000000 + now[2] > token then break end
+    redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
   end
   return 1
 end

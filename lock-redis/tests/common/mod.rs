@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, Failover, LinkFaults, ServerFaults};
+use conformance::factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults};
 use distlock_core::{Lease, LockBackend, LockKey};
 use harness::{
+    ShiftedClock,
     proxy::FaultProxy,
     redis::{RedisCluster, RedisServer, RedisServerBuilder, RedisUser},
 };
@@ -19,9 +20,11 @@ use suite_faults::ProxyGroup;
 /// The response timeout the tests use: short, so blackholes are noticed quickly.
 pub const RESPONSE_TIMEOUT: Duration = Duration::from_millis(300);
 
-/// A single `redis-server`, reached through a fault proxy.
+/// A single `redis-server`, reached through a fault proxy, run under a wall clock the
+/// cases may step.
 pub struct RedisFactory {
     pub server: Arc<RedisServer>,
+    pub clock: Arc<ShiftedClock>,
     pub proxy: Arc<FaultProxy>,
     /// The factory's name in the suite's messages and summary.
     name: &'static str,
@@ -46,10 +49,12 @@ impl RedisFactory {
             Some(user) => builder.user(user.clone()),
             None => builder,
         };
-        let server = harness::require(builder.start().await);
+        let clock = harness::require(ShiftedClock::new());
+        let server = harness::require(builder.clock(&clock).start().await);
         let proxy = harness::require(FaultProxy::start(server.addr()).await);
         Self {
             server: Arc::new(server),
+            clock: Arc::new(clock),
             proxy: Arc::new(proxy),
             name,
             login,
@@ -103,20 +108,29 @@ impl Factory for RedisFactory {
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         Some(suite_faults::server(self.server.clone()))
     }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        let probe = server_clock(self.server.clone());
+        Some(suite_faults::clock(self.clock.clone(), vec![probe]))
+    }
 }
 
-/// A 3-master Redis Cluster. Without proxies the client talks to every node directly;
-/// [`Self::behind_proxies`] puts a fault proxy in front of each node.
+/// A 3-master Redis Cluster, every node under one wall clock the cases may step. Without
+/// proxies the client talks to every node directly; [`Self::behind_proxies`] puts a fault
+/// proxy in front of each node.
 pub struct RedisClusterFactory {
     pub cluster: Arc<RedisCluster>,
+    pub clock: Arc<ShiftedClock>,
     /// One per node, in the order of the cluster's nodes; empty when there are none.
     pub proxies: Option<Arc<ProxyGroup>>,
 }
 
 impl RedisClusterFactory {
     pub async fn start() -> Self {
+        let (cluster, clock) = cluster_under_a_clock().await;
         Self {
-            cluster: Arc::new(harness::require(RedisCluster::start().await)),
+            cluster,
+            clock,
             proxies: None,
         }
     }
@@ -126,7 +140,7 @@ impl RedisClusterFactory {
     /// there, while the cluster bus stays direct. Link faults then hit every client
     /// connection and none between the nodes.
     pub async fn behind_proxies() -> Self {
-        let cluster = Arc::new(harness::require(RedisCluster::start().await));
+        let (cluster, clock) = cluster_under_a_clock().await;
         let mut proxies = Vec::new();
         for node in cluster.nodes() {
             let proxy = harness::require(FaultProxy::start(node.addr()).await);
@@ -159,6 +173,7 @@ impl RedisClusterFactory {
         }
         Self {
             cluster,
+            clock,
             proxies: Some(Arc::new(ProxyGroup::new(proxies))),
         }
     }
@@ -203,6 +218,50 @@ impl Factory for RedisClusterFactory {
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
         Some(suite_faults::cluster(self.cluster.clone()))
     }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        let nodes = (0..self.cluster.nodes().len())
+            .map(|i| {
+                let cluster = self.cluster.clone();
+                let probe: suite_faults::ClockProbe = Box::new(move || {
+                    let cluster = cluster.clone();
+                    Box::pin(async move { server_time(&cluster.nodes()[i]).await })
+                });
+                probe
+            })
+            .collect();
+        Some(suite_faults::clock(self.clock.clone(), nodes))
+    }
+}
+
+/// What `server` reads as its wall clock (`TIME`).
+pub fn server_clock(server: Arc<RedisServer>) -> suite_faults::ClockProbe {
+    Box::new(move || {
+        let server = server.clone();
+        Box::pin(async move { server_time(&server).await })
+    })
+}
+
+/// The server's wall clock, from `TIME`.
+pub async fn server_time(server: &RedisServer) -> std::time::SystemTime {
+    let reply = harness::require(server.command(&["TIME"]).await);
+    let harness::redis::RespValue::Array(Some(parts)) = reply else {
+        panic!("TIME answered {reply:?}");
+    };
+    let [secs, micros] = [0, 1].map(|i| {
+        parts[i]
+            .as_text()
+            .and_then(|t| t.parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("TIME answered {parts:?}"))
+    });
+    std::time::UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_micros(micros)
+}
+
+/// A 3-master cluster whose nodes share one wall clock.
+async fn cluster_under_a_clock() -> (Arc<RedisCluster>, Arc<ShiftedClock>) {
+    let clock = harness::require(ShiftedClock::new());
+    let cluster = harness::require(RedisCluster::builder().clock(&clock).start().await);
+    (Arc::new(cluster), Arc::new(clock))
 }
 
 /// A 3-master Redis Cluster with a replica per master, whose masters the cases may fail
