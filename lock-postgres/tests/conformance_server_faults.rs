@@ -1,7 +1,7 @@
-//! The conformance cases that need server faults, on both backends, each test on a
-//! PostgreSQL server of its own (the shared server of the other conformance binaries
-//! cannot be killed or paused), with the test role's sessions also ended by
-//! `pg_terminate_backend`.
+//! The conformance cases that need server faults or a stepped clock, on both backends,
+//! each test on a PostgreSQL server of its own (the shared server of the other conformance
+//! binaries cannot be killed, paused or have its clock stepped), with the test role's
+//! sessions also ended by `pg_terminate_backend`.
 
 mod common;
 
@@ -17,7 +17,7 @@ async fn factory(kind: Kind) -> WithFencedResource<PgFactory> {
 mod lease {
     conformance::conformance_tests!(
         super::factory(super::Kind::Lease),
-        capabilities: [link_faults, server_faults, inspect, session_kill],
+        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
         only_needing: server_faults,
     );
 }
@@ -25,7 +25,23 @@ mod lease {
 mod advisory {
     conformance::conformance_tests!(
         super::factory(super::Kind::Advisory),
-        capabilities: [link_faults, server_faults, inspect, session_kill],
+        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
         only_needing: server_faults,
+    );
+}
+
+mod lease_clock {
+    conformance::conformance_tests!(
+        super::factory(super::Kind::Lease),
+        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
+        only_needing: clock_step,
+    );
+}
+
+mod advisory_clock {
+    conformance::conformance_tests!(
+        super::factory(super::Kind::Advisory),
+        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
+        only_needing: clock_step,
     );
 }

@@ -7,9 +7,11 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use conformance::factory::{Factory, LinkFaults, ServerFaults, SessionFaults, WithFencedResource};
+use conformance::factory::{
+    ClockFaults, Factory, LinkFaults, ServerFaults, SessionFaults, WithFencedResource,
+};
 use distlock_core::{EnforcementMode, LockBackend};
-use harness::{postgres::PostgresServer, proxy::FaultProxy};
+use harness::{ShiftedClock, postgres::PostgresServer, proxy::FaultProxy};
 use lock_postgres::{PgBuilder, PgFencedResource};
 
 /// The server shared by the tests of one binary. Only a `Weak` is kept here: the server
@@ -31,7 +33,14 @@ pub async fn shared_server() -> Arc<PostgresServer> {
 
 /// A server of its own, for tests that kill, pause or restart it; the tables are set up.
 pub async fn start_server() -> PostgresServer {
-    let server = harness::require(PostgresServer::start().await);
+    start_server_with(PostgresServer::builder()).await
+}
+
+/// [`start_server`] from `builder`.
+pub async fn start_server_with(
+    options: harness::postgres::PostgresServerBuilder,
+) -> PostgresServer {
+    let server = harness::require(options.start().await);
     // The test role may create the backends' schema (a deployment grants this once).
     harness::require(
         server
@@ -90,15 +99,17 @@ pub struct PgFactory {
     backend: Arc<dyn LockBackend>,
     /// Whether the server is this factory's own, so server faults hit no other test.
     private: bool,
+    /// The wall clock a private server runs under.
+    clock: Option<Arc<ShiftedClock>>,
 }
 
 impl PgFactory {
     /// A factory on the shared server.
     pub async fn shared(kind: Kind) -> Self {
-        Self::on(shared_server().await, kind, false).await
+        Self::on(shared_server().await, kind, None).await
     }
 
-    async fn on(server: Arc<PostgresServer>, kind: Kind, private: bool) -> Self {
+    async fn on(server: Arc<PostgresServer>, kind: Kind, clock: Option<Arc<ShiftedClock>>) -> Self {
         let proxy = harness::require(FaultProxy::start(server.addr()).await);
         let url = format!(
             "postgres://{}:{}@{}/postgres",
@@ -111,16 +122,20 @@ impl PgFactory {
             server,
             proxy: Arc::new(proxy),
             kind,
-            private,
+            private: clock.is_some(),
+            clock,
         }
     }
 }
 
 impl PgFactory {
     /// A factory on a server of its own, whose process the cases may pause, kill and
-    /// restart (the shared server cannot be: other tests use it).
+    /// restart and whose wall clock they may step (the shared server cannot be: other
+    /// tests use it).
     pub async fn private(kind: Kind) -> Self {
-        Self::on(Arc::new(start_server().await), kind, true).await
+        let clock = Arc::new(harness::require(ShiftedClock::new()));
+        let server = start_server_with(PostgresServer::builder().clock(&clock)).await;
+        Self::on(Arc::new(server), kind, Some(clock)).await
     }
 
     /// The server this factory's clients talk to.
@@ -189,4 +204,25 @@ impl Factory for PgFactory {
         self.private
             .then(|| suite_faults::sessions(self.server.clone()))
     }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        let clock = self.clock.clone()?;
+        let server = self.server.clone();
+        let probe: suite_faults::ClockProbe = Box::new(move || {
+            let server = server.clone();
+            Box::pin(async move { server_time(&server).await })
+        });
+        Some(suite_faults::clock(clock, vec![probe]))
+    }
+}
+
+/// The server's wall clock, from `clock_timestamp()`.
+pub async fn server_time(server: &PostgresServer) -> std::time::SystemTime {
+    let micros = harness::require(
+        server
+            .psql("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::bigint")
+            .await,
+    );
+    let micros: u64 = micros.trim().parse().expect("a clock in µs");
+    std::time::UNIX_EPOCH + Duration::from_micros(micros)
 }
