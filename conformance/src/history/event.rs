@@ -230,6 +230,49 @@ impl History {
         self.events.lock().clone()
     }
 
+    /// Every event, one per line in completion order, with its times in µs from the first
+    /// invocation: what a failed check prints, so that the order the client saw can be
+    /// read against what the store did. Unfinished calls are listed as such. At most
+    /// `limit` lines; the rest are counted.
+    pub fn timeline(&self, limit: usize) -> String {
+        let mut events = self.events();
+        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
+        let now = Instant::now();
+        for draft in unfinished {
+            let seq = events.len() as u64;
+            events.push(
+                Draft {
+                    reply: Reply::Unfinished,
+                    ..draft
+                }
+                .into_event(seq, now),
+            );
+        }
+        let Some(start) = events.iter().map(|e| e.invoked).min() else {
+            return "    (no events)".to_owned();
+        };
+        let at = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e6;
+        let mut out: Vec<String> = events
+            .iter()
+            .take(limit)
+            .map(|e| {
+                let valid = e
+                    .valid_until
+                    .map(|v| format!(" valid until {:.1}", at(v)))
+                    .unwrap_or_default();
+                format!(
+                    "    [{:.1} .. {:.1} µs] {e}{valid}",
+                    at(e.invoked),
+                    at(e.completed)
+                )
+            })
+            .collect();
+        if events.len() > limit {
+            out.push(format!("    ... and {} more", events.len() - limit));
+        }
+        out.join("\n")
+    }
+
     /// How many events were recorded.
     pub fn len(&self) -> usize {
         self.events.lock().len()
@@ -267,5 +310,48 @@ impl History {
             );
         }
         check(&events, options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_timeline_lists_every_event_with_its_times_unfinished_calls_too() {
+        let history = History::new();
+        let key = LockKey::new("k").unwrap();
+        let owner = OwnerId::random();
+        let start = Instant::now();
+        history.record(
+            Op::Acquire,
+            &key,
+            Some(owner),
+            Some(FencingToken(7)),
+            Some(Duration::from_secs(1)),
+            start,
+            Some(start + Duration::from_secs(1)),
+            Reply::Granted,
+        );
+        history.made(Draft {
+            op: Op::Release,
+            key: key.clone(),
+            owner: Some(owner),
+            token: Some(FencingToken(7)),
+            ttl: None,
+            invoked: start + Duration::from_millis(2),
+            valid_until: None,
+            reply: Reply::Released,
+        });
+        let timeline = history.timeline(10);
+        let lines: Vec<&str> = timeline.lines().collect();
+        assert_eq!(lines.len(), 2, "{timeline}");
+        assert!(lines[0].contains("[0.0 .. ") && lines[0].contains("acquire \"k\" token 7"));
+        assert!(lines[0].contains("valid until 1000000.0"), "{timeline}");
+        assert!(lines[1].contains("[2000.0 .. ") && lines[1].contains("Unfinished"));
+        assert_eq!(
+            history.timeline(1).lines().last(),
+            Some("    ... and 1 more")
+        );
     }
 }

@@ -275,9 +275,10 @@ impl<'f> Ctx<'f> {
         Err(self.failure(
             "a history that meets I1-I6".to_owned(),
             format!(
-                "{} violation(s):\n{}",
+                "{} violation(s):\n{}\n  the history (µs from the first call):\n{}",
                 violations.len(),
-                listing(&violations)
+                listing(&violations),
+                self.history.timeline(HISTORY_SHOWN)
             ),
             &violations,
         ))
@@ -289,6 +290,9 @@ impl<'f> Ctx<'f> {
         Ok(Outcome::Passed)
     }
 }
+
+/// How many events a failed history check prints: every event of most cases.
+const HISTORY_SHOWN: usize = 400;
 
 /// The first few violations, one per line: they show the pattern, and a broken backend
 /// can produce hundreds.
