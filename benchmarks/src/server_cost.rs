@@ -189,8 +189,8 @@ async fn used_memory(servers: &Servers) -> Result<u64, BenchError> {
 
 /// Locks and releases `keys` distinct keys once each (1,000 a batch), then waits
 /// `RETENTION`: `used_memory` should come back to where it started. The backend keeps
-/// nothing after a release (tokens are the server clock, not counters), so nothing should
-/// be left at once; the wait stays so the report compares with runs of older versions,
+/// nothing per key after a release (tokens count from one high-water key, not a counter
+/// per key), so nothing should be left at once; the wait stays so the report compares with runs of older versions,
 /// which kept a counter per key until its retention ran out. Gives up waiting after two
 /// minutes and reports what is left.
 pub async fn fence_retention_memory(

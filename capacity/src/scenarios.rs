@@ -304,7 +304,8 @@ pub async fn guard_memory(count: usize, ttl: Duration) -> Result<GuardMemory, Be
 pub struct RedisServerCost {
     /// Calls measured per command.
     pub calls: usize,
-    /// µs per distlock acquire script (the server clock read and `SET NX PX`, in Lua).
+    /// µs per distlock acquire script (the clock and high-water reads, `SET NX PX` and the
+    /// high-water write, in Lua).
     pub acquire_script_us: f64,
     /// µs per distlock release script (owner-checked `DEL` of the lock).
     pub release_script_us: f64,

@@ -31,8 +31,9 @@
 //!
 //! # Choosing a backend
 //!
-//! - **Redis** (default feature): one round trip per acquire, the fastest; tokens are the
-//!   server's clock, so they keep rising across restarts and failovers. Asynchronous
+//! - **Redis** (default feature): one round trip per acquire, the fastest; tokens count up
+//!   from a high-water key with the server's clock as a floor, so they keep rising when
+//!   the clock steps back and across restarts and failovers. Asynchronous
 //!   replication means a failover can lose a lock (fencing still holds).
 //! - **etcd**: consensus behind every grant, whole-second TTLs; for when a lock must
 //!   survive the loss of a server.

@@ -42,12 +42,13 @@ impl Deref for Lua {
     }
 }
 
-/// `SET NX PX` of `<owner id>:<token>`, the token being the server's µs clock.
+/// `SET NX PX` of `<owner id>:<token>`, the token one above the high-water key (raised to
+/// it) or the server's µs clock when that is higher.
 pub(crate) static ACQUIRE_SCRIPT: Lua = Lua::resendable(include_str!("scripts/acquire.lua"));
 /// Owner-checked `PEXPIRE` (the owner id is unique per acquisition).
 pub(crate) static RENEW_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew.lua"));
-/// Owner-checked `DEL`, `PUBLISH` (or `SPUBLISH`) to waiters (best effort), and the clock
-/// past the token. A release sent again after it ran says "not held".
+/// Owner-checked `DEL`, and `PUBLISH` (or `SPUBLISH`) to waiters (best effort). A release
+/// sent again after it ran says "not held".
 pub(crate) static RELEASE_SCRIPT: Lua = Lua::once(include_str!("scripts/release.lua"));
 /// Owner-checked `DEL` for an acquire whose reply was lost.
 pub(crate) static ABANDON_SCRIPT: Lua = Lua::resendable(include_str!("scripts/abandon.lua"));
