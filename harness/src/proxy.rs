@@ -1,6 +1,9 @@
 //! A TCP fault-injection proxy that runs inside the test process: clients connect to
 //! [`FaultProxy::addr`] instead of the server, and the test cuts, delays or resets their
-//! traffic. Controls apply at once to existing and new connections.
+//! traffic. Controls apply at once to existing and new connections, except
+//! [`FaultProxy::blackhole_connections`] (the connections it names) and
+//! [`FaultProxy::retarget`] (new connections only, as a virtual IP or a DNS name moved to
+//! another server would).
 //!
 //! # Blackhole semantics
 //!
@@ -15,12 +18,18 @@
 //! the upstream until healed (the kernel completes the client's handshake, unlike a real
 //! partition where `connect` itself would hang).
 //!
+//! [`FaultProxy::blackhole_connections`] (and [`FaultProxy::blackhole_existing`]) does the
+//! same to some connections only, numbered in the order the proxy accepted them: a
+//! connection that died silently (a NAT or balancer that dropped its flow) while a new one
+//! gets through.
+//!
 //! If the upstream refuses the connection, the client's connection is reset, as if it had
 //! been refused.
 
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -34,12 +43,23 @@ use super::HarnessError;
 /// Size of one forwarded chunk.
 const CHUNK: usize = 16 * 1024;
 
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Faults {
     blackholed: bool,
+    /// The numbers of the connections blackholed on their own, `start..end`.
+    held: (u64, u64),
     delay: Duration,
     /// Bumped by [`FaultProxy::reset`]; connections accepted before the bump are reset.
     reset_generation: u64,
+    /// Where connections accepted from now on go.
+    upstream: SocketAddr,
+}
+
+impl Faults {
+    /// Whether connection `id` may pass bytes now.
+    fn open_for(&self, id: u64) -> bool {
+        !self.blackholed && !(self.held.0..self.held.1).contains(&id)
+    }
 }
 
 /// A TCP proxy on a free 127.0.0.1 port forwarding to one upstream, with fault controls.
@@ -47,9 +67,9 @@ struct Faults {
 #[derive(Debug)]
 pub struct FaultProxy {
     addr: SocketAddr,
-    upstream: SocketAddr,
     faults: watch::Sender<Faults>,
     active: Arc<AtomicUsize>,
+    accepted: Arc<AtomicU64>,
     task: JoinHandle<()>,
 }
 
@@ -63,14 +83,21 @@ impl FaultProxy {
         let addr = listener
             .local_addr()
             .map_err(|e| HarnessError::io("reading the fault proxy address", e))?;
-        let (faults, rx) = watch::channel(Faults::default());
+        let (faults, rx) = watch::channel(Faults {
+            blackholed: false,
+            held: (0, 0),
+            delay: Duration::ZERO,
+            reset_generation: 0,
+            upstream,
+        });
         let active = Arc::new(AtomicUsize::new(0));
-        let task = tokio::spawn(accept_loop(listener, upstream, rx, active.clone()));
+        let accepted = Arc::new(AtomicU64::new(0));
+        let task = tokio::spawn(accept_loop(listener, rx, active.clone(), accepted.clone()));
         Ok(FaultProxy {
             addr,
-            upstream,
             faults,
             active,
+            accepted,
             task,
         })
     }
@@ -85,15 +112,42 @@ impl FaultProxy {
         self.addr.port()
     }
 
-    /// The address the proxy forwards to.
+    /// The address the proxy forwards new connections to.
     pub fn upstream(&self) -> SocketAddr {
-        self.upstream
+        self.faults.borrow().upstream
+    }
+
+    /// Forwards the connections accepted from now on to `upstream`; those open now stay
+    /// with the server they reached, as when a virtual IP or a DNS name moves to another
+    /// server.
+    pub fn retarget(&self, upstream: SocketAddr) {
+        self.faults.send_modify(|f| f.upstream = upstream);
     }
 
     /// Stops every byte in both directions, on existing and new connections, keeping the
     /// sockets open; data is held back until [`heal`](Self::heal) (see the module docs).
     pub fn blackhole(&self) {
         self.faults.send_modify(|f| f.blackholed = true);
+    }
+
+    /// Blackholes the connections numbered `numbers` (counted from 0 in the order they were
+    /// accepted; see [`accepted`](Self::accepted)) as [`blackhole`](Self::blackhole) does
+    /// every connection, until [`heal`](Self::heal); the others, and connections accepted
+    /// later, keep flowing.
+    pub fn blackhole_connections(&self, numbers: Range<u64>) {
+        self.faults
+            .send_modify(|f| f.held = (numbers.start, numbers.end));
+    }
+
+    /// Blackholes every connection accepted so far, open or not; connections accepted
+    /// later flow: the existing connections died silently, and a new one gets through.
+    pub fn blackhole_existing(&self) {
+        self.blackhole_connections(0..self.accepted());
+    }
+
+    /// How many connections the proxy has accepted so far; the next one is numbered this.
+    pub fn accepted(&self) -> u64 {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     /// Adds `delay` of latency to every chunk forwarded in either direction (so a round
@@ -110,10 +164,12 @@ impl FaultProxy {
         self.faults.send_modify(|f| f.reset_generation += 1);
     }
 
-    /// Removes the blackhole and the delay; held-back bytes flow again.
+    /// Removes the blackholes (of every connection or some) and the delay; held-back
+    /// bytes flow again.
     pub fn heal(&self) {
         self.faults.send_modify(|f| {
             f.blackholed = false;
+            f.held = (0, 0);
             f.delay = Duration::ZERO;
         });
     }
@@ -143,17 +199,25 @@ impl Drop for FaultProxy {
 
 async fn accept_loop(
     listener: TcpListener,
-    upstream: SocketAddr,
     faults: watch::Receiver<Faults>,
     active: Arc<AtomicUsize>,
+    accepted: Arc<AtomicU64>,
 ) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            client = listener.accept() => match client {
                 Ok((client, _)) => {
-                    let generation = faults.borrow().reset_generation;
-                    connections.spawn(serve(client, upstream, faults.clone(), generation, active.clone()));
+                    let (generation, upstream) = {
+                        let f = faults.borrow();
+                        (f.reset_generation, f.upstream)
+                    };
+                    let link = Link {
+                        id: accepted.fetch_add(1, Ordering::SeqCst),
+                        upstream,
+                        generation,
+                    };
+                    connections.spawn(serve(client, link, faults.clone(), active.clone()));
                 }
                 // Out of file descriptors and the like: back off instead of spinning.
                 Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -177,9 +241,20 @@ async fn reset_since(mut faults: watch::Receiver<Faults>, generation: u64) {
     let _ = faults.wait_for(|f| f.reset_generation != generation).await;
 }
 
-/// Waits until not blackholed; `false` when the proxy is gone.
-async fn open(faults: &mut watch::Receiver<Faults>) -> bool {
-    faults.wait_for(|f| !f.blackholed).await.is_ok()
+/// Waits until connection `id` is not blackholed; `false` when the proxy is gone.
+async fn open(faults: &mut watch::Receiver<Faults>, id: u64) -> bool {
+    faults.wait_for(|f| f.open_for(id)).await.is_ok()
+}
+
+/// What a connection was given when it was accepted.
+#[derive(Clone, Copy)]
+struct Link {
+    /// Its number, in the order connections were accepted.
+    id: u64,
+    /// Where it goes.
+    upstream: SocketAddr,
+    /// The reset generation it was accepted in.
+    generation: u64,
 }
 
 /// Closes with `RST` instead of `FIN` when the stream is dropped.
@@ -190,16 +265,20 @@ fn abort_on_drop(stream: &TcpStream) {
 
 async fn serve(
     mut client: TcpStream,
-    upstream: SocketAddr,
+    link: Link,
     faults: watch::Receiver<Faults>,
-    generation: u64,
     active: Arc<AtomicUsize>,
 ) {
     active.fetch_add(1, Ordering::SeqCst);
     let _guard = ActiveGuard(active);
+    let Link {
+        id,
+        upstream,
+        generation,
+    } = link;
     let mut connect_faults = faults.clone();
     let connect = async {
-        if !open(&mut connect_faults).await {
+        if !open(&mut connect_faults, id).await {
             return None;
         }
         TcpStream::connect(upstream).await.ok()
@@ -219,8 +298,8 @@ async fn serve(
         let (server_read, server_write) = server.split();
         let forward = async {
             tokio::try_join!(
-                pump(client_read, server_write, faults.clone()),
-                pump(server_read, client_write, faults.clone()),
+                pump(client_read, server_write, faults.clone(), id),
+                pump(server_read, client_write, faults.clone(), id),
             )
             .is_ok()
         };
@@ -237,7 +316,12 @@ async fn serve(
 
 /// Forwards one direction until EOF (then half-closes the writer): `Err` when either side
 /// failed, so the whole connection is torn down with a reset.
-async fn pump<R, W>(mut reader: R, mut writer: W, faults: watch::Receiver<Faults>) -> Result<(), ()>
+async fn pump<R, W>(
+    mut reader: R,
+    mut writer: W,
+    faults: watch::Receiver<Faults>,
+    id: u64,
+) -> Result<(), ()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -248,7 +332,7 @@ where
     let mut read_faults = faults.clone();
     let read_side = async move {
         loop {
-            if !open(&mut read_faults).await {
+            if !open(&mut read_faults, id).await {
                 return Err(());
             }
             let mut buf = vec![0u8; CHUNK];
@@ -268,7 +352,7 @@ where
     let write_side = async move {
         while let Some((read_at, chunk)) = rx.recv().await {
             loop {
-                if !open(&mut write_faults).await {
+                if !open(&mut write_faults, id).await {
                     return Err(());
                 }
                 let due = read_at + write_faults.borrow().delay;
@@ -421,6 +505,72 @@ mod tests {
         assert_eq!(
             round_trip(&mut fresh, b"new", second).await.as_deref(),
             Some(&b"new"[..])
+        );
+    }
+
+    #[tokio::test]
+    async fn blackholing_the_existing_connections_leaves_new_ones_flowing() {
+        let upstream = echo_server().await;
+        let proxy = require(FaultProxy::start(upstream).await);
+        let second = Duration::from_secs(1);
+        let mut first = TcpStream::connect(proxy.addr()).await.unwrap();
+        let mut second_old = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert!(round_trip(&mut first, b"one", second).await.is_some());
+        assert!(round_trip(&mut second_old, b"two", second).await.is_some());
+        assert_eq!(proxy.accepted(), 2);
+
+        proxy.blackhole_existing();
+        assert!(!proxy.is_blackholed(), "only some connections are held");
+        for old in [&mut first, &mut second_old] {
+            assert_eq!(
+                round_trip(old, b"held", Duration::from_millis(200)).await,
+                None,
+                "an existing connection passes nothing"
+            );
+        }
+        let mut fresh = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert_eq!(
+            round_trip(&mut fresh, b"new", second).await.as_deref(),
+            Some(&b"new"[..]),
+            "a connection made afterwards flows"
+        );
+
+        // One connection alone, by its number.
+        proxy.heal();
+        proxy.blackhole_connections(2..3);
+        assert_eq!(
+            round_trip(&mut fresh, b"held", Duration::from_millis(200)).await,
+            None
+        );
+        let mut buf = [0u8; 4];
+        tokio::time::timeout(second, first.read_exact(&mut buf))
+            .await
+            .expect("the healed connection delivers what it held back")
+            .unwrap();
+        assert_eq!(&buf, b"held");
+    }
+
+    #[tokio::test]
+    async fn retarget_sends_new_connections_elsewhere_and_leaves_open_ones() {
+        let echo = echo_server().await;
+        let proxy = require(FaultProxy::start(echo).await);
+        let second = Duration::from_secs(1);
+        let mut old = TcpStream::connect(proxy.addr()).await.unwrap();
+        assert!(round_trip(&mut old, b"a", second).await.is_some());
+
+        // A listener that only accepts: a connection reaching it is one the proxy sent there.
+        let other = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        proxy.retarget(other.local_addr().unwrap());
+        assert_eq!(proxy.upstream(), other.local_addr().unwrap());
+        let _new = TcpStream::connect(proxy.addr()).await.unwrap();
+        tokio::time::timeout(second, other.accept())
+            .await
+            .expect("the connection made after the retarget reaches the new upstream")
+            .unwrap();
+        assert_eq!(
+            round_trip(&mut old, b"still", second).await.as_deref(),
+            Some(&b"still"[..]),
+            "the open connection stays with the echo server"
         );
     }
 
