@@ -1,0 +1,93 @@
+//! A Redis in cluster mode behind one address (one node holding every hash slot, as some
+//! managed services offer): a client given a plain `redis://` URL sees `redis_mode:cluster`
+//! and groups what it sends by slot, as it does on a Cluster. Without that, coalesced
+//! acquires and batches of keys in different slots fail with CROSSSLOT, and so does the
+//! token's high-water key beside a lock key of another slot.
+
+use std::time::Duration;
+
+use distlock_core::{LockBackend, LockKey, Release, Renewal};
+use futures::future::join_all;
+use harness::redis::{RedisServer, RespValue};
+use lock_redis::RedisBackend;
+
+const TTL: Duration = Duration::from_secs(10);
+
+/// One node in cluster mode that holds all 16,384 slots.
+async fn one_node_cluster() -> RedisServer {
+    let server = harness::require(
+        RedisServer::builder()
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .start()
+            .await,
+    );
+    let added = harness::require(
+        server
+            .command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"])
+            .await,
+    );
+    assert_eq!(added, RespValue::Simple("OK".into()));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let info = harness::require(server.command(&["CLUSTER", "INFO"]).await)
+            .as_text()
+            .unwrap_or_default();
+        if info.contains("cluster_state:ok") {
+            return server;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the one-node cluster did not come up: {info}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn single_calls_coalesced_batches_and_renewals_work_on_a_one_address_cluster() {
+    let server = one_node_cluster().await;
+    let redis = RedisBackend::builder()
+        .url(server.url())
+        .build()
+        .await
+        .expect("a plain URL to a node in cluster mode");
+    let keys: Vec<LockKey> = (0..200)
+        .map(|i| LockKey::new(format!("job:{i}")).unwrap())
+        .collect();
+    // Concurrent single acquires coalesce into batches of keys from many slots.
+    let singles: Vec<_> = join_all(keys[..100].iter().map(|k| redis.acquire(k, TTL)))
+        .await
+        .into_iter()
+        .map(|r| r.expect("an acquire").expect("a free key"))
+        .collect();
+    let batch: Vec<_> = redis
+        .acquire_many(&keys[100..], TTL)
+        .await
+        .expect("acquire_many")
+        .into_iter()
+        .map(|l| l.expect("a free key"))
+        .collect();
+    let all: Vec<_> = singles.into_iter().chain(batch).collect();
+    let renewed = redis.renew_many(&all).await.expect("renew_many");
+    assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
+    let released = join_all(all[..100].iter().map(|l| redis.release(l))).await;
+    assert!(
+        released
+            .into_iter()
+            .all(|r| r.unwrap() == Release::Released)
+    );
+    let released = redis.release_many(&all[100..]).await.expect("release_many");
+    assert!(released.iter().all(|r| *r == Release::Released));
+    // Tokens still rise per key (each slot has its high-water key).
+    let again = redis
+        .acquire(&keys[0], TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert!(again.token() > all[0].token());
+}
