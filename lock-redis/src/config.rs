@@ -205,9 +205,10 @@ impl RedisBackendBuilder {
     /// After every acquire, wait (`WAIT replicas timeout`, in the same round trip) until
     /// `replicas` replicas have the write. When fewer acknowledge, the lock is released
     /// and the acquire fails with [`LockError::Unavailable`] saying how many did.
-    /// `timeout` must be shorter than the [response timeout](Self::response_timeout),
-    /// which the acquire's reply (after `WAIT`) has to meet; otherwise `build` fails with
-    /// [`LockError::Config`]. Batches of acquires then run one key at a time.
+    /// `timeout` must be 1 ms or more (`WAIT` counts whole milliseconds and takes 0 as no
+    /// limit) and shorter than the [response timeout](Self::response_timeout), which the
+    /// acquire's reply (after `WAIT`) has to meet; otherwise `build` fails with
+    /// [`LockError::Config`] before connecting. Batches of acquires then run one key at a time.
     ///
     /// Redis answers nothing else of a connection blocked in `WAIT`, so acquires with
     /// `WAIT` go over connections of their own, one acquire at a time each, at most
@@ -297,6 +298,13 @@ impl RedisBackendBuilder {
             ));
         }
         if let Some((_, wait)) = self.replica_acks {
+            // `WAIT` takes whole milliseconds, and 0 means no limit at all: every acquire
+            // would then wait until the replicas answer, however long they are away.
+            if wait.as_millis() == 0 {
+                return Err(LockError::Config(format!(
+                    "the replica acknowledgement timeout {wait:?} is less than 1 ms, which                      `WAIT` takes as no limit; give it 1 ms or more"
+                )));
+            }
             // WAIT holds the reply for up to its timeout; a shorter response timeout would
             // turn every slow acknowledgement into an unknown outcome.
             if wait >= self.response_timeout {
@@ -514,6 +522,9 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
             base.clone()
                 .response_timeout(Duration::from_secs(1))
                 .replica_acks(1, Duration::from_secs(1)),
+            // `WAIT 1 0` would wait forever.
+            base.clone().replica_acks(1, Duration::ZERO),
+            base.clone().replica_acks(1, Duration::from_micros(999)),
             // A root CA only makes sense with TLS URLs, and must hold a certificate.
             base.clone().tls_root_ca_pem(CA_PEM),
             RedisBackendBuilder::default()
@@ -537,6 +548,24 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
                 .validate()
                 .is_ok()
         );
+    }
+
+    /// `WAIT n 0` waits for ever: a timeout under 1 ms is refused by `build`, before it
+    /// connects (nothing listens on port 1; a build that got as far as connecting would
+    /// fail with `Unavailable`).
+    #[tokio::test]
+    async fn a_replica_timeout_under_a_millisecond_is_refused_before_connecting() {
+        for wait in [Duration::ZERO, Duration::from_micros(999)] {
+            let built = RedisBackendBuilder::default()
+                .url("redis://127.0.0.1:1")
+                .replica_acks(1, wait)
+                .build()
+                .await;
+            let Err(LockError::Config(message)) = built else {
+                panic!("replica_acks(1, {wait:?}) was not refused: {built:?}");
+            };
+            assert!(message.contains("1 ms"), "{message}");
+        }
     }
 
     #[test]
