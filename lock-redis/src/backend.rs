@@ -249,7 +249,8 @@ impl RedisBackend {
     /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
     /// taken, in the background, checked against their owner ids. Best effort: the keys
     /// expire on their own anyway. Bounded: each try waits at most the response timeout,
-    /// a try whose connection dropped is made again, and the cleanup gives up after
+    /// a try whose connection dropped is made again, and so are the keys a server refused
+    /// for now (a replica, a dataset loading, a busy script); the cleanup gives up after
     /// [`CLEANUP_TIMEOUTS`] response timeouts (or the TTL, if shorter), so a hung server
     /// does not keep a task per attempt alive for the lease's TTL.
     fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
@@ -275,7 +276,7 @@ impl RedisBackend {
         runtime.spawn(async move {
             // Kept until the cleanup is done: it is not handed to another call meanwhile.
             let _over = over;
-            let calls: Vec<Call> = attempts
+            let mut calls: Vec<Call> = attempts
                 .into_iter()
                 .map(|(keys, owner)| Call {
                     script: &ABANDON_SCRIPT,
@@ -286,6 +287,7 @@ impl RedisBackend {
                         .collect(),
                 })
                 .collect();
+            let keys = calls.len();
             // Requests on the same connection run in order, so this runs after the
             // acquire if that ever reached the server. A hung server gets one try: the
             // cleanup must not outlive its caller by more than a few response timeouts.
@@ -296,18 +298,34 @@ impl RedisBackend {
                 let reply =
                     tokio::time::timeout(left.min(node_timeout), conn.batch(&calls, node_timeout))
                         .await;
-                match reply {
-                    Ok(Ok(_)) => break true,
-                    // A connection that dropped: the one made again may serve the next try.
-                    Ok(Err(e)) if is_resendable(&e) && Instant::now() + pause < give_up => {
-                        tokio::time::sleep(pause).await;
-                        pause *= 2;
+                let again = match reply {
+                    // The items that did not run (refused for now: a replica, a dataset
+                    // loading, a busy script; or their connection dropped) are sent again.
+                    Ok(Ok(replies)) => {
+                        calls = calls
+                            .into_iter()
+                            .zip(replies)
+                            .filter_map(|(call, reply)| {
+                                matches!(&reply, Err(e) if is_resendable(e)).then_some(call)
+                            })
+                            .collect();
+                        if calls.is_empty() {
+                            break true;
+                        }
+                        true
                     }
-                    _ => break false,
+                    // A connection that dropped: the one made again may serve the next try.
+                    Ok(Err(e)) => is_resendable(&e),
+                    Err(_) => false,
+                };
+                if !again || Instant::now() + pause >= give_up {
+                    break false;
                 }
+                tokio::time::sleep(pause).await;
+                pause *= 2;
             };
             tracing::debug!(
-                keys = calls.len(),
+                keys,
                 done,
                 "cleanup after an acquire with an unknown outcome"
             );
@@ -426,9 +444,11 @@ impl RedisBackend {
                 match self.inner.conn.invoke::<Option<(usize, u64)>>(&call).await {
                     Err(e) if e.is_connection_dropped() || e.is_io_error() => {
                         debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
-                        let mut resent = call.clone();
-                        resent.args.push(b"R".to_vec());
-                        Box::pin(self.inner.conn.invoke::<Option<(usize, u64)>>(&resent)).await
+                        let mut again = call.clone();
+                        again.args.push(b"R".to_vec());
+                        let reply =
+                            Box::pin(self.inner.conn.invoke::<Option<(usize, u64)>>(&again)).await;
+                        resent(e, reply)
                     }
                     reply => reply,
                 }
@@ -472,7 +492,8 @@ impl RedisBackend {
             Err(e) if !self.inner.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
                 debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
                 // Boxed: a rare path should not double the size of every call.
-                Box::pin(self.inner.conn.invoke::<T>(call)).await
+                let reply = Box::pin(self.inner.conn.invoke::<T>(call)).await;
+                resent(e, reply)
             }
             reply => reply,
         }
@@ -872,5 +893,54 @@ pub(super) fn lease_args(lease: &Lease, extra: Extra) -> (String, Option<String>
         Extra::Ttl => (value, Some(lease.ttl().as_millis().to_string())),
         Extra::Token => (value, Some(token.to_string())),
         Extra::Release => (value, None),
+    }
+}
+
+/// The reply of an acquire sent again after its first send's connection dropped. The first
+/// send may have run: an error of the second (refused for now, no connection, LOADING or
+/// READONLY on a server met after a restart or a switchover) says only that the second did
+/// not run, so the first send's error stands, an unknown outcome, and the caller cleans up
+/// what the first may have taken.
+fn resent<T>(first: RedisError, again: redis::RedisResult<T>) -> redis::RedisResult<T> {
+    again.map_err(|e| {
+        debug!(error = %e.kind_name(), "the acquire sent again failed too; its outcome is unknown");
+        first
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use redis::Value;
+
+    use super::*;
+    use crate::error::map_error;
+
+    fn server_error(reply: &str) -> RedisError {
+        redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+            .and_then(Value::extract_error)
+            .expect_err("an error reply")
+    }
+
+    /// Whatever stops the resend, the first send may have run: the acquire's outcome is
+    /// unknown (so its caller cleans up), never `Unavailable`.
+    #[test]
+    fn a_resend_that_fails_leaves_the_first_sends_outcome_unknown() {
+        let io = |kind| RedisError::from(std::io::Error::new(kind, "test"));
+        for again in [
+            io(std::io::ErrorKind::ConnectionRefused),
+            server_error("LOADING Redis is loading the dataset in memory"),
+            server_error("READONLY You can't write against a read only replica."),
+            server_error("BUSY Redis is busy running a script."),
+            server_error("MASTERDOWN Link with MASTER is down"),
+        ] {
+            let alone = map_error("acquire", Effect::Write("acquire"), &again);
+            assert!(matches!(alone, LockError::Unavailable { .. }), "{alone:?}");
+            let first = io(std::io::ErrorKind::BrokenPipe);
+            let e = resent::<()>(first, Err(again)).expect_err("the resend failed");
+            let e = map_error("acquire", Effect::Write("acquire"), &e);
+            assert!(matches!(e, LockError::OutcomeUnknown { .. }), "{e:?}");
+        }
+        let first = io(std::io::ErrorKind::BrokenPipe);
+        assert_eq!(resent(first, Ok(7)).unwrap(), 7);
     }
 }
