@@ -76,8 +76,10 @@ impl ServerKind for PgBouncer {
 impl PgBouncerServer {
     /// Starts `pgbouncer` on a free 127.0.0.1 port in `mode` in front of `upstream`'s
     /// database `postgres`, at most [`SESSION_POOL_SIZE`] or [`SERVER_POOL_SIZE`] server
-    /// sessions for [`USER`], and waits until a `select 1` through it works. The `extra_float_digits`
-    /// startup parameter (which drivers send and PgBouncer does not track) is ignored.
+    /// sessions for [`USER`], and waits until a `select 1` through it works. There is no
+    /// `ignore_startup_parameters` line, as in PgBouncer's shipped configuration: a client
+    /// that sends a startup parameter PgBouncer does not track (`extra_float_digits`,
+    /// `options`) is refused, as in most deployments.
     pub async fn start(upstream: &PostgresServer, mode: PoolMode) -> Result<Self, HarnessError> {
         start_on_free_ports(|| Self::start_once(upstream, mode)).await
     }
@@ -106,7 +108,6 @@ impl PgBouncerServer {
                  pool_mode = {mode}\n\
                  default_pool_size = {pool_size}\n\
                  max_client_conn = 500\n\
-                 ignore_startup_parameters = extra_float_digits\n\
                  log_connections = 0\n\
                  log_disconnections = 0\n",
                 upstream_port = upstream.port(),

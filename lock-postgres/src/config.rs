@@ -371,7 +371,13 @@ fn connect_options(url: &str) -> Result<PgConnectOptions, LockError> {
         // sqlx's parse errors describe the offending part, never the whole URL.
         LockError::Config(format!("malformed PostgreSQL URL: {e}"))
     })?;
-    Ok(options.application_name("distlock"))
+    // No `extra_float_digits` startup parameter (sqlx sends one by default): PgBouncer
+    // tracks only a few parameters and, unless its `ignore_startup_parameters` lists it,
+    // refuses a connection that sends any other. The backends read no floating-point
+    // value, so the server's default precision changes nothing.
+    Ok(options
+        .application_name("distlock")
+        .extra_float_digits(None))
 }
 
 #[cfg(test)]

@@ -281,7 +281,10 @@ impl PgLeaseBackend {
         self.client.setup(NAME).await
     }
 
-    /// The pool, for sharing with [`crate::PgFencedResource`] or the application.
+    /// The pool, for sharing with [`crate::PgFencedResource`] or the application. Its
+    /// connections send no `extra_float_digits` (PgBouncer refuses it unless told to
+    /// ignore it): floating-point values a simple query returns as text come at the
+    /// server's default precision, which is exact from PostgreSQL 12 on.
     pub fn pool(&self) -> &sqlx::PgPool {
         &self.client.pool
     }
