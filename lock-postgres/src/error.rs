@@ -1,12 +1,16 @@
 //! How `sqlx` errors become [`LockError`]s: this crate's one place that reads them.
 //!
 //! The split that matters to callers: a failure before a request was sent (no connection,
-//! pool timeout, refused login) changed nothing and is `Unavailable`; a lost reply to a
-//! request that writes is `OutcomeUnknown`; a missing table names `setup()`.
+//! pool timeout) changed nothing and is `Unavailable`; a lost reply to a request that
+//! writes is `OutcomeUnknown`; a login the server or PgBouncer refuses for good (user,
+//! password, database, a startup setting) is `Config` naming the setting, and a missing
+//! table names `setup()`.
 
 use std::time::Duration;
 
 use distlock_core::{DriverFailure, Effect, FailureKind, LockError};
+use sqlx::error::DatabaseError;
+use sqlx::postgres::{PgDatabaseError, PgSeverity};
 
 use crate::schema::Schema;
 
@@ -85,7 +89,7 @@ pub(crate) fn from_connect(
             format!("TLS handshake failed: {tls}"),
         )
         .with_source(e),
-        _ => classify(Operation::Inspect, schema, e),
+        _ => classify("connect", schema, e),
     };
     failure.into_error(backend, Effect::None)
 }
@@ -97,15 +101,18 @@ pub(crate) fn from_sqlx(
     schema: &Schema,
     e: sqlx::Error,
 ) -> LockError {
-    classify(op, schema, e).into_error(backend, op.effect())
+    classify(op.as_str(), schema, e).into_error(backend, op.effect())
 }
 
-/// What a `sqlx` error says about `op`'s request. Server replies, I/O and TLS errors are
-/// kept as the source; a configuration error's text may quote the URL, so it is not.
-fn classify(op: Operation, schema: &Schema, e: sqlx::Error) -> DriverFailure {
-    let name = op.as_str();
+/// What a `sqlx` error says about the request `name` names (an operation, or `connect`).
+/// Server replies, I/O and TLS errors are kept as the source; a configuration error's
+/// text may quote the URL, so it is not.
+fn classify(name: &str, schema: &Schema, e: sqlx::Error) -> DriverFailure {
     let failure = match &e {
         sqlx::Error::Database(db) => {
+            if let Some(refused) = refused_login(db.as_ref()) {
+                return refused;
+            }
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             match code.as_str() {
                 // undefined_table, invalid_schema_name: the tables were never created.
@@ -119,13 +126,6 @@ fn classify(op: Operation, schema: &Schema, e: sqlx::Error) -> DriverFailure {
                              `setup()`",
                             db.message()
                         ),
-                    );
-                }
-                // invalid_password, invalid_authorization_specification, invalid_catalog_name
-                "28P01" | "28000" | "3D000" => {
-                    return DriverFailure::new(
-                        FailureKind::Config,
-                        format!("PostgreSQL refused the login: {}", db.message()),
                     );
                 }
                 "42501" => {
@@ -172,6 +172,95 @@ fn classify(op: Operation, schema: &Schema, e: sqlx::Error) -> DriverFailure {
         other => DriverFailure::new(FailureKind::Other, other.to_string()),
     };
     failure.with_source(e)
+}
+
+/// A refusal of the connection itself, by the server or by PgBouncer in front of it, for
+/// a reason that stays until a setting changes: the URL's user, password, database or
+/// startup settings, or the pooler's configuration. `Config`, naming what to change.
+/// These come only while a connection logs in, whichever call opened it.
+fn refused_login(db: &dyn DatabaseError) -> Option<DriverFailure> {
+    let message = db.message();
+    let fatal = db
+        .try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|e| e.severity() == PgSeverity::Fatal);
+    let refusal = match db.code()?.as_ref() {
+        // invalid_password, invalid_authorization_specification, invalid_catalog_name
+        "28P01" | "28000" | "3D000" => format!(
+            "PostgreSQL refused the login: {message} (the URL's user, password and database)"
+        ),
+        // insufficient_privilege at login: no CONNECT privilege on the database.
+        "42501" if fatal => {
+            format!("PostgreSQL refused the login: {message} (the URL's user and database)")
+        }
+        // undefined_object, invalid_parameter_value at login: a setting the startup
+        // packet carries (`options`) that the server does not know or accept.
+        "42704" | "22023" if fatal => format!(
+            "PostgreSQL refused a setting the connection sends: {message}. The URL's \
+             `options[NAME]` parameters and the PGOPTIONS environment variable set them"
+        ),
+        // PgBouncer's own errors all carry protocol_violation.
+        "08P01" => pgbouncer_refusal(message)?,
+        _ => return None,
+    };
+    Some(DriverFailure::new(FailureKind::Config, refusal))
+}
+
+/// What to change when PgBouncer refuses a connection with `message` for a reason of
+/// configuration; `None` for its other errors.
+fn pgbouncer_refusal(message: &str) -> Option<String> {
+    const TRACKED: &str = "it accepts only the startup parameters it tracks \
+        (client_encoding, DateStyle, TimeZone, standard_conforming_strings, \
+        application_name) and those its ignore_startup_parameters setting lists";
+    const OPTIONS: &str = "distlock sends `options` only for the URL's `options[NAME]` \
+        parameters and the PGOPTIONS environment variable: leave them out (set those \
+        settings for the role instead, with ALTER ROLE … SET), or list `options` in \
+        ignore_startup_parameters, which makes PgBouncer drop them";
+    const LOGIN: &[&str] = &[
+        "no such user",
+        "password authentication failed",
+        "SASL authentication failed",
+        "\"trust\" authentication failed",
+        "login rejected",
+        "certificate authentication failed",
+        "LDAP authentication failed",
+    ];
+    if let Some(parameter) = message.strip_prefix("unsupported startup parameter: ") {
+        let hint = if parameter == "options" {
+            OPTIONS
+        } else {
+            "List it in ignore_startup_parameters"
+        };
+        return Some(format!(
+            "PgBouncer refused the startup parameter `{parameter}` ({message}): {TRACKED}. \
+             {hint}"
+        ));
+    }
+    if message.starts_with("unsupported startup parameter in options")
+        || message.starts_with("unsupported options startup parameter")
+    {
+        return Some(format!(
+            "PgBouncer refused a setting of the startup parameter `options` ({message}). \
+             {OPTIONS}"
+        ));
+    }
+    if message.starts_with("no such database") {
+        return Some(format!(
+            "PgBouncer refused the login ({message}): the URL's database must be a name of \
+             the [databases] section of PgBouncer's configuration"
+        ));
+    }
+    if LOGIN.iter().any(|m| message.starts_with(m)) {
+        return Some(format!(
+            "PgBouncer refused the login ({message}): check the URL's user and password \
+             against PgBouncer's auth_file or auth_query"
+        ));
+    }
+    if message.starts_with("SSL required") {
+        return Some(format!(
+            "PgBouncer refused the login ({message}): set sslmode=require in the URL"
+        ));
+    }
+    None
 }
 
 /// A request was sent and no reply came back in `after`.

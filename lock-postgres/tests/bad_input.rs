@@ -57,6 +57,25 @@ async fn a_wrong_password_is_a_config_error_without_the_password() {
     }
 }
 
+/// A startup setting the server does not know (from the URL's `options[NAME]`) refuses
+/// the login: a `Config` error naming the setting and where it came from, from the first
+/// call and from `setup`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_startup_setting_the_server_refuses_is_a_config_error_naming_it() {
+    let server = shared_server().await;
+    let url = format!("{}?options[distlock_no_such_setting]=1", server.url());
+    let backend = PgBuilder::new(&url).build_lease_backend().unwrap();
+    let from_acquire = backend.acquire(&key("setting"), TTL).await.unwrap_err();
+    let from_setup = backend.setup().await.unwrap_err();
+    for err in [from_acquire, from_setup] {
+        assert!(
+            matches!(&err, LockError::Config(m)
+                if m.contains("distlock_no_such_setting") && m.contains("options[NAME]")),
+            "{err}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_that_is_down_is_unavailable_and_retryable() {
     let port = free_port().unwrap();

@@ -4,7 +4,9 @@
 //! error that names the mode, leaving no advisory lock and no token behind. The lease
 //! table works in transaction mode with `pooling=transaction` (its waiters poll; a
 //! process listening on a direct connection is still woken by its releases), and without
-//! that setting refuses to work, naming it, before it writes anything.
+//! that setting refuses to work, naming it, before it writes anything. PgBouncer runs with
+//! no `ignore_startup_parameters`, as it ships: the backends' connections get through, and
+//! a login it refuses for good is a `Config` error naming the setting to change.
 
 mod common;
 
@@ -358,5 +360,51 @@ async fn releases_through_transaction_pooling_wake_a_directly_connected_waiter()
             after < Duration::from_secs(1),
             "round {round}: woken {after:?} after the release"
         );
+    }
+}
+
+/// What PgBouncer refuses at login for good (a startup parameter it does not track, a
+/// database it does not list, a wrong password) is a `Config` error naming the setting,
+/// from `build`, from a first call and from `setup`, in both pooling modes; never the
+/// label of an operation that did not run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_login_pgbouncer_refuses_is_a_config_error_naming_the_setting() {
+    let server = start_server().await;
+    for mode in [PoolMode::Session, PoolMode::Transaction] {
+        let bouncer = bouncer(&server, mode).await;
+        let url = bouncer.url();
+        let pooling = match mode {
+            PoolMode::Session => PgPooling::Session,
+            PoolMode::Transaction => PgPooling::Transaction,
+        };
+        let cases = [
+            (
+                format!("{url}?options[statement_timeout]=5s"),
+                ["startup parameter `options`", "ignore_startup_parameters"],
+            ),
+            (
+                url.replace("/postgres", "/no_such_db"),
+                ["PgBouncer refused the login", "[databases]"],
+            ),
+            (
+                url.replace(harness::postgres::PASSWORD, "wrong-password"),
+                ["PgBouncer refused the login", "password"],
+            ),
+        ];
+        for (url, says) in cases {
+            let settings = common::builder_at(&url).pooling(pooling);
+            let from_build = settings.clone().build().await.map(drop).unwrap_err();
+            let backend = settings.build_lease_backend().unwrap();
+            let from_acquire = backend.acquire(&key("refused"), TTL).await.unwrap_err();
+            let from_setup = backend.setup().await.unwrap_err();
+            for err in [from_build, from_acquire, from_setup] {
+                assert!(
+                    matches!(&err, LockError::Config(m) if says.iter().all(|s| m.contains(s))),
+                    "{mode:?} {says:?}: {err}"
+                );
+                assert!(!err.to_string().contains("inspect:"), "{err}");
+                assert!(!err.to_string().contains("wrong-password"), "{err}");
+            }
+        }
     }
 }
