@@ -29,6 +29,14 @@ use crate::waiters::waited;
 
 const NAME: &str = "postgres-lease";
 
+/// The most names one `release_many` statement releases. Each released name takes a
+/// transaction-level advisory lock until the statement commits (the waiters' check,
+/// [`crate::waiters`]), and those locks share PostgreSQL's lock table with every session
+/// of the server: `max_locks_per_transaction` (64 by default) times the connection slots,
+/// about 7,800 entries on a default server, plus spare shared memory. A larger batch is
+/// released this many names per statement, so one call never holds more of the table.
+const RELEASE_STATEMENT_NAMES: usize = 500;
+
 /// Why every call is refused once the pooling check found, with the default
 /// [`PgPooling::Session`], that client connections do not keep their server sessions.
 const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
@@ -306,6 +314,11 @@ impl PgLeaseBackend {
     /// Runs a batch UPDATE over `leases` (owner- and token-checked) and returns, per lease,
     /// whether its row was updated. A lease listed twice is released once, as two single
     /// calls in a row would (the second finds it already released), and renewed twice.
+    ///
+    /// A renewal is one statement whatever its size; a release is one statement per
+    /// [`RELEASE_STATEMENT_NAMES`] names, in name order, one after another on one
+    /// connection. When one of them fails, the names of those before it stay released and
+    /// the call returns the error, as releasing them one by one would.
     async fn update_many(
         &self,
         op: Operation,
@@ -320,42 +333,48 @@ impl PgLeaseBackend {
         // deadlock (as `acquire_many` does).
         let mut sorted: Vec<&Lease> = leases.iter().collect();
         sorted.sort_by(|a, b| a.key().as_str().cmp(b.key().as_str()));
+        let per_statement = match op {
+            Operation::Release => RELEASE_STATEMENT_NAMES,
+            _ => sorted.len().max(1),
+        };
         let mut conn = self.client.conn(NAME).await?;
-        let names: Vec<&str> = sorted.iter().map(|l| l.key().as_str()).collect();
-        let owners: Vec<Uuid> = sorted.iter().map(|l| owner_uuid(l.owner())).collect();
-        let tokens: Vec<i64> = sorted.iter().map(|l| token_i64(l.token())).collect();
-        let ttls: Vec<i64> = sorted.iter().map(|l| ttl_ms(l.ttl())).collect();
-        let mut query = Statement::new(sql)
-            .bind(Value::Texts(names))
-            .bind(Value::Uuids(owners))
-            .bind(Value::Int8s(tokens));
-        if op == Operation::Renew {
-            query = query.bind(Value::Int8s(ttls));
-        } else {
-            let (classes, objs): (Vec<i32>, Vec<i32>) = sorted
-                .iter()
-                .map(|l| self.releases.waiter_id(l.key()))
-                .unzip();
-            query = query.bind(Value::Int4s(classes)).bind(Value::Int4s(objs));
-        }
-        let rows = on_conn!(
-            self.client,
-            NAME,
-            op,
-            conn,
-            query.fetch_all(self.client.pooling, &mut conn)
-        )?;
-        let mut updated = HashSet::with_capacity(rows.len());
-        for row in rows {
-            let (name, token, waited): (String, i64, bool) = (
-                row.try_get(0).map_err(|e| self.decode(op, e))?,
-                row.try_get(1).map_err(|e| self.decode(op, e))?,
-                row.try_get(2).map_err(|e| self.decode(op, e))?,
-            );
-            if waited {
-                self.releases.announce(&name);
+        let mut updated = HashSet::with_capacity(sorted.len());
+        for part in sorted.chunks(per_statement) {
+            let names: Vec<&str> = part.iter().map(|l| l.key().as_str()).collect();
+            let owners: Vec<Uuid> = part.iter().map(|l| owner_uuid(l.owner())).collect();
+            let tokens: Vec<i64> = part.iter().map(|l| token_i64(l.token())).collect();
+            let mut query = Statement::new(sql)
+                .bind(Value::Texts(names))
+                .bind(Value::Uuids(owners))
+                .bind(Value::Int8s(tokens));
+            if op == Operation::Renew {
+                let ttls: Vec<i64> = part.iter().map(|l| ttl_ms(l.ttl())).collect();
+                query = query.bind(Value::Int8s(ttls));
+            } else {
+                let (classes, objs): (Vec<i32>, Vec<i32>) = part
+                    .iter()
+                    .map(|l| self.releases.waiter_id(l.key()))
+                    .unzip();
+                query = query.bind(Value::Int4s(classes)).bind(Value::Int4s(objs));
             }
-            updated.insert((name, token));
+            let rows = on_conn!(
+                self.client,
+                NAME,
+                op,
+                conn,
+                query.fetch_all(self.client.pooling, &mut conn)
+            )?;
+            for row in rows {
+                let (name, token, waited): (String, i64, bool) = (
+                    row.try_get(0).map_err(|e| self.decode(op, e))?,
+                    row.try_get(1).map_err(|e| self.decode(op, e))?,
+                    row.try_get(2).map_err(|e| self.decode(op, e))?,
+                );
+                if waited {
+                    self.releases.announce(&name);
+                }
+                updated.insert((name, token));
+            }
         }
         Ok(leases
             .iter()
@@ -568,7 +587,10 @@ impl LockBackend for PgLeaseBackend {
             .collect())
     }
 
-    /// One statement for the whole batch.
+    /// One statement per 500 names, in name order: each released name holds an advisory
+    /// lock of PostgreSQL's shared lock table until its statement commits. A statement
+    /// that fails fails the call; the names released by the statements before it stay
+    /// released.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         let released = self
             .update_many(Operation::Release, &self.sql.release_many, leases)
