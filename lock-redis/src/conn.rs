@@ -5,6 +5,8 @@
 //! did not run (NOSCRIPT, MOVED, ASK) are sent again after loading the script or through
 //! the cluster client's own redirect handling. Anything that may have run is never resent.
 
+mod node;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,8 +14,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
+pub(crate) use self::node::Node;
 use crate::scripts::Lua;
-use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
 use redis::{
@@ -59,7 +62,8 @@ impl Call {
     }
 }
 
-/// A connection to a single node (reconnecting on its own) or to a cluster.
+/// A connection to a single node (made again after it drops, after a reply that says the
+/// node is a replica now, and after it fell silent: see [`Node`]) or to a cluster.
 ///
 /// The cluster connection follows redirects and, after a connection error, sends a request
 /// again, which may then run twice. A script whose second run reports something else than
@@ -67,7 +71,7 @@ impl Call {
 /// instead, and its redirects are followed here.
 #[derive(Clone)]
 pub(crate) enum Conn {
-    Single(ConnectionManager),
+    Single(Node),
     Cluster(ClusterConnection, Arc<ClusterState>),
 }
 
@@ -274,10 +278,13 @@ impl Conn {
             .collect())
     }
 
-    /// One pipeline of the calls at `idx` to one node (after `ASKING` when `asking`);
-    /// NOSCRIPT replies are sent again once after loading their scripts on that node. In a
-    /// cluster, calls of a script that [runs once](Lua::runs_once) are never sent again after a
-    /// connection error.
+    /// One pipeline of the calls at `idx` to one node (after `ASKING` when `asking`).
+    /// Calls that did not run are sent again, twice at most: NOSCRIPT replies after
+    /// loading their scripts on that node, and on a single node the calls a replica
+    /// refused, over the connection made again (the address may lead to the new master by
+    /// now, which may need the scripts loaded in turn). A resend that fails fails only the
+    /// calls it carried. In a cluster, calls of a script that [runs once](Lua::runs_once)
+    /// are never sent again after a connection error.
     async fn node_batch(
         &self,
         calls: &[Call],
@@ -299,29 +306,46 @@ impl Conn {
         let pipe = pipeline(&mut idx.iter().map(|&i| &calls[i]));
         let replies = self.send(&pipe, route.clone(), once, asking).await?;
         let mut out: Vec<RedisResult<Value>> = replies.into_iter().map(reply_error).collect();
-        let missing: Vec<usize> = (0..out.len())
-            .filter(|&j| matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)))
-            .collect();
-        if missing.is_empty() {
-            return Ok(out);
-        }
-        let mut scripts: Vec<&'static Lua> = Vec::new();
-        for &j in &missing {
-            let call = &calls[idx[j]];
-            if !scripts
-                .iter()
-                .any(|s| s.get_hash() == call.script.get_hash())
-            {
-                scripts.push(call.script);
+        let single = matches!(self, Conn::Single(_));
+        for _ in 0..2 {
+            let again: Vec<usize> = (0..out.len())
+                .filter(|&j| matches!(&out[j], Err(e) if did_not_run(e, single)))
+                .collect();
+            if again.is_empty() {
+                break;
             }
-        }
-        for script in scripts {
-            self.load(script, route.clone()).await?;
-        }
-        let again = pipeline(&mut missing.iter().map(|&j| &calls[idx[j]]));
-        let replies = self.send(&again, route, once, asking).await?;
-        for (j, reply) in missing.into_iter().zip(replies) {
-            out[j] = reply_error(reply);
+            let resent = async {
+                let mut scripts: Vec<&'static Lua> = Vec::new();
+                for &j in &again {
+                    let call = &calls[idx[j]];
+                    let missing = matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript));
+                    if missing
+                        && !scripts
+                            .iter()
+                            .any(|s| s.get_hash() == call.script.get_hash())
+                    {
+                        scripts.push(call.script);
+                    }
+                }
+                for script in scripts {
+                    self.load(script, route.clone()).await?;
+                }
+                let pipe = pipeline(&mut again.iter().map(|&j| &calls[idx[j]]));
+                self.send(&pipe, route.clone(), once, asking).await
+            };
+            match resent.await {
+                Ok(replies) => {
+                    for (&j, reply) in again.iter().zip(replies) {
+                        out[j] = reply_error(reply);
+                    }
+                }
+                Err(e) => {
+                    for &j in &again {
+                        out[j] = Err(e.clone());
+                    }
+                    break;
+                }
+            }
         }
         Ok(out)
     }
@@ -511,6 +535,14 @@ fn no_reply_within(limit: Duration) -> RedisError {
         std::io::ErrorKind::TimedOut,
         format!("no reply from the node within {limit:?}"),
     ))
+}
+
+/// True for the error of a call that did not run and may when sent again: its script was
+/// missing, or (`single`: on a single node, whose connection is then made again) a replica
+/// refused it.
+fn did_not_run(e: &RedisError, single: bool) -> bool {
+    e.kind() == ErrorKind::Server(ServerErrorKind::NoScript)
+        || (single && node::is_replica_error(e))
 }
 
 fn is_noscript(v: &Value) -> bool {

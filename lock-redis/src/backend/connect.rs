@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use distlock_core::{BackendId, Capabilities, LockError};
 use parking_lot::Mutex;
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
@@ -19,7 +19,7 @@ use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, redact_url};
-use crate::conn::{ClusterState, Conn};
+use crate::conn::{ClusterState, Conn, Node};
 use crate::error::{config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused};
 
@@ -97,8 +97,10 @@ impl RedisBackend {
             }
             .map_err(|e| config_error(&shown_urls[0], &e))?;
             listen_on.push(client.clone());
-            // The backend applies its own response timeout (to tell an unknown outcome
-            // from an unreachable server); the manager only bounds connecting.
+            // The backend applies its own response timeout to every request (to tell an
+            // unknown outcome from an unreachable server), and the node's connection is
+            // made again when a request it gave up on met silence (see `Node`); the
+            // manager only bounds connecting.
             let config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(b.connect_timeout))
                 .set_response_timeout(None)
@@ -106,12 +108,17 @@ impl RedisBackend {
                 .set_max_delay(Duration::from_millis(500));
             let c = with_timeout(
                 b.connect_timeout * 2,
-                ConnectionManager::new_with_config(client.clone(), config.clone()),
+                Node::open(client.clone(), config.clone(), b.response_timeout),
             )
             .await
             .map_err(|e| connect_error(&shown_urls[0], e))?;
             if b.replica_acks.is_some() {
-                acked = Some(Connector::Single(client, config, b.connect_timeout * 2));
+                acked = Some(Connector::Single {
+                    client,
+                    config,
+                    response_timeout: b.response_timeout,
+                    limit: b.connect_timeout * 2,
+                });
             }
             Conn::Single(c)
         };

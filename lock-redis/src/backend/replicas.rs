@@ -15,7 +15,7 @@ use std::time::Duration;
 use distlock_core::Effect;
 use distlock_core::{Lease, LockBackend, LockError, LockKey, OwnerId};
 use parking_lot::Mutex;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::cluster::ClusterClient;
 use redis::{RedisError, Value};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use super::connect::with_timeout;
 use super::reply::parse_token;
 use super::{AbandonOnDrop, NAME, RedisBackend};
-use crate::conn::{ClusterState, Conn};
+use crate::conn::{ClusterState, Conn, Node};
 use crate::error::map_error;
 
 /// How many connections of its own a backend with
@@ -36,8 +36,14 @@ pub const ACKED_CONNECTIONS: usize = 4;
 
 /// How to open one more connection for [`AckedConns`].
 pub(super) enum Connector {
-    /// A client of the node, its settings, and how long connecting may take.
-    Single(redis::Client, ConnectionManagerConfig, Duration),
+    /// A client of the node, its settings, the response timeout, and how long connecting
+    /// may take.
+    Single {
+        client: redis::Client,
+        config: ConnectionManagerConfig,
+        response_timeout: Duration,
+        limit: Duration,
+    },
     /// A client of the cluster that never sends a request twice, and how long connecting
     /// may take.
     Cluster(ClusterClient, Duration),
@@ -46,10 +52,15 @@ pub(super) enum Connector {
 impl Connector {
     async fn connect(&self) -> Result<Conn, RedisError> {
         match self {
-            Connector::Single(client, config, limit) => {
+            Connector::Single {
+                client,
+                config,
+                response_timeout,
+                limit,
+            } => {
                 let c = with_timeout(
                     *limit,
-                    ConnectionManager::new_with_config(client.clone(), config.clone()),
+                    Node::open(client.clone(), config.clone(), *response_timeout),
                 )
                 .await?;
                 Ok(Conn::Single(c))
