@@ -37,6 +37,13 @@
 //! * **Unknown outcomes.** A request without a reply within the response timeout fails with
 //!   [`distlock_core::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
 //!   checked against its owner id, whatever it may have taken.
+//! * **Connections made again.** On a single node, a reply that says the node is a replica
+//!   now (`READONLY` after a switchover) and a request given up in silence (a connection
+//!   that died without a reset) make the backend connect again, so an address that
+//!   follows the master (a virtual IP, a DNS name, a proxy) leads the next calls to it;
+//!   a call a replica refused is sent once more over the new connection. The release
+//!   listener pings when it has heard nothing for a response timeout. Every connection
+//!   has `TCP_NODELAY` and TCP keepalive.
 //!
 //! * **Tools.** `adopt` rebuilds a lease from an owner id and token (the scripts check
 //!   both, so a wrong pair changes nothing); `purge` deletes a lock's key with one `DEL`.

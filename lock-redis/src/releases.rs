@@ -35,12 +35,15 @@
 //! # Reconnects and lifetime
 //!
 //! The listener's lifecycle (started by the first watch, followed again with a growing
-//! pause whenever the connection drops, ended with the backend) is the core's
-//! [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows Redis. After
-//! each reconnect it subscribes to every watched key (on the next node, on a cluster) and
-//! wakes one waiter of each, since releases while it was away were not heard. A cluster
-//! connection with shard channels subscribes again by itself; each confirmation it hears
-//! wakes a waiter of that key, for the same reason.
+//! pause whenever the connection drops or falls silent, ended with the backend) is the
+//! core's [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows Redis.
+//! A subscription is quiet by nature, so the listener pings after a response timeout
+//! without a word and gives the connection up when a ping (or a subscription change)
+//! goes unanswered for another: a connection that died without a reset is replaced within
+//! two response timeouts. After each reconnect it subscribes to every watched key (on the
+//! next node, on a cluster) and wakes one waiter of each, since releases while it was
+//! away were not heard. A cluster connection with shard channels subscribes again by
+//! itself; each confirmation it hears wakes a waiter of that key, for the same reason.
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
@@ -51,8 +54,10 @@ use distlock_core::wake::{FollowReleases, Followed, ReleaseWatch, Releases};
 use futures::StreamExt;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{ErrorKind, PushInfo, PushKind, RedisError, RedisResult, ServerErrorKind, Value};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::conn::Conn;
@@ -68,6 +73,9 @@ pub(crate) struct Follower {
     servers: Servers,
     prefix: String,
     connect_timeout: Duration,
+    /// How long a subscription change or a ping may wait for its answer, and how long the
+    /// connection may stay quiet before it is pinged.
+    response_timeout: Duration,
 }
 
 /// Where the listener subscribes.
@@ -90,12 +98,18 @@ impl ReleaseListener {
     /// A listener subscribing on `servers` to the lock keys under `prefix`, or none
     /// without servers (this user may not announce releases); nothing is opened until a
     /// key is watched.
-    pub(crate) fn new(servers: Option<Servers>, prefix: String, connect_timeout: Duration) -> Self {
+    pub(crate) fn new(
+        servers: Option<Servers>,
+        prefix: String,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+    ) -> Self {
         Self(servers.map(|servers| {
             distlock_core::wake::ReleaseListener::new(Follower {
                 servers,
                 prefix,
                 connect_timeout,
+                response_timeout,
             })
         }))
     }
@@ -198,8 +212,14 @@ impl Follower {
     /// One connection's life once made: subscribe to the watched keys, wake their waiters
     /// (releases may have been missed while there was no connection), then wake a waiter
     /// of each channel `heard`, keeping the subscriptions matching the hub, until the
-    /// connection drops, which is the only way it ends. `connected` is set once the
-    /// watched keys are subscribed.
+    /// connection drops or falls silent, which are the only ways it ends. `connected` is
+    /// set once the watched keys are subscribed.
+    ///
+    /// A subscription is quiet by nature, and a connection that died without a reset (a
+    /// NAT or balancer that dropped its flow) stays quiet for ever: after a response
+    /// timeout with nothing heard the listener pings, and a ping or a subscription change
+    /// not answered within the response timeout ends the connection. A dead one is thus
+    /// given up within two response timeouts.
     async fn deliver(
         &self,
         mut sink: Subscriber<'_>,
@@ -208,12 +228,17 @@ impl Follower {
         connected: &mut bool,
     ) -> RedisResult<Infallible> {
         let mut subscribed: HashMap<String, LockKey> = HashMap::new();
-        self.reconcile(&mut sink, releases, &mut subscribed).await?;
+        self.answered(self.reconcile(&mut sink, releases, &mut subscribed))
+            .await?;
         *connected = true;
+        let mut heard_at = Instant::now();
         tokio::pin!(heard);
         loop {
             tokio::select! {
-                () = releases.changed() => self.reconcile(&mut sink, releases, &mut subscribed).await?,
+                () = releases.changed() => {
+                    self.answered(self.reconcile(&mut sink, releases, &mut subscribed)).await?;
+                    heard_at = Instant::now();
+                }
                 channel = heard.next() => {
                     let Some(channel) = channel else {
                         return Err(RedisError::from(std::io::Error::new(
@@ -221,12 +246,33 @@ impl Follower {
                             "the release subscription's connection closed",
                         )));
                     };
+                    heard_at = Instant::now();
                     if let Some(key) = subscribed.get(&channel) {
                         releases.wake(key);
                     }
                 }
+                () = tokio::time::sleep_until(heard_at + self.response_timeout) => {
+                    self.answered(sink.ping()).await?;
+                    heard_at = Instant::now();
+                }
             }
         }
+    }
+
+    /// `request`, given at most the response timeout: a connection that does not answer
+    /// in time is taken for dead.
+    async fn answered<T>(&self, request: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
+        tokio::time::timeout(self.response_timeout, request)
+            .await
+            .map_err(|_| {
+                RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the release subscription's connection did not answer within {:?}",
+                        self.response_timeout
+                    ),
+                ))
+            })?
     }
 
     /// `connect`, given at most the connect timeout.
@@ -301,6 +347,24 @@ impl Subscriber<'_> {
         match self {
             Self::Node(sink) => sink.unsubscribe(channels).await,
             Self::Shards(cluster) => each_shard_channel(cluster, channels, false).await,
+        }
+    }
+
+    /// `PING` over the connection (every master's, in a cluster), which must answer.
+    async fn ping(&mut self) -> RedisResult<()> {
+        match self {
+            Self::Node(sink) => sink.ping::<Value>().await.map(drop),
+            Self::Shards(cluster) => cluster
+                .route_command(
+                    redis::cmd("PING"),
+                    RoutingInfo::MultiNode((
+                        MultipleNodeRoutingInfo::AllMasters,
+                        Some(ResponsePolicy::AllSucceeded),
+                    )),
+                )
+                .await
+                .and_then(Value::extract_error)
+                .map(drop),
         }
     }
 }

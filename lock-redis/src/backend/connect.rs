@@ -192,6 +192,7 @@ impl RedisBackend {
                 Some(Servers::Shards(Box::new(move |pushes| {
                     let mut client = ClusterClientBuilder::new(nodes.clone())
                         .connection_timeout(connect_timeout)
+                        .tcp_settings(tcp_settings())
                         .use_protocol(ProtocolVersion::RESP3)
                         .push_sender(pushes);
                     if let Some(certificates) = certificates.clone() {
@@ -221,7 +222,12 @@ impl RedisBackend {
         Ok(Self {
             inner: Arc::new(Inner {
                 conn,
-                listener: ReleaseListener::new(servers, b.prefix.clone(), b.connect_timeout),
+                listener: ReleaseListener::new(
+                    servers,
+                    b.prefix.clone(),
+                    b.connect_timeout,
+                    b.response_timeout,
+                ),
                 prefix: b.prefix,
                 caps,
                 response_timeout: b.response_timeout,
@@ -264,6 +270,7 @@ fn cluster_client(
     let mut client = ClusterClientBuilder::new(nodes)
         .connection_timeout(b.connect_timeout)
         .response_timeout(b.response_timeout)
+        .tcp_settings(tcp_settings())
         .retries(retries);
     if let Some(certificates) = certificates {
         client = client.certs(certificates);
@@ -293,14 +300,66 @@ pub(super) async fn with_timeout<T>(
     })
 }
 
-/// The connection settings of `url`. A connection sends no `CLIENT SETINFO` (the client
-/// library's name): a user limited to the commands README names may not run it, and Redis
-/// 7.2 and later log every refusal.
+/// The connection settings of `url`, with [`tcp_settings`]. A connection sends no
+/// `CLIENT SETINFO` (the client library's name): a user limited to the commands README
+/// names may not run it, and Redis 7.2 and later log every refusal.
 fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
     let info = redis::IntoConnectionInfo::into_connection_info(url)
         .map_err(|e| config_error(&redact_url(url), &e))?;
     let settings = info.redis_settings().clone().set_skip_set_lib_name();
-    Ok(info.set_redis_settings(settings))
+    Ok(info
+        .set_redis_settings(settings)
+        .set_tcp_settings(tcp_settings()))
+}
+
+/// How long a connection may carry nothing before TCP probes its peer.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
+/// The pause between two unanswered probes.
+#[cfg(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "macos",
+    target_os = "freebsd",
+    target_os = "windows"
+))]
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// Unanswered probes before the kernel closes the connection.
+#[cfg(any(
+    target_os = "linux",
+    target_os = "android",
+    target_os = "macos",
+    target_os = "freebsd"
+))]
+const KEEPALIVE_PROBES: u32 = 3;
+
+/// The TCP options of every connection (the node's or each cluster node's, the release
+/// listener's, those of `replica_acks`): `TCP_NODELAY`, since a request is one small write
+/// whose reply the caller waits for (Nagle's algorithm would hold it back behind an
+/// unacknowledged one), and keepalive. The backend finds a dead connection itself where
+/// a caller waits (the response timeout on every request, the listener's ping after a
+/// quiet response timeout); keepalive keeps a connection that carries nothing for long
+/// in the tables of NATs and firewalls, and has the kernel close one whose peer is gone,
+/// within 30 s (15 s idle, then 3 probes 5 s apart).
+pub(crate) fn tcp_settings() -> redis::io::tcp::TcpSettings {
+    let keepalive = redis::io::tcp::socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE);
+    #[cfg(any(
+        target_os = "linux",
+        target_os = "android",
+        target_os = "macos",
+        target_os = "freebsd",
+        target_os = "windows"
+    ))]
+    let keepalive = keepalive.with_interval(KEEPALIVE_INTERVAL);
+    #[cfg(any(
+        target_os = "linux",
+        target_os = "android",
+        target_os = "macos",
+        target_os = "freebsd"
+    ))]
+    let keepalive = keepalive.with_retries(KEEPALIVE_PROBES);
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive)
 }
 
 /// The `INFO memory` reply of each node the backend talks to (every master of a cluster),
@@ -450,6 +509,17 @@ mod tests {
             "# Memory\r\nused_memory:1040856\r\nmaxmemory:{maxmemory}\r\n\
              maxmemory_human:0B\r\nmaxmemory_policy:{policy}\r\nallocator_frag_ratio:1.00\r\n"
         )
+    }
+
+    /// Every connection the backend opens is made from these settings (the cluster
+    /// clients are given [`tcp_settings`] too).
+    #[test]
+    fn connections_have_nodelay_and_keepalive() {
+        for url in ["redis://127.0.0.1:6379/", "rediss://u:p@127.0.0.1:6380/2"] {
+            let info = parse_url(url).unwrap();
+            assert!(info.tcp_settings().nodelay(), "{url}");
+            assert!(info.tcp_settings().keepalive().is_some(), "{url}");
+        }
     }
 
     #[test]
