@@ -123,13 +123,14 @@ async fn a_guard_outlives_a_switchover_whose_pause_is_shorter_than_its_ttl() {
     const PAUSE: Duration = Duration::from_secs(1);
     let (old, new) = common::master_and_replica().await;
     let proxy = harness::require(FaultProxy::start(old.addr()).await);
-    let locker = Locker::builder(Arc::new(through(&proxy).await))
+    let redis = through(&proxy).await;
+    let k = key("guarded");
+    let lock_key = redis.redis_key(&k);
+    let locker = Locker::builder(Arc::new(redis))
         .ttl(GUARD_TTL)
         .build()
         .unwrap();
-    let k = key("guarded");
     let guard = locker.try_lock(&k).await.unwrap().expect("a free key");
-    let lock_key = through(&proxy).await.redis_key(&k);
     let value = format!("{}:{}", guard.lease().owner(), guard.token());
 
     switch_over(&old, &new).await;
