@@ -187,18 +187,37 @@ async fn every_connection_has_tcp_keepalive() {
         sleep(Duration::from_millis(10)).await;
     }
 
-    let ours = own_sockets();
-    let connections: Vec<(u16, u8)> = tcp_table()
-        .into_iter()
-        .filter(|s| s.remote_port == server.port() && ours.contains(&s.inode))
-        .map(|s| (s.local_port, s.timer))
+    // The backend's two connections, as the server knows them: the one whose last
+    // command was the acquire, and the one subscribed (the harness's own connections
+    // sent other commands).
+    let clients = harness::require(server.command(&["CLIENT", "LIST"]).await)
+        .as_text()
+        .unwrap_or_default();
+    let backend_ports: HashSet<u16> = clients
+        .lines()
+        .filter(|c| c.contains(" cmd=evalsha ") || c.contains(" cmd=subscribe "))
+        .filter_map(|c| {
+            let addr = c.split(' ').find_map(|f| f.strip_prefix("addr="))?;
+            addr.rsplit(':').next()?.parse().ok()
+        })
         .collect();
     assert_eq!(
-        connections.len(),
+        backend_ports.len(),
         2,
-        "the backend's connection and its listener's: {connections:?}"
+        "the backend's connection and its listener's: {clients}"
     );
-    for (port, timer) in connections {
+    let ours = own_sockets();
+    let timers: Vec<(u16, u8)> = tcp_table()
+        .into_iter()
+        .filter(|s| {
+            s.remote_port == server.port()
+                && backend_ports.contains(&s.local_port)
+                && ours.contains(&s.inode)
+        })
+        .map(|s| (s.local_port, s.timer))
+        .collect();
+    assert_eq!(timers.len(), 2, "{timers:?}");
+    for (port, timer) in timers {
         assert_eq!(
             timer, 2,
             "the connection from port {port} runs no keepalive timer"
