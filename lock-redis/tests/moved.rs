@@ -41,7 +41,8 @@ async fn acquire_and_cache(redis: &RedisBackend, keys: &[LockKey]) -> Vec<Lease>
 }
 
 /// Starts moving `slot` from `source` to `target` (MIGRATING on the source, IMPORTING on
-/// the target) and migrates the lock's two keys there; the target's node id.
+/// the target) and migrates every key of the slot there (the lock's key, and the
+/// high-water key of the slot's tokens); the target's node id.
 async fn migrate_keys(
     source: &RedisServer,
     target: &RedisServer,
@@ -61,20 +62,26 @@ async fn migrate_keys(
             .await,
     ));
     let target_port = target.port().to_string();
-    ok(harness::require(
+    let RespValue::Array(Some(in_slot)) = harness::require(
         source
-            .command(&[
-                "MIGRATE",
-                "127.0.0.1",
-                &target_port,
-                "",
-                "0",
-                "5000",
-                "KEYS",
-                lock_key,
-            ])
+            .command(&["CLUSTER", "GETKEYSINSLOT", &slot_text, "100"])
             .await,
-    ));
+    ) else {
+        panic!("CLUSTER GETKEYSINSLOT answered no array");
+    };
+    let in_slot: Vec<String> = in_slot.iter().filter_map(RespValue::as_text).collect();
+    assert!(in_slot.iter().any(|k| k == lock_key), "{in_slot:?}");
+    let mut migrate = vec![
+        "MIGRATE",
+        "127.0.0.1",
+        &target_port,
+        "",
+        "0",
+        "5000",
+        "KEYS",
+    ];
+    migrate.extend(in_slot.iter().map(String::as_str));
+    ok(harness::require(source.command(&migrate).await));
     target_id
 }
 
