@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what `scripts/test.sh` needs and finds missing: the test runner cargo-nextest,
-# the servers the tests start (redis-server, etcd, PostgreSQL, PgBouncer) and the protobuf
-# compiler with its well-known includes, which etcd-client's build script needs. Installs
+# the servers the tests start (redis-server, redis-sentinel, etcd, PostgreSQL, PgBouncer)
+# and the protobuf compiler with its well-known includes, which etcd-client's build script needs. Installs
 # only what is absent, the packages with apt-get, as
 # root. Without root or apt-get it fails naming the one command to run.
 set -euo pipefail
@@ -16,6 +16,7 @@ fi
 # Debian package that provides each thing the tests need.
 declare -A provides=(
     [redis-server]=redis-server
+    [redis-sentinel]=redis-sentinel
     [redis-cli]=redis-tools
     [etcd]=etcd-server
     [etcdctl]=etcd-client
@@ -61,7 +62,7 @@ if ! apt-get install -y --no-install-recommends "${packages[@]}" >"$log" 2>&1; t
 fi
 rm -f "$log"
 # Stop any packaged service that started anyway.
-for service in redis-server etcd postgresql pgbouncer; do
+for service in redis-server redis-sentinel etcd postgresql pgbouncer; do
     if command -v systemctl >/dev/null 2>&1; then systemctl stop "$service" >/dev/null 2>&1 || true; fi
     if command -v service >/dev/null 2>&1; then service "$service" stop >/dev/null 2>&1 || true; fi
 done

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install-test-deps.sh
 
 missing=()
-for bin in redis-server redis-cli etcd etcdctl protoc pgbouncer; do
+for bin in redis-server redis-sentinel redis-cli etcd etcdctl protoc pgbouncer; do
     command -v "$bin" >/dev/null 2>&1 || missing+=("$bin")
 done
 cargo nextest --version >/dev/null 2>&1 || missing+=("cargo-nextest")

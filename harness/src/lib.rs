@@ -291,6 +291,7 @@ pub fn binary_version(binary: &str) -> String {
 pub fn apt_package_for(binary: &str) -> &'static str {
     match binary {
         "redis-server" => "redis-server",
+        "redis-sentinel" => "redis-sentinel",
         "redis-cli" => "redis-tools",
         "etcd" => "etcd-server",
         "etcdctl" => "etcd-client",
