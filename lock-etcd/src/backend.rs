@@ -13,12 +13,14 @@
 //!
 //! Renewal, and how a lease can never extend another holder's lock, is in `lease`;
 //! acquiring in `acquire`; what a read of a name finds in `found`; folding a batch's
-//! per-item results in `batch`.
+//! per-item results in `batch`; deleting the token keys of names nobody holds in
+//! `retention`.
 
 mod acquire;
 mod batch;
 mod found;
 mod lease;
+pub(crate) mod retention;
 
 use std::fmt;
 use std::future::Future;
@@ -38,6 +40,7 @@ use tracing::instrument;
 use self::batch::{per_item, waves};
 use self::found::Found;
 use self::lease::EtcdLease;
+use self::retention::Sweeper;
 use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
@@ -49,12 +52,16 @@ use crate::tokens::lock_value;
 ///
 /// - **Keys**: `<prefix>/locks/<name>` holds `<owner id>:<token>` and is attached to the
 ///   lock's lease; `<prefix>/tokens/<name>` holds the newest token granted for the name (`%`
-///   and `/` in the name are percent-encoded, so every prefix and name has its own keys).
+///   and `/` in the name are percent-encoded, so every prefix and name has its own keys)
+///   until the name has been free and its token older than the
+///   [token retention](EtcdBuilder::token_retention) (24 h by default);
+///   `<prefix>/sweeps/tokens` holds when the next sweep of expired token keys is due.
 /// - **Token**: the granting client's wall clock in µs, or one more than the name's newest
 ///   token if that is higher, put only if no other grant came between (one transaction):
 ///   strictly increasing per name across releases, expiries, leader changes, restarts and
 ///   snapshot restores (as long as the clients' clocks read later than the last token
-///   granted before the restore).
+///   granted before the restore), and across the deletion of a token key (as long as no
+///   client's clock is behind another's by the retention).
 /// - **TTL**: whole seconds, at least the cluster's minimum lease TTL (learned when the
 ///   backend is built, 2 s with etcd's default election timeout). Anything else is
 ///   [`LockError::InvalidTtl`]: etcd would silently lengthen a shorter lease.
@@ -80,6 +87,7 @@ struct Inner {
     user: Option<String>,
     server_min_ttl: Duration,
     capabilities: Capabilities,
+    sweeper: Sweeper,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -91,6 +99,7 @@ impl fmt::Debug for EtcdBackend {
             .field("min_ttl", &self.inner.capabilities.min_ttl)
             .field("max_ttl", &self.inner.capabilities.max_ttl)
             .field("request_timeout", &self.inner.members.request_timeout())
+            .field("token_retention", &self.inner.sweeper.retention())
             .finish_non_exhaustive()
     }
 }
@@ -107,6 +116,7 @@ impl EtcdBackend {
         user: Option<String>,
         server_min_ttl: Duration,
         (min_ttl, max_ttl): (Duration, Duration),
+        token_retention: Duration,
     ) -> Self {
         let capabilities = Capabilities::new(Duration::from_secs(1), min_ttl, max_ttl)
             .inspect(true)
@@ -121,6 +131,7 @@ impl EtcdBackend {
                 user,
                 server_min_ttl,
                 capabilities,
+                sweeper: Sweeper::new(token_retention),
             }),
         }
     }
@@ -143,7 +154,7 @@ impl EtcdBackend {
 
     /// The etcd key that holds the newest token granted for `key`. It outlives the lock key
     /// (which is deleted on release and expiry), so the newest token is still known when the
-    /// lock is free.
+    /// lock is free, until the [token retention](EtcdBuilder::token_retention) has passed.
     pub fn token_key(&self, key: &LockKey) -> String {
         etcd_key(&self.inner.prefix, "tokens", key.as_str())
     }

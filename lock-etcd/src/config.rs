@@ -1,5 +1,5 @@
 //! [`EtcdBuilder`]: where the cluster is, how to reach it (TLS, user and password), the key
-//! prefix, the TTL bounds and the request timeout. `build()` validates everything, connects,
+//! prefix, the TTL bounds, the request timeout and the token retention. `build()` validates everything, connects,
 //! and asks the cluster for its shortest lease.
 
 use std::fmt;
@@ -9,6 +9,9 @@ use distlock_core::{LockError, redact_url};
 use etcd_client::{Certificate, ConnectOptions, GetOptions, Identity, TlsOptions};
 
 use crate::backend::EtcdBackend;
+use crate::backend::retention::{
+    DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION,
+};
 use crate::error::Effect;
 use crate::members::Members;
 
@@ -49,6 +52,7 @@ pub struct EtcdBuilder {
     ttl_bounds: Option<(Duration, Duration)>,
     request_timeout: Duration,
     connect_timeout: Duration,
+    token_retention: Duration,
 }
 
 #[derive(Clone, Default)]
@@ -68,6 +72,7 @@ impl Default for EtcdBuilder {
             ttl_bounds: None,
             request_timeout: DEFAULT_REQUEST_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            token_retention: DEFAULT_TOKEN_RETENTION,
         }
     }
 }
@@ -84,6 +89,7 @@ impl fmt::Debug for EtcdBuilder {
             .field("ttl_bounds", &self.ttl_bounds)
             .field("request_timeout", &self.request_timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("token_retention", &self.token_retention)
             .finish()
     }
 }
@@ -170,6 +176,21 @@ impl EtcdBuilder {
         self
     }
 
+    /// How long the token key of a lock name nobody holds is kept after its last grant
+    /// (default [`DEFAULT_TOKEN_RETENTION`], 24 h; from [`MIN_TOKEN_RETENTION`] to
+    /// [`MAX_TOKEN_RETENTION`]). With a lock per job id, each name leaves a token key;
+    /// acquires start a sweep in the background, about once per a 24th of the retention
+    /// (between 1 s and 1 h) across the processes sharing the prefix, that deletes the
+    /// token keys of free names whose token is older than the retention by this client's
+    /// clock. Tokens still never go back: a name's next token is at least the granting
+    /// client's clock in microseconds, past a deleted token by the retention, so only a
+    /// client clock behind the sweeping client's by more than the retention could repeat
+    /// one. Processes sharing a prefix with different retentions: the shortest applies.
+    pub fn token_retention(mut self, retention: Duration) -> Self {
+        self.token_retention = retention;
+        self
+    }
+
     /// Validates the settings, connects, and learns the cluster's minimum lease TTL.
     ///
     /// # Errors
@@ -201,6 +222,7 @@ impl EtcdBuilder {
             self.user.map(|(name, _)| name),
             server_min,
             (min, max),
+            self.token_retention,
         ))
     }
 
@@ -291,6 +313,12 @@ impl EtcdBuilder {
             return Err(LockError::Config(
                 "the request and connect timeouts must be greater than zero".into(),
             ));
+        }
+        if !(MIN_TOKEN_RETENTION..=MAX_TOKEN_RETENTION).contains(&self.token_retention) {
+            return Err(LockError::Config(format!(
+                "token retention {:?} is out of range {MIN_TOKEN_RETENTION:?}..={MAX_TOKEN_RETENTION:?}",
+                self.token_retention
+            )));
         }
         Ok(Validated {
             endpoints,
@@ -449,6 +477,12 @@ mod tests {
             EtcdBuilder::new()
                 .endpoint("https://127.0.0.1:2379")
                 .tls_ca_pem("not a certificate"),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .token_retention(MIN_TOKEN_RETENTION - Duration::from_millis(1)),
+            EtcdBuilder::new()
+                .endpoint("127.0.0.1:2379")
+                .token_retention(MAX_TOKEN_RETENTION + Duration::from_secs(1)),
         ];
         for builder in cases {
             assert!(

@@ -34,8 +34,9 @@
 //! - [`EtcdFencedResource`] gates downstream writes stored in etcd on the token.
 //! - Keys: `<prefix>/locks/<name>` (the lock, on its lease, holding `<owner id>:<token>`),
 //!   `<prefix>/tokens/<name>` (the newest token, 20 zero-padded digits, so it is known while
-//!   the lock is free; one small key per lock name, kept until `purge`), and, for the
-//!   fenced resource,
+//!   the lock is free; one small key per lock name, deleted once nobody holds the name and
+//!   its token is older than the token retention, or by `purge`), `<prefix>/sweeps/tokens`
+//!   (when the next sweep of those is due), and, for the fenced resource,
 //!   `<prefix>/fenced/<resource>` and `<prefix>/data/<resource>`. A name's `%` and `/` are
 //!   percent-encoded (`%25`, `%2F`), so every prefix and name has keys of its own (prefix
 //!   `app` with name `x/locks/y` and prefix `app/locks/x` with name `y` would otherwise
@@ -45,12 +46,24 @@
 //!   the next one, each at most once. A call that may have reached a member (a timeout, a
 //!   connection broken mid-call) is never repeated: its error goes to the caller (for a
 //!   write, `OutcomeUnknown`), and the next call starts at the next member.
+//! - Token retention (`EtcdBuilder::token_retention`, 24 h by default): with a lock per
+//!   job id every name leaves a token key, which would grow etcd's database until its quota
+//!   refuses every write. Acquires start a sweep in the background, about once per a 24th
+//!   of the retention (between 1 s and 1 h) across every process sharing the prefix, that
+//!   deletes the token key of each name nobody holds whose token is older than the
+//!   retention by the sweeping client's clock, in transactions that check the name is
+//!   still free and was not granted since it was read. The name's next token is then the
+//!   clock, past the deleted one by the retention: tokens keep rising as long as no
+//!   client's clock is behind another's by the retention. etcd frees the space of deleted
+//!   keys once it compacts (run it with `--auto-compaction-retention`).
 //! - `purge` deletes a lock's key and its token key in one transaction and revokes its
 //!   lease; the key's next token then comes from the clock alone, above every token it had
 //!   before under the same clock assumption as a restore.
 //! - Cost: an acquire of a free key is three round trips (a linearizable read, the lease
 //!   grant, the transaction: two consensus writes); an acquire of a held key is the read
-//!   alone and writes nothing. Release, renew and fence are one round trip.
+//!   alone and writes nothing. Release, renew and fence are one round trip. The sweep runs
+//!   beside them, one request at a time (a page of 1,000 token keys read, their expired
+//!   ones deleted 64 to a transaction).
 //! - Waiters in `Locker::lock` are woken when the key is deleted (released, revoked, or
 //!   its lease expired), through one watch per backend on the deletes of its lock keys,
 //!   opened with the first waiter and kept until the backend is dropped. After the stream
@@ -68,6 +81,7 @@ mod tokens;
 mod url;
 
 pub use backend::EtcdBackend;
+pub use backend::retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 pub use config::{DEFAULT_KEY_PREFIX, ETCD_MAX_LEASE_TTL, EtcdBuilder};
 pub use fenced::EtcdFencedResource;
 pub use url::ETCD_URL_ENV;

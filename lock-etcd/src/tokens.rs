@@ -20,10 +20,21 @@
 //! whatever the clients' clocks say; after a restore they keep rising as long as the
 //! clients that grant read clocks later than the last token granted before it (a restore
 //! takes minutes; clocks in sync to within that are the one assumption).
+//!
+//! # When a token key goes
+//!
+//! With a lock per job id every name leaves a token key, so the token key of a name nobody
+//! holds is deleted once its token is older than the token retention (see the backend's
+//! `retention` module). The clock is then the only floor for the name's next token, so a
+//! key goes only when the sweeping client's clock is past its token by the retention: the
+//! next token is above it as long as no granting client's clock is behind the sweeping
+//! one's by the retention (24 h by default). The token itself is compared with the clock,
+//! not the key's age: a token that a clock running ahead granted stays until clocks pass it.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use distlock_core::{FencingToken, LockError, OwnerId};
+use etcd_client::KeyValue;
 
 use crate::error::NAME;
 
@@ -60,16 +71,28 @@ pub(crate) fn parse_token(bytes: &[u8]) -> Result<FencingToken, LockError> {
         })
 }
 
-/// The token to grant after `newest`: the wall clock in microseconds, or one more than
-/// `newest` if the clock does not read later than it.
-pub(crate) fn next_token(newest: Option<FencingToken>) -> FencingToken {
-    let clock = SystemTime::now()
+/// The newest token a token key records. A token key that holds no token was written when
+/// tokens were etcd revisions: its `mod_revision` was the newest token then.
+pub(crate) fn recorded_token(kv: &KeyValue) -> Option<FencingToken> {
+    parse_token(kv.value())
+        .ok()
+        .or_else(|| u64::try_from(kv.mod_revision()).ok().map(FencingToken))
+}
+
+/// This client's wall clock in microseconds since 1970, the unit of tokens.
+pub(crate) fn clock_us() -> u64 {
+    SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |since| {
             u64::try_from(since.as_micros()).unwrap_or(u64::MAX)
-        });
+        })
+}
+
+/// The token to grant after `newest`: the wall clock in microseconds, or one more than
+/// `newest` if the clock does not read later than it.
+pub(crate) fn next_token(newest: Option<FencingToken>) -> FencingToken {
     let after = newest.map_or(1, |t| t.get().saturating_add(1));
-    FencingToken(clock.max(after))
+    FencingToken(clock_us().max(after))
 }
 
 #[cfg(test)]

@@ -47,6 +47,7 @@ impl EtcdBackend {
         seconds: i64,
         sent: Instant,
     ) -> Result<Option<Lease>, LockError> {
+        self.poke_sweeper();
         let found = self.lookup(key).await?;
         if found.is_held() {
             debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");

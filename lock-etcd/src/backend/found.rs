@@ -3,7 +3,7 @@
 use distlock_core::{FencingToken, OwnerId};
 use etcd_client::{KeyValue, TxnOpResponse, TxnResponse};
 
-use crate::tokens::{parse_lock_value, parse_token};
+use crate::tokens::{parse_lock_value, recorded_token};
 
 /// A name's lock key and token key, as one transaction read them.
 #[derive(Debug, Default)]
@@ -41,14 +41,10 @@ impl Found {
             .and_then(|kv| parse_lock_value(kv.value()))
     }
 
-    /// The newest token granted for the name, if any is recorded. A token key that holds
-    /// no token was written when tokens were etcd revisions: its `mod_revision` was the
-    /// newest token then.
+    /// The newest token granted for the name, if its token key is there (see
+    /// [`recorded_token`]).
     pub(super) fn newest(&self) -> Option<FencingToken> {
-        let kv = self.tokens.as_ref()?;
-        parse_token(kv.value())
-            .ok()
-            .or_else(|| u64::try_from(kv.mod_revision()).ok().map(FencingToken))
+        self.tokens.as_ref().and_then(recorded_token)
     }
 
     /// The token key's `mod_revision`, 0 when it does not exist (what etcd compares a

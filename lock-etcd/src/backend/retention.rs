@@ -1,0 +1,423 @@
+//! Token-key retention: the token key of a name nobody holds is deleted once its token is
+//! older than the retention, so a lock per job id does not grow etcd's keyspace by a key
+//! per job until the database reaches its quota and etcd refuses every write (`NOSPACE`).
+//!
+//! # Why deleting is safe
+//!
+//! A name's next token is at least the granting client's clock in microseconds. A token key
+//! goes only when its token is older than the sweeping client's clock less the retention,
+//! so the next grant, whose only floor is then the clock, is above it as long as no client
+//! that grants reads a clock behind the sweeping client's by the retention or more (24 h by
+//! default). The token itself is compared, not the key's age: a token granted by a clock
+//! running ahead stays until the clocks have passed it by the retention. A token key
+//! written when tokens were etcd revisions (an owner id, see
+//! [`recorded_token`](crate::tokens::recorded_token)) holds a revision, far below any clock,
+//! and goes at the first sweep.
+//!
+//! Each deletion is a transaction that checks the token key's `mod_revision` is still the
+//! one read and that the lock key does not exist: a grant between the read and the
+//! deletion, or a name held for longer than the retention, keeps its token key.
+//!
+//! # Who sweeps, and when
+//!
+//! Acquires start a sweep in the background, at most once per [`Sweeper::every`] in a
+//! process (a 24th of the retention, between 1 s and 1 h). Across the processes sharing a
+//! prefix, `<prefix>/sweeps/tokens` holds the instant the next sweep is due: a process
+//! sweeps only when that instant has passed (or lies more than an interval ahead of its
+//! clock, as a client whose clock ran ahead would have written it) and its transaction
+//! moving it an interval on is the one that lands. So about one sweep per interval runs,
+//! whatever the number of processes; a free token key is gone at most about two intervals
+//! after its retention ran out.
+//!
+//! A sweep reads the token keys in key order, [`PAGE`] at a time, and deletes the expired
+//! ones of each page in transactions of [`GROUP`] names:
+//!
+//! ```text
+//! if mod_revision(token key) == <as read> and create_revision(lock key) == 0, every name
+//! then delete(token key), every name
+//! else get(lock key), get(token key), every name  (keys only)
+//! ```
+//!
+//! A failed comparison drops the names it shows held or granted since, and sends the
+//! others again (at most [`TRANSACTIONS_PER_GROUP`] transactions). One request at a time,
+//! so a sweep adds at most one request to the cluster's load; it stops after the page
+//! under way when the backend is dropped, and after the first error (the next interval's
+//! sweep starts over).
+//!
+//! # Why not a lease on the token key
+//!
+//! A token key attached to a lease of the retention's length would be deleted by etcd,
+//! with no sweep. But etcd expires a lease by its age on the leader, not by the token the
+//! key holds: a token that a clock running ahead granted would go while the clocks are
+//! still behind it, and the name's next token would be lower. A lease per name also costs
+//! a consensus write more for every new name (a one-off name costs four: the lock's lease
+//! grant, the transaction, the release and the revoke), and keeps a lease per name in
+//! etcd's lessor for the retention; a lease shared by the names of an interval deletes all
+//! of them in one raft entry when it expires. What was measured is in docs/DESIGN.md.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use distlock_core::LockError;
+use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp, TxnOpResponse};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use super::{EtcdBackend, Inner};
+use crate::error::Effect;
+use crate::keys::{etcd_key, name_of};
+use crate::tokens::{clock_us, recorded_token};
+
+/// How long the token key of a name nobody holds is kept by default.
+pub const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// The shortest retention the builder accepts.
+pub const MIN_TOKEN_RETENTION: Duration = Duration::from_secs(1);
+
+/// The longest retention the builder accepts (ten years).
+pub const MAX_TOKEN_RETENTION: Duration = Duration::from_secs(3650 * 24 * 3600);
+
+/// Token keys read per range request.
+const PAGE: i64 = 1_000;
+
+/// Names per deleting transaction: two comparisons each, and etcd refuses a transaction
+/// with more than `--max-txn-ops` comparisons (128 by default).
+const GROUP: usize = 64;
+
+/// Transactions per group while names in it are granted or held between the page's read
+/// and the deletion; the names left go at the next sweep.
+const TRANSACTIONS_PER_GROUP: usize = 3;
+
+/// When this process may next sweep, and whether it is sweeping.
+pub(crate) struct Sweeper {
+    retention: Duration,
+    every: Duration,
+    /// Milliseconds after `epoch` at which this process may next look whether a sweep is
+    /// due.
+    next_due_ms: AtomicU64,
+    epoch: Instant,
+    running: AtomicBool,
+}
+
+impl Sweeper {
+    pub(crate) fn new(retention: Duration) -> Self {
+        Self {
+            retention,
+            every: Self::every(retention),
+            next_due_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
+            running: AtomicBool::new(false),
+        }
+    }
+
+    /// How often a sweep runs: a 24th of the retention, between 1 s and 1 h.
+    pub(crate) fn every(retention: Duration) -> Duration {
+        (retention / 24).clamp(Duration::from_secs(1), Duration::from_secs(3600))
+    }
+
+    pub(crate) fn retention(&self) -> Duration {
+        self.retention
+    }
+}
+
+/// The expired token key of one name, as a page read it.
+struct Expired {
+    token_key: Vec<u8>,
+    lock_key: String,
+    revision: i64,
+}
+
+/// What one sweep did.
+#[derive(Debug, Default)]
+struct Swept {
+    scanned: usize,
+    deleted: usize,
+}
+
+impl EtcdBackend {
+    /// Starts a sweep in the background if this process's turn to look has come and it is
+    /// not sweeping already. Costs an atomic load when it has not; does nothing outside a
+    /// tokio runtime.
+    pub(super) fn poke_sweeper(&self) {
+        let sweeper = &self.inner.sweeper;
+        let now_ms = u64::try_from(sweeper.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        if now_ms < sweeper.next_due_ms.load(Ordering::Relaxed) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if sweeper.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let every_ms = u64::try_from(sweeper.every.as_millis()).unwrap_or(u64::MAX);
+        sweeper
+            .next_due_ms
+            .store(now_ms.saturating_add(every_ms), Ordering::Relaxed);
+        let inner = Arc::downgrade(&self.inner);
+        runtime.spawn(async move {
+            let outcome = sweep(&inner).await;
+            let Some(backend) = upgrade(&inner) else {
+                return;
+            };
+            match outcome {
+                Ok(Some(swept)) => debug!(
+                    scanned = swept.scanned,
+                    deleted = swept.deleted,
+                    "swept the token keys of free names past their retention"
+                ),
+                Ok(None) => {}
+                Err(e) => warn!(
+                    error = %e,
+                    "sweeping the token keys of free names failed; the next acquire after {:?} \
+                     tries again",
+                    backend.inner.sweeper.every
+                ),
+            }
+            backend
+                .inner
+                .sweeper
+                .running
+                .store(false, Ordering::Release);
+        });
+    }
+
+    /// The key that holds the instant (µs since 1970) the next sweep of this prefix is due.
+    fn sweep_key(&self) -> String {
+        etcd_key(&self.inner.prefix, "sweeps", "tokens")
+    }
+
+    /// Whether this process sweeps now: the next sweep is due and this process's
+    /// transaction moved the due instant an interval on.
+    async fn claim_sweep(&self) -> Result<bool, LockError> {
+        let key = self.sweep_key();
+        let read = self
+            .call(Effect::None, |client| {
+                let key = key.clone();
+                async move { client.kv_client().get(key, None).await }
+            })
+            .await?;
+        let now = clock_us();
+        let every = u64::try_from(self.inner.sweeper.every.as_micros()).unwrap_or(u64::MAX);
+        let current = read.kvs().first();
+        let due = current.and_then(|kv| std::str::from_utf8(kv.value()).ok()?.parse::<u64>().ok());
+        if due.is_some_and(|due| due > now && due - now <= every) {
+            return Ok(false);
+        }
+        let revision = current.map_or(0, KeyValue::mod_revision);
+        let txn = Txn::new()
+            .when([Compare::mod_revision(
+                key.clone(),
+                CompareOp::Equal,
+                revision,
+            )])
+            .and_then([TxnOp::put(key, now.saturating_add(every).to_string(), None)]);
+        Ok(self.txn(Effect::Write("sweep"), txn).await?.succeeded())
+    }
+
+    /// Up to [`PAGE`] token keys from `from` on, and whether there are more.
+    async fn token_page(&self, from: &[u8]) -> Result<(Vec<KeyValue>, bool), LockError> {
+        let end = tokens_end(&self.inner.prefix);
+        let mut page = self
+            .call(Effect::None, |client| {
+                let (from, end) = (from.to_vec(), end.clone());
+                let options = GetOptions::new().with_range(end).with_limit(PAGE);
+                async move { client.kv_client().get(from, Some(options)).await }
+            })
+            .await?;
+        let more = page.more();
+        Ok((page.take_kvs(), more))
+    }
+
+    /// The token keys of `page` whose token is older than the retention, by this client's
+    /// clock now. Keys of another prefix that share the range (prefix `a/tokens/b` lies
+    /// under `a/tokens/`) have no name here and are left alone.
+    fn expired(&self, page: &[KeyValue]) -> Vec<Expired> {
+        let retention = u64::try_from(self.inner.sweeper.retention.as_micros()).unwrap_or(u64::MAX);
+        let cutoff = clock_us().saturating_sub(retention);
+        let prefix = &self.inner.prefix;
+        page.iter()
+            .filter_map(|kv| {
+                let name = name_of(prefix, "tokens", kv.key())?;
+                let token = recorded_token(kv)?;
+                (token.get() < cutoff).then(|| Expired {
+                    token_key: kv.key().to_vec(),
+                    lock_key: etcd_key(prefix, "locks", &name),
+                    revision: kv.mod_revision(),
+                })
+            })
+            .collect()
+    }
+
+    /// Deletes the token keys of `group` whose names are free and were not granted since
+    /// they were read; the number deleted.
+    async fn delete_expired(&self, group: &[Expired]) -> Result<usize, LockError> {
+        let mut left: Vec<&Expired> = group.iter().collect();
+        for _ in 0..TRANSACTIONS_PER_GROUP {
+            if left.is_empty() {
+                break;
+            }
+            let resp = self.txn(Effect::Write("sweep"), deletion(&left)).await?;
+            if resp.succeeded() {
+                return Ok(left.len());
+            }
+            let mut gets = resp.op_responses().into_iter().filter_map(|op| match op {
+                TxnOpResponse::Get(mut get) => Some(get.take_kvs().into_iter().next()),
+                _ => None,
+            });
+            left.retain(|name| {
+                let (lock, token) = (gets.next().flatten(), gets.next().flatten());
+                lock.is_none() && token.is_some_and(|kv| kv.mod_revision() == name.revision)
+            });
+        }
+        Ok(0)
+    }
+}
+
+/// The transaction that deletes the token keys of `names` if none was granted since it
+/// was read and none is held; otherwise it reads them (keys only, in `names`' order: the
+/// lock key, then the token key).
+fn deletion(names: &[&Expired]) -> Txn {
+    let compares: Vec<Compare> = names
+        .iter()
+        .flat_map(|name| {
+            [
+                Compare::mod_revision(name.token_key.clone(), CompareOp::Equal, name.revision),
+                Compare::create_revision(name.lock_key.clone(), CompareOp::Equal, 0),
+            ]
+        })
+        .collect();
+    let deletes: Vec<TxnOp> = names
+        .iter()
+        .map(|name| TxnOp::delete(name.token_key.clone(), None))
+        .collect();
+    let reads: Vec<TxnOp> = names
+        .iter()
+        .flat_map(|name| {
+            [
+                TxnOp::get(
+                    name.lock_key.clone(),
+                    Some(GetOptions::new().with_keys_only()),
+                ),
+                TxnOp::get(
+                    name.token_key.clone(),
+                    Some(GetOptions::new().with_keys_only()),
+                ),
+            ]
+        })
+        .collect();
+    Txn::new().when(compares).and_then(deletes).or_else(reads)
+}
+
+/// The end of the range of `prefix`'s token keys: `<prefix>/tokens0`, `0` being the byte
+/// after `/`.
+fn tokens_end(prefix: &str) -> String {
+    format!("{prefix}/tokens0")
+}
+
+fn upgrade(inner: &Weak<Inner>) -> Option<EtcdBackend> {
+    inner.upgrade().map(|inner| EtcdBackend { inner })
+}
+
+/// One sweep, if this process's claim on it lands: page after page of token keys until
+/// their end, or until the backend is dropped.
+async fn sweep(inner: &Weak<Inner>) -> Result<Option<Swept>, LockError> {
+    let Some(backend) = upgrade(inner) else {
+        return Ok(None);
+    };
+    if !backend.claim_sweep().await? {
+        return Ok(None);
+    }
+    let mut from = etcd_key(&backend.inner.prefix, "tokens", "").into_bytes();
+    drop(backend);
+    let mut swept = Swept::default();
+    while let Some(backend) = upgrade(inner) {
+        let (page, more) = backend.token_page(&from).await?;
+        for group in backend.expired(&page).chunks(GROUP) {
+            swept.deleted += backend.delete_expired(group).await?;
+        }
+        swept.scanned += page.len();
+        match page.last() {
+            Some(last) if more => {
+                from = last.key().to_vec();
+                from.push(0);
+            }
+            _ => break,
+        }
+    }
+    Ok(Some(swept))
+}
+
+#[cfg(test)]
+mod tests {
+    use distlock_core::{LockBackend, LockKey, Release};
+    use harness::etcd::EtcdServer;
+    use harness::require;
+
+    use super::*;
+
+    /// The name is granted again between the page's read and the deletion: the deletion
+    /// must see the new grant and keep its token key, or the name's next token would have
+    /// only the clock as its floor while a token of a moment ago is in use.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_grant_between_the_read_and_the_deletion_keeps_the_token_key() {
+        let server = require(EtcdServer::start().await);
+        let retention = Duration::from_secs(1);
+        let backend = EtcdBackend::builder()
+            .endpoint(server.endpoint())
+            .token_retention(retention)
+            .build()
+            .await
+            .unwrap();
+        let key = LockKey::new("granted-between").unwrap();
+        let ttl = Duration::from_secs(2);
+        let first = backend.acquire(&key, ttl).await.unwrap().expect("free");
+        assert_eq!(backend.release(&first).await.unwrap(), Release::Released);
+        tokio::time::sleep(retention + Duration::from_millis(100)).await;
+
+        let from = etcd_key(&backend.inner.prefix, "tokens", "").into_bytes();
+        let (page, _) = backend.token_page(&from).await.unwrap();
+        let expired = backend.expired(&page);
+        assert_eq!(
+            expired.len(),
+            1,
+            "the released name's token is past its retention"
+        );
+        let second = backend.acquire(&key, ttl).await.unwrap().expect("free");
+
+        assert_eq!(backend.delete_expired(&expired).await.unwrap(), 0);
+        assert_eq!(
+            backend.lookup(&key).await.unwrap().newest(),
+            Some(second.token())
+        );
+        assert_eq!(backend.release(&second).await.unwrap(), Release::Released);
+        assert_eq!(backend.delete_expired(&expired).await.unwrap(), 0);
+        assert_eq!(
+            backend.lookup(&key).await.unwrap().newest(),
+            Some(second.token()),
+            "a released name's token key read before its last grant"
+        );
+    }
+
+    #[test]
+    fn sweeps_run_a_24th_of_the_retention_apart_between_a_second_and_an_hour() {
+        let s = Duration::from_secs;
+        assert_eq!(Sweeper::every(DEFAULT_TOKEN_RETENTION), s(3600));
+        assert_eq!(Sweeper::every(MAX_TOKEN_RETENTION), s(3600));
+        assert_eq!(Sweeper::every(s(48 * 60)), s(120));
+        assert_eq!(Sweeper::every(MIN_TOKEN_RETENTION), s(1));
+    }
+
+    #[test]
+    fn the_token_range_holds_token_keys_and_no_other_kind() {
+        let (start, end) = (etcd_key("app", "tokens", ""), tokens_end("app"));
+        let inside = |key: &str| start.as_str() <= key && key < end.as_str();
+        assert!(inside(&etcd_key("app", "tokens", "x")));
+        assert!(inside(&etcd_key("app", "tokens", "~\u{10ffff}")));
+        for kind in ["locks", "sweeps", "fenced", "data"] {
+            let key = etcd_key("app", kind, "tokens");
+            assert!(!inside(&key), "{key}");
+        }
+    }
+}
