@@ -1,7 +1,7 @@
 //! Tokens as etcd is run and repaired: they keep rising after a snapshot restore, and an
 //! attempt on a held key writes nothing to the raft log.
 
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use distlock_core::{Fence, FencingToken, LockBackend, LockKey, Release};
 use etcd_client::Client;
@@ -81,6 +81,15 @@ async fn raft_index(server: &EtcdServer) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attempts_on_a_held_key_write_nothing_to_the_raft_log() {
     let server = require(EtcdServer::start().await);
+    // Acquires start a sweep of expired token keys when one is due, which claims its turn
+    // with a write: the next one is made due in half an hour, as after a sweep.
+    let due = SystemTime::now() + Duration::from_secs(1800);
+    let due_us = due.duration_since(UNIX_EPOCH).unwrap().as_micros();
+    let mut client = Client::connect([server.endpoint()], None).await.unwrap();
+    client
+        .put("distlock/sweeps/tokens", due_us.to_string(), None)
+        .await
+        .unwrap();
     let (holder, other) = (backend(&server).await, backend(&server).await);
     let key = LockKey::new("busy").unwrap();
     let held = holder.acquire(&key, Duration::from_secs(30)).await.unwrap();
