@@ -25,6 +25,8 @@ pub enum Scheme {
     RedisTls,
     /// `redis+cluster://`: a Redis Cluster.
     RedisCluster,
+    /// `redis+sentinel://` or `rediss+sentinel://`: the master Redis Sentinel monitors.
+    RedisSentinel,
     /// `etcd://`: an etcd v3 cluster.
     Etcd,
     /// `etcds://`: an etcd v3 cluster over TLS (`?ca=` names the CA file).
@@ -40,6 +42,8 @@ pub const SCHEMES: &[(&str, Scheme)] = &[
     ("redis", Scheme::Redis),
     ("rediss", Scheme::RedisTls),
     ("redis+cluster", Scheme::RedisCluster),
+    ("redis+sentinel", Scheme::RedisSentinel),
+    ("rediss+sentinel", Scheme::RedisSentinel),
     ("etcd", Scheme::Etcd),
     ("etcds", Scheme::EtcdTls),
     ("postgres", Scheme::Postgres),
@@ -59,7 +63,9 @@ impl Scheme {
     pub fn feature(self) -> Option<&'static str> {
         match self {
             Self::Memory => None,
-            Self::Redis | Self::RedisTls | Self::RedisCluster => Some("redis"),
+            Self::Redis | Self::RedisTls | Self::RedisCluster | Self::RedisSentinel => {
+                Some("redis")
+            }
             Self::Etcd | Self::EtcdTls => Some("etcd"),
             Self::Postgres => Some("postgres"),
         }
@@ -98,6 +104,7 @@ impl fmt::Display for Scheme {
 /// | `memory://` | — | a new in-process [`MemoryBackend`] (nothing is shared between calls) |
 /// | `redis://[:password@]host[:port][/db]`, `rediss://…` | `redis` | one Redis server |
 /// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
+/// | `redis+sentinel://[:password@]host:port[,host:port…]/master_name[/db]`, `rediss+sentinel://…` | `redis` | the master Redis Sentinel monitors, found by asking the Sentinels |
 /// | `etcd://[user:password@]host:port[,host:port…][?prefix=…]` | `etcd` | an etcd v3 cluster |
 /// | `etcds://host:port[,host:port…]?ca=/path/ca.pem[&prefix=…]` | `etcd` | an etcd v3 cluster over TLS |
 /// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…&pooling=…]` | `postgres` | PostgreSQL |
@@ -178,7 +185,7 @@ pub async fn setup(url: &str) -> Result<(), LockError> {
     match checked(url)? {
         Scheme::Memory => memory(url).map(drop),
         #[cfg(feature = "redis")]
-        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster => {
+        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster | Scheme::RedisSentinel => {
             lock_redis::RedisBackendBuilder::from_url(url).map(drop)
         }
         #[cfg(feature = "etcd")]
@@ -228,11 +235,13 @@ async fn open(scheme: Scheme, url: &str) -> Result<Arc<dyn LockBackend>, LockErr
     match scheme {
         Scheme::Memory => memory(url),
         #[cfg(feature = "redis")]
-        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster => Ok(Arc::new(
-            lock_redis::RedisBackendBuilder::from_url(url)?
-                .build()
-                .await?,
-        )),
+        Scheme::Redis | Scheme::RedisTls | Scheme::RedisCluster | Scheme::RedisSentinel => {
+            Ok(Arc::new(
+                lock_redis::RedisBackendBuilder::from_url(url)?
+                    .build()
+                    .await?,
+            ))
+        }
         #[cfg(feature = "etcd")]
         Scheme::Etcd | Scheme::EtcdTls => Ok(Arc::new(
             lock_etcd::EtcdBuilder::from_url(url)?.build().await?,

@@ -40,7 +40,14 @@ pub const REDIS_URL_ENV: &str = "DISTLOCK_REDIS_URL";
 /// * several URLs given with [`RedisBackendBuilder::cluster_urls`] — a Redis Cluster,
 ///   discovered from those seed nodes;
 /// * `redis+cluster://...` or `rediss+cluster://...` — a Redis Cluster discovered from that
-///   one seed node (the scheme is the plain one with `+cluster` added).
+///   one seed node (the scheme is the plain one with `+cluster` added);
+/// * `redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/master_name[/db]` — the
+///   master that Redis Sentinel monitors under `master_name`, found by asking the Sentinels
+///   listed (port 26379 when none is given) in turn, and asked for again after a failover or
+///   switchover. The user and password are the master's (a Sentinel with a password of its
+///   own: [`RedisBackendBuilder::sentinel_auth`]); `rediss+sentinel://` uses TLS to the
+///   master and the Sentinels alike. [`RedisBackendBuilder::sentinel`] is the same without
+///   a URL.
 ///
 /// A cluster has no databases: a `/db` other than 0 is refused there. A URL takes no
 /// query parameters (`build` names one it finds in a [`LockError::Config`]), and a `/`,
@@ -64,6 +71,8 @@ pub struct RedisBackendBuilder {
     pub(crate) connect_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
     pub(crate) tls_root_ca: Option<Vec<u8>>,
+    /// The user (empty: the default one) and password the Sentinels take.
+    pub(crate) sentinel_auth: Option<(String, String)>,
 }
 
 impl Default for RedisBackendBuilder {
@@ -78,6 +87,7 @@ impl Default for RedisBackendBuilder {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             replica_acks: None,
             tls_root_ca: None,
+            sentinel_auth: None,
         }
     }
 }
@@ -100,11 +110,15 @@ impl RedisBackendBuilder {
     ///
     /// # Errors
     ///
-    /// [`LockError::Config`] for a malformed URL, another scheme, no host, or a query
-    /// parameter; the message never shows the password.
+    /// [`LockError::Config`] for a malformed URL, another scheme, no host, a query
+    /// parameter, or a `redis+sentinel://` URL without a master name; the message never
+    /// shows the password.
     pub fn from_url(url: &str) -> Result<Self, LockError> {
         let url = url.trim();
         check_url(url)?;
+        if SentinelUrl::parse(url)?.is_some() {
+            return Ok(Self::new().url(url));
+        }
         let parsed = url::Url::parse(url).map_err(|e| {
             // The url crate's messages never repeat the input.
             LockError::Config(format!("malformed Redis URL: {e}"))
@@ -115,7 +129,9 @@ impl RedisBackendBuilder {
             "redis" | "rediss" | "redis+cluster" | "rediss+cluster"
         ) {
             return Err(LockError::Config(
-                "a Redis URL starts with redis://, rediss:// (TLS) or redis+cluster://".into(),
+                "a Redis URL starts with redis://, rediss:// (TLS), redis+cluster:// or \
+                 redis+sentinel://"
+                    .into(),
             ));
         }
         if parsed.host_str().is_none_or(str::is_empty) {
@@ -149,7 +165,8 @@ impl RedisBackendBuilder {
         )?)
     }
 
-    /// One node, or a cluster seed with the `redis+cluster://` scheme.
+    /// One node, a cluster seed with the `redis+cluster://` scheme, or the Sentinels of a
+    /// master with `redis+sentinel://` (see [URLs](Self#urls)).
     pub fn url(mut self, url: impl Into<String>) -> Self {
         let url = url.into();
         self.cluster = url.starts_with("redis+cluster://") || url.starts_with("rediss+cluster://");
@@ -165,6 +182,43 @@ impl RedisBackendBuilder {
     {
         self.urls = urls.into_iter().map(Into::into).collect();
         self.cluster = true;
+        self
+    }
+
+    /// The master Redis Sentinel monitors as `master_name`, found by asking the Sentinels
+    /// at `sentinels` (`host:port` each) in turn: the same as the URL
+    /// `redis+sentinel://host:port,.../master_name`. The master's credentials, database or
+    /// TLS are given in that URL instead ([`url`](Self::url)).
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), distlock::LockError> {
+    /// let redis = distlock::redis::RedisBackend::builder()
+    ///     .sentinel(["10.0.0.1:26379", "10.0.0.2:26379", "10.0.0.3:26379"], "locks")
+    ///     .build()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel<I, S>(self, sentinels: I, master_name: impl AsRef<str>) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let hosts: Vec<String> = sentinels
+            .into_iter()
+            .map(|s| s.as_ref().to_owned())
+            .collect();
+        self.url(format!(
+            "redis+sentinel://{}/{}",
+            hosts.join(","),
+            master_name.as_ref()
+        ))
+    }
+
+    /// The user (empty for the default user) and password of the Sentinels, when they
+    /// require one of their own (`requirepass` in `sentinel.conf`); without it the
+    /// Sentinels are asked without credentials. The master's own are in the URL.
+    pub fn sentinel_auth(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.sentinel_auth = Some((user.into(), password.into()));
         self
     }
 
@@ -241,7 +295,15 @@ impl RedisBackendBuilder {
 
     /// True when any URL uses TLS.
     pub(crate) fn uses_tls(&self) -> bool {
-        self.urls.iter().any(|u| u.starts_with("rediss://"))
+        self.urls.iter().any(|u| is_tls_url(u))
+    }
+
+    /// The Sentinels and master name of a `redis+sentinel://` URL.
+    pub(crate) fn sentinel_url(&self) -> Result<Option<SentinelUrl>, LockError> {
+        match self.urls.as_slice() {
+            [url] => SentinelUrl::parse(url),
+            _ => Ok(None),
+        }
     }
 
     /// Validates the options and connects.
@@ -268,6 +330,22 @@ impl RedisBackendBuilder {
         }
         for url in &self.urls {
             check_url(url)?;
+        }
+        let sentinel = self.sentinel_url()?;
+        if sentinel.is_none() && self.sentinel_auth.is_some() {
+            return Err(LockError::Config(
+                "Sentinel credentials were given but the URL is not a redis+sentinel:// one".into(),
+            ));
+        }
+        if self.cluster
+            && self
+                .urls
+                .iter()
+                .any(|u| SentinelUrl::parse(u).is_ok_and(|s| s.is_some()))
+        {
+            return Err(LockError::Config(
+                "a redis+sentinel:// URL cannot be a cluster seed".into(),
+            ));
         }
         if self.prefix.is_empty()
             || self
@@ -316,7 +394,7 @@ impl RedisBackendBuilder {
             }
         }
         if let Some(pem) = &self.tls_root_ca {
-            if let Some(url) = self.urls.iter().find(|u| !u.starts_with("rediss://")) {
+            if let Some(url) = self.urls.iter().find(|u| !is_tls_url(u)) {
                 return Err(LockError::Config(format!(
                     "a TLS root CA was given but {} is not a rediss:// URL",
                     redact_url(url)
@@ -341,6 +419,13 @@ impl fmt::Debug for RedisBackendBuilder {
             .field("connect_timeout", &self.connect_timeout)
             .field("replica_acks", &self.replica_acks)
             .field(
+                "sentinel_auth",
+                &self
+                    .sentinel_auth
+                    .as_ref()
+                    .map(|(user, _)| format!("{user}:***")),
+            )
+            .field(
                 "tls_root_ca",
                 &self
                     .tls_root_ca
@@ -348,6 +433,106 @@ impl fmt::Debug for RedisBackendBuilder {
                     .map(|pem| format!("<{} bytes of PEM>", pem.len())),
             )
             .finish()
+    }
+}
+
+/// True for a URL over TLS: `rediss://` or `rediss+sentinel://`.
+fn is_tls_url(url: &str) -> bool {
+    url.starts_with("rediss://") || url.starts_with("rediss+sentinel://")
+}
+
+/// The Sentinel port when a `redis+sentinel://` host names none.
+pub const DEFAULT_SENTINEL_PORT: u16 = 26379;
+
+/// What a `redis+sentinel://` URL says: where the Sentinels are, the name they monitor the
+/// master by, and how to talk to the master once found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct SentinelUrl {
+    /// Each Sentinel's host and port, in the order given.
+    pub(crate) sentinels: Vec<(String, u16)>,
+    pub(crate) master_name: String,
+    /// A `redis://` (or `rediss://`) URL of the master with its credentials, database and
+    /// fragment, and the first Sentinel's address in place of the master's own, which is
+    /// found when connecting.
+    pub(crate) master_url: String,
+}
+
+impl SentinelUrl {
+    /// `None` for a URL of another scheme; a [`LockError::Config`] for a sentinel URL
+    /// without a host or master name, with a bad host or port, or with more path than
+    /// `/master_name/db`. Messages never show the password.
+    pub(crate) fn parse(url: &str) -> Result<Option<Self>, LockError> {
+        let url = url.trim();
+        let (base, rest) = if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+            ("redis", rest)
+        } else if let Some(rest) = url.strip_prefix("rediss+sentinel://") {
+            ("rediss", rest)
+        } else {
+            return Ok(None);
+        };
+        let shown = redact_url(url);
+        let bad = |why: String| LockError::Config(format!("the Sentinel URL {shown} {why}"));
+        let (rest, fragment) = match rest.split_once('#') {
+            Some((rest, fragment)) => (rest, Some(fragment)),
+            None => (rest, None),
+        };
+        let rest = rest.split('?').next().unwrap_or_default();
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let (userinfo, hosts) = match authority.rsplit_once('@') {
+            Some((userinfo, hosts)) => (Some(userinfo), hosts),
+            None => (None, authority),
+        };
+        let mut sentinels = Vec::new();
+        for host in hosts.split(',') {
+            let parsed = url::Url::parse(&format!("redis://{host}/"))
+                .ok()
+                .filter(|u| u.host_str().is_some_and(|h| !h.is_empty()))
+                .filter(|u| u.username().is_empty() && u.path() == "/");
+            let Some(parsed) = parsed else {
+                return Err(bad(format!(
+                    "has {host:?} where a Sentinel's host[:port] belongs: write \
+                     redis+sentinel://host:port,host:port/master_name"
+                )));
+            };
+            // An IPv6 address without its brackets, as a socket address takes it.
+            let host = parsed.host_str().unwrap_or_default();
+            let host = host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_owned();
+            sentinels.push((host, parsed.port().unwrap_or(DEFAULT_SENTINEL_PORT)));
+        }
+        let mut segments = path.split('/');
+        let master_name = segments.next().unwrap_or_default();
+        if master_name.is_empty() {
+            return Err(bad(
+                "names no master: write redis+sentinel://host:port/master_name[/db]".into(),
+            ));
+        }
+        let db = segments.next().filter(|db| !db.is_empty());
+        if let Some(db) = db {
+            if db.parse::<u32>().is_err() {
+                return Err(bad(format!(
+                    "has {db:?} where the database number belongs (/master_name/db)"
+                )));
+            }
+        }
+        if segments.any(|s| !s.is_empty()) {
+            return Err(bad("has more path than /master_name/db".into()));
+        }
+        let first = hosts.split(',').next().unwrap_or_default();
+        let master_url = format!(
+            "{base}://{}{first}/{}{}",
+            userinfo.map(|u| format!("{u}@")).unwrap_or_default(),
+            db.unwrap_or("0"),
+            fragment.map(|f| format!("#{f}")).unwrap_or_default(),
+        );
+        url::Url::parse(&master_url).map_err(|e| bad(format!("is malformed: {e}")))?;
+        Ok(Some(Self {
+            sentinels,
+            master_name: master_name.to_owned(),
+            master_url,
+        }))
     }
 }
 
@@ -588,6 +773,57 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
             assert!(message.contains(says), "{url}: {message}");
             assert!(!message.contains("hunter2"), "{url}: {message}");
         }
+    }
+
+    #[test]
+    fn a_sentinel_url_names_the_sentinels_the_master_and_its_settings() {
+        let b = RedisBackendBuilder::from_url(
+            "rediss+sentinel://u:hun%40ter2@10.0.0.1:5000,[::1],s3/locks/2#insecure",
+        )
+        .unwrap();
+        assert!(b.uses_tls() && !b.cluster);
+        let sentinel = b.sentinel_url().unwrap().unwrap();
+        assert_eq!(
+            sentinel.sentinels,
+            [
+                ("10.0.0.1".to_owned(), 5000),
+                ("::1".to_owned(), DEFAULT_SENTINEL_PORT),
+                ("s3".to_owned(), DEFAULT_SENTINEL_PORT)
+            ]
+        );
+        assert_eq!(sentinel.master_name, "locks");
+        assert_eq!(
+            sentinel.master_url,
+            "rediss://u:hun%40ter2@10.0.0.1:5000/2#insecure"
+        );
+        let b = b.sentinel_auth("watcher", "s3cret");
+        assert!(b.validate().is_ok());
+        let shown = format!("{b:?}");
+        assert!(
+            !shown.contains("ter2") && !shown.contains("s3cret"),
+            "{shown}"
+        );
+        assert!(shown.contains("watcher:***"), "{shown}");
+        let built = RedisBackendBuilder::new().sentinel(["10.0.0.1:5000", "s2"], "locks");
+        assert_eq!(
+            built.sentinel_url().unwrap().unwrap().sentinels,
+            [
+                ("10.0.0.1".to_owned(), 5000),
+                ("s2".to_owned(), DEFAULT_SENTINEL_PORT)
+            ]
+        );
+        assert!(
+            RedisBackendBuilder::new()
+                .sentinel(Vec::<String>::new(), "locks")
+                .validate()
+                .is_err()
+        );
+        assert!(
+            RedisBackendBuilder::new()
+                .sentinel(["s1"], "")
+                .validate()
+                .is_err()
+        );
     }
 
     #[test]

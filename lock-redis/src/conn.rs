@@ -6,6 +6,7 @@
 //! the cluster client's own redirect handling. Anything that may have run is never resent.
 
 mod node;
+mod sentinel;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -14,7 +15,8 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-pub(crate) use self::node::Node;
+pub(crate) use self::node::{Node, Target};
+pub(crate) use self::sentinel::Sentinels;
 use crate::scripts::Lua;
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;

@@ -83,6 +83,6 @@ mod version;
 pub use backend::{ACKED_CONNECTIONS, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
-    DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
+    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SENTINEL_PORT, REDIS_URL_ENV, RedisBackendBuilder,
 };
 pub use fenced::RedisFencedResource;

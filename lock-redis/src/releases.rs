@@ -47,6 +47,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::LockKey;
@@ -60,7 +61,7 @@ use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use crate::conn::Conn;
+use crate::conn::{Conn, Sentinels};
 use crate::error::KindName;
 use crate::keys::LockKeys;
 
@@ -83,6 +84,10 @@ pub(crate) enum Servers {
     /// `SUBSCRIBE` on one of these (one node, or any node of a cluster older than 7.0),
     /// tried in turn.
     Nodes(Vec<redis::Client>),
+    /// `SUBSCRIBE` on the master the Sentinels name when connecting: after a failover the
+    /// next connection follows it. (A master demoted while subscribed keeps delivering:
+    /// a replica receives its master's `PUBLISH`es.)
+    Sentinel(Arc<Sentinels>),
     /// `SSUBSCRIBE`, each key on its shard, through a cluster connection of a client this
     /// makes, given the sender the pushes (messages, confirmations) are to go to.
     Shards(Box<ShardClient>),
@@ -147,6 +152,10 @@ impl FollowReleases for Follower {
                 let client = &clients[attempt % clients.len()];
                 self.follow_node(client, releases, &mut connected).await
             }
+            Servers::Sentinel(sentinels) => match sentinels.master().await {
+                Ok(client) => self.follow_node(&client, releases, &mut connected).await,
+                Err(e) => Err(e),
+            },
             Servers::Shards(client) => self.follow_shards(client, releases, &mut connected).await,
         };
         if is_refused(&e) {

@@ -18,8 +18,8 @@ use tracing::warn;
 use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
-use crate::config::{RedisBackendBuilder, redact_url};
-use crate::conn::{ClusterState, Conn, Node};
+use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
+use crate::conn::{ClusterState, Conn, Node, Sentinels, Target};
 use crate::error::{config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused};
 
@@ -40,6 +40,8 @@ impl RedisBackend {
             root_cert: Some(pem),
         });
         let mut listen_on = Vec::new();
+        // The Sentinels of a `redis+sentinel://` master, which the listener asks too.
+        let mut sentinel_servers = None;
         // The seed nodes of a cluster, for the listener's connection with shard channels.
         let mut cluster_nodes = None;
         // Connections of their own for acquires with `WAIT` (see `AckedConns`).
@@ -80,7 +82,7 @@ impl RedisBackend {
             let once_client = cluster_client(&b, nodes, certificates.clone(), 0, &shown)?;
             let once = connect_cluster(&once_client, b.connect_timeout, &shown).await?;
             if b.replica_acks.is_some() {
-                acked = Some(Connector::Cluster(once_client, b.connect_timeout));
+                acked = Some(Connector::Cluster(Box::new(once_client), b.connect_timeout));
             }
             Conn::Cluster(
                 c,
@@ -90,13 +92,24 @@ impl RedisBackend {
                 }),
             )
         } else {
-            let info = parse_url(&b.urls[0])?;
-            let client = match certificates.clone() {
-                Some(certificates) => redis::Client::build_with_tls(info, certificates),
-                None => redis::Client::open(info),
-            }
-            .map_err(|e| config_error(&shown_urls[0], &e))?;
-            listen_on.push(client.clone());
+            let target = match b.sentinel_url()? {
+                Some(sentinel) => {
+                    let sentinels =
+                        sentinel_target(&b, sentinel, certificates.clone(), &shown_urls[0])?;
+                    sentinel_servers = Some(sentinels.clone());
+                    Target::Sentinel(sentinels)
+                }
+                None => {
+                    let info = parse_url(&b.urls[0])?;
+                    let client = match certificates.clone() {
+                        Some(certificates) => redis::Client::build_with_tls(info, certificates),
+                        None => redis::Client::open(info),
+                    }
+                    .map_err(|e| config_error(&shown_urls[0], &e))?;
+                    listen_on.push(client.clone());
+                    Target::Fixed(Box::new(client))
+                }
+            };
             // The backend applies its own response timeout to every request (to tell an
             // unknown outcome from an unreachable server), and the node's connection is
             // made again when a request it gave up on met silence (see `Node`); the
@@ -108,13 +121,13 @@ impl RedisBackend {
                 .set_max_delay(Duration::from_millis(500));
             let c = with_timeout(
                 b.connect_timeout * 2,
-                Node::open(client.clone(), config.clone(), b.response_timeout),
+                Node::open(target.clone(), config.clone(), b.response_timeout),
             )
             .await
             .map_err(|e| connect_error(&shown_urls[0], e))?;
             if b.replica_acks.is_some() {
                 acked = Some(Connector::Single {
-                    client,
+                    target,
                     config,
                     response_timeout: b.response_timeout,
                     limit: b.connect_timeout * 2,
@@ -201,7 +214,10 @@ impl RedisBackend {
                     client.build()
                 })))
             }
-            _ => Some(Servers::Nodes(listen_on)),
+            _ => match sentinel_servers {
+                Some(sentinels) => Some(Servers::Sentinel(sentinels)),
+                None => Some(Servers::Nodes(listen_on)),
+            },
         };
         let acked = match acked {
             Some(connector) => Some(
@@ -298,6 +314,53 @@ pub(super) async fn with_timeout<T>(
             format!("no connection within {limit:?}"),
         )))
     })
+}
+
+/// The Sentinels of a `redis+sentinel://` URL, each reached with the URL's TLS and the
+/// [`RedisBackendBuilder::sentinel_auth`] credentials, and the master's settings.
+fn sentinel_target(
+    b: &RedisBackendBuilder,
+    sentinel: SentinelUrl,
+    certificates: Option<redis::TlsCertificates>,
+    shown_url: &str,
+) -> Result<Arc<Sentinels>, LockError> {
+    let master = parse_url(&sentinel.master_url)?;
+    let mut clients = Vec::new();
+    for (host, port) in sentinel.sentinels {
+        let addr = match master.addr() {
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => redis::ConnectionAddr::Tcp(host, port),
+        };
+        let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
+        if let Some((user, password)) = &b.sentinel_auth {
+            settings = settings.set_password(password);
+            if !user.is_empty() {
+                settings = settings.set_username(user);
+            }
+        }
+        let info = master.clone().set_addr(addr).set_redis_settings(settings);
+        let client = match certificates.clone() {
+            Some(certificates) => redis::Client::build_with_tls(info, certificates),
+            None => redis::Client::open(info),
+        };
+        clients.push(client.map_err(|e| config_error(shown_url, &e))?);
+    }
+    Ok(Arc::new(Sentinels::new(
+        clients,
+        sentinel.master_name,
+        master,
+        certificates,
+        b.connect_timeout,
+    )))
 }
 
 /// The connection settings of `url`, with [`tcp_settings`]. A connection sends no

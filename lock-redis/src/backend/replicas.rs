@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use super::connect::with_timeout;
 use super::reply::parse_token;
 use super::{AbandonOnDrop, NAME, RedisBackend};
-use crate::conn::{ClusterState, Conn, Node};
+use crate::conn::{ClusterState, Conn, Node, Target};
 use crate::error::map_error;
 
 /// How many connections of its own a backend with
@@ -36,31 +36,31 @@ pub const ACKED_CONNECTIONS: usize = 4;
 
 /// How to open one more connection for [`AckedConns`].
 pub(super) enum Connector {
-    /// A client of the node, its settings, the response timeout, and how long connecting
+    /// Where the node is, its settings, the response timeout, and how long connecting
     /// may take.
     Single {
-        client: redis::Client,
+        target: Target,
         config: ConnectionManagerConfig,
         response_timeout: Duration,
         limit: Duration,
     },
     /// A client of the cluster that never sends a request twice, and how long connecting
     /// may take.
-    Cluster(ClusterClient, Duration),
+    Cluster(Box<ClusterClient>, Duration),
 }
 
 impl Connector {
     async fn connect(&self) -> Result<Conn, RedisError> {
         match self {
             Connector::Single {
-                client,
+                target,
                 config,
                 response_timeout,
                 limit,
             } => {
                 let c = with_timeout(
                     *limit,
-                    Node::open(client.clone(), config.clone(), *response_timeout),
+                    Node::open(target.clone(), config.clone(), *response_timeout),
                 )
                 .await?;
                 Ok(Conn::Single(c))

@@ -17,6 +17,11 @@
 //! A new connection is made on its first request, to wherever the address leads then.
 //! Requests already on their way over the old one end there (with their reply, or their
 //! caller's timeout), and it closes once the last of them is gone.
+//!
+//! A master found through Redis Sentinel ([`Target::Sentinel`]) has no fixed address: each
+//! new connection asks the Sentinels where the master is first, checks that the node it
+//! reaches says `ROLE` master, and a connection that failed (the master gone) is replaced
+//! too, so the next request asks the Sentinels again and follows a failover.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -25,6 +30,9 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::OnceCell;
+
+use super::Sentinels;
 use redis::{
     Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, RedisResult, ServerErrorKind, Value,
 };
@@ -36,8 +44,17 @@ use tracing::debug;
 #[derive(Clone)]
 pub(crate) struct Node(Arc<Shared>);
 
+/// Where a node's connections go.
+#[derive(Clone)]
+pub(crate) enum Target {
+    /// One address.
+    Fixed(Box<redis::Client>),
+    /// Wherever the Sentinels say the master is.
+    Sentinel(Arc<Sentinels>),
+}
+
 struct Shared {
-    client: redis::Client,
+    target: Target,
     config: ConnectionManagerConfig,
     /// A request given up after half of this, its connection silent meanwhile, replaces
     /// the connection.
@@ -45,19 +62,31 @@ struct Shared {
     /// The instant [`Connection::heard`] counts from.
     epoch: Instant,
     current: Mutex<Arc<Connection>>,
+    /// The task that follows the Sentinels' switches ([`Sentinels::follow_switches`]),
+    /// stopped with the node.
+    follower: Mutex<Option<tokio::task::AbortHandle>>,
 }
 
-/// One connection (reconnecting on its own after an error it sees).
+impl Drop for Shared {
+    fn drop(&mut self) {
+        if let Some(follower) = self.follower.get_mut().take() {
+            follower.abort();
+        }
+    }
+}
+
+/// One connection (reconnecting on its own after an error it sees), made on its first
+/// request for a [`Target::Sentinel`].
 struct Connection {
-    manager: ConnectionManager,
+    manager: OnceCell<ConnectionManager>,
     /// When the server last answered over it, in nanoseconds since [`Shared::epoch`].
     heard: AtomicU64,
 }
 
 impl Connection {
-    fn new(manager: ConnectionManager) -> Arc<Self> {
+    fn new(manager: Option<ConnectionManager>) -> Arc<Self> {
         Arc::new(Self {
-            manager,
+            manager: OnceCell::new_with(manager),
             heard: AtomicU64::new(0),
         })
     }
@@ -67,18 +96,62 @@ impl Node {
     /// Connects to the node `client` names, with `config`; the connection is made now, so
     /// that a node that cannot be reached fails here.
     pub(crate) async fn open(
-        client: redis::Client,
+        target: Target,
         config: ConnectionManagerConfig,
         response_timeout: Duration,
     ) -> RedisResult<Self> {
-        let manager = ConnectionManager::new_with_config(client.clone(), config.clone()).await?;
-        Ok(Self(Arc::new(Shared {
-            client,
+        let node = Self(Arc::new(Shared {
+            target,
             config,
             response_timeout,
             epoch: Instant::now(),
-            current: Mutex::new(Connection::new(manager)),
-        })))
+            current: Mutex::new(Connection::new(None)),
+            follower: Mutex::new(None),
+        }));
+        node.manager(&node.current()).await?;
+        if let Target::Sentinel(sentinels) = &node.0.target {
+            let (sentinels, weak) = (sentinels.clone(), Arc::downgrade(&node.0));
+            let task = tokio::spawn(async move {
+                sentinels
+                    .follow_switches(|| match weak.upgrade() {
+                        Some(shared) => {
+                            let node = Node(shared);
+                            node.replace(&node.current(), "the Sentinels switched the master");
+                            true
+                        }
+                        None => false,
+                    })
+                    .await;
+            });
+            *node.0.follower.lock() = Some(task.abort_handle());
+        }
+        Ok(node)
+    }
+
+    /// The manager of `conn`, made now when it has none yet: to the fixed address, or to
+    /// the master the Sentinels name, which must say it is one.
+    async fn manager(&self, conn: &Connection) -> RedisResult<ConnectionManager> {
+        let shared = &self.0;
+        let manager = conn
+            .manager
+            .get_or_try_init(|| async {
+                match &shared.target {
+                    Target::Fixed(client) => {
+                        ConnectionManager::new_with_config(*client.clone(), shared.config.clone())
+                            .await
+                    }
+                    Target::Sentinel(sentinels) => {
+                        let client = sentinels.master().await?;
+                        let mut manager =
+                            ConnectionManager::new_with_config(client, shared.config.clone())
+                                .await?;
+                        check_master(&mut manager).await?;
+                        Ok(manager)
+                    }
+                }
+            })
+            .await?;
+        Ok(manager.clone())
     }
 
     fn current(&self) -> Arc<Connection> {
@@ -96,13 +169,23 @@ impl Node {
         if !Arc::ptr_eq(&current, old) {
             return;
         }
-        match ConnectionManager::new_lazy_with_config(self.0.client.clone(), self.0.config.clone())
-        {
-            Ok(manager) => {
-                debug!(why, "connecting to the node again");
-                *current = Connection::new(manager);
+        match &self.0.target {
+            Target::Fixed(client) => {
+                match ConnectionManager::new_lazy_with_config(
+                    *client.clone(),
+                    self.0.config.clone(),
+                ) {
+                    Ok(manager) => {
+                        debug!(why, "connecting to the node again");
+                        *current = Connection::new(Some(manager));
+                    }
+                    Err(e) => debug!(why, error = %e, "cannot connect to the node again"),
+                }
             }
-            Err(e) => debug!(why, error = %e, "cannot connect to the node again"),
+            Target::Sentinel(_) => {
+                debug!(why, "asking the Sentinels for the master again");
+                *current = Connection::new(None);
+            }
         }
     }
 
@@ -131,21 +214,38 @@ impl Node {
     /// One command; sent once more over a new connection when a replica refused it.
     async fn command(&self, cmd: &Cmd) -> RedisResult<Value> {
         let conn = self.current();
-        let reply = self
-            .over(&conn, conn.manager.clone().send_packed_command(cmd))
-            .await;
+        let mut manager = self.manager(&conn).await?;
+        let reply = self.over(&conn, manager.send_packed_command(cmd)).await;
         let refused = match &reply {
             Ok(value) => is_replica_reply(value),
             Err(e) => is_replica_error(e),
         };
         if !refused {
+            if let Err(e) = &reply {
+                self.lost(&conn, e);
+            }
             return reply;
         }
         self.replace(&conn, "the node refused a write as a replica");
         // It did not run: the address may lead to the new master by now.
         let conn = self.current();
-        self.over(&conn, conn.manager.clone().send_packed_command(cmd))
-            .await
+        let mut manager = self.manager(&conn).await?;
+        let reply = self.over(&conn, manager.send_packed_command(cmd)).await;
+        if let Err(e) = &reply {
+            self.lost(&conn, e);
+        }
+        reply
+    }
+
+    /// After `e` on `conn`: a master found through the Sentinels that cannot be reached
+    /// may have been failed over, so the next request asks them again. (A fixed address's
+    /// manager connects there again by itself.)
+    fn lost(&self, conn: &Arc<Connection>, e: &RedisError) {
+        if matches!(self.0.target, Target::Sentinel(_))
+            && (e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal())
+        {
+            self.replace(conn, "the master could not be reached");
+        }
     }
 
     /// `count` replies of a pipeline from `offset`. A reply that says the node is a
@@ -157,13 +257,9 @@ impl Node {
         count: usize,
     ) -> RedisResult<Vec<Value>> {
         let conn = self.current();
+        let mut manager = self.manager(&conn).await?;
         let reply = self
-            .over(
-                &conn,
-                conn.manager
-                    .clone()
-                    .send_packed_commands(pipe, offset, count),
-            )
+            .over(&conn, manager.send_packed_commands(pipe, offset, count))
             .await;
         let refused = match &reply {
             Ok(values) => values.iter().any(is_replica_reply),
@@ -171,6 +267,8 @@ impl Node {
         };
         if refused {
             self.replace(&conn, "the node refused a write as a replica");
+        } else if let Err(e) = &reply {
+            self.lost(&conn, e);
         }
         reply
     }
@@ -191,7 +289,10 @@ impl ConnectionLike for Node {
     }
 
     fn get_db(&self) -> i64 {
-        self.0.client.get_connection_info().redis_settings().db()
+        match &self.0.target {
+            Target::Fixed(client) => client.get_connection_info().redis_settings().db(),
+            Target::Sentinel(sentinels) => sentinels.db(),
+        }
     }
 }
 
@@ -217,6 +318,21 @@ impl Drop for Waiting<'_> {
             self.node
                 .replace(self.conn, "no reply over the connection in time");
         }
+    }
+}
+
+/// Fails unless the node `manager` reaches says `ROLE` master: the Sentinels may name a
+/// master that was demoted since. A user not allowed `ROLE` takes the Sentinels' word.
+async fn check_master(manager: &mut ConnectionManager) -> RedisResult<()> {
+    let role: RedisResult<Vec<Value>> = redis::cmd("ROLE").query_async(manager).await;
+    match role {
+        Ok(role) if matches!(role.first(), Some(Value::BulkString(r)) if r == b"master") => Ok(()),
+        Ok(_) => Err(RedisError::from((
+            ErrorKind::Server(ServerErrorKind::ReadOnly),
+            "the node the Sentinels name as master is not one (yet)",
+        ))),
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) => Ok(()),
+        Err(e) => Err(e),
     }
 }
 
