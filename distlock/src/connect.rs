@@ -205,12 +205,13 @@ pub async fn setup(url: &str) -> Result<(), LockError> {
 
 /// The store `url` names, once its scheme is known, its store's feature is enabled and
 /// the checks every URL shares pass: it parses, and has a host where one is needed. An
-/// etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), which no URL parser
-/// reads as one authority: the etcd backend checks it whole.
+/// etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), and a Redis Sentinel
+/// URL its Sentinels, which no URL parser reads as one authority: their backends check
+/// them whole.
 fn checked(url: &str) -> Result<Scheme, LockError> {
     let written = url.trim().split_once("://").map(|(name, _)| name);
     let scheme = match written.and_then(Scheme::from_name) {
-        Some(scheme @ (Scheme::Etcd | Scheme::EtcdTls)) => scheme,
+        Some(scheme @ (Scheme::Etcd | Scheme::EtcdTls | Scheme::RedisSentinel)) => scheme,
         _ => {
             let parsed = parse(url)?;
             let scheme =
@@ -509,6 +510,25 @@ mod tests {
         assert!(Scheme::Memory.is_enabled());
         assert_eq!(Scheme::Etcd.is_enabled(), cfg!(feature = "etcd"));
         assert_eq!(Scheme::Postgres.to_string(), "postgres://");
+    }
+
+    /// A Sentinel URL lists several hosts, which no URL parser reads as one authority: it
+    /// reaches the Redis backend whole, which names what is wrong with it.
+    #[tokio::test]
+    async fn a_sentinel_url_reaches_the_redis_backend() {
+        assert_eq!(
+            Scheme::from_name("rediss+sentinel"),
+            Some(Scheme::RedisSentinel)
+        );
+        let checked = checked("redis+sentinel://127.0.0.1:1,127.0.0.1:2/locks");
+        if cfg!(feature = "redis") {
+            assert_eq!(checked.unwrap(), Scheme::RedisSentinel);
+            let message = error_of("redis+sentinel://:hunter2@127.0.0.1:1,127.0.0.1:2").await;
+            assert!(message.contains("names no master"), "{message}");
+            assert!(!message.contains("hunter2"), "{message}");
+        } else {
+            assert!(matches!(checked, Err(LockError::Config(m)) if m.contains("`redis`")));
+        }
     }
 
     #[test]

@@ -30,6 +30,13 @@ fn classify_connect(shown_url: &str, e: &RedisError) -> DriverFailure {
             ),
         );
     }
+    // Sentinels that monitor no master by the URL's name (see `conn/sentinel.rs`).
+    if let Some(unknown) = e
+        .detail()
+        .filter(|d| e.kind() == ErrorKind::InvalidClientConfig && d.contains("no master named"))
+    {
+        return DriverFailure::new(FailureKind::Config, format!("{shown_url}: {unknown}"));
+    }
     if let Some(tls) = crate::tls::tls_failure(e) {
         // An untrusted certificate or a TLS/plain mismatch does not go away by retrying.
         return DriverFailure::new(

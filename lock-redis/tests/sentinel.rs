@@ -72,6 +72,15 @@ async fn a_sentinel_url_locks_on_the_master_the_sentinels_name() {
         0,
         "nothing was sent to the replica"
     );
+    let unknown = deployment.url().replace("/locks", "/nosuch");
+    let built = RedisBackendBuilder::from_url(&unknown)
+        .unwrap()
+        .build()
+        .await;
+    assert!(
+        matches!(&built, Err(LockError::Config(m)) if m.contains("no master named `nosuch`")),
+        "{built:?}"
+    );
 }
 
 /// `SENTINEL FAILOVER`: the replica is promoted and the old master, still up, keeps

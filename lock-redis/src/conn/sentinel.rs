@@ -127,9 +127,12 @@ impl Sentinels {
             .await?;
         addr.ok_or_else(|| {
             RedisError::from((
-                ErrorKind::Client,
-                "the Sentinel monitors no master by that name",
-                self.master_name.clone(),
+                ErrorKind::InvalidClientConfig,
+                "unknown master name",
+                format!(
+                    "the Sentinels monitor no master named `{}`",
+                    self.master_name
+                ),
             ))
         })
     }
