@@ -910,16 +910,8 @@ fn resent<T>(first: RedisError, again: redis::RedisResult<T>) -> redis::RedisRes
 
 #[cfg(test)]
 mod tests {
-    use redis::Value;
-
     use super::*;
-    use crate::error::map_error;
-
-    fn server_error(reply: &str) -> RedisError {
-        redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
-            .and_then(Value::extract_error)
-            .expect_err("an error reply")
-    }
+    use crate::error::{map_error, server_error};
 
     /// Whatever stops the resend, the first send may have run: the acquire's outcome is
     /// unknown (so its caller cleans up), never `Unavailable`.

@@ -158,17 +158,17 @@ impl KindName for RedisError {
     }
 }
 
+/// The error a server's `-<reply>` makes, as a request would return it.
+#[cfg(test)]
+pub(crate) fn server_error(reply: &str) -> RedisError {
+    redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
+        .and_then(redis::Value::extract_error)
+        .expect_err("an error reply")
+}
+
 #[cfg(test)]
 mod tests {
-    use redis::Value;
-
     use super::*;
-
-    fn server_error(reply: &str) -> RedisError {
-        redis::parse_redis_value(format!("-{reply}\r\n").as_bytes())
-            .and_then(Value::extract_error)
-            .expect_err("an error reply")
-    }
 
     #[test]
     fn transient_server_refusals_are_retryable_unavailable() {
