@@ -427,33 +427,35 @@ impl Conn {
         Ok(())
     }
 
-    /// The `INFO server` text of the node, or of every master of a cluster. A node that
-    /// refuses `INFO` (an ACL rule, a renamed command) is left out.
-    pub(crate) async fn server_infos(&self) -> RedisResult<Vec<String>> {
+    /// The `INFO <section>` reply of the node, or of every master of a cluster with the
+    /// master's `host:port` (a master the client has no connection to is left out by the
+    /// client). A node's error reply (an ACL rule, a renamed command) is kept as its reply.
+    pub(crate) async fn infos(&self, section: &str) -> RedisResult<Vec<(Option<String>, Value)>> {
         let mut cmd = redis::cmd("INFO");
-        cmd.arg("server");
+        cmd.arg(section);
         let reply = match self {
-            Conn::Single(c) => c.clone().req_packed_command(&cmd).await?,
+            Conn::Single(c) => return Ok(vec![(None, c.clone().req_packed_command(&cmd).await?)]),
             Conn::Cluster(c, _) => {
-                c.clone()
-                    .route_command(
-                        cmd,
-                        RoutingInfo::MultiNode((
-                            redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
-                            None,
-                        )),
-                    )
-                    .await?
+                // No response policy: one reply per master, by its address.
+                let route = RoutingInfo::MultiNode((
+                    redis::cluster_routing::MultipleNodeRoutingInfo::AllMasters,
+                    None,
+                ));
+                c.clone().route_command(cmd, route).await?
             }
         };
-        let replies = match reply {
-            Value::Map(nodes) => nodes.into_iter().map(|(_, info)| info).collect(),
-            one => vec![one],
-        };
-        Ok(replies
-            .into_iter()
-            .filter_map(|info| String::from_redis_value(info).ok())
-            .collect())
+        Ok(match reply {
+            Value::Map(nodes) => nodes
+                .into_iter()
+                .map(|(node, info)| {
+                    (
+                        Some(String::from_redis_value(node).unwrap_or_default()),
+                        info,
+                    )
+                })
+                .collect(),
+            one => vec![(None, one)],
+        })
     }
 
     /// The cached slot map; asked for again (within `node_timeout`) when there is none or

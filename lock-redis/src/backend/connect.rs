@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use distlock_core::{BackendId, Capabilities, LockError};
 use parking_lot::Mutex;
-use redis::aio::{ConnectionLike, ConnectionManagerConfig};
+use redis::aio::ConnectionManagerConfig;
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
 use redis::{FromRedisValue, ProtocolVersion, RedisError, RedisResult, Value};
 use tracing::warn;
 
@@ -143,9 +142,13 @@ impl RedisBackend {
         )
         .await
         .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-        let infos = with_timeout(b.connect_timeout, conn.server_infos())
+        // A node that refuses `INFO` (an ACL rule, a renamed command) is left out.
+        let infos: Vec<String> = with_timeout(b.connect_timeout, conn.infos("server"))
             .await
-            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+            .map_err(|e| connect_error(&shown_urls.join(","), e))?
+            .into_iter()
+            .filter_map(|(_, info)| String::from_redis_value(info).ok())
+            .collect();
         for info in &infos {
             crate::version::check(info)
                 .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
@@ -432,29 +435,12 @@ pub(crate) fn tcp_settings() -> redis::io::tcp::TcpSettings {
 /// `INFO` rather than `CONFIG GET maxmemory-policy`: README's ACL user may run it, and
 /// managed services that rename or block `CONFIG` still answer it.
 async fn memory_infos(conn: &Conn, shown_url: &str) -> RedisResult<Vec<(String, Value)>> {
-    let mut cmd = redis::cmd("INFO");
-    cmd.arg("memory");
-    let reply = match conn {
-        Conn::Single(c) => {
-            return Ok(vec![(
-                shown_url.to_owned(),
-                c.clone().req_packed_command(&cmd).await?,
-            )]);
-        }
-        Conn::Cluster(c, _) => {
-            // No response policy: one reply per master, by its address (a master the
-            // client has no connection to is left out by the client).
-            let route = RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None));
-            c.clone().route_command(cmd, route).await?
-        }
-    };
-    let mut nodes: Vec<(String, Value)> = match reply {
-        Value::Map(nodes) => nodes
-            .into_iter()
-            .map(|(node, info)| (String::from_redis_value(node).unwrap_or_default(), info))
-            .collect(),
-        one => vec![(shown_url.to_owned(), one)],
-    };
+    let mut nodes: Vec<(String, Value)> = conn
+        .infos("memory")
+        .await?
+        .into_iter()
+        .map(|(node, info)| (node.unwrap_or_else(|| shown_url.to_owned()), info))
+        .collect();
     nodes.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(nodes)
 }
