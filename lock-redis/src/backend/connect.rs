@@ -18,7 +18,7 @@ use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
-use crate::conn::{ClusterState, Conn, Node, Sentinels, Target};
+use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at};
 use crate::error::{config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused};
 
@@ -330,19 +330,7 @@ fn sentinel_target(
     let master = parse_url(&sentinel.master_url)?;
     let mut clients = Vec::new();
     for (host, port) in sentinel.sentinels {
-        let addr = match master.addr() {
-            redis::ConnectionAddr::TcpTls {
-                insecure,
-                tls_params,
-                ..
-            } => redis::ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => redis::ConnectionAddr::Tcp(host, port),
-        };
+        let addr = addr_at(&master, host, port);
         let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
         if let Some((user, password)) = &b.sentinel_auth {
             settings = settings.set_password(password);

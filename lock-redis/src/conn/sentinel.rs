@@ -138,23 +138,30 @@ impl Sentinels {
     }
 
     fn client_at(&self, host: String, port: u16) -> RedisResult<redis::Client> {
-        let addr = match self.master.addr() {
-            ConnectionAddr::TcpTls {
-                insecure,
-                tls_params,
-                ..
-            } => ConnectionAddr::TcpTls {
-                host,
-                port,
-                insecure: *insecure,
-                tls_params: tls_params.clone(),
-            },
-            _ => ConnectionAddr::Tcp(host, port),
-        };
-        let info = self.master.clone().set_addr(addr);
+        let info = self
+            .master
+            .clone()
+            .set_addr(addr_at(&self.master, host, port));
         match self.certificates.clone() {
             Some(certificates) => redis::Client::build_with_tls(info, certificates),
             None => redis::Client::open(info),
         }
+    }
+}
+
+/// `host:port`, reached as `info`'s address is: with its TLS settings, if any.
+pub(crate) fn addr_at(info: &ConnectionInfo, host: String, port: u16) -> ConnectionAddr {
+    match info.addr() {
+        ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => ConnectionAddr::Tcp(host, port),
     }
 }
