@@ -5,9 +5,10 @@
 
 mod common;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
-use distlock_core::{LockBackend, LockError, LockKey, Release, Renewal};
+use distlock_core::{Lease, LockBackend, LockError, LockKey, Release, Renewal};
 use harness::redis::sentinel::{DOWN_AFTER, FAILOVER_TIMEOUT, MASTER_NAME};
 use harness::redis::{RedisServer, SentinelDeployment};
 use lock_redis::{RedisBackend, RedisBackendBuilder};
@@ -52,6 +53,21 @@ async fn replicated(server: &RedisServer) {
     );
 }
 
+/// A started deployment, a backend through its Sentinels, the master's address, and a
+/// lease held there whose key the replica has too.
+async fn held_on_the_master() -> (SentinelDeployment, RedisBackend, SocketAddr, Lease) {
+    let deployment = harness::require(SentinelDeployment::start().await);
+    let redis = backend(&deployment).await;
+    let master = harness::require(deployment.master_addr().await);
+    let held = redis
+        .acquire(&key("held"), TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    replicated(deployment.node(master).unwrap()).await;
+    (deployment, redis, master, held)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_url_locks_on_the_master_the_sentinels_name() {
     let deployment = harness::require(SentinelDeployment::start().await);
@@ -88,16 +104,9 @@ async fn a_sentinel_url_locks_on_the_master_the_sentinels_name() {
 /// new master when the Sentinels announce it, and sends the old one nothing more.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_switchover_is_followed_and_the_old_master_gets_nothing_more() {
-    let deployment = harness::require(SentinelDeployment::start().await);
-    let redis = std::sync::Arc::new(backend(&deployment).await);
-    let old_addr = harness::require(deployment.master_addr().await);
+    let (deployment, redis, old_addr, held) = held_on_the_master().await;
+    let redis = std::sync::Arc::new(redis);
     let old = deployment.node(old_addr).unwrap();
-    let held = redis
-        .acquire(&key("held"), TTL)
-        .await
-        .unwrap()
-        .expect("a free key");
-    replicated(old).await;
 
     // Renewals every 20 ms across the switchover, each (start, outcome) recorded.
     let renewals = tokio::spawn({
@@ -192,16 +201,8 @@ async fn a_switchover_is_followed_and_the_old_master_gets_nothing_more() {
 /// renewed there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_master_is_failed_over_and_followed() {
-    let deployment = harness::require(SentinelDeployment::start().await);
-    let redis = backend(&deployment).await;
-    let old_addr = harness::require(deployment.master_addr().await);
+    let (deployment, redis, old_addr, held) = held_on_the_master().await;
     let old = deployment.node(old_addr).unwrap();
-    let held = redis
-        .acquire(&key("held"), TTL)
-        .await
-        .unwrap()
-        .expect("a free key");
-    replicated(old).await;
 
     harness::require(old.kill());
     let killed = Instant::now();
