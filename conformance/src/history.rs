@@ -35,5 +35,5 @@ mod record;
 
 pub use check::{CheckOptions, Invariant, SemaphoreSpec, Violation, check};
 pub use counter::FencedCounter;
-pub use event::{Event, History, Op, Reply};
+pub use event::{Event, History, Op, Reply, timeline};
 pub use record::RecordingBackend;

@@ -230,14 +230,12 @@ impl History {
         self.events.lock().clone()
     }
 
-    /// Every event, one per line in completion order, with its times in µs from the first
-    /// invocation: what a failed check prints, so that the order the client saw can be
-    /// read against what the store did. Unfinished calls are listed as such. At most
-    /// `limit` lines; the rest are counted.
-    pub fn timeline(&self, limit: usize) -> String {
+    /// Every event, and every call made and not yet returned (a release spawned by a
+    /// dropped guard) as [`Reply::Unfinished`] completed now: what [`Self::check`] checks.
+    pub fn settled(&self) -> Vec<Event> {
         let mut events = self.events();
-        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
         let now = Instant::now();
+        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
         for draft in unfinished {
             let seq = events.len() as u64;
             events.push(
@@ -248,29 +246,7 @@ impl History {
                 .into_event(seq, now),
             );
         }
-        let Some(start) = events.iter().map(|e| e.invoked).min() else {
-            return "    (no events)".to_owned();
-        };
-        let at = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e6;
-        let mut out: Vec<String> = events
-            .iter()
-            .take(limit)
-            .map(|e| {
-                let valid = e
-                    .valid_until
-                    .map(|v| format!(" valid until {:.1}", at(v)))
-                    .unwrap_or_default();
-                format!(
-                    "    [{:.1} .. {:.1} µs] {e}{valid}",
-                    at(e.invoked),
-                    at(e.completed)
-                )
-            })
-            .collect();
-        if events.len() > limit {
-            out.push(format!("    ... and {} more", events.len() - limit));
-        }
-        out.join("\n")
+        events
     }
 
     /// How many events were recorded.
@@ -293,24 +269,39 @@ impl History {
             .collect()
     }
 
-    /// Checks every invariant; see [`check`]. Calls made and not yet returned (a release
-    /// spawned by a dropped guard) are checked too, as [`Reply::Unfinished`].
+    /// Checks every invariant of the [settled](Self::settled) history; see [`check`].
     pub fn check(&self, options: &CheckOptions) -> Vec<Violation> {
-        let mut events = self.events();
-        let now = Instant::now();
-        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
-        for draft in unfinished {
-            let seq = events.len() as u64;
-            events.push(
-                Draft {
-                    reply: Reply::Unfinished,
-                    ..draft
-                }
-                .into_event(seq, now),
-            );
-        }
-        check(&events, options)
+        check(&self.settled(), options)
     }
+}
+
+/// `events`, one per line in their order, with their times in µs from the first
+/// invocation: what a failed check prints, so that the order the client saw can be read
+/// against what the store did. At most `limit` lines; the rest are counted.
+pub fn timeline(events: &[Event], limit: usize) -> String {
+    let Some(start) = events.iter().map(|e| e.invoked).min() else {
+        return "    (no events)".to_owned();
+    };
+    let at = |t: Instant| t.saturating_duration_since(start).as_secs_f64() * 1e6;
+    let mut out: Vec<String> = events
+        .iter()
+        .take(limit)
+        .map(|e| {
+            let valid = e
+                .valid_until
+                .map(|v| format!(" valid until {:.1}", at(v)))
+                .unwrap_or_default();
+            format!(
+                "    [{:.1} .. {:.1} µs] {e}{valid}",
+                at(e.invoked),
+                at(e.completed)
+            )
+        })
+        .collect();
+    if events.len() > limit {
+        out.push(format!("    ... and {} more", events.len() - limit));
+    }
+    out.join("\n")
 }
 
 #[cfg(test)]
@@ -343,14 +334,14 @@ mod tests {
             valid_until: None,
             reply: Reply::Released,
         });
-        let timeline = history.timeline(10);
-        let lines: Vec<&str> = timeline.lines().collect();
-        assert_eq!(lines.len(), 2, "{timeline}");
+        let listed = timeline(&history.settled(), 10);
+        let lines: Vec<&str> = listed.lines().collect();
+        assert_eq!(lines.len(), 2, "{listed}");
         assert!(lines[0].contains("[0.0 .. ") && lines[0].contains("acquire \"k\" token 7"));
-        assert!(lines[0].contains("valid until 1000000.0"), "{timeline}");
+        assert!(lines[0].contains("valid until 1000000.0"), "{listed}");
         assert!(lines[1].contains("[2000.0 .. ") && lines[1].contains("Unfinished"));
         assert_eq!(
-            history.timeline(1).lines().last(),
+            timeline(&history.settled(), 1).lines().last(),
             Some("    ... and 1 more")
         );
     }

@@ -13,6 +13,7 @@ use super::{Failure, Outcome, Timing};
 use crate::factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
     CheckOptions, FencedCounter, History, Invariant, RecordingBackend, SemaphoreSpec, Violation,
+    check, timeline,
 };
 
 /// The context of one case run: unique keys, recorded clients, checks and failures.
@@ -264,11 +265,13 @@ impl<'f> Ctx<'f> {
     /// Checks the history against I1–I6.
     pub fn check_history(&self, timing: &Timing) -> Result<(), Failure> {
         let _ = self.expiry_slack.set(timing.expiry_slack);
-        let violations = self.history.check(&CheckOptions {
-            faults: self.faults,
+        // One snapshot: the history printed is the one checked.
+        let events = self.history.settled();
+        let options = CheckOptions {
             expiry_slack: timing.expiry_slack,
-            semaphores: self.semaphores.lock().clone(),
-        });
+            ..self.check_options()
+        };
+        let violations = check(&events, &options);
         if violations.is_empty() {
             return Ok(());
         }
@@ -278,7 +281,7 @@ impl<'f> Ctx<'f> {
                 "{} violation(s):\n{}\n  the history (µs from the first call):\n{}",
                 violations.len(),
                 listing(&violations),
-                self.history.timeline(HISTORY_SHOWN)
+                timeline(&events, HISTORY_SHOWN)
             ),
             &violations,
         ))
