@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod backend;
+pub mod chore;
 mod election;
 mod env;
 mod error;
