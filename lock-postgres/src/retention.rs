@@ -8,17 +8,16 @@
 //! after the clock was stepped back by less than the retention.
 //!
 //! Sweeps run in the background, started by an acquire at most once per
-//! [`Sweeper::every`], one batch of names after another in key order (each batch its own
+//! [`sweep_interval`] (a [`Periodic`] chore), one batch of names after another in key order (each batch its own
 //! statement, so concurrent acquires on a name wait for at most one batch), and one at a
 //! time across every process sharing the schema (a transaction-level advisory lock, which
 //! a sweep that finds it taken skips).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use distlock_core::chore::{Periodic, sweep_interval};
 use sqlx::Row;
-use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::client::{PgClient, with_clock};
@@ -101,11 +100,7 @@ struct Inner {
     table: Table,
     sql: Arc<str>,
     retention: Duration,
-    every: Duration,
-    /// Milliseconds after `epoch` at which the next sweep may start.
-    next_due_ms: AtomicU64,
-    epoch: Instant,
-    running: AtomicBool,
+    sweeps: Periodic,
 }
 
 impl Sweeper {
@@ -116,41 +111,20 @@ impl Sweeper {
                 table,
                 sql: statement(&client.schema, table),
                 retention: client.token_retention,
-                every: Self::every(client.token_retention),
-                next_due_ms: AtomicU64::new(0),
-                epoch: Instant::now(),
-                running: AtomicBool::new(false),
+                sweeps: Periodic::new(sweep_interval(client.token_retention)),
             }),
         }
-    }
-
-    /// How often a process sweeps: a 24th of the retention, between 1 s and 1 h, so a free
-    /// row is gone at most that long after its retention ran out.
-    pub(crate) fn every(retention: Duration) -> Duration {
-        (retention / 24).clamp(Duration::from_secs(1), Duration::from_secs(3600))
     }
 
     /// Starts a sweep on `client` in the background if one is due and none is running
     /// in this process. Costs an atomic load when none is due; does nothing outside a
     /// tokio runtime.
     pub(crate) fn poke(&self, client: &PgClient) {
-        let inner = &self.inner;
-        let now_ms = u64::try_from(inner.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if now_ms < inner.next_due_ms.load(Ordering::Relaxed) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Some(turn) = self.inner.sweeps.due() else {
             return;
         };
-        if inner.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let every_ms = u64::try_from(inner.every.as_millis()).unwrap_or(u64::MAX);
-        inner
-            .next_due_ms
-            .store(now_ms.saturating_add(every_ms), Ordering::Relaxed);
-        let (inner, client) = (Arc::clone(inner), client.clone());
-        runtime.spawn(async move {
+        let (inner, client) = (Arc::clone(&self.inner), client.clone());
+        turn.spawn(async move {
             match sweep(&client, &inner).await {
                 Ok(0) => {}
                 Ok(deleted) => debug!(
@@ -161,10 +135,9 @@ impl Sweeper {
                     backend = inner.backend,
                     error = %e,
                     "sweeping free token rows failed; the next acquire after {:?} tries again",
-                    inner.every
+                    inner.sweeps.every()
                 ),
             }
-            inner.running.store(false, Ordering::Release);
         });
     }
 }
@@ -213,19 +186,5 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::L
             Some(last) if scanned == BATCH => after = last,
             _ => return Ok(deleted),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sweeps_run_a_24th_of_the_retention_apart_between_a_second_and_an_hour() {
-        let s = Duration::from_secs;
-        assert_eq!(Sweeper::every(DEFAULT_TOKEN_RETENTION), s(3600));
-        assert_eq!(Sweeper::every(MAX_TOKEN_RETENTION), s(3600));
-        assert_eq!(Sweeper::every(s(48 * 60)), s(120));
-        assert_eq!(Sweeper::every(MIN_TOKEN_RETENTION), s(1));
     }
 }

@@ -20,8 +20,8 @@
 //!
 //! # Who sweeps, and when
 //!
-//! Acquires start a sweep in the background, at most once per [`Sweeper::every`] in a
-//! process (a 24th of the retention, between 1 s and 1 h). Across the processes sharing a
+//! Acquires start a sweep in the background, at most once per [`sweep_interval`] in a
+//! process (a 24th of the retention, between 1 s and 1 h; a [`Periodic`] chore). Across the processes sharing a
 //! prefix, `<prefix>/sweeps/tokens` holds the instant the next sweep is due: a process
 //! sweeps only when that instant has passed (or lies more than an interval ahead of its
 //! clock, as a client whose clock ran ahead would have written it) and its transaction
@@ -71,13 +71,12 @@
 //! etcd's lessor for the retention; a lease shared by the names of an interval deletes all
 //! of them in one raft entry when it expires. What was measured is in docs/DESIGN.md.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use distlock_core::LockError;
+use distlock_core::chore::{Periodic, sweep_interval};
 use etcd_client::{Compare, CompareOp, GetOptions, KeyValue, Txn, TxnOp, TxnOpResponse};
-use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{EtcdBackend, Inner};
@@ -105,31 +104,18 @@ const GROUP: usize = 64;
 /// and the deletion; the names left go at the next sweep.
 const TRANSACTIONS_PER_GROUP: usize = 3;
 
-/// When this process may next sweep, and whether it is sweeping.
+/// The retention, and when this process may next sweep.
 pub(crate) struct Sweeper {
     retention: Duration,
-    every: Duration,
-    /// Milliseconds after `epoch` at which this process may next look whether a sweep is
-    /// due.
-    next_due_ms: AtomicU64,
-    epoch: Instant,
-    running: AtomicBool,
+    sweeps: Periodic,
 }
 
 impl Sweeper {
     pub(crate) fn new(retention: Duration) -> Self {
         Self {
             retention,
-            every: Self::every(retention),
-            next_due_ms: AtomicU64::new(0),
-            epoch: Instant::now(),
-            running: AtomicBool::new(false),
+            sweeps: Periodic::new(sweep_interval(retention)),
         }
-    }
-
-    /// How often a sweep runs: a 24th of the retention, between 1 s and 1 h.
-    pub(crate) fn every(retention: Duration) -> Duration {
-        (retention / 24).clamp(Duration::from_secs(1), Duration::from_secs(3600))
     }
 
     pub(crate) fn retention(&self) -> Duration {
@@ -160,23 +146,11 @@ impl EtcdBackend {
     /// not sweeping already. Costs an atomic load when it has not; does nothing outside a
     /// tokio runtime.
     pub(super) fn poke_sweeper(&self) {
-        let sweeper = &self.inner.sweeper;
-        let now_ms = u64::try_from(sweeper.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
-        if now_ms < sweeper.next_due_ms.load(Ordering::Relaxed) {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        let Some(turn) = self.inner.sweeper.sweeps.due() else {
             return;
         };
-        if sweeper.running.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        let every_ms = u64::try_from(sweeper.every.as_millis()).unwrap_or(u64::MAX);
-        sweeper
-            .next_due_ms
-            .store(now_ms.saturating_add(every_ms), Ordering::Relaxed);
         let inner = Arc::downgrade(&self.inner);
-        runtime.spawn(async move {
+        turn.spawn(async move {
             let outcome = sweep(&inner).await;
             let Some(backend) = upgrade(&inner) else {
                 return;
@@ -193,14 +167,9 @@ impl EtcdBackend {
                     error = %e,
                     "sweeping the token keys of free names failed; the next acquire after {:?} \
                      tries again",
-                    backend.inner.sweeper.every
+                    backend.inner.sweeper.sweeps.every()
                 ),
             }
-            backend
-                .inner
-                .sweeper
-                .running
-                .store(false, Ordering::Release);
         });
     }
 
@@ -220,7 +189,8 @@ impl EtcdBackend {
             })
             .await?;
         let now = clock_us();
-        let every = u64::try_from(self.inner.sweeper.every.as_micros()).unwrap_or(u64::MAX);
+        let every =
+            u64::try_from(self.inner.sweeper.sweeps.every().as_micros()).unwrap_or(u64::MAX);
         let current = read.kvs().first();
         let due = current.and_then(|kv| std::str::from_utf8(kv.value()).ok()?.parse::<u64>().ok());
         if due.is_some_and(|due| due > now && due - now <= every) {
@@ -553,15 +523,6 @@ mod tests {
             .collect();
         kept.extend(nested_keys);
         assert_eq!(left, kept);
-    }
-
-    #[test]
-    fn sweeps_run_a_24th_of_the_retention_apart_between_a_second_and_an_hour() {
-        let s = Duration::from_secs;
-        assert_eq!(Sweeper::every(DEFAULT_TOKEN_RETENTION), s(3600));
-        assert_eq!(Sweeper::every(MAX_TOKEN_RETENTION), s(3600));
-        assert_eq!(Sweeper::every(s(48 * 60)), s(120));
-        assert_eq!(Sweeper::every(MIN_TOKEN_RETENTION), s(1));
     }
 
     #[test]
