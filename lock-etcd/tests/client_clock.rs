@@ -5,41 +5,8 @@
 
 mod common;
 
-use std::sync::Arc;
-
-use async_trait::async_trait;
-use conformance::factory::{ClockFaults, Factory, LinkFaults};
 use conformance::suite::macro_support::run_case;
-use distlock_core::LockBackend;
 use harness::ShiftedClock;
-
-/// [`common::EtcdFactory`] whose clients run under `clock`: this process's.
-struct UnderClientClock {
-    inner: common::EtcdFactory,
-    clock: Arc<ShiftedClock>,
-}
-
-#[async_trait]
-impl Factory for UnderClientClock {
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-
-    async fn backend(&self) -> Arc<dyn LockBackend> {
-        self.inner.backend().await
-    }
-
-    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
-        self.inner.link()
-    }
-
-    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
-        // What the clients read: this process's wall clock.
-        let probe: suite_faults::ClockProbe =
-            Box::new(|| Box::pin(async { std::time::SystemTime::now() }));
-        Some(suite_faults::clock(self.clock.clone(), vec![probe]))
-    }
-}
 
 #[test]
 fn tokens_keep_rising_across_a_clock_step_of_the_clients() {
@@ -53,9 +20,10 @@ fn tokens_keep_rising_across_a_clock_step_of_the_clients() {
         return;
     };
     run_case("tokens_keep_rising_across_a_clock_step", async {
-        UnderClientClock {
-            inner: common::EtcdFactory::single().await,
-            clock: Arc::new(clock),
-        }
+        common::EtcdFactory::single()
+            .await
+            .with_client_clock(clock)
+            .with_fenced_resource()
+            .await
     });
 }

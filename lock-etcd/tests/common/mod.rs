@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use conformance::factory::WithFencedResource;
-use conformance::{Factory, LinkFaults, ServerFaults};
+use conformance::{ClockFaults, Factory, LinkFaults, ServerFaults};
 use distlock_core::{EnforcementMode, LockBackend, LockError};
 use harness::etcd::{EtcdCluster, EtcdServer};
 use harness::proxy::FaultProxy;
@@ -82,6 +82,8 @@ pub struct EtcdFactory {
     proxies: Arc<ProxyGroup>,
     request_timeout: Duration,
     private: bool,
+    /// The wall clock this process, and so its clients, runs under, when a test steps it.
+    clock: Option<Arc<harness::ShiftedClock>>,
 }
 
 impl EtcdFactory {
@@ -126,11 +128,19 @@ impl EtcdFactory {
             proxies: Arc::new(ProxyGroup::new(proxies)),
             request_timeout: SUITE_REQUEST_TIMEOUT,
             private: false,
+            clock: None,
         }
     }
 
     fn owned(mut self) -> Self {
         self.private = true;
+        self
+    }
+
+    /// Steps `clock`, the wall clock of this process (run under it with
+    /// [`harness::rerun_under`]), as the clients' clock: the one etcd's tokens may read.
+    pub fn with_client_clock(mut self, clock: harness::ShiftedClock) -> Self {
+        self.clock = Some(Arc::new(clock));
         self
     }
 
@@ -208,6 +218,13 @@ impl Factory for EtcdFactory {
 
     fn link(&self) -> Option<Arc<dyn LinkFaults>> {
         Some(self.proxies.clone())
+    }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        // What the clients read: this process's wall clock.
+        let probe: suite_faults::ClockProbe =
+            Box::new(|| Box::pin(async { std::time::SystemTime::now() }));
+        Some(suite_faults::clock(self.clock.clone()?, vec![probe]))
     }
 
     fn server(&self) -> Option<Arc<dyn ServerFaults>> {
