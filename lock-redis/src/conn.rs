@@ -16,7 +16,7 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 pub(crate) use self::node::{Node, Target};
-pub(crate) use self::sentinel::{Sentinels, addr_at};
+pub(crate) use self::sentinel::{Sentinels, addr_at, client};
 use crate::scripts::Lua;
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;

@@ -18,7 +18,7 @@ use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
-use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at};
+use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client};
 use crate::error::{config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused};
 
@@ -65,13 +65,8 @@ impl RedisBackend {
             // heard on any of them (before Redis 7.0, which has shard channels).
             for node in &nodes {
                 listen_on.push(
-                    match certificates.clone() {
-                        Some(certificates) => {
-                            redis::Client::build_with_tls(node.clone(), certificates)
-                        }
-                        None => redis::Client::open(node.clone()),
-                    }
-                    .map_err(|e| config_error(&shown_urls.join(","), &e))?,
+                    client(node.clone(), certificates.clone())
+                        .map_err(|e| config_error(&shown_urls.join(","), &e))?,
                 );
             }
             let shown = shown_urls.join(",");
@@ -100,11 +95,8 @@ impl RedisBackend {
                 }
                 None => {
                     let info = parse_url(&b.urls[0])?;
-                    let client = match certificates.clone() {
-                        Some(certificates) => redis::Client::build_with_tls(info, certificates),
-                        None => redis::Client::open(info),
-                    }
-                    .map_err(|e| config_error(&shown_urls[0], &e))?;
+                    let client = client(info, certificates.clone())
+                        .map_err(|e| config_error(&shown_urls[0], &e))?;
                     listen_on.push(client.clone());
                     Target::Fixed(Box::new(client))
                 }
@@ -339,11 +331,7 @@ fn sentinel_target(
             }
         }
         let info = master.clone().set_addr(addr).set_redis_settings(settings);
-        let client = match certificates.clone() {
-            Some(certificates) => redis::Client::build_with_tls(info, certificates),
-            None => redis::Client::open(info),
-        };
-        clients.push(client.map_err(|e| config_error(shown_url, &e))?);
+        clients.push(client(info, certificates.clone()).map_err(|e| config_error(shown_url, &e))?);
     }
     Ok(Arc::new(Sentinels::new(
         clients,

@@ -142,10 +142,18 @@ impl Sentinels {
             .master
             .clone()
             .set_addr(addr_at(&self.master, host, port));
-        match self.certificates.clone() {
-            Some(certificates) => redis::Client::build_with_tls(info, certificates),
-            None => redis::Client::open(info),
-        }
+        client(info, self.certificates.clone())
+    }
+}
+
+/// A client of `info`, trusting `certificates` (the backend's root CA) for TLS if given.
+pub(crate) fn client(
+    info: ConnectionInfo,
+    certificates: Option<redis::TlsCertificates>,
+) -> RedisResult<redis::Client> {
+    match certificates {
+        Some(certificates) => redis::Client::build_with_tls(info, certificates),
+        None => redis::Client::open(info),
     }
 }
 
