@@ -116,11 +116,7 @@ impl RedisSentinel {
         let reply = self
             .command(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", MASTER_NAME])
             .await?;
-        let parts: Vec<String> = match &reply {
-            RespValue::Array(Some(items)) => items.iter().filter_map(RespValue::as_text).collect(),
-            _ => Vec::new(),
-        };
-        parts
+        texts(&reply)
             .join(":")
             .parse()
             .map_err(|_| HarnessError::io("reading the master's address", bad_reply(&reply)))
@@ -129,15 +125,20 @@ impl RedisSentinel {
     /// A field of `SENTINEL MASTER` (`num-other-sentinels`, `num-slaves`, `flags`...).
     pub async fn master_field(&self, field: &str) -> Result<String, HarnessError> {
         let reply = self.command(&["SENTINEL", "MASTER", MASTER_NAME]).await?;
-        let fields: Vec<String> = match &reply {
-            RespValue::Array(Some(items)) => items.iter().filter_map(RespValue::as_text).collect(),
-            _ => Vec::new(),
-        };
+        let fields = texts(&reply);
         fields
             .iter()
             .position(|f| f == field)
             .and_then(|i| fields.get(i + 1).cloned())
             .ok_or_else(|| HarnessError::io(format!("reading {field}"), bad_reply(&reply)))
+    }
+}
+
+/// The text items of an array reply; none for any other reply.
+fn texts(reply: &RespValue) -> Vec<String> {
+    match reply {
+        RespValue::Array(Some(items)) => items.iter().filter_map(RespValue::as_text).collect(),
+        _ => Vec::new(),
     }
 }
 
