@@ -42,9 +42,20 @@ impl Deref for Lua {
     }
 }
 
+/// The source of `src/scripts/<name>`, after `token.lua`: the one place that says how a
+/// token is issued and the clock read (Lua scripts share no code on the server).
+macro_rules! with_tokens {
+    ($name:literal) => {
+        concat!(
+            include_str!("scripts/token.lua"),
+            include_str!(concat!("scripts/", $name))
+        )
+    };
+}
+
 /// `SET NX PX` of `<owner id>:<token>`, the token one above the high-water key (raised to
 /// it) or the server's µs clock when that is higher.
-pub(crate) static ACQUIRE_SCRIPT: Lua = Lua::resendable(include_str!("scripts/acquire.lua"));
+pub(crate) static ACQUIRE_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire.lua"));
 /// Owner-checked `PEXPIRE` (the owner id is unique per acquisition).
 pub(crate) static RENEW_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew.lua"));
 /// Owner-checked `DEL`, and `PUBLISH` (or `SPUBLISH`) to waiters (best effort). A release
@@ -53,7 +64,7 @@ pub(crate) static RELEASE_SCRIPT: Lua = Lua::once(include_str!("scripts/release.
 /// Owner-checked `DEL` for an acquire whose reply was lost.
 pub(crate) static ABANDON_SCRIPT: Lua = Lua::resendable(include_str!("scripts/abandon.lua"));
 /// Owner and token check; a stale lease learns the holder's token or the clock.
-pub(crate) static FENCE_SCRIPT: Lua = Lua::resendable(include_str!("scripts/fence.lua"));
+pub(crate) static FENCE_SCRIPT: Lua = Lua::resendable(with_tokens!("fence.lua"));
 /// Highest admitted token of a fenced resource (check only: one that meets a newer token
 /// is stale by then).
 pub(crate) static ADMIT_SCRIPT: Lua = Lua::resendable(include_str!("scripts/admit.lua"));
@@ -62,11 +73,9 @@ pub(crate) static ADMIT_SCRIPT: Lua = Lua::resendable(include_str!("scripts/admi
 /// a write that landed.
 pub(crate) static ADMIT_WRITE_SCRIPT: Lua = Lua::once(include_str!("scripts/admit_write.lua"));
 /// [`ACQUIRE_SCRIPT`] for many locks of one hash slot: one call, one reply per lock.
-pub(crate) static ACQUIRE_MANY_SCRIPT: Lua =
-    Lua::resendable(include_str!("scripts/acquire_many.lua"));
+pub(crate) static ACQUIRE_MANY_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire_many.lua"));
 /// One free lock of several (a semaphore's permit slots), as [`ACQUIRE_SCRIPT`] takes one.
-pub(crate) static ACQUIRE_ANY_SCRIPT: Lua =
-    Lua::resendable(include_str!("scripts/acquire_any.lua"));
+pub(crate) static ACQUIRE_ANY_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire_any.lua"));
 /// [`RENEW_SCRIPT`] for many leases of one hash slot.
 pub(crate) static RENEW_MANY_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew_many.lua"));
 /// [`RELEASE_SCRIPT`] for many leases of one hash slot.

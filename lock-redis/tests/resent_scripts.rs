@@ -13,9 +13,19 @@ use harness::{proxy::FaultProxy, redis::RespValue};
 use lock_redis::RedisBackend;
 use tokio::time::Instant;
 
-const ACQUIRE: &str = include_str!("../src/scripts/acquire.lua");
-const ACQUIRE_MANY: &str = include_str!("../src/scripts/acquire_many.lua");
-const ACQUIRE_ANY: &str = include_str!("../src/scripts/acquire_any.lua");
+/// The scripts as the backend sends them: `token.lua` first.
+const ACQUIRE: &str = concat!(
+    include_str!("../src/scripts/token.lua"),
+    include_str!("../src/scripts/acquire.lua")
+);
+const ACQUIRE_MANY: &str = concat!(
+    include_str!("../src/scripts/token.lua"),
+    include_str!("../src/scripts/acquire_many.lua")
+);
+const ACQUIRE_ANY: &str = concat!(
+    include_str!("../src/scripts/token.lua"),
+    include_str!("../src/scripts/acquire_any.lua")
+);
 const TTL: Duration = Duration::from_secs(10);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

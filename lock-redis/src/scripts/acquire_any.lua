@@ -25,16 +25,7 @@ if ARGV[4] == 'R' then
     end
   end
 end
-local now = redis.call('TIME')
-local token = now[2]
-if #token < 6 then
-  token = string.sub('00000' .. token, -6)
-end
-token = now[1] .. token
-local high = redis.call('GET', KEYS[n + 1])
-if high and (#high > #token or (#high == #token and high >= token)) and tonumber(high) then
-  token = string.format('%.0f', tonumber(high) + 1)
-end
+local token = next_token(KEYS[n + 1])
 local mark = ARGV[3] == '1' and ':w' or ''
 for i = 1, n do
   if redis.call('SET', KEYS[i], ARGV[1] .. ':' .. token .. mark, 'NX', 'PX', ARGV[2]) then

@@ -9,16 +9,7 @@
 -- Returns one entry per lock: its new token (the current one when it already holds this
 -- owner id), or nil when it is held by someone else.
 local n = #KEYS - 1
-local now = redis.call('TIME')
-local token = now[2]
-if #token < 6 then
-  token = string.sub('00000' .. token, -6)
-end
-token = now[1] .. token
-local high = redis.call('GET', KEYS[n + 1])
-if high and (#high > #token or (#high == #token and high >= token)) and tonumber(high) then
-  token = string.format('%.0f', tonumber(high) + 1)
-end
+local token = next_token(KEYS[n + 1])
 local marks = ARGV[2 * n + 1]
 local granted = false
 local out = {}
