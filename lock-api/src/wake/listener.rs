@@ -16,12 +16,15 @@
 //!   afresh. Releases in between are not heard: a follower wakes a waiter of each key it
 //!   subscribes to, which then looks at the store again.
 //! * **Refusal.** A store that refuses this user's subscriptions ends the listener for
-//!   good ([`Followed::Refused`]); waiters poll.
+//!   good ([`Followed::Refused`]): it is never started again in this process (one refusal,
+//!   however many waiters come later), [`ReleaseListener::watch`] returns `None` from then
+//!   on and waiters poll; [`ReleaseListener::refused`] says so to the backend.
 //! * **Lifetime.** The task holds no reference to the backend: it ends once the listener,
 //!   which the backend's last clone owns, is dropped.
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -116,6 +119,9 @@ pub struct ReleaseListener<F> {
     follower: Arc<F>,
     releases: Arc<Releases>,
     task: Background,
+    /// Set by the task when the store refused this user's subscriptions: the listener
+    /// ended for good and is not started again.
+    refused: Arc<AtomicBool>,
     /// Dropped with the listener, which ends the task.
     stop: watch::Sender<()>,
 }
@@ -140,6 +146,7 @@ impl<F: FollowReleases> ReleaseListener<F> {
                 changed,
             }),
             task: Background::default(),
+            refused: Arc::new(AtomicBool::new(false)),
             stop: watch::channel(()).0,
         }
     }
@@ -150,7 +157,8 @@ impl<F: FollowReleases> ReleaseListener<F> {
     }
 
     /// Starts watching `key`, and the listener if it does not run. `None` outside a tokio
-    /// runtime, where no listener can run (callers poll).
+    /// runtime, where no listener can run, and once the store refused the listener
+    /// ([`Self::refused`]): callers poll.
     pub fn watch(&self, key: &LockKey) -> Option<ReleaseWatch> {
         self.ensure_running().then(|| self.releases.hub.watch(key))
     }
@@ -165,24 +173,41 @@ impl<F: FollowReleases> ReleaseListener<F> {
         self.releases.hub.watched_keys()
     }
 
+    /// Whether the store refused this user's subscriptions ([`Followed::Refused`]): the
+    /// listener ended for good, no release is heard, and [`Self::watch`] returns `None`.
+    pub fn refused(&self) -> bool {
+        self.refused.load(Ordering::Acquire)
+    }
+
     /// The listener's task, once one was started: to see it end.
     pub fn task(&self) -> Option<AbortHandle> {
         self.task.abort_handle()
     }
 
     fn ensure_running(&self) -> bool {
+        if self.refused() {
+            return false;
+        }
         let (follower, releases, stop) = (&self.follower, &self.releases, &self.stop);
-        self.task
-            .ensure_running(|| listen(follower.clone(), releases.clone(), stop.subscribe()))
+        self.task.ensure_running(|| {
+            let refused = self.refused.clone();
+            listen(
+                follower.clone(),
+                releases.clone(),
+                stop.subscribe(),
+                refused,
+            )
+        })
     }
 }
 
 /// Follows the store, again whenever a connection is lost, until the listener is dropped
-/// or the store refuses.
+/// or the store refuses (which sets `refused`, before the task ends).
 async fn listen<F: FollowReleases>(
     follower: Arc<F>,
     releases: Arc<Releases>,
     mut stop: watch::Receiver<()>,
+    refused: Arc<AtomicBool>,
 ) {
     let mut pause = F::FIRST_PAUSE;
     for attempt in 0.. {
@@ -192,7 +217,10 @@ async fn listen<F: FollowReleases>(
             followed = follower.follow(&releases, attempt) => followed,
         };
         match followed {
-            Followed::Refused => return,
+            Followed::Refused => {
+                refused.store(true, Ordering::Release);
+                return;
+            }
             Followed::Lost => pause = F::FIRST_PAUSE,
             Followed::Failed => {}
         }
@@ -223,15 +251,27 @@ mod tests {
         }
     }
 
-    /// Refused at once.
-    struct Refusing;
+    /// Refused at once, counting its attempts.
+    #[derive(Default)]
+    struct Refusing(AtomicUsize);
 
     #[async_trait]
     impl FollowReleases for Refusing {
         const FIRST_PAUSE: Duration = Duration::from_millis(100);
         async fn follow(&self, _: &Releases, _: usize) -> Followed {
+            self.0.fetch_add(1, Ordering::SeqCst);
             Followed::Refused
         }
+    }
+
+    async fn ended(task: &AbortHandle) {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !task.is_finished() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("the task ends");
     }
 
     fn key(name: &str) -> LockKey {
@@ -249,16 +289,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_listener_ends_and_a_dropped_one_stops() {
-        let refused = ReleaseListener::new(Refusing);
+        let refused = ReleaseListener::new(Refusing::default());
         let _watch = refused.watch(&key("k")).expect("a runtime runs");
-        let task = refused.task().expect("the first watch starts it");
-        tokio::time::timeout(Duration::from_secs(5), async {
-            while !task.is_finished() {
-                tokio::task::yield_now().await;
-            }
-        })
-        .await
-        .expect("a refused listener ends");
+        ended(&refused.task().expect("the first watch starts it")).await;
 
         let dropped = ReleaseListener::new(Unreachable::default());
         drop(dropped.watch(&key("k")));
@@ -273,16 +306,38 @@ mod tests {
         .expect("the task ends with its listener");
     }
 
+    #[tokio::test]
+    async fn a_refused_listener_is_not_started_again_by_later_watches() {
+        let listener = ReleaseListener::new(Refusing::default());
+        assert!(!listener.refused());
+        let first = listener.watch(&key("k")).expect("a runtime runs");
+        ended(&listener.task().expect("the first watch starts it")).await;
+        assert!(listener.refused());
+        drop(first);
+        for i in 0..20 {
+            assert!(
+                listener.watch(&key(&format!("k{i}"))).is_none(),
+                "watch {i} after the refusal: callers poll"
+            );
+        }
+        tokio::task::yield_now().await;
+        assert_eq!(
+            listener.follower().0.load(Ordering::SeqCst),
+            1,
+            "the store was asked once"
+        );
+    }
+
     #[test]
     fn outside_a_runtime_nothing_is_watched() {
-        let listener = ReleaseListener::new(Refusing);
+        let listener = ReleaseListener::new(Refusing::default());
         assert!(listener.watch(&key("k")).is_none());
         assert!(listener.task().is_none());
     }
 
     #[tokio::test]
     async fn a_change_of_the_watched_keys_reaches_the_follower() {
-        let listener = ReleaseListener::new(Refusing);
+        let listener = ReleaseListener::new(Refusing::default());
         let watch = listener.watch(&key("k")).expect("a runtime runs");
         tokio::time::timeout(Duration::from_secs(1), listener.releases.changed())
             .await
