@@ -40,7 +40,7 @@ use tokio::sync::{Notify, watch};
 use tracing::debug;
 
 use crate::PgPooling;
-use crate::statement::{Statement, Value};
+use crate::statement::{Sending, Statement, Value};
 
 /// The `application_name` of the announcer's session.
 pub const ANNOUNCER_APPLICATION_NAME: &str = "distlock-announcer";
@@ -152,7 +152,13 @@ impl Shared {
         let sent = Statement::new(&self.announce)
             .bind(Value::Text(&self.channel))
             .bind(Value::Texts(names.iter().map(String::as_str).collect()))
-            .execute(self.pooling, c);
+            .execute(
+                Sending {
+                    pooling: self.pooling,
+                    limit: self.request_timeout,
+                },
+                c,
+            );
         tokio::time::timeout(self.request_timeout, sent)
             .await
             .map_err(|_| "no reply in time".to_owned())?

@@ -12,6 +12,7 @@ use uuid::Uuid;
 use crate::PgPooling;
 use crate::error::{self, Operation};
 use crate::schema::{self, Schema};
+use crate::statement::Sending;
 
 /// A validated pool plus settings, made by [`crate::PgBuilder`].
 #[derive(Clone)]
@@ -44,6 +45,14 @@ impl PgClient {
     /// TTLs in whole milliseconds between the configured bounds.
     pub(crate) fn capabilities(&self) -> Capabilities {
         Capabilities::new(Duration::from_millis(1), self.min_ttl, self.max_ttl)
+    }
+
+    /// How statements are sent: the pooling, bounded by the request time limit.
+    pub(crate) fn sending(&self) -> Sending {
+        Sending {
+            pooling: self.pooling,
+            limit: self.request_timeout,
+        }
     }
 
     /// A pooled connection; failing here means nothing was sent.

@@ -28,7 +28,7 @@ pub(crate) async fn purge(
         conn,
         Statement::new(sql)
             .bind(Value::Text(key.as_str()))
-            .execute(client.pooling, &mut conn)
+            .execute(client.sending(), &mut conn)
     )?;
     Ok(())
 }
@@ -47,7 +47,7 @@ pub(crate) async fn inspect(
         backend,
         Operation::Inspect,
         conn,
-        query.fetch_optional(client.pooling, &mut conn)
+        query.fetch_optional(client.sending(), &mut conn)
     )?;
     let Some(row) = row else {
         return Ok(LockInfo {

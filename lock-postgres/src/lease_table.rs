@@ -68,15 +68,16 @@ struct Statements {
 /// # How it works
 ///
 /// - **acquire** is one upsert: it inserts the row, or takes it over only when it is free
-///   (`owner IS NULL`) or expired (`expires_at <= now()`), bumping the token either way.
-///   The new token is `greatest(token + 1, server clock in µs)`, so a row that lost its
-///   last updates (asynchronous commit, failover to a lagging replica) or was deleted
-///   never issues a token twice, as long as the server's clock does not go back. An
+///   (`owner IS NULL`) or expired (`expires_at <= statement_timestamp()`), bumping the
+///   token either way. The new token is `greatest(token + 1, server clock in µs)`, so a
+///   row that lost its last updates (asynchronous commit, failover to a lagging replica)
+///   or was deleted never issues a token twice, as long as the server's clock does not go back. An
 ///   attempt on a name its snapshot shows held inserts nothing and locks nothing: a
 ///   refused attempt writes no WAL, commits nothing durable and never waits for the
 ///   holder's row.
 /// - **renew** and **release** match name, owner *and* token, and only while
-///   `expires_at > now()`: an expired lease is never brought back, even by its owner.
+///   `expires_at > statement_timestamp()`: an expired lease is never brought back, even
+///   by its owner.
 /// - **release** clears the owner and keeps the row, so the next token is still higher;
 ///   free rows are deleted once their token is older than the
 ///   [token retention](PgBuilder::token_retention) (24 h by default).
@@ -88,9 +89,12 @@ struct Statements {
 ///   never waits for PostgreSQL's cluster-wide notify lock. A lease that runs out is not
 ///   announced: waiters take it at their next backoff step.
 ///
-/// Expiry uses the server's clock only (`now()`); the client's own deadline
-/// ([`Lease::valid_until`]) is counted from the instant the request was sent, so it always
-/// ends before the server's.
+/// Expiry uses the server's clock only, read when the statement starts
+/// (`statement_timestamp()`, not `now()`: through a transaction pooler each statement runs
+/// in a transaction of its own, and `now()` would be the time of its `BEGIN`, a round trip
+/// or two before: a renew could then bring back a lease that expired meanwhile). The
+/// client's own deadline ([`Lease::valid_until`]) is counted from the instant the request
+/// was sent, so it always ends before the server's.
 ///
 /// TTLs are whole milliseconds. Tokens survive server restarts (the table is durable).
 ///
@@ -98,8 +102,9 @@ struct Statements {
 ///
 /// With [`PgPooling::Transaction`] (`?pooling=transaction`) the backend works behind
 /// PgBouncer in `pool_mode = transaction`: every statement runs unnamed inside a
-/// transaction of its own (see [`PgPooling::Transaction`]) and no session state is used;
-/// its releases do not wake this process's waiters (they poll with their backoff). With
+/// transaction of its own (see [`PgPooling::Transaction`]), which the server ends when it
+/// waits on the client, or a statement of it runs, for longer than the request time limit,
+/// and no session state is used; its releases do not wake this process's waiters (they poll with their backoff). With
 /// the default [`PgPooling::Session`] it checks before its first call (or in
 /// [`connect`](Self::connect)) that client connections keep their server sessions, and
 /// fails every call with [`LockError::Config`] naming `pooling=transaction` when they do
@@ -133,13 +138,13 @@ impl PgLeaseBackend {
             // upsert's own condition still decides when the row changed meanwhile.
             acquire: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
-                 SELECT $1, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond' \
+                 SELECT $1, $2, {clock_us}, statement_timestamp() + $3::bigint * interval '1 millisecond' \
                   WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
-                                     WHERE h.name = $1 AND h.expires_at > now()) \
+                                     WHERE h.name = $1 AND h.expires_at > statement_timestamp()) \
                  ON CONFLICT (name) DO UPDATE \
                     SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
-                  WHERE l.owner IS NULL OR l.expires_at <= now() \
+                  WHERE l.owner IS NULL OR l.expires_at <= statement_timestamp() \
                  RETURNING token",
             )),
             // The first name of $1 (in order) its snapshot shows free, taken as `acquire`
@@ -149,15 +154,15 @@ impl PgLeaseBackend {
             acquire_any: s.sql(&with_clock(
                 "WITH free AS (SELECT k.name FROM unnest($1::text[]) WITH ORDINALITY AS k(name, ord) \
                    WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
-                                      WHERE h.name = k.name AND h.expires_at > now()) \
+                                      WHERE h.name = k.name AND h.expires_at > statement_timestamp()) \
                    ORDER BY k.ord LIMIT 1), \
                  taken AS (INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
-                   SELECT name, $2, {clock_us}, now() + $3::bigint * interval '1 millisecond' \
+                   SELECT name, $2, {clock_us}, statement_timestamp() + $3::bigint * interval '1 millisecond' \
                      FROM free \
                    ON CONFLICT (name) DO UPDATE \
                       SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                           expires_at = EXCLUDED.expires_at \
-                    WHERE l.owner IS NULL OR l.expires_at <= now() \
+                    WHERE l.owner IS NULL OR l.expires_at <= statement_timestamp() \
                    RETURNING l.name, l.token) \
                  SELECT (SELECT count(*) FROM free) AS candidates, taken.name, taken.token \
                    FROM (SELECT 1) AS one LEFT JOIN taken ON true",
@@ -165,23 +170,23 @@ impl PgLeaseBackend {
             acquire_many: s.sql(&with_clock(
                 "INSERT INTO {s}.distlock_leases AS l (name, owner, token, expires_at) \
                  SELECT k.name, k.owner, {clock_us}, \
-                        now() + $3::bigint * interval '1 millisecond' \
+                        statement_timestamp() + $3::bigint * interval '1 millisecond' \
                    FROM unnest($1::text[], $2::uuid[]) AS k(name, owner) \
                   WHERE NOT EXISTS (SELECT 1 FROM {s}.distlock_leases h \
-                                     WHERE h.name = k.name AND h.expires_at > now()) \
+                                     WHERE h.name = k.name AND h.expires_at > statement_timestamp()) \
                  ON CONFLICT (name) DO UPDATE \
                     SET owner = EXCLUDED.owner, token = greatest(l.token + 1, {clock_us}), \
                         expires_at = EXCLUDED.expires_at \
-                  WHERE l.owner IS NULL OR l.expires_at <= now() \
+                  WHERE l.owner IS NULL OR l.expires_at <= statement_timestamp() \
                  RETURNING name, token",
             )),
             renew_many: s.sql(
                 "UPDATE {s}.distlock_leases AS l \
-                    SET expires_at = now() + k.ttl_ms * interval '1 millisecond' \
+                    SET expires_at = statement_timestamp() + k.ttl_ms * interval '1 millisecond' \
                    FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::bigint[]) \
                         AS k(name, owner, token, ttl_ms) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
-                    AND l.expires_at > now() \
+                    AND l.expires_at > statement_timestamp() \
                  RETURNING l.name, l.token, false AS waited",
             ),
             // Each released row says whether some process waits for its key
@@ -191,32 +196,32 @@ impl PgLeaseBackend {
                    FROM unnest($1::text[], $2::uuid[], $3::bigint[], $4::int4[], $5::int4[]) \
                         AS k(name, owner, token, wclass, wobj) \
                   WHERE l.name = k.name AND l.owner = k.owner AND l.token = k.token \
-                    AND l.expires_at > now() \
+                    AND l.expires_at > statement_timestamp() \
                  RETURNING l.name, l.token, k.wclass, k.wobj) \
                  SELECT r.name, r.token, {} AS waited FROM r",
                 waited("r.wclass", "r.wobj")
             )),
             renew: s.sql(
                 "UPDATE {s}.distlock_leases \
-                    SET expires_at = now() + $4::bigint * interval '1 millisecond' \
-                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now()",
+                    SET expires_at = statement_timestamp() + $4::bigint * interval '1 millisecond' \
+                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > statement_timestamp()",
             ),
             // A row when released, saying whether some process waits for the key.
             release: s.sql(&format!(
                 "WITH r AS (UPDATE {{s}}.distlock_leases SET owner = NULL, expires_at = NULL \
-                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > now() \
+                  WHERE name = $1 AND owner = $2 AND token = $3 AND expires_at > statement_timestamp() \
                  RETURNING name) \
                  SELECT {} AS waited FROM r",
                 waited("$4", "$5")
             )),
             fence: s.sql(
-                "SELECT token, (owner = $2 AND token = $3 AND expires_at > now()) AS held \
+                "SELECT token, (owner = $2 AND token = $3 AND expires_at > statement_timestamp()) AS held \
                    FROM {s}.distlock_leases WHERE name = $1",
             ),
             inspect: s.sql(
-                "SELECT CASE WHEN expires_at > now() THEN owner END AS owner, token, \
-                        CASE WHEN expires_at > now() \
-                             THEN (extract(epoch FROM expires_at - now()) * 1000000)::bigint \
+                "SELECT CASE WHEN expires_at > statement_timestamp() THEN owner END AS owner, token, \
+                        CASE WHEN expires_at > statement_timestamp() \
+                             THEN (extract(epoch FROM expires_at - statement_timestamp()) * 1000000)::bigint \
                         END AS remaining_us \
                    FROM {s}.distlock_leases WHERE name = $1",
             ),
@@ -362,7 +367,7 @@ impl PgLeaseBackend {
                 NAME,
                 op,
                 conn,
-                query.fetch_all(self.client.pooling, &mut conn)
+                query.fetch_all(self.client.sending(), &mut conn)
             )?;
             for row in rows {
                 let (name, token, waited): (String, i64, bool) = (
@@ -435,7 +440,7 @@ impl LockBackend for PgLeaseBackend {
                 .bind(Value::Text(key.as_str()))
                 .bind(Value::Uuid(owner_uuid(owner)))
                 .bind(Value::Int8(ttl_ms(ttl)))
-                .fetch_optional(self.client.pooling, &mut conn)
+                .fetch_optional(self.client.sending(), &mut conn)
         )?;
         let token: Option<i64> = row
             .map(|row| row.try_get(0))
@@ -481,7 +486,7 @@ impl LockBackend for PgLeaseBackend {
                     .bind(Value::Texts(names.clone()))
                     .bind(Value::Uuid(owner_uuid(owner)))
                     .bind(Value::Int8(ttl_ms(ttl)))
-                    .fetch_optional(self.client.pooling, &mut conn)
+                    .fetch_optional(self.client.sending(), &mut conn)
             )?;
             let decode = |e| self.decode(Operation::Acquire, e);
             let Some(row) = row else {
@@ -540,7 +545,7 @@ impl LockBackend for PgLeaseBackend {
                 .bind(Value::Texts(names))
                 .bind(Value::Uuids(owners))
                 .bind(Value::Int8(ttl_ms(ttl)))
-                .fetch_all(self.client.pooling, &mut conn)
+                .fetch_all(self.client.sending(), &mut conn)
         )?;
         let mut granted: HashMap<String, i64> = HashMap::with_capacity(rows.len());
         for row in rows {
@@ -623,7 +628,7 @@ impl LockBackend for PgLeaseBackend {
                 .bind(Value::Uuid(owner_uuid(lease.owner())))
                 .bind(Value::Int8(token_i64(lease.token())))
                 .bind(Value::Int8(ttl_ms(lease.ttl())))
-                .execute(self.client.pooling, &mut conn)
+                .execute(self.client.sending(), &mut conn)
         )?;
         Ok(if done.rows_affected() == 1 {
             Renewal::Renewed {
@@ -654,7 +659,7 @@ impl LockBackend for PgLeaseBackend {
                 .bind(Value::Int8(token_i64(lease.token())))
                 .bind(Value::Int4(class))
                 .bind(Value::Int4(obj))
-                .fetch_optional(self.client.pooling, &mut conn)
+                .fetch_optional(self.client.sending(), &mut conn)
         )?;
         let released: Option<bool> = row
             .map(|row| row.try_get(0))
@@ -684,7 +689,7 @@ impl LockBackend for PgLeaseBackend {
                 .bind(Value::Text(lease.key().as_str()))
                 .bind(Value::Uuid(owner_uuid(lease.owner())))
                 .bind(Value::Int8(token_i64(lease.token())))
-                .fetch_optional(self.client.pooling, &mut conn)
+                .fetch_optional(self.client.sending(), &mut conn)
         )?;
         let Some(row) = row else {
             return Ok(Fence::Stale {

@@ -162,7 +162,7 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::L
             .timed(
                 inner.backend,
                 Operation::Purge,
-                query.fetch_optional(client.pooling, &mut conn),
+                query.fetch_optional(client.sending(), &mut conn),
             )
             .await;
         let row = match row {

@@ -14,17 +14,60 @@
 //!   this client until the `COMMIT`. The transaction changes nothing else: each of these
 //!   statements runs in a transaction of its own in either mode.
 //!
+//! # The server bounds the transaction
+//!
+//! Such a transaction waits on the client between its round trips, and from the
+//! statement's execution to the `COMMIT` it holds the rows the statement changed or
+//! locked. A client that stalls there (paused, partitioned, its call dropped with the
+//! connection still open) would keep them locked until something noticed, on a default
+//! server never (and every later statement on those rows would wait behind it). So the
+//! `BEGIN` sets, for its transaction only (`SET LOCAL`, in the same message),
+//! `idle_in_transaction_session_timeout` and `statement_timeout` to the request time
+//! limit: the server ends a session that waits on its client in the transaction for
+//! longer than the client itself waits for the reply, and cancels a statement (one
+//! waiting on another's row lock, say) the client has given up on, instead of keeping a
+//! backend waiting for nobody. Past that limit the call has failed on the client anyway.
+//!
 //! # Cancel safety
 //! A call dropped inside its transaction leaves it to be rolled back: sqlx queues the
-//! `ROLLBACK` on the connection, and it is sent before the connection's next use.
+//! `ROLLBACK` on the connection, and it is sent before the connection's next use; a
+//! connection never used again is ended by the server after the request time limit.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
-use sqlx::{AssertSqlSafe, Connection, Postgres};
+use sqlx::{AssertSqlSafe, Connection, PgTransaction, Postgres};
 use uuid::Uuid;
 
 use crate::PgPooling;
+
+/// How statements are sent: the pooling, and with [`PgPooling::Transaction`] the limit the
+/// server puts on each statement's transaction (the request time limit).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Sending {
+    pub(crate) pooling: PgPooling,
+    pub(crate) limit: Duration,
+}
+
+impl Sending {
+    /// A transaction of its own on `conn`, bounded on the server by [`Self::limit`] (see
+    /// the module's documentation): one round trip, as a plain `BEGIN` is.
+    async fn begin(self, conn: &mut PgConnection) -> Result<PgTransaction<'_>, sqlx::Error> {
+        conn.begin_with(AssertSqlSafe(bounded_begin(self.limit)))
+            .await
+    }
+}
+
+/// `BEGIN` with the transaction's server-side limits, as one simple-protocol message.
+pub(crate) fn bounded_begin(limit: Duration) -> String {
+    // Whole milliseconds, at least 1: 0 would turn the limits off.
+    let ms = limit.as_millis().clamp(1, i32::MAX as u128);
+    format!(
+        "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
+         SET LOCAL statement_timeout = {ms}"
+    )
+}
 
 /// A value of a statement; `$N` in the text is the N-th.
 pub(crate) enum Value<'a> {
@@ -61,12 +104,12 @@ impl<'a> Statement<'a> {
     /// Every row.
     pub(crate) async fn fetch_all(
         self,
-        pooling: PgPooling,
+        sending: Sending,
         conn: &mut PgConnection,
     ) -> Result<Vec<PgRow>, sqlx::Error> {
-        match pooling {
+        match sending.pooling {
             PgPooling::Transaction => {
-                let mut tx = conn.begin().await?;
+                let mut tx = sending.begin(conn).await?;
                 let rows = self.unnamed().fetch_all(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(rows)
@@ -78,12 +121,12 @@ impl<'a> Statement<'a> {
     /// The first row, if any.
     pub(crate) async fn fetch_optional(
         self,
-        pooling: PgPooling,
+        sending: Sending,
         conn: &mut PgConnection,
     ) -> Result<Option<PgRow>, sqlx::Error> {
-        match pooling {
+        match sending.pooling {
             PgPooling::Transaction => {
-                let mut tx = conn.begin().await?;
+                let mut tx = sending.begin(conn).await?;
                 let row = self.unnamed().fetch_optional(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(row)
@@ -95,12 +138,12 @@ impl<'a> Statement<'a> {
     /// Runs it for the rows it changed.
     pub(crate) async fn execute(
         self,
-        pooling: PgPooling,
+        sending: Sending,
         conn: &mut PgConnection,
     ) -> Result<PgQueryResult, sqlx::Error> {
-        match pooling {
+        match sending.pooling {
             PgPooling::Transaction => {
-                let mut tx = conn.begin().await?;
+                let mut tx = sending.begin(conn).await?;
                 let done = self.unnamed().execute(&mut *tx).await?;
                 tx.commit().await?;
                 Ok(done)

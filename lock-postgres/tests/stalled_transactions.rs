@@ -1,0 +1,231 @@
+//! The lease table through a default PgBouncer in `pool_mode = transaction`
+//! (`pooling=transaction`), where each statement runs in a transaction of its own
+//! (`BEGIN`, parse, bind and execute, `COMMIT`): the server, not the client, bounds those
+//! transactions, and a renew judges expiry when its statement runs.
+//!
+//! - A client that stalls after its statement ran, before its `COMMIT` (a fault proxy
+//!   holds its bytes), does not keep the row locked: the server ends its session after the
+//!   request time limit, and the key can be taken again.
+//! - Acquires that wait on a row another transaction keeps locked do not stay waiting on
+//!   the server once their clients gave up: no backend is left waiting on the lock.
+//! - A renew whose statement runs after the lease expired (a slow link, several round
+//!   trips after its `BEGIN`) is `Lost`, not a lease brought back.
+
+mod common;
+
+use std::time::Duration;
+
+use common::start_server;
+use distlock_core::{LockBackend, LockKey, Renewal};
+use harness::pgbouncer::{PgBouncerServer, PoolMode};
+use harness::postgres::{PASSWORD, PostgresServer, USER};
+use harness::proxy::FaultProxy;
+use lock_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection};
+use lock_postgres::{PgLeaseBackend, PgPooling};
+use tokio::time::Instant;
+
+/// The request time limit of the backends here, and so the server's limit on their
+/// transactions.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long past the server's limit a stalled transaction or a waiting statement may
+/// still be seen before the test calls it left behind (scheduling on a loaded machine).
+const MARGIN: Duration = Duration::from_secs(5);
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).unwrap()
+}
+
+/// A lease backend with `pooling=transaction` at `url`, its pool opened.
+async fn backend_at(url: &str, pool_size: u32, request_timeout: Duration) -> PgLeaseBackend {
+    let backend = common::builder_at(url)
+        .pool_size(pool_size)
+        .request_timeout(request_timeout)
+        .pooling(PgPooling::Transaction)
+        .build_lease_backend()
+        .unwrap();
+    backend.connect().await.unwrap();
+    backend
+}
+
+fn url_at(addr: std::net::SocketAddr) -> String {
+    format!("postgres://{USER}:{PASSWORD}@{addr}/postgres")
+}
+
+/// A connection straight to the server, to look at its sessions.
+async fn observer(server: &PostgresServer) -> PgConnection {
+    PgConnection::connect(&server.url()).await.unwrap()
+}
+
+/// How many sessions of the server match `condition` (on `pg_stat_activity`), this
+/// observer's own session left out.
+async fn sessions(observer: &mut PgConnection, condition: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM pg_stat_activity \
+          WHERE pid <> pg_backend_pid() AND ({condition})"
+    );
+    sqlx::query_scalar(AssertSqlSafe(sql))
+        .persistent(false)
+        .fetch_one(observer)
+        .await
+        .unwrap()
+}
+
+/// Sessions in a transaction that waits on its client after it changed a row of the lease
+/// table (it has a transaction id only once it wrote).
+const IDLE_ON_LEASES: &str = "state = 'idle in transaction' AND backend_xid IS NOT NULL \
+     AND query LIKE '%distlock_leases%'";
+
+/// Sessions whose statement waits for a lock (a row of the lease table).
+const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
+
+/// Polls until no session matches `condition`, at most until `deadline`; the number last
+/// seen (0 when none is left).
+async fn until_none(observer: &mut PgConnection, condition: &str, deadline: Instant) -> i64 {
+    loop {
+        let seen = sessions(observer, condition).await;
+        if seen == 0 || Instant::now() >= deadline {
+            return seen;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
+    let server = start_server().await;
+    let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
+    let proxy = harness::require(FaultProxy::start(bouncer.addr()).await);
+    let direct = backend_at(&bouncer.url(), 2, REQUEST_TIMEOUT).await;
+    let stalled = backend_at(&url_at(proxy.addr()), 1, REQUEST_TIMEOUT).await;
+    let mut observer = observer(&server).await;
+    let k = key("stalled:renew");
+    // Long enough that the lease is still held when the renew's UPDATE runs.
+    let ttl = Duration::from_secs(3);
+
+    let lease = direct.acquire(&k, ttl).await.unwrap().expect("free");
+    let adopted = stalled
+        .adopt(&k, lease.owner(), lease.token(), ttl)
+        .unwrap();
+    // Each round trip through the proxy now takes twice this: the renew's transaction
+    // waits that long on the client after its UPDATE ran, long enough to see it and stall
+    // the client before its COMMIT leaves the proxy.
+    proxy.delay(Duration::from_millis(300));
+    let renew = tokio::spawn(async move { stalled.renew(&adopted).await });
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    while sessions(&mut observer, IDLE_ON_LEASES).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the renew's transaction was never seen waiting on its client"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.blackhole();
+    let stalled_at = Instant::now();
+    // The client gives up on its own time limit; its bytes stay held in the proxy.
+    assert!(renew.await.unwrap().is_err(), "no reply can have come");
+
+    // The server ends the stalled transaction once it waited on its client for the
+    // request time limit: its row lock goes with it.
+    let left = until_none(
+        &mut observer,
+        IDLE_ON_LEASES,
+        stalled_at + REQUEST_TIMEOUT + MARGIN,
+    )
+    .await;
+    assert_eq!(
+        left,
+        0,
+        "a transaction still waits on its stalled client, holding the lease's row, {:?} \
+         after the client stalled",
+        stalled_at.elapsed()
+    );
+    // Once the lease ran out, the key is taken again, without waiting on a lock.
+    tokio::time::sleep_until(stalled_at + ttl).await;
+    let again = direct.acquire(&k, ttl).await.unwrap();
+    assert!(again.is_some(), "the expired key is free to take");
+    drop(proxy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_behind_a_stalled_transaction_leave_no_backend_waiting() {
+    const ACQUIRES: usize = 8;
+    let server = start_server().await;
+    let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
+    let backend = backend_at(&bouncer.url(), ACQUIRES as u32, REQUEST_TIMEOUT).await;
+    let mut observer = observer(&server).await;
+    let k = key("stalled:row");
+    let ttl = Duration::from_millis(200);
+    assert!(backend.acquire(&k, ttl).await.unwrap().is_some());
+
+    // Another client's transaction keeps the row locked and waits (an application's
+    // transaction that stalled, or a client of an older version).
+    let mut holder = PgConnection::connect(&server.url()).await.unwrap();
+    sqlx::raw_sql(
+        "BEGIN; SELECT 1 FROM distlock.distlock_leases WHERE name = 'stalled:row' FOR UPDATE",
+    )
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    tokio::time::sleep(ttl).await;
+
+    // The lease ran out, so each acquire tries to take the row over and waits for the
+    // lock until its client gives up.
+    let mut tasks = Vec::new();
+    let backend = std::sync::Arc::new(backend);
+    for _ in 0..ACQUIRES {
+        let backend = backend.clone();
+        let k = k.clone();
+        tasks.push(tokio::spawn(async move { backend.acquire(&k, ttl).await }));
+    }
+    for task in tasks {
+        assert!(task.await.unwrap().is_err(), "the row stays locked");
+    }
+    let gave_up = Instant::now();
+    // The server cancels each waiting statement at the request time limit: none waits
+    // on for a client that is gone.
+    let left = until_none(
+        &mut observer,
+        WAITING_ON_A_LOCK,
+        gave_up + REQUEST_TIMEOUT + MARGIN,
+    )
+    .await;
+    assert_eq!(
+        left,
+        0,
+        "backends still wait on the row's lock {:?} after their clients gave up",
+        gave_up.elapsed()
+    );
+    holder.close().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renew_whose_statement_runs_after_expiry_is_lost() {
+    let server = start_server().await;
+    let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
+    let proxy = harness::require(FaultProxy::start(bouncer.addr()).await);
+    let direct = backend_at(&bouncer.url(), 1, REQUEST_TIMEOUT).await;
+    // Room for the slow round trips below.
+    let slow = backend_at(&url_at(proxy.addr()), 1, Duration::from_secs(20)).await;
+    let k = key("slow:renew");
+    // One way through the proxy takes this long. The renew's UPDATE reaches the server
+    // after five one-way trips (BEGIN and its reply, the parse and its reply, then bind
+    // and execute): at least 2.5 s after it was sent; its BEGIN after one, 0.5 s.
+    let one_way = Duration::from_millis(500);
+    let ttl = Duration::from_millis(1200);
+    let lease = direct.acquire(&k, ttl).await.unwrap().expect("free");
+    // The same acquisition, renewed for much longer than it had.
+    let adopted = slow
+        .adopt(&k, lease.owner(), lease.token(), Duration::from_secs(30))
+        .unwrap();
+    proxy.delay(one_way);
+    let renewed = slow.renew(&adopted).await.unwrap();
+    assert_eq!(
+        renewed,
+        Renewal::Lost,
+        "the lease expired {ttl:?} after its grant, before the renew's UPDATE ran \
+         (at least {:?} after it was sent)",
+        one_way * 5
+    );
+    assert_eq!(direct.inspect(&k).await.unwrap().owner, None);
+    drop(proxy);
+}
