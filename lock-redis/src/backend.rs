@@ -34,7 +34,7 @@ use self::reply::{release, renewal};
 use crate::config::RedisBackendBuilder;
 use crate::conn::{Call, Conn, key_slot};
 use crate::error::{KindName, is_refused_for_now, is_resendable, is_unreachable, map_error};
-use crate::keys::{LockKeys, parse_held};
+use crate::keys::{LockKeys, Mark, parse_held};
 use crate::releases::ReleaseListener;
 use crate::scripts::{
     ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, Lua, RELEASE_MANY_SCRIPT,
@@ -122,6 +122,8 @@ struct Inner {
     /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
     /// `PUBLISH`.
     sharded: bool,
+    /// The server lets this user announce releases (see `releases::announcements_refused`).
+    announces: bool,
     /// Single acquires, coalesced (single node only).
     acquires: Coalescer<Acquire, Option<Lease>>,
     /// Single releases, coalesced (single node only).
@@ -194,12 +196,26 @@ impl RedisBackend {
         )
     }
 
-    /// [`Self::keys`] for an acquire: marked to be granted waited for when other waiters
-    /// of this process watch `key` (see `acquire.lua`).
+    /// [`Self::keys`] for an acquire, marked as [`Self::mark`] says.
     fn acquire_keys(&self, key: &LockKey) -> LockKeys {
         LockKeys {
-            mark_waited: self.inner.listener.others_wait(key),
+            mark: self.mark(std::slice::from_ref(key)),
             ..self.keys(key)
+        }
+    }
+
+    /// How an acquire of one of `keys` marks it waited for (see `acquire.lua`): never when
+    /// this backend hears no release (wake-ups off, or its listener refused), granted
+    /// marked when other waiters of this process watch one of them, and otherwise marked
+    /// only if held.
+    fn mark(&self, keys: &[LockKey]) -> Mark {
+        let listener = &self.inner.listener;
+        if !listener.hears_releases() {
+            Mark::Never
+        } else if keys.iter().any(|k| listener.others_wait(k)) {
+            Mark::Granted
+        } else {
+            Mark::WhenHeld
         }
     }
 
@@ -334,8 +350,8 @@ impl RedisBackend {
 
     fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
         let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
-        if keys.mark_waited {
-            args.push(b"1".to_vec());
+        if keys.mark != Mark::WhenHeld {
+            args.push(vec![keys.mark.arg()]);
         }
         Call {
             script: &ACQUIRE_SCRIPT,
@@ -365,8 +381,12 @@ impl RedisBackend {
     }
 
     /// The last argument of the release and abandon scripts: `S` makes them announce with
-    /// `SPUBLISH`, on the key's shard only; without it they `PUBLISH`.
+    /// `SPUBLISH`, on the key's shard only, and `-` not at all (the server refuses this
+    /// user's announcements: each would be an `ACL LOG` entry); without it they `PUBLISH`.
     pub(super) fn announce_arg(&self) -> Option<Vec<u8>> {
+        if !self.inner.announces {
+            return Some(b"-".to_vec());
+        }
         self.inner.sharded.then(|| b"S".to_vec())
     }
 
@@ -416,7 +436,7 @@ impl RedisBackend {
         let owner = OwnerId::random();
         let locks: Vec<LockKeys> = keys.iter().map(|k| self.keys(k)).collect();
         // A semaphore's waiters watch every slot.
-        let mark_waited = keys.iter().any(|k| self.inner.listener.others_wait(k));
+        let mark = self.mark(keys);
         let call = Call {
             script: &ACQUIRE_ANY_SCRIPT,
             // On a single node: one high-water key for all.
@@ -428,7 +448,7 @@ impl RedisBackend {
             args: vec![
                 owner.to_string().into(),
                 ttl.as_millis().to_string().into(),
-                if mark_waited { b"1" } else { b"0" }.to_vec(),
+                vec![mark.arg()],
             ],
         };
         let mut pending = AbandonOnDrop {

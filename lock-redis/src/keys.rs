@@ -16,9 +16,33 @@ use crate::conn::key_slot;
 pub(crate) struct LockKeys {
     /// Holds `<owner id>:<token>`, with the lease's TTL.
     pub(crate) lock: String,
-    /// An acquire grants the lock already marked waited for (`:w`), so that its release is
-    /// announced: other waiters of this process watch it (see `acquire.lua`).
-    pub(crate) mark_waited: bool,
+    /// How an acquire of the lock marks it waited for (see [`Mark`]).
+    pub(crate) mark: Mark,
+}
+
+/// How an acquire marks its lock waited for (`:w`), which makes its release announced
+/// (see `acquire.lua`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mark {
+    /// Marked when the acquire finds it held by another: this waiter is to be woken.
+    WhenHeld,
+    /// Granted already marked: other waiters of this process watch it.
+    Granted,
+    /// Never: nothing of this backend hears releases (wake-ups off, or the listener was
+    /// refused), so an announcement would only cost the server a `PUBLISH`, which it may
+    /// refuse this user (an `ACL LOG` entry per release).
+    Never,
+}
+
+impl Mark {
+    /// The scripts' argument: `'0'`, `'1'` or `'-'`.
+    pub(crate) fn arg(self) -> u8 {
+        match self {
+            Self::WhenHeld => b'0',
+            Self::Granted => b'1',
+            Self::Never => b'-',
+        }
+    }
 }
 
 impl LockKeys {
@@ -26,7 +50,7 @@ impl LockKeys {
         let lock = format!("{prefix}:{{{}}}", hash_tag(key.as_str()));
         Self {
             lock,
-            mark_waited: false,
+            mark: Mark::WhenHeld,
         }
     }
 }

@@ -30,7 +30,11 @@
 //! undoes a release. [`announcements_refused`] finds such a user when the backend is
 //! built: the backend then runs without a listener and says so in its capabilities, and
 //! waiters poll. A `SUBSCRIBE` (or `SSUBSCRIBE`) refused later ends the listener for good
-//! (with a warning) instead of connecting again every few seconds.
+//! (with one warning) instead of connecting again every few seconds or for every waiter.
+//! A backend that hears no release (no listener, or one refused) marks no key waited for
+//! when it finds it held, and one whose announcements the server refuses announces none
+//! (`-` to the release scripts): no `PUBLISH` for nobody, and no `ACL LOG` entry per
+//! release.
 //!
 //! # Reconnects and lifetime
 //!
@@ -132,6 +136,12 @@ impl ReleaseListener {
     /// its backoff.
     pub(crate) fn others_wait(&self, key: &LockKey) -> bool {
         self.0.as_ref().is_some_and(|l| l.watchers(key) > 1)
+    }
+
+    /// Whether this backend hears releases: it has a listener, which the server has not
+    /// refused. Acquires mark the keys they find held only then (see `acquire.lua`).
+    pub(crate) fn hears_releases(&self) -> bool {
+        self.0.as_ref().is_some_and(|l| !l.refused())
     }
 
     /// The keys waiters of this backend are watching.

@@ -152,7 +152,8 @@ async fn a_user_without_channel_rights_releases_everything_and_runs_without_wake
     every_call_works(&redis).await;
 
     assert_nothing_held(&server).await;
-    // The refusals are the announcements only: the probe at build and the scripts'.
+    // The refusals are the probe's announcement at build only: with wake-ups off, no key is
+    // marked waited for and no release announces.
     let refused = refusals(&server).await;
     assert!(!refused.is_empty());
     for (reason, object) in refused {
@@ -356,4 +357,102 @@ async fn a_refused_ssubscribe_ends_the_listener_and_waiters_poll() {
         .await
         .unwrap()
         .expect("the waiter polled and got the key");
+}
+
+/// A key `holder` holds, waited for by `waiter`'s `Locker::lock` (which watches its
+/// releases) until the holder releases it; `rounds` times, the waiter releasing the key
+/// it got each time. The holder tries the key once while held first, as a waiter of
+/// another process would (which marks it waited for, with wake-ups on).
+async fn contended_waits(holder: &RedisBackend, waiter: &RedisBackend, rounds: usize) {
+    let key = LockKey::new("acl:contended").unwrap();
+    let locker = waiting_locker(
+        waiter.clone(),
+        Duration::from_millis(10),
+        Duration::from_millis(50),
+        TTL,
+    );
+    for round in 0..rounds {
+        let lease = holder
+            .acquire(&key, TTL)
+            .await
+            .unwrap()
+            .unwrap_or_else(|| panic!("round {round}: the key is free"));
+        let waiting = tokio::spawn({
+            let (locker, key) = (locker.clone(), key.clone());
+            async move {
+                let guard = locker.lock(&key).await?;
+                guard.release().await
+            }
+        });
+        // The waiter has tried (and found the key held) at least once.
+        tokio::time::sleep(Duration::from_millis(60)).await;
+        assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+        assert_eq!(
+            waiting.await.unwrap().unwrap(),
+            Release::Released,
+            "round {round}: the waiter got the key"
+        );
+    }
+}
+
+/// A user whose `SUBSCRIBE` is refused after the backend was built (its rights changed):
+/// the listener is refused once and stays ended, however many waiters come after, and
+/// their acquires mark nothing for a listener that no longer hears (no `PUBLISH` per
+/// release).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_refused_once_is_not_started_again_by_the_next_twenty_waits() {
+    let server = harness::require(RedisServer::start().await);
+    let waiter = backend_as(&server, "locker", true).await;
+    assert!(waiter.capabilities().wakes_waiters);
+    let holder = RedisBackend::builder()
+        .url(format!("redis://127.0.0.1:{}/", server.port()))
+        .build()
+        .await
+        .unwrap();
+    assert_eq!(refusals(&server).await, [], "nothing refused at build");
+    let revoke = ["ACL", "SETUSER", "locker", "-subscribe"];
+    assert_eq!(
+        harness::require(server.command(&revoke).await),
+        RespValue::Simple("OK".into())
+    );
+
+    contended_waits(&holder, &waiter, 1).await;
+    let publishes = common::command_calls(&server, "publish").await;
+    contended_waits(&holder, &waiter, 19).await;
+
+    let refused = refusals(&server).await;
+    assert_eq!(refused, [("command".into(), "subscribe".into())]);
+    assert_eq!(
+        refusal_counts(&server).await,
+        [1],
+        "SUBSCRIBE refused over 20 waits"
+    );
+    assert_eq!(
+        common::command_calls(&server, "publish").await - publishes,
+        0,
+        "PUBLISH calls over the 19 waits after the refusal"
+    );
+    assert!(
+        waiter
+            .watch_releases(&LockKey::new("acl:later").unwrap())
+            .is_none(),
+        "later waiters poll"
+    );
+}
+
+/// Without rights on the release channels, contended keys are not marked waited for and
+/// releases announce nothing: 20 contended releases add no `ACL LOG` entry to the probe's
+/// at build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_channel_rights_contended_releases_run_no_refused_publish() {
+    let server = harness::require(RedisServer::start().await);
+    let redis = backend_as(&server, "no-channels", false).await;
+    assert!(!redis.capabilities().wakes_waiters);
+    let probe = [("channel".to_owned(), "distlock:{}".to_owned())];
+    assert_eq!(refusals(&server).await, probe, "the probe at build");
+
+    contended_waits(&redis, &redis, 20).await;
+
+    assert_eq!(refusals(&server).await, probe);
+    assert_eq!(refusal_counts(&server).await, [1], "only the probe's");
 }

@@ -16,7 +16,7 @@ use super::reply::{parse_token, release};
 use super::{Extra, NAME, RedisBackend, lease_args};
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{is_resendable, is_unreachable, map_error};
-use crate::keys::LockKeys;
+use crate::keys::{LockKeys, Mark};
 use crate::scripts::{ACQUIRE_MANY_SCRIPT, Lua, RELEASE_MANY_SCRIPT};
 
 /// Most locks in one multi-key script call. A script runs atomically and holds the server
@@ -107,19 +107,13 @@ impl RedisBackend {
             keys.push(k.lock.clone());
             args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
         });
-        // The high-water key each call's locks share, after them; and the keys granted
-        // waited for, one byte per key, when there are any.
+        // The high-water key each call's locks share, after them; and how each key is
+        // marked waited for, one byte per key, unless all are marked only when held.
         for (call, group) in calls.iter_mut().zip(&groups) {
             let high_water = self.high_water(&call.keys[0]);
             call.keys.push(high_water);
-            if group.iter().any(|&i| attempts[i].0.mark_waited) {
-                let marks = group.iter().map(|&i| {
-                    if attempts[i].0.mark_waited {
-                        b'1'
-                    } else {
-                        b'0'
-                    }
-                });
+            if group.iter().any(|&i| attempts[i].0.mark != Mark::WhenHeld) {
+                let marks = group.iter().map(|&i| attempts[i].0.mark.arg());
                 call.args.push(marks.collect());
             }
         }

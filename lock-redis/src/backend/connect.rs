@@ -249,6 +249,7 @@ impl RedisBackend {
                 cluster: b.cluster,
                 slotted,
                 sharded,
+                announces: refused.is_none(),
                 acquires: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
                 releases: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
             }),

@@ -1,8 +1,8 @@
 -- Frees a lock taken by an acquire whose reply was lost: the token is unknown, and the
 -- owner id alone identifies that attempt (it is random per attempt). Waiters are told
 -- if any marked the key, as on a release.
--- KEYS[1] = lock key, ARGV[1] = owner id, ARGV[2] = 'S' to announce with SPUBLISH, as
--- release.lua's ARGV[2]
+-- KEYS[1] = lock key, ARGV[1] = owner id, ARGV[2] = 'S' to announce with SPUBLISH or '-'
+-- not to announce, as release.lua's ARGV[2]
 -- Returns 1 when the key was deleted, 0 otherwise.
 local held = redis.call('GET', KEYS[1])
 if not held then
@@ -13,7 +13,7 @@ if owner ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
-if waited ~= '' then
+if waited ~= '' and ARGV[2] ~= '-' then
   redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
 end
 return 1

@@ -5,7 +5,9 @@
 -- ARGV[1] = owner id (hex), ARGV[2] = ttl in milliseconds, ARGV[3] = '1' to grant the
 -- lock already marked waited for (other waiters of the client's process watch it, which
 -- the release that freed it did not wake: each would otherwise mark it only when it next
--- tries, after its backoff), absent otherwise
+-- tries, after its backoff), '-' to mark nothing (nothing of the client's process hears
+-- releases: an announcement would be a PUBLISH for nobody, which the server may refuse),
+-- absent or '0' otherwise
 -- Returns the new token (the current one when the lock already holds this owner id), or
 -- nil when the lock is held by someone else.
 --
@@ -28,7 +30,7 @@ if owner == ARGV[1] then
 end
 -- Held by another: mark the key waited for, so its release is announced (see
 -- release.lua). `APPEND` keeps the key's TTL.
-if waited == '' then
+if waited == '' and ARGV[3] ~= '-' then
   redis.call('APPEND', KEYS[1], ':w')
 end
 return false

@@ -3,7 +3,8 @@
 -- KEYS[1..n] = <prefix>:{<name i>}  (as in acquire.lua); KEYS[n+1] = the high-water key
 -- they share (as in acquire.lua)
 -- ARGV[1] = owner id (hex), the same for every key of the attempt; ARGV[2] = ttl in ms;
--- ARGV[3] = '1' to grant the lock marked waited for, as in acquire.lua ('0' otherwise);
+-- ARGV[3] = '1' to grant the lock marked waited for, '-' to mark nothing, as in
+-- acquire.lua ('0' otherwise);
 -- ARGV[4] = 'R' when this attempt is sent again (a client retry after a lost reply)
 -- Returns {i, token}: the first free lock, taken. Sent again, it first looks for the lock
 -- this attempt took the first time and returns that one, with its token, so a resent
@@ -33,11 +34,14 @@ for i = 1, n do
     return {i, token}
   end
 end
--- Every lock is held: mark each waited for. `APPEND` keeps the key's TTL.
-for i = 1, n do
-  local held = redis.call('GET', KEYS[i])
-  if held and string.sub(held, -2) ~= ':w' then
-    redis.call('APPEND', KEYS[i], ':w')
+-- Every lock is held: mark each waited for (unless told not to). `APPEND` keeps the key's
+-- TTL.
+if ARGV[3] ~= '-' then
+  for i = 1, n do
+    local held = redis.call('GET', KEYS[i])
+    if held and string.sub(held, -2) ~= ':w' then
+      redis.call('APPEND', KEYS[i], ':w')
+    end
   end
 end
 return false

@@ -4,8 +4,8 @@
 -- KEYS[1..n] = <prefix>:{<name i>}  (holds '<owner id>:<token>', expires after its ttl);
 -- KEYS[n+1] = the high-water key they share (as in acquire.lua)
 -- ARGV[2i-1] = owner id i (hex), ARGV[2i] = ttl i in milliseconds; ARGV[2n+1], when
--- present, one byte per lock: '1' to grant lock i marked waited for (as acquire.lua's
--- ARGV[3])
+-- present, one byte per lock: '1' to grant lock i marked waited for, '-' to mark nothing,
+-- '0' otherwise (as acquire.lua's ARGV[3])
 -- Returns one entry per lock: its new token (the current one when it already holds this
 -- owner id), or nil when it is held by someone else.
 local n = #KEYS - 1
@@ -15,7 +15,8 @@ local granted = false
 local out = {}
 for i = 1, n do
   local owner = ARGV[2 * i - 1]
-  local mark = marks and string.byte(marks, i) == 49 and ':w' or ''
+  local byte = marks and string.byte(marks, i)
+  local mark = byte == 49 and ':w' or ''
   if redis.call('SET', KEYS[i], owner .. ':' .. token .. mark, 'NX', 'PX', ARGV[2 * i]) then
     out[i] = token
     granted = true
@@ -28,7 +29,7 @@ for i = 1, n do
       local holder, held_token, waited = string.match(held, '^(%x+):(%d+)(:?w?)$')
       if holder == owner then
         out[i] = held_token
-      elseif waited == '' then
+      elseif waited == '' and byte ~= 45 then
         redis.call('APPEND', KEYS[i], ':w')
       end
     end

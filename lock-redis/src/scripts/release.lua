@@ -4,7 +4,8 @@
 -- costs no PUBLISH.
 -- KEYS[1] = lock key
 -- ARGV[1] = '<owner id>:<token>', ARGV[2] = 'S' to announce with SPUBLISH (a Redis 7
--- cluster: the message stays on the key's shard), absent for PUBLISH
+-- cluster: the message stays on the key's shard), '-' not to announce (the server refuses
+-- this user's announcements), absent for PUBLISH
 -- Returns 1 when released, 0 when the lease was no longer held.
 --
 -- The announcement is best effort: a user without rights on the channel gets an error
@@ -13,7 +14,7 @@
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[1] or held == ARGV[1] .. ':w' then
   redis.call('DEL', KEYS[1])
-  if held ~= ARGV[1] then
+  if held ~= ARGV[1] and ARGV[2] ~= '-' then
     redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
   end
   return 1

@@ -1,16 +1,17 @@
 -- Frees many locks of one hash slot: for each, exactly what release.lua does for one,
 -- the best-effort announcement to waiters of a key marked waited for included.
 -- KEYS[i] = lock key i, ARGV[i] = '<owner id>:<token>' i, and after them 'S' to announce
--- with SPUBLISH, as release.lua's ARGV[2]
+-- with SPUBLISH or '-' not to announce, as release.lua's ARGV[2]
 -- Returns one entry per lease: 1 when released, 0 when no longer held.
-local announce = ARGV[#KEYS + 1] == 'S' and 'SPUBLISH' or 'PUBLISH'
+local how = ARGV[#KEYS + 1]
+local announce = how == 'S' and 'SPUBLISH' or 'PUBLISH'
 local out = {}
 for i = 1, #KEYS do
   local lock = KEYS[i]
   local held, lease = redis.call('GET', lock), ARGV[i]
   if held == lease or held == lease .. ':w' then
     redis.call('DEL', lock)
-    if held ~= lease then
+    if held ~= lease and how ~= '-' then
       redis.pcall(announce, lock, '')
     end
     out[i] = 1
