@@ -25,6 +25,17 @@
 //! The admission row stays locked until the caller's transaction ends, so two holders'
 //! transactions on one resource run one after the other and the older token is rejected
 //! once the newer one has committed.
+//!
+//! # Behind a transaction-pooling proxy
+//!
+//! Both work on a pool whose connections go through PgBouncer in `pool_mode =
+//! transaction` (the lease backend's [`pool`](crate::PgLeaseBackend::pool) with
+//! `pooling=transaction`, say) as on a direct one. Their statements are unnamed (prepared
+//! for the one call, never cached on the connection under a name that another server
+//! session may know as another client's statement) and each runs inside a transaction,
+//! the caller's or one of their own, so the pooler keeps one server session for it from
+//! parse to execute. The price is a parse round trip per statement, and for
+//! [`PgFencedResource::latest`] and [`FencedResource::read`] a `BEGIN` and a `COMMIT`.
 
 use std::sync::Arc;
 
@@ -128,6 +139,7 @@ impl PgFencedResource {
         let admitted: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.admit_sql.clone()))
             .bind(resource)
             .bind(value)
+            .persistent(false)
             .fetch_optional(&mut **tx)
             .await
             .map_err(fail)?;
@@ -138,6 +150,7 @@ impl PgFencedResource {
         let latest: Option<Option<i64>> =
             sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
                 .bind(resource)
+                .persistent(false)
                 .fetch_optional(&mut **tx)
                 .await
                 .map_err(fail)?;
@@ -146,14 +159,22 @@ impl PgFencedResource {
     }
 
     /// The highest token admitted for `resource`.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads (a call dropped mid-way leaves its read-only transaction
+    /// to be rolled back when the connection is next used).
     pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
         check_name(resource, "resource")?;
+        let fail = |e| error::from_sqlx(NAME, Operation::Fence, &self.schema, e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
         let latest: Option<Option<i64>> =
             sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
                 .bind(resource)
-                .fetch_optional(&self.pool)
+                .persistent(false)
+                .fetch_optional(&mut *tx)
                 .await
-                .map_err(|e| error::from_sqlx(NAME, Operation::Fence, &self.schema, e))?;
+                .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
         Ok(latest.flatten().map(token_from))
     }
 }
@@ -180,6 +201,7 @@ impl FencedResource for PgFencedResource {
             sqlx::query(AssertSqlSafe(self.write_sql.clone()))
                 .bind(resource)
                 .bind(value)
+                .persistent(false)
                 .execute(&mut *tx)
                 .await
                 .map_err(fail)?;
@@ -190,12 +212,16 @@ impl FencedResource for PgFencedResource {
 
     async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
         check_name(resource, "resource")?;
+        let fail = |e| error::from_sqlx(NAME, Operation::Read, &self.schema, e);
+        let mut tx = self.pool.begin().await.map_err(fail)?;
         let value: Option<Option<Vec<u8>>> =
             sqlx::query_scalar(AssertSqlSafe(self.read_sql.clone()))
                 .bind(resource)
-                .fetch_optional(&self.pool)
+                .persistent(false)
+                .fetch_optional(&mut *tx)
                 .await
-                .map_err(|e| error::from_sqlx(NAME, Operation::Read, &self.schema, e))?;
+                .map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
         Ok(value.flatten())
     }
 
@@ -274,6 +300,7 @@ impl IdempotencyKeys {
         check_name(key, "idempotency key")?;
         let done = sqlx::query(AssertSqlSafe(self.record_sql.clone()))
             .bind(key)
+            .persistent(false)
             .execute(&mut **tx)
             .await
             .map_err(|e| error::from_sqlx(NAME, Operation::RecordKey, &self.schema, e))?;

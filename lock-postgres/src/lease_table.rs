@@ -298,6 +298,11 @@ impl PgLeaseBackend {
     /// connections send no `extra_float_digits` (PgBouncer refuses it unless told to
     /// ignore it): floating-point values a simple query returns as text come at the
     /// server's default precision, which is exact from PostgreSQL 12 on.
+    ///
+    /// With [`PgPooling::Transaction`] its connections go through a transaction pooler:
+    /// [`crate::PgFencedResource`] and [`crate::IdempotencyKeys`] work there; the
+    /// application's own statements on it must not be cached under a name
+    /// (`.persistent(false)`) and must run inside a transaction, as theirs do.
     pub fn pool(&self) -> &sqlx::PgPool {
         &self.client.pool
     }
