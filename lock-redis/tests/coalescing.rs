@@ -420,3 +420,102 @@ async fn queued_releases_whose_connection_dropped_are_settled_and_free_their_key
         );
     }
 }
+
+/// A backend whose replies take 200 ms each way, with [`SENT_AT_ONCE`] acquires of its own
+/// on their way (a round trip takes 400 ms): a caller that comes now is queued.
+async fn calls_in_flight_filled() -> (
+    RedisFactory,
+    RedisBackend,
+    Vec<tokio::task::JoinHandle<Result<Option<Lease>, LockError>>>,
+) {
+    let f = RedisFactory::start().await;
+    let redis = f.redis_with(Duration::from_secs(2)).await;
+    f.proxy.delay(Duration::from_millis(200));
+    let mut in_flight = Vec::new();
+    for key in keys("in-flight", SENT_AT_ONCE) {
+        let redis = redis.clone();
+        in_flight.push(tokio::spawn(async move { redis.acquire(&key, TTL).await }));
+        // Apart, so that each is sent on its own and they fill the calls in flight.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (f, redis, in_flight)
+}
+
+/// Waits (10 s at most, far below the 60 s TTL) until `key` is free.
+async fn freed(redis: &RedisBackend, key: &LockKey, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis.inspect(key).await.unwrap().owner.is_some() {
+        assert!(Instant::now() < deadline, "{what}: {key} is still held");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The first caller of a batch was on a current-thread runtime and gave up before its
+/// batch went (its `block_on` returned: nobody drives that runtime any more). The batch
+/// still runs, for the caller queued behind it, and the gone caller's lease is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_runs_when_a_caller_who_gave_up_was_on_a_runtime_nobody_drives() {
+    let (_f, redis, in_flight) = calls_in_flight_filled().await;
+    let gone = LockKey::new("gave-up").unwrap();
+    let (idle, gave_up) = tokio::task::spawn_blocking({
+        let (redis, gone) = (redis.clone(), gone.clone());
+        move || {
+            let idle = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            let queued = idle.block_on(tokio::time::timeout(
+                Duration::from_millis(50),
+                redis.acquire(&gone, TTL),
+            ));
+            (idle, queued.is_err())
+        }
+    })
+    .await
+    .unwrap();
+    assert!(gave_up, "the caller gave up before its batch went");
+
+    let waiting = LockKey::new("waiting").unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(30), redis.acquire(&waiting, TTL))
+        .await
+        .expect("the queued caller was answered");
+    assert!(
+        matches!(answer, Ok(Some(ref lease)) if lease.key() == &waiting),
+        "the caller queued behind the one who gave up got {answer:?}"
+    );
+    for call in in_flight {
+        assert!(call.await.unwrap().unwrap().is_some());
+    }
+    freed(&redis, &gone, "the lease of the caller who gave up").await;
+    tokio::task::spawn_blocking(move || drop(idle))
+        .await
+        .unwrap();
+}
+
+/// A queued caller whose answer, a granted lease, was sent, and who is then dropped
+/// before reading it: the lease is released, not left held by nobody until its TTL.
+/// Driven by hand: the caller is polled once (it queues), the caller queued after it is
+/// answered (by the same batch, after it), then the first is dropped unread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queued_caller_dropped_with_its_answer_unread_leaves_no_lease_held() {
+    let (_f, redis, in_flight) = calls_in_flight_filled().await;
+    let unread = LockKey::new("unread").unwrap();
+    let mut dropped = Box::pin(redis.acquire(&unread, TTL));
+    assert!(futures::poll!(dropped.as_mut()).is_pending(), "queued");
+    let after = LockKey::new("after").unwrap();
+    let lease = redis
+        .acquire(&after, TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    assert_eq!(lease.key(), &after);
+    assert!(
+        redis.inspect(&unread).await.unwrap().owner.is_some(),
+        "the batch granted the first caller's key, and sent it its lease"
+    );
+    drop(dropped);
+    freed(&redis, &unread, "the unread lease").await;
+    for call in in_flight {
+        assert!(call.await.unwrap().unwrap().is_some());
+    }
+}

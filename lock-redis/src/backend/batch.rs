@@ -324,16 +324,34 @@ impl SendBatch<Acquire, Option<Lease>> for RedisBackend {
         if !unknown.is_empty() {
             self.abandon(unknown, longest);
         }
-        if !orphans.is_empty() {
-            tokio::spawn(async move {
-                let released = self.release_many(&orphans).await;
-                tracing::debug!(
-                    leases = orphans.len(),
-                    done = released.is_ok(),
-                    "released the leases of acquires whose callers had gone"
-                );
-            });
+        self.release_orphans(orphans);
+    }
+
+    /// A lease granted to a caller who went before reading it: released in the background.
+    fn unread(&self, answer: Option<Lease>) {
+        self.release_orphans(answer.into_iter().collect());
+    }
+}
+
+impl RedisBackend {
+    /// Releases, in the background, the leases of acquires whose callers had gone; left to
+    /// expire outside a runtime.
+    fn release_orphans(&self, orphans: Vec<Lease>) {
+        if orphans.is_empty() {
+            return;
         }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let backend = self.clone();
+        runtime.spawn(async move {
+            let released = backend.release_many(&orphans).await;
+            tracing::debug!(
+                leases = orphans.len(),
+                done = released.is_ok(),
+                "released the leases of acquires whose callers had gone"
+            );
+        });
     }
 }
 
@@ -382,6 +400,9 @@ impl SendBatch<Lease, Release> for RedisBackend {
             let _ = w.answer(outcome);
         }
     }
+
+    /// An unread release outcome changes nothing: the release ran.
+    fn unread(&self, _: Release) {}
 }
 
 /// The error of a coalesced batch, once for each of its callers (`LockError` is not `Clone`,

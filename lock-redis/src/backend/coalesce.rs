@@ -9,7 +9,13 @@
 //!
 //! Whatever happens to a caller's future, no batch is lost: each place in flight is held
 //! by an [`InFlight`] mark that, dropped, sends the calls queued meanwhile, and a leader's
-//! batch runs to its end ([`RunsToEnd`]) even when the leader's future is dropped.
+//! batch runs to its end ([`RunsToEnd`]) even when the leader's future is dropped. A batch
+//! that runs in a task of its own runs on the runtime of a caller still waiting for it
+//! ([`batch_runtime`]), never on that of a caller who gave up: a current-thread runtime
+//! runs its tasks only while someone drives it, and the caller who gave up may have
+//! been the one. And no answer is lost: one sent to a caller who is gone before reading
+//! it is handed back to the backend ([`SendBatch::unread`]), which releases a granted
+//! lease.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -19,7 +25,7 @@ use std::time::Duration;
 
 use distlock_core::LockError;
 use parking_lot::Mutex;
-use tokio::runtime::Handle;
+use tokio::runtime::{Handle, RuntimeFlavor};
 use tokio::sync::oneshot;
 
 /// How a backend sends a batch of coalesced calls of type `C`, each answered with an `O`:
@@ -39,6 +45,10 @@ pub(super) trait SendBatch<C, O>: Clone + Send + Sync + 'static {
     const OPERATION: &'static str;
     /// Sends `batch` as one multi-key call and answers each of its callers.
     fn send(self, batch: Vec<Waiting<C, O>>) -> impl Future<Output = ()> + Send + 'static;
+
+    /// An answer sent to a caller who then went without reading it (its future dropped
+    /// between the two): whatever it grants must not stay held by nobody.
+    fn unread(&self, answer: O);
 }
 
 /// A call that goes in a batch: what is sent, and where its caller's answer goes.
@@ -56,8 +66,31 @@ impl<C, O> Waiting<C, O> {
     }
 }
 
-/// Where a caller's answer comes from a batch.
-type Reply<O> = oneshot::Receiver<Result<O, LockError>>;
+/// Where a caller's answer comes from a batch. Dropped with an answer in it (sent, never
+/// read), it hands the answer to [`SendBatch::unread`].
+struct Reply<S: SendBatch<C, O>, C, O> {
+    rx: oneshot::Receiver<Result<O, LockError>>,
+    sender: S,
+    call: std::marker::PhantomData<fn() -> C>,
+}
+
+impl<S: SendBatch<C, O>, C, O> Reply<S, C, O> {
+    /// The answer, when it has come.
+    fn try_answer(&mut self) -> Option<Result<O, LockError>> {
+        self.rx.try_recv().ok()
+    }
+}
+
+impl<S: SendBatch<C, O>, C, O> Drop for Reply<S, C, O> {
+    fn drop(&mut self) {
+        // Closed first: from here on a send fails and hands the answer back to the batch
+        // (see `Waiting::answer`), so an answer is either here or there, never lost.
+        self.rx.close();
+        if let Ok(Ok(answer)) = self.rx.try_recv() {
+            self.sender.unread(answer);
+        }
+    }
+}
 
 /// The single calls of one kind on one node: each goes alone, leads a batch, or waits to
 /// go in one.
@@ -95,7 +128,8 @@ where
     ///
     /// A caller that stops waiting leaves every other caller answered and the coalescer
     /// working: a queued call still goes in its batch (the backend is handed its unread
-    /// answer: see [`Waiting::answer`]), a leader's batch runs to its end, and the place
+    /// answer, whether the caller went before it was sent, see [`Waiting::answer`], or
+    /// after, see [`SendBatch::unread`]), a leader's batch runs to its end, and the place
     /// in flight of a dropped call is handed on. A call sent alone is as cancel safe as
     /// `alone()`'s future.
     pub(super) async fn run<S, F>(
@@ -109,9 +143,13 @@ where
         F: Future<Output = Result<O, LockError>>,
     {
         let mut reply = None;
-        let waiting = |reply: &mut Option<Reply<O>>| {
+        let waiting = |reply: &mut Option<Reply<S, C, O>>| {
             let (tx, rx) = oneshot::channel();
-            *reply = Some(rx);
+            *reply = Some(Reply {
+                rx,
+                sender: sender.clone(),
+                call: std::marker::PhantomData,
+            });
             Waiting {
                 call: batched(),
                 runtime: Handle::try_current().ok(),
@@ -119,8 +157,8 @@ where
             }
         };
         let joined = self.queue.join(|| waiting(&mut reply));
-        if let (Joined::Queued, Some(rx)) = (joined, reply.take()) {
-            return self.queued_answer::<S>(rx).await;
+        if let (Joined::Queued, Some(reply)) = (joined, reply.take()) {
+            return self.queued_answer(reply).await;
         }
         let in_flight = InFlight {
             queue: self.queue.clone(),
@@ -129,9 +167,10 @@ where
         if joined == Joined::Lead {
             tokio::task::yield_now().await;
             if let Some(batch) = self.queue.gathered(|| waiting(&mut reply)) {
-                RunsToEnd::new(in_flight.send(batch)).await;
+                let runtimes = batch.iter().filter_map(|w| w.runtime.clone()).collect();
+                RunsToEnd::new(in_flight.send(batch), runtimes).await;
                 // Answered by the batch, which has run to its end.
-                let answer = reply.and_then(|mut rx| rx.try_recv().ok());
+                let answer = reply.as_mut().and_then(Reply::try_answer);
                 return answer.unwrap_or_else(|| Err(dropped::<S, C, O>()));
             }
         }
@@ -141,8 +180,11 @@ where
     }
 
     /// A queued caller's wait for its answer, [`Self::patience`] at most.
-    async fn queued_answer<S: SendBatch<C, O>>(&self, rx: Reply<O>) -> Result<O, LockError> {
-        match tokio::time::timeout(self.patience, rx).await {
+    async fn queued_answer<S: SendBatch<C, O>>(
+        &self,
+        mut reply: Reply<S, C, O>,
+    ) -> Result<O, LockError> {
+        match tokio::time::timeout(self.patience, &mut reply.rx).await {
             Ok(reply) => reply.unwrap_or_else(|_| Err(dropped::<S, C, O>())),
             Err(_) => Err(LockError::outcome_unknown(
                 S::BACKEND,
@@ -195,17 +237,25 @@ where
     /// Sends the calls queued meanwhile as one batch, in a task of its own (so it runs even
     /// when no caller waits any more), or frees the place.
     ///
-    /// The batch runs on the runtime of one of its callers, not on the one of the call
-    /// just done: a backend may be shared by several runtimes, and the one that ends the
-    /// call may be shutting down. The batch's mark is made before spawning and moves into
-    /// the task: if that runtime drops the task unpolled after all, dropping the mark
-    /// hands off again (the batch's callers learn from their closed channels) instead of
-    /// leaving the queue busy forever.
+    /// The batch runs on the runtime of a caller still waiting for it
+    /// ([`batch_runtime`]), not on the one of the call just done: a backend may be shared
+    /// by several runtimes, and the one that ends the call may be shutting down. The
+    /// batch's mark is made before spawning and moves into the task: if that runtime
+    /// drops the task unpolled after all, dropping the mark hands off again (the batch's
+    /// callers learn from their closed channels) instead of leaving the queue busy
+    /// forever.
     fn hand_off(&self) {
         while let Some(batch) = self.queue.next() {
             // Looked up only for a batch: most calls end with nothing queued behind them.
-            let runtime = batch.iter().find_map(|w| w.runtime.clone());
-            let Some(runtime) = runtime.or_else(|| Handle::try_current().ok()) else {
+            let (waiting, gone): (Vec<_>, Vec<_>) = batch
+                .iter()
+                .filter_map(|w| Some((w.runtime.as_ref()?, w.reply.is_closed())))
+                .partition(|(_, gone)| !gone);
+            let runtime = batch_runtime(
+                waiting.iter().map(|(h, _)| *h),
+                gone.iter().map(|(h, _)| *h),
+            );
+            let Some(runtime) = runtime else {
                 // Nothing can be sent without a runtime: dropping the batch closes its
                 // callers' channels, which tells them so.
                 continue;
@@ -322,17 +372,41 @@ impl<T> Queue<T> {
     }
 }
 
+/// Where a batch runs in a task of its own: the runtime of a caller still `waiting` for
+/// it, a multi-thread one first (its workers run its tasks whoever waits), else a
+/// current-thread one (it runs its tasks only while driven, and a caller that waits is
+/// being driven); else the current runtime; else that of a caller who is `gone`. Never
+/// a gone caller's first: it may be a current-thread runtime that nobody drives any more,
+/// where the batch would never run. `None` outside any runtime.
+fn batch_runtime<'a>(
+    waiting: impl Iterator<Item = &'a Handle> + Clone,
+    mut gone: impl Iterator<Item = &'a Handle>,
+) -> Option<Handle> {
+    let driven = |h: &&Handle| h.runtime_flavor() != RuntimeFlavor::CurrentThread;
+    waiting
+        .clone()
+        .find(driven)
+        .or_else(|| waiting.clone().next())
+        .cloned()
+        .or_else(|| Handle::try_current().ok())
+        .or_else(|| gone.next().cloned())
+}
+
 /// A leader's batch, polled by the leader (the replies reach their callers from its task,
-/// one hop); if the leader's future is dropped first, the rest of the batch is spawned
-/// on the runtime it is dropped on, so the other callers are still answered.
+/// one hop); if the leader's future is dropped first, the rest of the batch is spawned,
+/// on another caller's runtime rather than the gone leader's (see [`batch_runtime`]), so
+/// the other callers are still answered.
 struct RunsToEnd {
     batch: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    /// The runtimes of the batch's callers, the leader's last.
+    runtimes: Vec<Handle>,
 }
 
 impl RunsToEnd {
-    fn new(batch: impl Future<Output = ()> + Send + 'static) -> Self {
+    fn new(batch: impl Future<Output = ()> + Send + 'static, runtimes: Vec<Handle>) -> Self {
         Self {
             batch: Some(Box::pin(batch)),
+            runtimes,
         }
     }
 }
@@ -353,9 +427,12 @@ impl Future for RunsToEnd {
 impl Drop for RunsToEnd {
     fn drop(&mut self) {
         if let Some(batch) = self.batch.take() {
-            // Without a runtime the batch is dropped: its callers learn from their closed
-            // channels, and its in-flight mark hands the queue on.
-            if let Ok(runtime) = Handle::try_current() {
+            // The leader is gone; the others waited when the batch was gathered. Without a
+            // runtime the batch is dropped: its callers learn from their closed channels,
+            // and its in-flight mark hands the queue on.
+            let (leader, others) = self.runtimes.split_last().unzip();
+            let others = others.unwrap_or_default();
+            if let Some(runtime) = batch_runtime(others.iter(), leader.into_iter()) {
                 runtime.spawn(batch);
             }
         }
