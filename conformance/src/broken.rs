@@ -827,6 +827,9 @@ impl Failover for BrokenFaults {
     /// The store is one node whose replica has every write: a fail-over changes nothing
     /// the clients see.
     async fn fail_over(&self, _key: &LockKey) {}
+
+    /// As [`Failover::fail_over`]: nothing the clients see changes.
+    async fn switch_over(&self, _key: &LockKey) {}
 }
 
 #[cfg(test)]

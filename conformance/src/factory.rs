@@ -37,8 +37,9 @@ pub trait Factory: Send + Sync {
         None
     }
 
-    /// Fail-over of the store's nodes to their replicas, if the factory's store has
-    /// replicas it promotes (a Redis Cluster with a replica per master).
+    /// Fail-over and switchover of the store's nodes to their replicas, if the factory's
+    /// store has replicas it promotes (a Redis Cluster with a replica per master, a Redis
+    /// master with a replica and Sentinels).
     fn failover(&self) -> Option<Arc<dyn Failover>> {
         None
     }
@@ -165,4 +166,11 @@ pub trait Failover: Send + Sync {
     /// replica and serves `key` again: the map of which node serves what changes under the
     /// clients' live leases.
     async fn fail_over(&self, key: &LockKey);
+
+    /// Hands the node that serves `key` over to its replica while it keeps running (a
+    /// switchover, as for maintenance: Sentinel's `SENTINEL FAILOVER`, a Cluster replica's
+    /// `CLUSTER FAILOVER`), and returns once the replica serves `key` and the old node
+    /// follows it as a replica: clients still connected to the old node reach a node that
+    /// is up and no longer takes writes.
+    async fn switch_over(&self, key: &LockKey);
 }

@@ -21,6 +21,7 @@ macro_rules! __conformance_cases {
             server_paused_past_ttl_keeps_holders_apart: [server_faults],
             terminated_sessions_leave_old_holder_fenced: [server_faults, session_kill],
             failover_keeps_live_leases: [failover],
+            switchover_keeps_live_leases: [failover],
             ttl_expiry_frees_the_key: [],
             release_by_non_owner_is_not_held: [],
             renew_by_non_owner_is_lost: [],

@@ -1,6 +1,6 @@
 //! Cases on faults of the store's server: a restart (with or without the store's data),
 //! a pause past the TTL, the clients' sessions ended by the server, and a node failed
-//! over to its replica. Each checks what a holder caught by the fault
+//! over or switched over to its replica. Each checks what a holder caught by the fault
 //! may still do: its late write is rejected once a newer holder wrote, its lease is never
 //! renewed over the new holder, and tokens keep increasing.
 
@@ -175,46 +175,87 @@ impl Holder {
     }
 }
 
-/// The TTL of the fail-over case: longer than the store takes to notice a dead node and
-/// promote its replica, so the lease outlives the fail-over.
+/// The TTL of the fail-over and switchover cases: longer than the store takes to notice a
+/// dead node and promote its replica, so the lease outlives the hand-over.
 const FAILOVER_TTL: Duration = Duration::from_secs(20);
 
-/// A lease whose node is failed over to its replica (the map of which node serves the
-/// key changes under the live lease) is renewed again, single and batched, before its
-/// validity runs out; meanwhile it excludes other clients, and after its release the next
-/// grant carries a higher token.
+/// A lease whose node is failed over to its replica (the node killed, the map of which
+/// node serves the key changing under the live lease) is renewed again, single and
+/// batched, before its validity runs out; meanwhile it excludes other clients, and after
+/// its release the next grant carries a higher token.
 pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome, Failure> {
-    let mut ctx = Ctx::new("failover_keeps_live_leases", factory);
+    keeps_live_leases(factory, Handover::FailOver).await
+}
+
+/// As [`failover_keeps_live_leases`], for a switchover: the node hands the key over to
+/// its replica and runs on as a replica of it, so a client still connected to it reaches
+/// a live node that no longer takes writes (and must follow the new one, not fail there).
+pub async fn switchover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome, Failure> {
+    keeps_live_leases(factory, Handover::SwitchOver).await
+}
+
+/// How the node of the key is handed over to its replica.
+#[derive(Clone, Copy)]
+enum Handover {
+    /// [`Failover::fail_over`](crate::factory::Failover::fail_over): the node killed.
+    FailOver,
+    /// [`Failover::switch_over`](crate::factory::Failover::switch_over): the node demoted.
+    SwitchOver,
+}
+
+impl Handover {
+    fn case(self) -> &'static str {
+        match self {
+            Handover::FailOver => "failover_keeps_live_leases",
+            Handover::SwitchOver => "switchover_keeps_live_leases",
+        }
+    }
+
+    fn what(self) -> &'static str {
+        match self {
+            Handover::FailOver => "fail-over",
+            Handover::SwitchOver => "switchover",
+        }
+    }
+}
+
+/// [`failover_keeps_live_leases`] or [`switchover_keeps_live_leases`], by `how`.
+async fn keeps_live_leases(factory: &dyn Factory, how: Handover) -> Result<Outcome, Failure> {
+    let mut ctx = Ctx::new(how.case(), factory);
     let failover = ctx.failover()?;
-    // Renewals sent while the node is down may have reached it.
+    // Renewals sent while the node is down or handing over may have reached it.
     ctx.with_faults();
     let (a, b) = (ctx.client().await, ctx.client().await);
     let t = ctx.timing(&a);
     let ttl = fit_ttl(&a.capabilities(), FAILOVER_TTL);
     let key = ctx.key("k")?;
     let lease = ctx.take(&a, &key, ttl).await?;
-    // The clients learn where the key lives before the fail-over, on every path: the
+    let what = how.what();
+    // The clients learn where the key lives before the hand-over, on every path: the
     // single calls and the batches (a client may route them by a map of its own, which
-    // the fail-over makes wrong).
+    // the hand-over makes wrong).
     ctx.expect_held(&b, &key, ttl, "just granted").await?;
     let before = ctx.ok(
-        "renew_many before the fail-over",
+        &format!("renew_many before the {what}"),
         a.renew_many(std::slice::from_ref(&lease)).await,
     )?;
     ctx.ensure(
         matches!(before.as_slice(), [Renewal::Renewed { .. }]),
-        "the lease to renew in a batch before the fail-over",
+        format!("the lease to renew in a batch before the {what}"),
         || format!("{before:?}"),
     )?;
 
-    failover.fail_over(&key).await;
+    match how {
+        Handover::FailOver => failover.fail_over(&key).await,
+        Handover::SwitchOver => failover.switch_over(&key).await,
+    }
 
     // Until the clients learn the new map, a call may fail or find the part of the
     // store that keeps the lease unreachable; each form must renew it again before its
     // validity runs out.
     let valid_until = lease.valid_until();
     let single = || async { a.renew(&lease).await };
-    renewed_again(&ctx, "renew", valid_until, single).await?;
+    renewed_again(&ctx, "renew", what, valid_until, single).await?;
     let batched = || async {
         let batch = a.renew_many(std::slice::from_ref(&lease)).await?;
         match batch.as_slice() {
@@ -222,8 +263,8 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
             _ => Ok(Renewal::Lost),
         }
     };
-    renewed_again(&ctx, "renew_many", valid_until, batched).await?;
-    ctx.expect_held(&b, &key, ttl, "renewed after the fail-over")
+    renewed_again(&ctx, "renew_many", what, valid_until, batched).await?;
+    ctx.expect_held(&b, &key, ttl, &format!("renewed after the {what}"))
         .await?;
     release_held(&ctx, &a, &lease).await?;
     let next = ctx.take(&b, &key, t.ttl).await?;
@@ -231,7 +272,7 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
         &ctx,
         &next,
         lease.token(),
-        format!("a token above {} after the fail-over", lease.token()),
+        format!("a token above {} after the {what}", lease.token()),
     )?;
     release_held(&ctx, &b, &next).await?;
     ctx.pass(&t)
@@ -239,10 +280,12 @@ pub async fn failover_keeps_live_leases(factory: &dyn Factory) -> Result<Outcome
 
 /// Retries `renew` (a single or a one-lease batch renewal) while it fails or finds the
 /// lease's node unreachable, until it renews; fails if it says `Lost` (or the batch
-/// answered for other than one lease), or if `valid_until` passes first.
+/// answered for other than one lease), or if `valid_until` passes first. `after` names
+/// the hand-over in messages.
 async fn renewed_again<F, Fut>(
     ctx: &Ctx<'_>,
     what: &str,
+    after: &str,
     valid_until: Instant,
     mut renew: F,
 ) -> Result<(), Failure>
@@ -256,7 +299,7 @@ where
             Ok(Renewal::Unreachable) => "its node unreachable".to_owned(),
             Ok(other) => {
                 return Err(ctx.fail(
-                    format!("the live lease to {what} after the fail-over"),
+                    format!("the live lease to {what} after the {after}"),
                     format!("{other:?}"),
                 ));
             }
@@ -264,7 +307,7 @@ where
         };
         if Instant::now() >= valid_until {
             return Err(ctx.fail(
-                format!("the live lease to {what} after the fail-over, within its validity"),
+                format!("the live lease to {what} after the {after}, within its validity"),
                 format!("still failing at its end: {failing}"),
             ));
         }

@@ -75,7 +75,7 @@ impl Need {
             Need::DistinctClients => "clients that are separate instances",
             Need::WakesWaiters => "a store that announces releases to waiters",
             Need::SessionKill => "a way to end the store's client sessions",
-            Need::Failover => "a replica to fail over to",
+            Need::Failover => "a replica to fail over and switch over to",
             Need::ClockStep => "a wall clock the store's tokens may read, stepped back under it",
         }
     }
