@@ -16,5 +16,5 @@ pub use builder::{AppendFsync, RedisServerBuilder, RedisTls};
 pub use cluster::{RedisCluster, RedisClusterBuilder, key_slot};
 pub use node::{Redis, RedisServer};
 pub use resp::{COMMAND_TIMEOUT, RespValue, resp_command};
-pub use sentinel::{RedisSentinel, SentinelDeployment};
+pub use sentinel::{RedisSentinel, SentinelDeployment, SentinelDeploymentBuilder};
 pub use user::RedisUser;

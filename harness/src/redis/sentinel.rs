@@ -1,17 +1,20 @@
 //! Redis Sentinel for tests: `redis-sentinel` processes ([`RedisSentinel`]), each with its
 //! own `sentinel.conf` on a free 127.0.0.1 port, and the deployment users run
 //! ([`SentinelDeployment`]): a master, a replica and three Sentinels with quorum 2, with
-//! short detection and failover times.
+//! short detection and failover times, optionally with a [`FaultProxy`] in front of each
+//! data node ([`SentinelDeploymentBuilder::behind_proxies`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use super::builder::RedisServerBuilder;
 use super::node::RedisServer;
 use super::resp::{COMMAND_TIMEOUT, RespValue, resp_command};
 use crate::process::Spec;
+use crate::proxy::FaultProxy;
 use crate::{
-    HarnessError, Server, ServerKind, find_binary, free_port, start_on_free_ports, temp_dir,
-    wait_until_ready,
+    HarnessError, Server, ServerKind, find_binary, free_port, loopback, start_on_free_ports,
+    temp_dir, wait_until_ready,
 };
 
 /// The name the Sentinels of a [`SentinelDeployment`] monitor its master by.
@@ -155,24 +158,88 @@ pub struct SentinelDeployment {
     pub nodes: [RedisServer; 2],
     /// The three Sentinels.
     pub sentinels: Vec<RedisSentinel>,
+    /// With [`SentinelDeploymentBuilder::behind_proxies`], the proxy in front of each node,
+    /// in the order of [`nodes`](Self::nodes); empty otherwise.
+    pub proxies: Vec<FaultProxy>,
 }
 
-impl SentinelDeployment {
+/// Options for a [`SentinelDeployment`]; see [`SentinelDeployment::builder`].
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct SentinelDeploymentBuilder {
+    nodes: RedisServerBuilder,
+    proxies: bool,
+}
+
+impl SentinelDeploymentBuilder {
+    /// Starts both data nodes from `builder` (its options: a clock, arguments...); the
+    /// replica is also made a replica of the master. The default is
+    /// [`RedisServer::builder`]'s.
+    pub fn nodes(mut self, builder: RedisServerBuilder) -> Self {
+        self.nodes = builder;
+        self
+    }
+
+    /// Puts a [`FaultProxy`] in front of each data node, and everyone reaches the nodes
+    /// only through them: the Sentinels monitor the master's proxy, each node announces
+    /// its proxy's port when it is a replica (`replica-announce-port`, so the Sentinels
+    /// know a promoted replica by its proxy), and the replica follows the master's proxy.
+    /// The Sentinels therefore name proxies to clients, and a fault on the proxies cuts
+    /// the nodes off from clients, Sentinels and each other alike, as a network partition
+    /// of the data nodes does. The Sentinels themselves are reached directly.
+    pub fn behind_proxies(mut self) -> Self {
+        self.proxies = true;
+        self
+    }
+
     /// Starts the master, the replica, then the Sentinels, and waits until they know each
     /// other.
-    pub async fn start() -> Result<Self, HarnessError> {
-        let master = RedisServer::start().await?;
-        let replica = RedisServer::builder()
-            .replica_of(master.addr())
-            .start()
-            .await?;
+    pub async fn start(self) -> Result<SentinelDeployment, HarnessError> {
+        let (nodes, proxies) = if self.proxies {
+            // Each proxy's port goes on its node's command line (so a restarted node
+            // announces it too); the proxy is pointed at the node once it listens.
+            let unused = loopback(1);
+            let proxies = [
+                FaultProxy::start(unused).await?,
+                FaultProxy::start(unused).await?,
+            ];
+            let announced = |proxy: &FaultProxy| {
+                ["--replica-announce-ip".to_owned(), "127.0.0.1".to_owned()]
+                    .into_iter()
+                    .chain([
+                        "--replica-announce-port".to_owned(),
+                        proxy.port().to_string(),
+                    ])
+            };
+            let master = self
+                .nodes
+                .clone()
+                .args(announced(&proxies[0]))
+                .start()
+                .await?;
+            proxies[0].retarget(master.addr());
+            let replica = self
+                .nodes
+                .args(announced(&proxies[1]))
+                .replica_of(proxies[0].addr())
+                .start()
+                .await?;
+            proxies[1].retarget(replica.addr());
+            ([master, replica], Vec::from(proxies))
+        } else {
+            let master = self.nodes.clone().start().await?;
+            let replica = self.nodes.replica_of(master.addr()).start().await?;
+            ([master, replica], Vec::new())
+        };
+        let monitored = proxies.first().map_or(nodes[0].addr(), FaultProxy::addr);
         let mut sentinels = Vec::new();
         for _ in 0..3 {
-            sentinels.push(RedisSentinel::start(master.addr()).await?);
+            sentinels.push(RedisSentinel::start(monitored).await?);
         }
-        let deployment = Self {
-            nodes: [master, replica],
+        let deployment = SentinelDeployment {
+            nodes,
             sentinels,
+            proxies,
         };
         for sentinel in &deployment.sentinels {
             wait_until_ready(
@@ -192,6 +259,19 @@ impl SentinelDeployment {
         }
         Ok(deployment)
     }
+}
+
+impl SentinelDeployment {
+    /// Starts the master, the replica, then the Sentinels, and waits until they know each
+    /// other.
+    pub async fn start() -> Result<Self, HarnessError> {
+        Self::builder().start().await
+    }
+
+    /// Options for a deployment: the data nodes' settings, proxies in front of them.
+    pub fn builder() -> SentinelDeploymentBuilder {
+        SentinelDeploymentBuilder::default()
+    }
 
     /// `redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/locks`.
     pub fn url(&self) -> String {
@@ -203,14 +283,38 @@ impl SentinelDeployment {
         format!("redis+sentinel://{}/{MASTER_NAME}", hosts.join(","))
     }
 
-    /// The node at `addr`.
+    /// The node at `addr`, its own or its proxy's.
     pub fn node(&self, addr: SocketAddr) -> Option<&RedisServer> {
-        self.nodes.iter().find(|n| n.addr() == addr)
+        let index = match self.proxies.iter().position(|p| p.addr() == addr) {
+            Some(proxied) => proxied,
+            None => self.nodes.iter().position(|n| n.addr() == addr)?,
+        };
+        self.nodes.get(index)
     }
 
     /// The master's address, as the first Sentinel knows it.
     pub async fn master_addr(&self) -> Result<SocketAddr, HarnessError> {
         self.sentinels[0].master_addr().await
+    }
+
+    /// Waits (at most `limit`) until every Sentinel sees the master it names up (its flags
+    /// are `master` alone: not down, no failover running).
+    pub async fn wait_for_master_up(&self, limit: Duration) -> Result<(), HarnessError> {
+        for sentinel in &self.sentinels {
+            wait_until_ready(
+                sentinel.what(),
+                limit,
+                Duration::from_millis(50),
+                || async {
+                    match sentinel.master_field("flags").await {
+                        Ok(flags) if flags == "master" => Ok(()),
+                        other => Err(format!("the master's flags: {other:?}")),
+                    }
+                },
+            )
+            .await?;
+        }
+        Ok(())
     }
 
     /// Waits (at most `limit`) until every Sentinel names a master other than `old`, and
