@@ -27,14 +27,20 @@
 //!
 //! The scripts announce with `redis.pcall`, so a `PUBLISH` the server refuses (an ACL
 //! user without rights on the channel, Redis 7's default for new users) never fails or
-//! undoes a release. [`announcements_refused`] finds such a user when the backend is
-//! built: the backend then runs without a listener and says so in its capabilities, and
-//! waiters poll. A `SUBSCRIBE` (or `SSUBSCRIBE`) refused later ends the listener for good
-//! (with one warning) instead of connecting again every few seconds or for every waiter.
-//! A backend that hears no release (no listener, or one refused) marks no key waited for
-//! when it finds it held, and one whose announcements the server refuses announces none
-//! (`-` to the release scripts): no `PUBLISH` for nobody, and no `ACL LOG` entry per
-//! release.
+//! undoes a release. When the backend is built, [`announcements_refused`] finds such a
+//! user, and [`subscriptions_refused`] one that may announce but not subscribe (no
+//! `+subscribe`): the backend then runs without a listener, says so once in a warning and
+//! in its capabilities, and waiters poll. (On a Redis 7 cluster, a user refused `SPUBLISH`
+//! or `SSUBSCRIBE` who may `PUBLISH` and `SUBSCRIBE` is heard over those instead.) That is
+//! no configuration error: wake-ups only shorten a wait, the locks are the same without
+//! them, and a deployment whose ACL lacks a pub/sub command keeps working as it did.
+//!
+//! A `SUBSCRIBE` (or `SSUBSCRIBE`) refused later (the user's rights changed) ends the
+//! listener for good, with one warning, instead of connecting again every few seconds or
+//! for every waiter. A backend that hears no release (no listener, or one refused) marks no
+//! key waited for when it finds it held, and one whose announcements the server refuses
+//! announces none (`-` to the release scripts): no `PUBLISH` for nobody, and no `ACL LOG`
+//! entry per release.
 //!
 //! # Reconnects and lifetime
 //!
@@ -430,6 +436,43 @@ pub(crate) async fn announcements_refused(
         ))),
         Err(e) => Err(e),
     }
+}
+
+/// Why this backend's user may not subscribe to the release channels on `servers`, or
+/// `None` when it may: a `SUBSCRIBE` (`SSUBSCRIBE` on [`Servers::Shards`]) to the channel
+/// [`announcements_refused`] publishes to, over a connection made for it and closed after,
+/// which the server refuses with `NOPERM` when the user lacks the command or the channel.
+/// Any other error says nothing of the user's rights.
+pub(crate) async fn subscriptions_refused(
+    servers: &Servers,
+    prefix: &str,
+) -> Result<Option<String>, RedisError> {
+    let channel = format!("{prefix}:{{}}");
+    let (command, subscribed) = match servers {
+        Servers::Nodes(clients) => ("SUBSCRIBE", subscribe_on(&clients[0], &channel).await),
+        Servers::Sentinel(sentinels) => match sentinels.master().await {
+            Ok(master) => ("SUBSCRIBE", subscribe_on(&master, &channel).await),
+            Err(e) => return Err(e),
+        },
+        Servers::Shards(client) => {
+            let (sender, _pushes) = unbounded_channel();
+            let cluster = client(sender)?.get_async_connection().await;
+            ("SSUBSCRIBE", cluster?.ssubscribe(&channel).await)
+        }
+    };
+    match subscribed {
+        Ok(()) => Ok(None),
+        Err(e) if is_refused(&e) => Ok(Some(format!(
+            "the server refuses {command} to {channel} for this user ({})",
+            e.kind_name()
+        ))),
+        Err(e) => Err(e),
+    }
+}
+
+/// `SUBSCRIBE` to `channel` over a pub/sub connection of `client`'s, closed after.
+async fn subscribe_on(client: &redis::Client, channel: &str) -> RedisResult<()> {
+    client.get_async_pubsub().await?.subscribe(channel).await
 }
 
 /// `NOPERM`: the user's ACL does not allow it.

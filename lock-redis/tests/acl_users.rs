@@ -323,40 +323,27 @@ async fn refusal_counts(server: &RedisServer) -> Vec<i64> {
         .collect()
 }
 
+/// A cluster user who may `SPUBLISH` but not `SSUBSCRIBE`: `build` finds out (one refused
+/// `SSUBSCRIBE` per backend built) and falls back to `PUBLISH` and `SUBSCRIBE`, which it
+/// may: its waiters are woken, and no listener is refused after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_ssubscribe_ends_the_listener_and_waiters_poll() {
+async fn a_cluster_user_refused_ssubscribe_at_build_is_woken_over_publish() {
     let cluster = harness::require(harness::redis::RedisCluster::start().await);
     let holder = cluster_backend_as(&cluster, "locker", &["+spublish"]).await;
     let waiter = cluster_backend_as(&cluster, "locker", &["+spublish"]).await;
-    let key = LockKey::new("acl:refused").unwrap();
-    let lease = holder
-        .acquire(&key, TTL)
-        .await
-        .unwrap()
-        .expect("a free key");
-    let locker = waiting_locker(
-        waiter,
-        Duration::from_millis(50),
-        Duration::from_millis(200),
-        TTL,
-    );
-    let waiting = tokio::spawn({
-        let key = key.clone();
-        async move { locker.lock(&key).await.map(drop) }
-    });
-    // Long enough for a listener that connected again after each refusal (pauses from
-    // 50 ms, doubling) to be refused many more times.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(waiter.capabilities().wakes_waiters);
+    let (after_release, (publishes, spublishes)) =
+        one_woken_handoff(&cluster, &holder, waiter).await;
+    assert!(after_release < Duration::from_secs(5), "{after_release:?}");
+    assert_eq!((publishes, spublishes), (1, 0));
+    let mut refused = Vec::new();
     let mut counts = Vec::new();
     for node in cluster.nodes() {
+        refused.extend(refusals(node).await);
         counts.extend(refusal_counts(node).await);
     }
-    assert_eq!(counts, [1], "one SSUBSCRIBE refused, once");
-    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
-    waiting
-        .await
-        .unwrap()
-        .expect("the waiter polled and got the key");
+    assert_eq!(refused, [("command".into(), "ssubscribe".into())]);
+    assert_eq!(counts, [2], "one SSUBSCRIBE refused per backend built");
 }
 
 /// A key `holder` holds, waited for by `waiter`'s `Locker::lock` (which watches its
@@ -455,4 +442,41 @@ async fn without_channel_rights_contended_releases_run_no_refused_publish() {
 
     assert_eq!(refusals(&server).await, probe);
     assert_eq!(refusal_counts(&server).await, [1], "only the probe's");
+}
+
+/// A user who may `PUBLISH` but not `SUBSCRIBE`: `build` finds out (one refused
+/// `SUBSCRIBE`) and turns wake-ups off, so no waiter starts a listener to be refused, and
+/// contended keys are not marked (no `PUBLISH` for nobody) over 20 waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_who_may_publish_but_not_subscribe_runs_without_wake_ups_from_build() {
+    let server = harness::require(RedisServer::start().await);
+    set_user(&server, "publisher", true, &["-subscribe"]).await;
+    let redis = RedisBackend::builder()
+        .url(format!(
+            "redis://publisher:{PASSWORD}@127.0.0.1:{}/",
+            server.port()
+        ))
+        .build()
+        .await
+        .expect("a user without SUBSCRIBE builds a backend");
+    assert!(!redis.capabilities().wakes_waiters);
+    assert!(
+        redis
+            .watch_releases(&LockKey::new("acl:watched").unwrap())
+            .is_none(),
+        "no listener is started"
+    );
+
+    contended_waits(&redis, &redis, 20).await;
+
+    assert_eq!(
+        refusals(&server).await,
+        [("command".into(), "subscribe".into())]
+    );
+    assert_eq!(refusal_counts(&server).await, [1], "the probe's, once");
+    assert_eq!(
+        common::command_calls(&server, "publish").await,
+        1,
+        "the probe's"
+    );
 }

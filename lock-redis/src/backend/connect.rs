@@ -12,15 +12,15 @@ use redis::aio::ConnectionManagerConfig;
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, ProtocolVersion, RedisError, RedisResult, Value};
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::coalesce::Coalescer;
 use super::replicas::{AckedConns, Connector};
 use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
 use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client};
-use crate::error::{config_error, connect_error};
-use crate::releases::{ReleaseListener, Servers, announcements_refused};
+use crate::error::{KindName, config_error, connect_error};
+use crate::releases::{ReleaseListener, Servers, announcements_refused, subscriptions_refused};
 
 impl RedisBackend {
     pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
@@ -193,7 +193,11 @@ impl RedisBackend {
                 b.prefix
             );
         }
-        let servers = match cluster_nodes {
+        let mut node_servers = Some(match sentinel_servers {
+            Some(sentinels) => Servers::Sentinel(sentinels),
+            None => Servers::Nodes(listen_on),
+        });
+        let mut servers = match cluster_nodes {
             _ if refused.is_some() => None,
             Some(nodes) if sharded => {
                 let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
@@ -209,11 +213,49 @@ impl RedisBackend {
                     client.build()
                 })))
             }
-            _ => match sentinel_servers {
-                Some(sentinels) => Some(Servers::Sentinel(sentinels)),
-                None => Some(Servers::Nodes(listen_on)),
-            },
+            _ => node_servers.take(),
         };
+        // A user who may announce but not subscribe gets no listener, which would only be
+        // refused; on a cluster whose shard channels it may not subscribe to, one over
+        // PUBLISH if it may.
+        let subscribe_refused = async |servers: &Servers| {
+            let probed =
+                with_timeout(b.connect_timeout, subscriptions_refused(servers, &b.prefix)).await;
+            // Unreachable now: the listener finds out when it runs.
+            probed.unwrap_or_else(|e| {
+                debug!(error = %e.kind_name(), "no subscription tried at build");
+                None
+            })
+        };
+        if let Some(listening) = &servers {
+            if let Some(why) = subscribe_refused(listening).await {
+                let unsharded = match node_servers.take() {
+                    Some(nodes)
+                        if sharded
+                            && refused_to(false).await?.is_none()
+                            && subscribe_refused(&nodes).await.is_none() =>
+                    {
+                        Some(nodes)
+                    }
+                    _ => None,
+                };
+                if unsharded.is_some() {
+                    warn!(
+                        "releases are announced with PUBLISH, which reaches every node of the \
+                         cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
+                         keep them on their key's shard"
+                    );
+                    sharded = false;
+                } else {
+                    warn!(
+                        "release wake-ups are off: {why}; waiters poll with backoff instead. \
+                         Grant the user +subscribe +unsubscribe (+ssubscribe +sunsubscribe on \
+                         a Redis 7 cluster) to turn them on"
+                    );
+                }
+                servers = unsharded;
+            }
+        }
         let acked = match acked {
             Some(connector) => Some(
                 AckedConns::open(connector)
@@ -226,7 +268,7 @@ impl RedisBackend {
             .native_batch(true)
             .server_side_ttl(true)
             .inspect(true)
-            .wakes_waiters(refused.is_none());
+            .wakes_waiters(servers.is_some());
         // A queued call waits for the call in flight ahead of it and then its own batch,
         // each bounded by the response timeout; the third one is slack.
         let coalesced_patience = b.response_timeout * 3;
