@@ -39,6 +39,14 @@
 //! with the server's TCP keepalives and `tcp_user_timeout` at about that time, so the
 //! server ends the session of a listener that vanished, and with it its registrations.
 //!
+//! # A registration that waits
+//!
+//! Registering waits for the exclusive lock of a release that is committing. The session's
+//! `lock_timeout` (half the request time limit) bounds that wait on the server: a
+//! registration held up by a transaction that does not end fails there, and the listener
+//! drops a connection that has answered and connects again. Bounded by the client alone,
+//! each attempt left a session behind, still waiting for the lock.
+//!
 //! # Lifetime
 //!
 //! The listener's lifecycle (started by the first watch, connected again with a growing
@@ -181,14 +189,25 @@ const KEEPALIVE_PROBES: u64 = 3;
 /// that the server ends the session of a client that vanished (its registrations would
 /// otherwise make releases notify for no one). The time is `request_timeout`, rounded up
 /// to whole seconds: the client pings that often.
+///
+/// Also sets the session's `lock_timeout` to half the request time limit. A registration
+/// waits for the exclusive lock of a release that is committing; one that never commits
+/// (or a session that holds the waiter id for another reason) would keep it waiting. The
+/// server then ends the wait itself, before the client gives up: the listener gets an
+/// error, drops a connection that has answered, and connects again. Waited on by the
+/// client's time limit alone, the connection stayed busy after the listener gave up on
+/// it (sqlx's drop handler waits for the statement before it can return or close it),
+/// and each attempt left one more session waiting for the lock.
 fn keepalive_sql(request_timeout: Duration) -> String {
     let secs = request_timeout.as_secs() + u64::from(request_timeout.subsec_nanos() > 0);
     let secs = secs.max(1);
+    let lock_ms = (request_timeout / 2).as_millis().clamp(1, i32::MAX as u128);
     format!(
         "SELECT set_config('tcp_keepalives_idle', '{secs}', false), \
                 set_config('tcp_keepalives_interval', '{secs}', false), \
                 set_config('tcp_keepalives_count', '{KEEPALIVE_PROBES}', false), \
-                set_config('tcp_user_timeout', '{}', false)",
+                set_config('tcp_user_timeout', '{}', false), \
+                set_config('lock_timeout', '{lock_ms}', false)",
         secs * 1000 * (KEEPALIVE_PROBES + 1)
     )
 }
@@ -236,7 +255,7 @@ impl Follower {
         }
         let keepalive = sqlx::query(AssertSqlSafe(self.keepalive.clone())).execute(&mut listener);
         if let Err(lost) = self.timed(keepalive).await {
-            debug!(%lost, "cannot set the release listener's TCP timeouts");
+            debug!(%lost, "cannot set the release listener's TCP and lock timeouts");
             return true;
         }
         let mut registered = HashMap::new();
@@ -464,6 +483,83 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(listening, "0");
+    }
+
+    /// Listener sessions that wait for a lock, and all listener sessions.
+    async fn listener_sessions(server: &PostgresServer) -> (u64, u64) {
+        let counts = server
+            .psql(&format!(
+                "SELECT count(*) FILTER (WHERE wait_event_type = 'Lock') || ' ' || count(*) \
+                   FROM pg_stat_activity WHERE application_name = '{LISTENER_APPLICATION_NAME}'"
+            ))
+            .await
+            .unwrap();
+        let (waiting, all) = counts.split_once(' ').unwrap();
+        (waiting.parse().unwrap(), all.parse().unwrap())
+    }
+
+    /// A registration that cannot get its shared lock (another session holds the waiter
+    /// id exclusively, as a release that does not commit would) is ended by the server,
+    /// and the listener's connection with it: the listener keeps at most one session,
+    /// not one more left waiting for the lock each time it gives up.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_blocked_registration_leaves_no_session_behind() {
+        const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
+        let server = server().await;
+        let backend = PgBuilder::new(server.url())
+            .request_timeout(REQUEST_TIMEOUT)
+            .build_lease_backend()
+            .unwrap();
+        backend.setup().await.unwrap();
+        let k = key("blocked:registration");
+        let (class, obj) = backend.releases.waiter_id(&k);
+        let mut blocker = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url())
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1, $2)")
+            .bind(class)
+            .bind(obj)
+            .execute(&mut blocker)
+            .await
+            .unwrap();
+
+        let watch = backend.watch_releases(&k).expect("in a runtime");
+        // Many of the listener's time limits: each one it gave up on a waiting
+        // registration would have left a session waiting.
+        let mut most = (0, 0);
+        let until = Instant::now() + REQUEST_TIMEOUT * 12;
+        while Instant::now() < until {
+            let (waiting, all) = listener_sessions(&server).await;
+            most = (most.0.max(waiting), most.1.max(all));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(most.0 >= 1, "the registration was never seen waiting");
+        assert!(
+            most.0 == 1 && most.1 <= 2,
+            "at most {} listener sessions waited for the lock at once, {} were open",
+            most.0,
+            most.1
+        );
+
+        // Once the lock is free the key is registered, on one session.
+        sqlx::Connection::close(blocker).await.unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let registered = server
+                .psql(&format!(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                        AND mode = 'ShareLock' AND classid = ({class})::int4::oid \
+                        AND objid = ({obj})::int4::oid AND objsubid = 2"
+                ))
+                .await
+                .unwrap();
+            if registered == "1" && listener_sessions(&server).await == (0, 1) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "never registered");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(watch);
     }
 
     #[test]
