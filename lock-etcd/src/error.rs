@@ -18,13 +18,13 @@ pub(crate) const NAME: &str = "etcd";
 // gRPC status codes (https://grpc.github.io/grpc/core/md_doc_statuscodes.html), compared as
 // integers so that no gRPC type leaks into this crate's dependencies.
 const CANCELLED: i32 = 1;
+#[cfg(test)]
 const UNKNOWN: i32 = 2;
 const INVALID_ARGUMENT: i32 = 3;
 const NOT_FOUND: i32 = 5;
 const DEADLINE_EXCEEDED: i32 = 4;
 const PERMISSION_DENIED: i32 = 7;
 const RESOURCE_EXHAUSTED: i32 = 8;
-const INTERNAL: i32 = 13;
 const UNAVAILABLE: i32 = 14;
 const UNAUTHENTICATED: i32 = 16;
 
@@ -144,8 +144,11 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
     let lost_reply = match code {
         CANCELLED | DEADLINE_EXCEEDED => true,
         UNAVAILABLE => !never_sent_status(code, message, link),
-        // The client library reports a connection that broke mid-call this way.
-        UNKNOWN | INTERNAL if link != Link::Answered => true,
+        // A status the client built over its own connection failing, whatever its code:
+        // tonic turns h2's reason into the code (INTERNAL_ERROR is `Internal`,
+        // ENHANCE_YOUR_CALM `ResourceExhausted`, as when h2 closes a connection after too
+        // many streams it reset itself), and the call may have reached the server.
+        _ if link != Link::Answered => true,
         _ => {
             return DriverFailure::new(
                 FailureKind::Other,
@@ -335,6 +338,24 @@ mod tests {
         );
         assert!(matches!(e, LockError::OutcomeUnknown { .. }));
         assert!(from_status(UNKNOWN, "transport error", Link::Broken, Effect::None).is_retryable());
+    }
+
+    #[test]
+    fn a_connection_the_client_closed_under_the_call_is_retryable_whatever_the_code() {
+        // What tonic makes of h2's GOAWAY(ENHANCE_YOUR_CALM, "too_many_internal_resets").
+        let message = "h2 protocol error: http2 error";
+        let write = from_status(
+            RESOURCE_EXHAUSTED,
+            message,
+            Link::Broken,
+            Effect::Write("renew"),
+        );
+        assert!(
+            matches!(write, LockError::OutcomeUnknown { .. }),
+            "{write:?}"
+        );
+        let read = from_status(RESOURCE_EXHAUSTED, message, Link::Broken, Effect::None);
+        assert!(matches!(read, LockError::Unavailable { .. }), "{read:?}");
     }
 
     #[test]
