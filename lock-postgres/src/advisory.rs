@@ -316,9 +316,13 @@ impl PgAdvisoryBackend {
     }
 }
 
-/// A batch's results from one call per item: a failed item becomes `unreachable` and the
-/// others keep their outcome, as a cluster's batch reports a node that did not answer;
+/// A batch's results from one call per item: an item that failed in a way worth trying
+/// again ([`LockError::is_retryable`]: no answer, a lost reply) becomes `unreachable` and
+/// the others keep their outcome, as a cluster's batch reports a node that did not answer;
 /// when every item failed, the batch fails with the first error, as a single call would.
+/// Any other error (a [`LockError::Config`] naming a setting to change, say) fails the
+/// batch with it, as it fails the single call: it is no store out of reach, and trying
+/// again changes nothing.
 fn per_item<T>(results: Vec<Result<T, LockError>>, unreachable: T) -> Result<Vec<T>, LockError>
 where
     T: Copy,
@@ -329,10 +333,13 @@ where
         }
         return Ok(Vec::new());
     }
-    Ok(results
+    results
         .into_iter()
-        .map(|r| r.unwrap_or(unreachable))
-        .collect())
+        .map(|r| match r {
+            Err(e) if e.is_retryable() => Ok(unreachable),
+            other => other,
+        })
+        .collect()
 }
 
 impl fmt::Debug for PgAdvisoryBackend {
@@ -401,8 +408,9 @@ impl LockBackend for PgAdvisoryBackend {
     /// answering costs the batch one request timeout, not one per such session, and delays
     /// none of the others; every new validity counts from the batch's start. Every lease
     /// is checked to be this backend's before any session is asked. An item whose session
-    /// answers with an error is [`Renewal::Unreachable`] (the watchdog retries it); only
-    /// when every item fails does the call fail, with the first error.
+    /// cannot be asked or loses its reply is [`Renewal::Unreachable`] (the watchdog retries
+    /// it); when every item fails, the call fails with the first error, and any other
+    /// error of an item ([`LockError::Config`], say) fails the call with it.
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
         self.check_all(leases)?;
         let sent = Instant::now();
@@ -412,8 +420,10 @@ impl LockBackend for PgAdvisoryBackend {
 
     /// Every lease's release at once, each on its own session (see
     /// [`Self::renew_many`]). Every lease is checked to be this backend's before any is
-    /// released. An item whose release fails is [`Release::Unreachable`]; only when every
-    /// item fails does the call fail, with the first error.
+    /// released. An item whose session cannot be asked or loses its reply is
+    /// [`Release::Unreachable`]; when every item fails, the call fails with the first
+    /// error, and any other error of an item ([`LockError::Config`], say) fails the call
+    /// with it.
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         self.check_all(leases)?;
         let out = join_all(leases.iter().map(|lease| self.release(lease))).await;
@@ -614,11 +624,12 @@ mod tests {
         );
     }
 
-    /// One item of a renewal batch whose session answers with an error (here: another
-    /// server session answers, as behind a pooling proxy) is `Unreachable`; the others
-    /// are renewed.
+    /// One item of a batch whose session is another than the one that took the lock (as
+    /// behind a pooling proxy) fails the renewal and the release batches with the single
+    /// call's `Config` error naming the pooling mode, not `Unreachable` (which says "try
+    /// again", and would have the watchdog retry a setting that stays wrong).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn renew_many_reports_a_failing_item_as_unreachable_and_renews_the_rest() {
+    async fn a_config_error_of_one_item_fails_the_batch() {
         let (_server, backend) = on_a_private_server().await;
         let ttl = Duration::from_secs(30);
         let [a, b, c] = ["batch:a", "batch:b", "batch:c"].map(|k| LockKey::new(k).unwrap());
@@ -631,18 +642,49 @@ mod tests {
         );
         std::mem::swap(&mut *sb.pinned.lock().await, &mut *sc.pinned.lock().await);
 
-        let renewals = backend.renew_many(&[b.clone(), a.clone()]).await.unwrap();
-        assert_eq!(renewals[0], Renewal::Unreachable, "{renewals:?}");
-        assert!(
-            matches!(renewals[1], Renewal::Renewed { .. }),
-            "{renewals:?}"
-        );
+        let names_the_mode = |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pool_mode = transaction"));
+        let err = backend
+            .renew_many(&[b.clone(), a.clone()])
+            .await
+            .unwrap_err();
+        assert!(names_the_mode(&err), "{err:?}");
+        let err = backend
+            .release_many(&[a.clone(), b.clone()])
+            .await
+            .unwrap_err();
+        assert!(names_the_mode(&err), "{err:?}");
 
         std::mem::swap(&mut *sb.pinned.lock().await, &mut *sc.pinned.lock().await);
         assert_eq!(
-            backend.release_many(&[a, b, c]).await.unwrap(),
-            [Release::Released; 3]
+            backend.release_many(&[b, c]).await.unwrap(),
+            [Release::Released; 2]
         );
+        // The failed release batch still released the item whose session answered.
+        assert_eq!(backend.renew(&a).await.unwrap(), Renewal::Lost);
+    }
+
+    /// A batch item that fails in a way worth trying again (no connection, a lost reply)
+    /// is `Unreachable` and the others keep their outcome; any other error fails the batch.
+    #[test]
+    fn a_retryable_item_error_is_unreachable_and_others_keep_theirs() {
+        let renewed = Renewal::Renewed {
+            valid_until: Instant::now(),
+        };
+        let out = per_item(
+            vec![
+                Err(LockError::unavailable(NAME, "connection reset")),
+                Ok(renewed),
+            ],
+            Renewal::Unreachable,
+        )
+        .unwrap();
+        assert_eq!(out, [Renewal::Unreachable, renewed]);
+        let err = per_item(
+            vec![Ok(renewed), Err(LockError::Config("wrong".into()))],
+            Renewal::Unreachable,
+        )
+        .unwrap_err();
+        assert!(matches!(err, LockError::Config(_)));
     }
 
     /// A session that holds a lock and goes back to the pool anyway (as behind a pooling
