@@ -208,7 +208,7 @@ pub async fn setup(url: &str) -> Result<(), LockError> {
 /// etcd URL lists the cluster's members (`etcd://h1:2379,h2:2379`), and a Redis Sentinel
 /// URL its Sentinels, which no URL parser reads as one authority: their backends check
 /// them whole.
-fn checked(url: &str) -> Result<Scheme, LockError> {
+pub(crate) fn checked(url: &str) -> Result<Scheme, LockError> {
     let written = url.trim().split_once("://").map(|(name, _)| name);
     let scheme = match written.and_then(Scheme::from_name) {
         Some(scheme @ (Scheme::Etcd | Scheme::EtcdTls | Scheme::RedisSentinel)) => scheme,
@@ -255,7 +255,7 @@ async fn open(scheme: Scheme, url: &str) -> Result<Arc<dyn LockBackend>, LockErr
     }
 }
 
-fn memory(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
+pub(crate) fn memory(url: &str) -> Result<Arc<dyn LockBackend>, LockError> {
     let url = parse(url)?;
     let bare = url.host_str().is_none_or(str::is_empty)
         && url.username().is_empty()
@@ -296,7 +296,7 @@ fn unknown_scheme(url: &Url) -> LockError {
     ))
 }
 
-fn feature_off(scheme: Scheme) -> LockError {
+pub(crate) fn feature_off(scheme: Scheme) -> LockError {
     let feature = scheme.feature().unwrap_or("none");
     LockError::Config(format!(
         "feature `{feature}` is not enabled: to open {scheme} URLs, enable distlock's \

@@ -154,8 +154,10 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod connect;
+mod fenced;
 
 pub use connect::{SCHEMES, Scheme, URL_ENV, connect, connect_from_env, setup};
+pub use fenced::fenced_resource;
 // The user's surface: taking, keeping and giving back locks and permits; elections; fencing the
 // downstream store; the in-memory store; the errors and the metric names.
 pub use distlock_core::{
