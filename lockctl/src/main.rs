@@ -10,6 +10,7 @@
 //! A command on one store takes its URL first, or from `DISTLOCK_URL` when it is left
 //! out (`lockctl inspect KEY`), as `distlock::connect_from_env` does.
 //! - `bench URL…`: the capacity report's concurrency sweep against live stores;
+//! - `torture URL`: fenced workers under pauses and kills against a live store, checked;
 //! - `completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 
 mod bench;
@@ -21,6 +22,7 @@ mod keys;
 mod leader;
 mod semaphore;
 mod target;
+mod torture;
 mod used_keys;
 
 use std::path::PathBuf;
@@ -146,6 +148,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Run fenced critical sections in worker processes against a live store while a
+    /// nemesis pauses them past the TTL and kills them, then check the history: token
+    /// order, overlapping holders, stale writes admitted, lost updates, steps taken after
+    /// a lease was lost. Works under a random name prefix and purges its locks.
+    Torture(TortureArgs),
+    /// One worker of `torture` (started by it).
+    #[command(hide = true)]
+    TortureWorker(torture::WorkerArgs),
     /// Print a completion script for a shell, e.g. `lockctl completions bash >
     /// /etc/bash_completion.d/lockctl`.
     Completions {
@@ -178,6 +188,55 @@ struct DemoArgs {
     /// by a semaphore under pauses and crashes, counted from the export ledger.
     #[arg(long)]
     tenants: bool,
+}
+
+#[derive(Debug, Args)]
+struct TortureArgs {
+    /// The store under test (when left out, the URL in DISTLOCK_URL).
+    url: Option<String>,
+    /// The store that keeps the ledger the workers write (default: the store under test),
+    /// e.g. a PostgreSQL URL whose schema `lockctl setup` made.
+    #[arg(long)]
+    ledger: Option<String>,
+    /// Worker processes.
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Locks the workers share (fewer locks, more contention).
+    #[arg(long, default_value_t = 2)]
+    keys: u32,
+    /// How long the nemesis runs.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    duration: Duration,
+    /// The lease TTL.
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    ttl: Duration,
+    /// Fenced writes per critical section.
+    #[arg(long, default_value_t = 3)]
+    steps: u32,
+    /// The work between two writes.
+    #[arg(long, default_value = "20ms", value_parser = humantime::parse_duration)]
+    step_time: Duration,
+    /// The mean time between two nemesis actions (a pause or a kill).
+    #[arg(long, default_value = "1s", value_parser = humantime::parse_duration)]
+    nemesis_every: Duration,
+    /// No nemesis: workers only contend.
+    #[arg(long)]
+    calm: bool,
+    /// The nemesis never pauses workers.
+    #[arg(long)]
+    no_pauses: bool,
+    /// The nemesis never kills workers.
+    #[arg(long)]
+    no_kills: bool,
+    /// The seed of the workers' and the nemesis's choices.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Put a bug into the workers' store client, to see the checker catch it.
+    #[arg(long, value_enum, hide = true)]
+    r#break: Option<torture::Break>,
 }
 
 fn main() -> ExitCode {
@@ -269,6 +328,8 @@ enum Resolved {
     Completions {
         shell: clap_complete::Shell,
     },
+    Torture(torture::Options),
+    TortureWorker(torture::WorkerArgs),
 }
 
 impl Command {
@@ -342,6 +403,26 @@ impl Command {
                 json,
             },
             Command::Completions { shell } => Resolved::Completions { shell },
+            Command::Torture(args) => Resolved::Torture(torture::Options {
+                url: url_or_env(args.url, env)?,
+                ledger: args.ledger,
+                workers: args.workers,
+                keys: args.keys,
+                duration: args.duration,
+                ttl: args.ttl,
+                steps: args.steps,
+                step_time: args.step_time,
+                nemesis_every: {
+                    let idle = args.calm || (args.no_pauses && args.no_kills);
+                    (!idle).then_some(args.nemesis_every)
+                },
+                pauses: !args.no_pauses,
+                kills: !args.no_kills,
+                seed: args.seed,
+                json: args.json,
+                r#break: args.r#break,
+            }),
+            Command::TortureWorker(args) => Resolved::TortureWorker(args),
         })
     }
 }
@@ -359,6 +440,11 @@ impl Resolved {
             | Resolved::Leader { url, .. }
             | Resolved::Semaphore { url, .. } => vec![url.as_str()],
             Resolved::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
+            Resolved::Torture(options) => [Some(options.url.as_str()), options.ledger.as_deref()]
+                .into_iter()
+                .flatten()
+                .collect(),
+            Resolved::TortureWorker(args) => vec![args.url.as_str(), args.ledger.as_str()],
             Resolved::Completions { .. } => Vec::new(),
         }
     }
@@ -411,6 +497,10 @@ async fn run(command: Resolved) -> Result<ExitCode, distlock::LockError> {
             );
             Ok(ExitCode::SUCCESS)
         }
+        Resolved::Torture(options) => torture::run(&options).await,
+        Resolved::TortureWorker(args) => torture::worker::run(&args)
+            .await
+            .map(|()| ExitCode::SUCCESS),
         Resolved::Bench {
             urls,
             quick,

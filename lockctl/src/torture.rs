@@ -1,0 +1,349 @@
+//! `lockctl torture URL…`: a long, randomised run of fenced critical sections against a
+//! deployment, with a nemesis that pauses and kills the workers, and a checker.
+//!
+//! Worker processes (this program again, as `lockctl torture-worker`) take the run's
+//! locks one after another and, under each, do a few steps of read-modify-write on a
+//! ledger entry of that lock: the fenced counter of [`worker`]. Every grant, step, loss
+//! and release is reported with its time on the host's monotonic clock. Meanwhile the
+//! nemesis stops a worker (SIGSTOP) for longer than the TTL and lets it go on, or kills
+//! one (SIGKILL) and starts another in its place. At the end the ledger is read and
+//! [`check`] judges the history. The run works under a random name prefix
+//! (`torture:<16 hex digits>:`) and purges its locks when it ends; the ledger entries (one
+//! small value per lock) stay, for inspection.
+
+mod broken;
+mod check;
+mod event;
+pub mod worker;
+mod workers;
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use distlock::{EnforcementMode, LockError, LockKey};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use tokio::time::Instant;
+
+pub use broken::Break;
+pub use worker::WorkerArgs;
+
+use check::{Property, Tally, Violation};
+use workers::{History, Workers};
+
+/// How a run is shaped.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// The store under test.
+    pub url: String,
+    /// The store holding the ledger (the store under test when `None`).
+    pub ledger: Option<String>,
+    pub workers: u32,
+    pub keys: u32,
+    pub duration: Duration,
+    pub ttl: Duration,
+    pub steps: u32,
+    pub step_time: Duration,
+    /// The mean time between two nemesis actions; `None`: no nemesis.
+    pub nemesis_every: Option<Duration>,
+    pub pauses: bool,
+    pub kills: bool,
+    pub seed: u64,
+    pub json: bool,
+    pub r#break: Option<Break>,
+}
+
+/// What a run did and found.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// The store's URL, without its password.
+    pub store: String,
+    pub seconds: f64,
+    pub workers: u32,
+    pub keys: u32,
+    pub ttl_ms: u128,
+    #[serde(flatten)]
+    pub tally: Tally,
+    pub pauses: u32,
+    pub kills: u32,
+    /// Critical sections completed per second.
+    pub sections_per_s: f64,
+    /// Fenced writes admitted per second.
+    pub writes_per_s: f64,
+    /// How many violations of each property were found.
+    pub violated: BTreeMap<Property, usize>,
+    /// The first [`SHOWN`] violations found.
+    pub violations: Vec<Violation>,
+}
+
+/// How many violations a report lists (it counts them all).
+const SHOWN: usize = 100;
+
+/// Checks the options before anything starts.
+fn validate(options: &Options) -> Result<(), LockError> {
+    if crate::keys::is_memory(&options.url)
+        || options
+            .ledger
+            .as_deref()
+            .is_some_and(crate::keys::is_memory)
+    {
+        return Err(LockError::Config(
+            "torture runs worker processes that must share the store: memory:// is one \
+             process's; give a Redis, etcd or PostgreSQL URL"
+                .into(),
+        ));
+    }
+    let positive = [
+        ("--workers", options.workers),
+        ("--keys", options.keys),
+        ("--steps", options.steps),
+    ];
+    if let Some((name, _)) = positive.iter().find(|(_, n)| *n == 0) {
+        return Err(LockError::Config(format!("{name} must be at least 1")));
+    }
+    if options.workers > 64 {
+        return Err(LockError::Config("--workers must be at most 64".into()));
+    }
+    if options.nemesis_every.is_some_and(|d| d.is_zero()) {
+        return Err(LockError::Config(
+            "--nemesis-every must be above zero".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Runs one torture run and prints its report; exit status 1 when a property broke.
+pub async fn run(options: &Options) -> Result<ExitCode, LockError> {
+    validate(options)?;
+    let ledger_url = options
+        .ledger
+        .clone()
+        .unwrap_or_else(|| options.url.clone());
+    // Opened here first, so a wrong URL or an unreachable store fails before any worker.
+    let backend = distlock::connect(&options.url).await?;
+    let ledger = distlock::fenced_resource(&ledger_url, EnforcementMode::Enforce).await?;
+    distlock::Locker::builder(backend.clone())
+        .ttl(options.ttl)
+        .build()?;
+    let prefix = format!("torture:{:016x}", rand::random::<u64>());
+    let args = WorkerArgs {
+        url: small_pool(&options.url),
+        ledger: small_pool(&ledger_url),
+        prefix: prefix.clone(),
+        keys: options.keys,
+        ttl: options.ttl,
+        steps: options.steps,
+        step_time: options.step_time,
+        seed: options.seed,
+        r#break: options.r#break,
+    };
+    let history = Arc::new(History::default());
+    let mut workers = Workers::start(args, options.workers, history.clone())
+        .map_err(|e| LockError::Config(format!("cannot start the worker processes: {e}")))?;
+    let shown = distlock::redact_url(&options.url);
+    let started = Instant::now();
+    let (pauses, kills) = nemesis(options, &mut workers, &history, &shown).await?;
+    let patience = options.ttl * 4 + options.step_time * options.steps + Duration::from_secs(5);
+    workers.stop(patience).await;
+    let seconds = started.elapsed().as_secs_f64();
+
+    let mut finals = Vec::new();
+    for key in 0..options.keys {
+        let value = ledger.read(&worker::name(&prefix, key)).await?;
+        finals.push(value.as_deref().map(worker::parse).transpose()?);
+    }
+    for key in 0..options.keys {
+        // Best effort: a store that cannot purge keeps the keys until their TTL.
+        if let Ok(key) = LockKey::new(worker::name(&prefix, key)) {
+            let _ = backend.purge(&key).await;
+        }
+    }
+    let records = std::mem::take(&mut *history.records.lock());
+    let deaths = std::mem::take(&mut *history.deaths.lock());
+    let (tally, mut violations) = check::check(&records, &deaths, &finals);
+    let mut violated = BTreeMap::new();
+    for v in &violations {
+        *violated.entry(v.property).or_insert(0) += 1;
+    }
+    violations.truncate(SHOWN);
+    let report = Report {
+        store: shown,
+        seconds,
+        workers: options.workers,
+        keys: options.keys,
+        ttl_ms: options.ttl.as_millis(),
+        sections_per_s: tally.sections as f64 / seconds,
+        writes_per_s: tally.writes_admitted as f64 / seconds,
+        tally,
+        pauses,
+        kills,
+        violated,
+        violations,
+    };
+    print(&report, options.json);
+    Ok(if report.violated.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        crate::exit::no()
+    })
+}
+
+/// Pauses and kills workers at random until the run's time is up, printing a progress
+/// line each second; returns how many pauses and kills it made.
+async fn nemesis(
+    options: &Options,
+    workers: &mut Workers,
+    history: &History,
+    shown: &str,
+) -> Result<(u32, u32), LockError> {
+    let mut rng = StdRng::seed_from_u64(options.seed ^ 0x5eed);
+    let start = Instant::now();
+    let end = start + options.duration;
+    let tick = Duration::from_millis(20);
+    let mut resume_at: Vec<Option<Instant>> = vec![None; workers.len() as usize];
+    let mut next_action = options
+        .nemesis_every
+        .map(|every| start + every.mul_f64(rng.random_range(0.5..1.5)));
+    let mut next_progress = start + Duration::from_secs(1);
+    let (mut pauses, mut kills) = (0, 0);
+    while Instant::now() < end {
+        tokio::time::sleep(tick).await;
+        let now = Instant::now();
+        if let Some((worker, status)) = workers.exited().map_err(io_error)? {
+            return Err(LockError::Config(format!(
+                "worker {worker} exited on its own ({status}); what it said is above"
+            )));
+        }
+        for (worker, at) in resume_at.iter_mut().enumerate() {
+            if at.is_some_and(|at| at <= now) {
+                workers.resume(worker as u32);
+                *at = None;
+            }
+        }
+        if let (Some(at), Some(every)) = (next_action, options.nemesis_every)
+            && at <= now
+        {
+            next_action = Some(now + every.mul_f64(rng.random_range(0.5..1.5)));
+            let worker = rng.random_range(0..workers.len());
+            let pause = options.pauses && (!options.kills || rng.random_bool(0.6));
+            if workers.is_paused(worker) {
+                // Already stopped: leave it to its pause.
+            } else if pause {
+                workers.pause(worker);
+                // Past the TTL, so its lease runs out while it cannot renew.
+                let held = options.ttl.mul_f64(rng.random_range(1.2..2.0));
+                resume_at[worker as usize] = Some(now + held);
+                pauses += 1;
+            } else if options.kills {
+                workers.kill_and_restart(worker).await.map_err(io_error)?;
+                kills += 1;
+            }
+        }
+        if now >= next_progress {
+            next_progress += Duration::from_secs(1);
+            let c = &history.counts;
+            eprintln!(
+                "torture {shown}: {:>3}s/{}s  grants {}  writes {} (refused {})  pauses {pauses}  kills {kills}  errors {}",
+                now.duration_since(start).as_secs(),
+                options.duration.as_secs(),
+                c.grants.load(Ordering::Relaxed),
+                c.writes.load(Ordering::Relaxed),
+                c.refused.load(Ordering::Relaxed),
+                c.errors.load(Ordering::Relaxed),
+            );
+        }
+    }
+    Ok((pauses, kills))
+}
+
+/// How many connections a worker's PostgreSQL pools open when the URL does not say: a
+/// worker holds one lock at a time, and every worker opens pools of its own (one for the
+/// locks, one for the ledger), which at the default size of 10 would take a default
+/// server's 100 connections with four workers.
+const WORKER_POOL_SIZE: u32 = 2;
+
+/// `url` for a worker: a PostgreSQL URL without `pool_size` gets [`WORKER_POOL_SIZE`].
+fn small_pool(url: &str) -> String {
+    let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    if !postgres || query.split('&').any(|p| p.starts_with("pool_size=")) {
+        return url.to_owned();
+    }
+    let query = [query.to_owned(), format!("pool_size={WORKER_POOL_SIZE}")]
+        .into_iter()
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join("&");
+    format!("{base}?{query}")
+}
+
+fn io_error(e: std::io::Error) -> LockError {
+    LockError::Config(format!("cannot run the worker processes: {e}"))
+}
+
+fn print(report: &Report, json: bool) {
+    if json {
+        match serde_json::to_string_pretty(report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => eprintln!("lockctl: cannot print the report: {e}"),
+        }
+        return;
+    }
+    let t = &report.tally;
+    println!(
+        "torture {}: {:.1} s, {} workers, {} locks, TTL {} ms",
+        report.store, report.seconds, report.workers, report.keys, report.ttl_ms
+    );
+    println!(
+        "  grants {}  critical sections {} ({:.1}/s)  writes admitted {} ({:.1}/s)",
+        t.grants, t.sections, report.sections_per_s, t.writes_admitted, report.writes_per_s
+    );
+    println!(
+        "  stale writes refused by the fence {}  losses noticed {}  releases after expiry {}  errors {}",
+        t.writes_refused, t.losses_noticed, t.releases_not_held, t.errors
+    );
+    println!(
+        "  nemesis: {} pauses past the TTL, {} kills",
+        report.pauses, report.kills
+    );
+    if report.violated.is_empty() {
+        println!("  violations: none");
+    } else {
+        let counts: Vec<String> = report
+            .violated
+            .iter()
+            .map(|(property, n)| format!("{property} {n}"))
+            .collect();
+        println!("  violations: {}", counts.join(", "));
+        for v in report.violations.iter().take(20) {
+            println!("    {} on lock {}: {}", v.property, v.key, v.detail);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_opens_small_postgres_pools_unless_the_url_says_otherwise() {
+        for (url, worker) in [
+            ("postgres://u@h/db", "postgres://u@h/db?pool_size=2"),
+            (
+                "postgresql://u@h/db?mode=advisory",
+                "postgresql://u@h/db?mode=advisory&pool_size=2",
+            ),
+            (
+                "postgres://u@h/db?pool_size=5",
+                "postgres://u@h/db?pool_size=5",
+            ),
+            ("redis://h:6379", "redis://h:6379"),
+        ] {
+            assert_eq!(small_pool(url), worker);
+        }
+    }
+}
