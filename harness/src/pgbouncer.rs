@@ -81,10 +81,24 @@ impl PgBouncerServer {
     /// that sends a startup parameter PgBouncer does not track (`extra_float_digits`,
     /// `options`) is refused, as in most deployments.
     pub async fn start(upstream: &PostgresServer, mode: PoolMode) -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once(upstream, mode)).await
+        Self::start_with(upstream, mode, &[]).await
     }
 
-    async fn start_once(upstream: &PostgresServer, mode: PoolMode) -> Result<Self, HarnessError> {
+    /// [`start`](Self::start) with `settings` (name and value) added to the ini file's
+    /// `[pgbouncer]` section, such as `("query_wait_timeout", "1")`.
+    pub async fn start_with(
+        upstream: &PostgresServer,
+        mode: PoolMode,
+        settings: &[(&str, &str)],
+    ) -> Result<Self, HarnessError> {
+        start_on_free_ports(|| Self::start_once(upstream, mode, settings)).await
+    }
+
+    async fn start_once(
+        upstream: &PostgresServer,
+        mode: PoolMode,
+        settings: &[(&str, &str)],
+    ) -> Result<Self, HarnessError> {
         let program = find_binary("pgbouncer", &[PathBuf::from("/usr/sbin")])?;
         let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         let psql = find_binary("psql", &bin_dir)?;
@@ -109,8 +123,13 @@ impl PgBouncerServer {
                  default_pool_size = {pool_size}\n\
                  max_client_conn = 500\n\
                  log_connections = 0\n\
-                 log_disconnections = 0\n",
+                 log_disconnections = 0\n\
+                 {extra}",
                 upstream_port = upstream.port(),
+                extra = settings
+                    .iter()
+                    .map(|(name, value)| format!("{name} = {value}\n"))
+                    .collect::<String>(),
                 users = users.display(),
                 mode = mode.as_str(),
                 pool_size = match mode {

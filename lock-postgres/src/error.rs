@@ -2,9 +2,10 @@
 //!
 //! The split that matters to callers: a failure before a request was sent (no connection,
 //! pool timeout) changed nothing and is `Unavailable`; a lost reply to a request that
-//! writes is `OutcomeUnknown`; a login the server or PgBouncer refuses for good (user,
-//! password, database, a startup setting) is `Config` naming the setting, and a missing
-//! table names `setup()`.
+//! writes is `OutcomeUnknown` (so is one of PgBouncer's own errors, SQLSTATE 08P01, unless
+//! it says the request never reached a server: `query_wait_timeout`, say); a login the
+//! server or PgBouncer refuses for good (user, password, database, a startup setting) is
+//! `Config` naming the setting, and a missing table names `setup()`.
 
 use std::time::Duration;
 
@@ -137,6 +138,13 @@ fn classify(name: &str, schema: &Schema, e: sqlx::Error) -> DriverFailure {
                         ),
                     );
                 }
+                // protocol_violation: from PgBouncer, its own errors (the server sends no
+                // such error to a client that keeps to the protocol). It closes the
+                // client's connection after each.
+                "08P01" => DriverFailure::new(
+                    pgbouncer_error(db.message()),
+                    format!("{name}: PgBouncer: {}", db.message()),
+                ),
                 // too_many_connections, admin_shutdown, crash_shutdown, cannot_connect_now,
                 // serialization_failure, deadlock_detected, query_canceled
                 "53300" | "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "57014" => {
@@ -263,6 +271,26 @@ fn pgbouncer_refusal(message: &str) -> Option<String> {
     None
 }
 
+/// What one of PgBouncer's own errors (not a configuration refusal) says about the
+/// request: `NotApplied` for those it sends before any server session got the request
+/// (every session stayed busy for `query_wait_timeout`, none could be opened, too many
+/// clients, a client idle too long); otherwise (`query_timeout`, `server conn crashed?`,
+/// `idle transaction timeout`, ...) the request may have run: `ReplyLost`.
+fn pgbouncer_error(message: &str) -> FailureKind {
+    const NOT_SENT: &[&str] = &[
+        "query_wait_timeout",
+        "pgbouncer cannot connect to server",
+        "server login has been failing",
+        "no more connections allowed",
+        "client_idle_timeout",
+    ];
+    if NOT_SENT.iter().any(|m| message.starts_with(m)) {
+        FailureKind::NotApplied
+    } else {
+        FailureKind::ReplyLost
+    }
+}
+
 /// A request was sent and no reply came back in `after`.
 pub(crate) fn timed_out(backend: &'static str, op: Operation, after: Duration) -> LockError {
     DriverFailure::new(
@@ -272,16 +300,24 @@ pub(crate) fn timed_out(backend: &'static str, op: Operation, after: Duration) -
     .into_error(backend, op.effect())
 }
 
-/// True when the error means the connection itself is gone or unusable.
 /// Whether the server ended the session (`57P*`: shutdown, `pg_terminate_backend`, idle
 /// timeout): a session lock it held is gone, and no statement ran after that.
 pub(crate) fn session_ended(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c.starts_with("57P")))
 }
 
+/// True when the error means the connection itself is gone or unusable: it is closed
+/// rather than given back to the pool.
 pub(crate) fn connection_broken(e: &sqlx::Error) -> bool {
     matches!(
         e,
         sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_)
     ) || session_ended(e)
+        || pgbouncer_closed(e)
+}
+
+/// Whether PgBouncer sent one of its own errors (SQLSTATE 08P01), after which it closes
+/// the client's connection.
+fn pgbouncer_closed(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().is_some_and(|c| c == "08P01"))
 }
