@@ -27,7 +27,8 @@
 //! The notification leaves one round trip after the release returned instead of at its
 //! commit. A release whose future is dropped after its statement was sent, a process that
 //! exits first, or a failed announcement (logged at debug level; the connection is opened
-//! again for the next one) leaves the key's waiters unwoken: they find it free at their
+//! again for the next one, and a batch that failed on a connection kept from before is
+//! sent once more on a new one) leaves the key's waiters unwoken: they find it free at their
 //! next backoff step, as after a lease that ran out.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -135,7 +136,28 @@ async fn run(shared: Arc<Shared>, mut stop: watch::Receiver<()>) {
 }
 
 impl Shared {
+    /// Sends `names` on the announcer's connection, opened if there is none. A connection
+    /// kept from before that fails is dropped and the names are sent again on a new one
+    /// at once: the server (`idle_session_timeout`, a restart) or the network may have
+    /// ended it while it idled, and the batch would otherwise be lost to that. A
+    /// notification sent twice only wakes a waiter twice.
     async fn send(&self, conn: &mut Option<PgConnection>, names: &[String]) -> Result<(), String> {
+        let kept = conn.is_some();
+        match self.send_on(conn, names).await {
+            Err(e) if kept => {
+                debug!(error = %e, "the announcer's connection failed; sending on a new one");
+                *conn = None;
+                self.send_on(conn, names).await
+            }
+            sent => sent,
+        }
+    }
+
+    async fn send_on(
+        &self,
+        conn: &mut Option<PgConnection>,
+        names: &[String],
+    ) -> Result<(), String> {
         let c = match conn {
             Some(c) => c,
             None => {

@@ -238,3 +238,43 @@ async fn advisory_a_waited_release_does_not_queue_behind_other_notifying_commits
     })
     .await;
 }
+
+/// The announcer's session ends while it idles (`idle_session_timeout`, a restart, here
+/// `pg_terminate_backend`): the next waited release is still announced, on a new
+/// connection, not lost to the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_after_the_announcers_session_ended_is_announced() {
+    let server = start_server().await;
+    let holder = builder(&server).build_lease_backend().unwrap();
+    let waiter = builder(&server).build_lease_backend().unwrap();
+    let mut listener = eavesdrop(&server, "lease").await;
+    let k = key("announce:after-drop");
+    let _watch = waiter.watch_releases(&k).expect("in a runtime");
+    // Until the waiter's listener registered the key, a release is not announced; the
+    // first announced one opens the announcer's connection.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
+        holder.release(&lease).await.unwrap();
+        if heard(&mut listener, k.as_str()).await {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never announced");
+    }
+    let ended = server
+        .psql(&format!(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+              WHERE application_name = '{}'",
+            lock_postgres::ANNOUNCER_APPLICATION_NAME
+        ))
+        .await
+        .unwrap();
+    assert_eq!(ended, "1", "one announcer session");
+
+    let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
+    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+    assert!(
+        heard(&mut listener, k.as_str()).await,
+        "the first release after the announcer's session ended was not announced"
+    );
+}
