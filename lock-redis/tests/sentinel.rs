@@ -9,19 +9,14 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use distlock_core::{Lease, LockBackend, LockError, LockKey, Release, Renewal};
-use harness::redis::sentinel::{DOWN_AFTER, FAILOVER_TIMEOUT, MASTER_NAME};
+use harness::redis::sentinel::MASTER_NAME;
 use harness::redis::{RedisServer, SentinelDeployment};
 use lock_redis::{RedisBackend, RedisBackendBuilder};
 use tokio::time::Instant;
 
 const RESPONSE_TIMEOUT: Duration = common::RESPONSE_TIMEOUT;
 const TTL: Duration = Duration::from_secs(30);
-/// How long the Sentinels may take to fail a killed master over: noticing it is down, the
-/// quorum agreeing, and a leader promoting the replica, then one more election should the
-/// first one split its votes (a Sentinel waits twice the failover timeout to start again).
-const FAILOVER_BOUND: Duration = Duration::from_millis(
-    DOWN_AFTER.as_millis() as u64 + 2 * FAILOVER_TIMEOUT.as_millis() as u64 + 2_000,
-);
+const FAILOVER_BOUND: Duration = common::SENTINEL_FAILOVER_BOUND;
 /// How long the backend may take to hear a Sentinel's `+switch-master` after the Sentinel
 /// answers the new address.
 const NOTICE: Duration = Duration::from_millis(200);
@@ -44,15 +39,6 @@ async fn held_on(server: &RedisServer, key: &str) -> Option<String> {
     harness::require(server.command(&["GET", key]).await).as_text()
 }
 
-/// Waits until `server`'s replica has every write.
-async fn replicated(server: &RedisServer) {
-    assert_eq!(
-        harness::require(server.command(&["WAIT", "1", "5000"]).await),
-        harness::redis::RespValue::Integer(1),
-        "the replica has every write"
-    );
-}
-
 /// A started deployment, a backend through its Sentinels, the master's address, and a
 /// lease held there whose key the replica has too.
 async fn held_on_the_master() -> (SentinelDeployment, RedisBackend, SocketAddr, Lease) {
@@ -64,7 +50,7 @@ async fn held_on_the_master() -> (SentinelDeployment, RedisBackend, SocketAddr, 
         .await
         .unwrap()
         .expect("a free key");
-    replicated(deployment.node(master).unwrap()).await;
+    common::replicated(&deployment.nodes[0], &deployment.nodes[1]).await;
     (deployment, redis, master, held)
 }
 

@@ -3,6 +3,7 @@
 
 #![allow(dead_code)]
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +13,10 @@ use distlock_core::{Lease, LockBackend, LockKey};
 use harness::{
     ShiftedClock,
     proxy::FaultProxy,
-    redis::{RedisCluster, RedisServer, RedisServerBuilder, RedisUser},
+    redis::{
+        RedisCluster, RedisServer, RedisServerBuilder, RedisUser, RespValue, SentinelDeployment,
+        sentinel,
+    },
 };
 use lock_redis::RedisBackend;
 use suite_faults::ProxyGroup;
@@ -317,9 +321,10 @@ struct ReplicaPromotion {
     keys: RedisBackend,
 }
 
-#[async_trait]
-impl Failover for ReplicaPromotion {
-    async fn fail_over(&self, key: &LockKey) {
+impl ReplicaPromotion {
+    /// The master serving `key` and its replica, once the replica has every write the
+    /// master acknowledged.
+    async fn replicated(&self, key: &LockKey) -> (&RedisServer, &RedisServer) {
         let redis_key = self.keys.redis_key(key);
         let master = harness::require(self.cluster.node_for_key(redis_key.as_bytes()).await);
         let index = self
@@ -328,28 +333,51 @@ impl Failover for ReplicaPromotion {
             .iter()
             .position(|n| n.port() == master.port())
             .expect("the key's master is a node of the cluster");
-        let replica = &self.replicas[index];
+        let (master, replica) = (&self.cluster.nodes()[index], &self.replicas[index]);
+        replicated(master, replica).await;
+        (master, replica)
+    }
+}
+
+/// The first item of `ROLE` (`master`, `slave`), `None` while `server` does not answer.
+async fn role(server: &RedisServer) -> Option<String> {
+    match server.command(&["ROLE"]).await.ok()? {
+        RespValue::Array(Some(items)) => items.into_iter().next().and_then(|i| i.as_text()),
+        _ => None,
+    }
+}
+
+/// Waits (at most 30 s) until `server`'s role is `expected`.
+async fn wait_for_role(server: &RedisServer, expected: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while role(server).await.as_deref() != Some(expected) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "node {} was no {expected} within 30 s",
+            server.port()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[async_trait]
+impl Failover for ReplicaPromotion {
+    async fn fail_over(&self, key: &LockKey) {
         // The replica has every write the master acknowledged before it dies.
-        harness::require(master.command(&["WAIT", "1", "5000"]).await);
+        let (master, replica) = self.replicated(key).await;
         harness::require(master.kill());
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        loop {
-            let role = replica.command(&["ROLE"]).await.ok().and_then(|r| match r {
-                harness::redis::RespValue::Array(Some(items)) => {
-                    items.into_iter().next().and_then(|i| i.as_text())
-                }
-                _ => None,
-            });
-            if role.as_deref() == Some("master") {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "replica {} was not promoted within 30 s",
-                replica.port()
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+        wait_for_role(replica, "master").await;
+        harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
+    }
+
+    /// `CLUSTER FAILOVER` on the replica: the master stops taking writes, the replica
+    /// catches up and takes its slots over, and the old master follows it.
+    async fn switch_over(&self, key: &LockKey) {
+        let (master, replica) = self.replicated(key).await;
+        let ok = harness::require(replica.command(&["CLUSTER", "FAILOVER"]).await);
+        assert_eq!(ok.as_text().as_deref(), Some("OK"), "{ok:?}");
+        wait_for_role(replica, "master").await;
+        wait_for_role(master, "slave").await;
         harness::require(self.cluster.wait_healthy(Duration::from_secs(30)).await);
     }
 }
@@ -386,6 +414,28 @@ pub async fn master_and_replica() -> (RedisServer, RedisServer) {
     (master, replica)
 }
 
+/// Waits (at most 5 s) until `replica` has every write `master` took so far: the
+/// replica's replication offset reaches the master's as read now. (`WAIT` on a connection
+/// of its own does not: it waits for that connection's writes, and a fresh one has none,
+/// so it answers at once with every replica connected.)
+pub async fn replicated(master: &RedisServer, replica: &RedisServer) {
+    let written = info_field(master, "replication", "master_repl_offset").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let has = info_field(replica, "replication", "slave_repl_offset").await;
+        if has >= written {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica {} is at offset {has}, the master {} at {written}, after 5 s",
+            replica.port(),
+            master.port()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 /// Calls of `command` (lowercase) since the server started or `CONFIG RESETSTAT`.
 pub async fn command_calls(server: &RedisServer, command: &str) -> u64 {
     let info = harness::require(server.command(&["INFO", "commandstats"]).await)
@@ -418,4 +468,219 @@ pub async fn info_field(server: &RedisServer, section: &str, field: &str) -> u64
         .find_map(|l| l.strip_prefix(&prefix))
         .and_then(|n| n.trim().parse().ok())
         .unwrap_or(0)
+}
+
+/// A master, its replica and three Sentinels (quorum 2), as users deploy Redis in high
+/// availability: clients connect with the deployment's `redis+sentinel://` URL and find
+/// the master through the Sentinels. Each data node is behind a fault proxy (the link
+/// faults: a partition of the data nodes) and under one wall clock the cases may step; the
+/// server faults hit both data nodes at once (the whole store paused, killed, restarted),
+/// and the fail-over and switchover hand the master over to the replica while leases are
+/// live.
+pub struct SentinelFactory {
+    pub deployment: Arc<SentinelDeployment>,
+    pub clock: Arc<ShiftedClock>,
+}
+
+/// How long the Sentinels may take to name a new master: noticing a dead one, the quorum
+/// agreeing, and a leader promoting the replica, then one more election should the first
+/// split its votes (a Sentinel waits twice the failover timeout to start again).
+pub const SENTINEL_FAILOVER_BOUND: Duration = Duration::from_millis(
+    sentinel::DOWN_AFTER.as_millis() as u64
+        + 2 * sentinel::FAILOVER_TIMEOUT.as_millis() as u64
+        + 2_000,
+);
+
+/// How long the Sentinels may take to demote a master that runs on after a switchover: a
+/// Sentinel leaves a node that reports the wrong role alone for 8 s (four of its 2 s
+/// publish periods, for newer configurations to arrive) and reads a replica's `INFO`
+/// every 10 s; neither is configurable.
+pub const DEMOTION_BOUND: Duration = Duration::from_secs(30);
+
+impl SentinelFactory {
+    pub async fn start() -> Self {
+        let clock = harness::require(ShiftedClock::new());
+        let deployment = harness::require(
+            SentinelDeployment::builder()
+                .nodes(RedisServer::builder().clock(&clock))
+                .behind_proxies()
+                .start()
+                .await,
+        );
+        Self {
+            deployment: Arc::new(deployment),
+            clock: Arc::new(clock),
+        }
+    }
+
+    pub async fn redis(&self) -> RedisBackend {
+        lock_redis::RedisBackendBuilder::from_url(&self.deployment.url())
+            .expect("a valid Sentinel URL")
+            // As for the single node: the suite delays the link by a fifth of a 250 ms TTL
+            // each way, and a script's first call also loads it.
+            .response_timeout(Duration::from_secs(1))
+            .build()
+            .await
+            .expect("connect through the Sentinels")
+    }
+}
+
+#[async_trait]
+impl Factory for SentinelFactory {
+    fn name(&self) -> &str {
+        "redis-sentinel"
+    }
+
+    async fn backend(&self) -> Arc<dyn LockBackend> {
+        Arc::new(self.redis().await)
+    }
+
+    fn link(&self) -> Option<Arc<dyn LinkFaults>> {
+        Some(Arc::new(DataNodes(self.deployment.clone())))
+    }
+
+    fn server(&self) -> Option<Arc<dyn ServerFaults>> {
+        Some(Arc::new(DataNodes(self.deployment.clone())))
+    }
+
+    fn failover(&self) -> Option<Arc<dyn Failover>> {
+        Some(Arc::new(DataNodes(self.deployment.clone())))
+    }
+
+    fn clock(&self) -> Option<Arc<dyn ClockFaults>> {
+        let nodes = (0..self.deployment.nodes.len())
+            .map(|i| {
+                let deployment = self.deployment.clone();
+                let probe: suite_faults::ClockProbe = Box::new(move || {
+                    let deployment = deployment.clone();
+                    Box::pin(async move { server_time(&deployment.nodes[i]).await })
+                });
+                probe
+            })
+            .collect();
+        Some(suite_faults::clock(self.clock.clone(), nodes))
+    }
+}
+
+/// Faults on the data nodes of a [`SentinelDeployment`] behind proxies; the Sentinels are
+/// never faulted.
+struct DataNodes(Arc<SentinelDeployment>);
+
+impl DataNodes {
+    /// The master the Sentinels name, as a node, once its replica has every write it
+    /// took. Replication is asynchronous: a write the replica has not received when the
+    /// master is handed over is lost (README, "Redis Sentinel"), and `replica_acks` would
+    /// not keep it either for a renewal, which it does not wait for. These faults show
+    /// the clients following the master, not that loss.
+    async fn replicated_master(&self) -> (SocketAddr, &RedisServer) {
+        let addr = harness::require(self.0.master_addr().await);
+        let master = self.0.node(addr).expect("the Sentinels name a node");
+        let replica = self
+            .0
+            .nodes
+            .iter()
+            .find(|n| n.port() != master.port())
+            .expect("two data nodes");
+        replicated(master, replica).await;
+        (addr, master)
+    }
+
+    /// Waits until every Sentinel names a master other than `old`.
+    async fn new_master(&self, old: SocketAddr) -> SocketAddr {
+        harness::require(
+            self.0
+                .wait_for_new_master(old, SENTINEL_FAILOVER_BOUND)
+                .await,
+        )
+    }
+}
+
+#[async_trait]
+impl LinkFaults for DataNodes {
+    async fn cut(&self) {
+        self.0.proxies.iter().for_each(FaultProxy::blackhole);
+    }
+    async fn delay(&self, by: Duration) {
+        self.0.proxies.iter().for_each(|p| p.delay(by));
+    }
+    async fn heal(&self) {
+        self.0.proxies.iter().for_each(FaultProxy::heal);
+    }
+}
+
+#[async_trait]
+impl ServerFaults for DataNodes {
+    async fn pause(&self) {
+        self.0
+            .nodes
+            .iter()
+            .for_each(|n| harness::require(n.pause()));
+    }
+    async fn resume(&self) {
+        self.0
+            .nodes
+            .iter()
+            .for_each(|n| harness::require(n.resume()));
+    }
+    async fn kill(&self) {
+        self.0.nodes.iter().for_each(|n| harness::require(n.kill()));
+    }
+    /// Both nodes start again, empty (they keep no data), the master first and the
+    /// replica syncing from it; the Sentinels, which could promote no replica meanwhile,
+    /// see the master they name up again.
+    async fn restart(&self) {
+        for node in &self.0.nodes {
+            harness::require(node.restart().await);
+        }
+        harness::require(self.0.wait_for_master_up(Duration::from_secs(30)).await);
+    }
+}
+
+#[async_trait]
+impl Failover for DataNodes {
+    /// The master killed: the Sentinels notice, agree and promote the replica. The old
+    /// master stays down.
+    async fn fail_over(&self, _key: &LockKey) {
+        let (addr, master) = self.replicated_master().await;
+        harness::require(master.kill());
+        self.new_master(addr).await;
+    }
+
+    /// `SENTINEL FAILOVER`: the replica is promoted, and the old master, which runs on,
+    /// is made its replica by the Sentinels.
+    async fn switch_over(&self, _key: &LockKey) {
+        let (addr, old) = self.replicated_master().await;
+        let ok = harness::require(
+            self.0.sentinels[0]
+                .command(&["SENTINEL", "FAILOVER", sentinel::MASTER_NAME])
+                .await,
+        );
+        assert_eq!(ok.as_text().as_deref(), Some("OK"), "{ok:?}");
+        let new = self.new_master(addr).await;
+        let following = format!("master_port:{}\r\n", new.port());
+        harness::require(
+            harness::wait_until_ready(
+                "the old master following the new one",
+                DEMOTION_BOUND,
+                Duration::from_millis(50),
+                || async {
+                    let info = old
+                        .command(&["INFO", "replication"])
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .as_text()
+                        .unwrap_or_default();
+                    if info.contains("role:slave\r\n")
+                        && info.contains(&following)
+                        && info.contains("master_link_status:up\r\n")
+                    {
+                        Ok(())
+                    } else {
+                        Err(info)
+                    }
+                },
+            )
+            .await,
+        );
+    }
 }
