@@ -10,8 +10,8 @@
 //! Sweeps run in the background, started by an acquire at most once per
 //! [`sweep_interval`] (a [`Periodic`] chore), one batch of names after another in key order (each batch its own
 //! statement, so concurrent acquires on a name wait for at most one batch), and one at a
-//! time across every process sharing the schema (a transaction-level advisory lock, which
-//! a sweep that finds it taken skips).
+//! time across every process sharing the schema and table (a transaction-level advisory
+//! lock of that table and schema, which a sweep that finds it taken skips).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,6 +24,7 @@ use crate::client::{PgClient, with_clock};
 use crate::error::Operation;
 use crate::schema::Schema;
 use crate::statement::{Statement, Value};
+use sha2::{Digest, Sha256};
 
 /// How long a free token row is kept by default.
 pub const DEFAULT_TOKEN_RETENTION: Duration = Duration::from_secs(24 * 3600);
@@ -37,10 +38,6 @@ pub const MAX_TOKEN_RETENTION: Duration = Duration::from_secs(3650 * 24 * 3600);
 /// Names looked at per statement.
 const BATCH: i64 = 10_000;
 
-/// The transaction-level advisory lock one sweep at a time holds per statement; apart
-/// from `schema::SETUP_LOCK` and from the advisory backend's hashed keys.
-const SWEEP_LOCK: i64 = 0x6469_7374_7377_6570; // "distswep"
-
 /// Which table a sweeper clears.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Table {
@@ -50,22 +47,46 @@ pub(crate) enum Table {
     AdvisoryTokens,
 }
 
+impl Table {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Leases => "distlock_leases",
+            Self::AdvisoryTokens => "distlock_advisory_tokens",
+        }
+    }
+}
+
+/// The transaction-level advisory lock one sweep of `table` in `schema` at a time holds
+/// per statement: the first 8 bytes of SHA-256 of `distlock-sweep:<table>:<schema>`.
+/// One per table and schema, so sweeps of other schemas (or of the other table) never
+/// find it taken and stop: with one lock for all, they cut each other off, each starting
+/// again from the first name at its next turn. A hash, as the advisory backend's keys
+/// are (of `distlock:<schema>:<name>`): apart from them and from `schema::SETUP_LOCK`
+/// but for a 2^-64 chance.
+fn sweep_lock(schema: &Schema, table: Table) -> i64 {
+    let digest = Sha256::new()
+        .chain_update(b"distlock-sweep:")
+        .chain_update(table.name().as_bytes())
+        .chain_update(b":")
+        .chain_update(schema.as_str().as_bytes())
+        .finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    i64::from_be_bytes(first)
+}
+
 /// The statement for one batch: `$1` retention in µs, `$2` the last name of the previous
 /// batch (`''` at first), `$3` the sweep lock, `$4` the batch size, and for the advisory
 /// table `$5` the schema.
 /// Returns the batch's last name, how many names it looked at and how many rows it deleted.
 fn statement(schema: &Schema, table: Table) -> Arc<str> {
-    let (name, held, free) = match table {
-        Table::Leases => (
-            "distlock_leases",
-            "",
-            "(t.owner IS NULL OR t.expires_at <= now())",
-        ),
+    let name = table.name();
+    let (held, free) = match table {
+        Table::Leases => ("", "(t.owner IS NULL OR t.expires_at <= now())"),
         // A lock is held when any session of this database has its key in `pg_locks`
         // (the key is the first 8 bytes of SHA-256 of `distlock:<schema>:<name>`, as
         // `advisory::keys::lock_id` computes it; a test keeps the two the same).
         Table::AdvisoryTokens => (
-            "distlock_advisory_tokens",
             "held AS (SELECT (k.classid::bigint << 32) | k.objid::bigint AS id \
                         FROM pg_locks k \
                        WHERE k.locktype = 'advisory' AND k.objsubid = 1 \
@@ -99,6 +120,8 @@ struct Inner {
     backend: &'static str,
     table: Table,
     sql: Arc<str>,
+    /// [`sweep_lock`] of the table and schema.
+    lock: i64,
     retention: Duration,
     sweeps: Periodic,
 }
@@ -110,6 +133,7 @@ impl Sweeper {
                 backend,
                 table,
                 sql: statement(&client.schema, table),
+                lock: sweep_lock(&client.schema, table),
                 retention: client.token_retention,
                 sweeps: Periodic::new(sweep_interval(client.token_retention)),
             }),
@@ -153,7 +177,7 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::L
         let mut query = Statement::new(&inner.sql)
             .bind(Value::Int8(retention_us))
             .bind(Value::Text(after.as_str()))
-            .bind(Value::Int8(SWEEP_LOCK))
+            .bind(Value::Int8(inner.lock))
             .bind(Value::Int8(BATCH));
         if let Table::AdvisoryTokens = inner.table {
             query = query.bind(Value::Text(client.schema.as_str()));
@@ -186,5 +210,96 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::L
             Some(last) if scanned == BATCH => after = last,
             _ => return Ok(deleted),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use distlock_core::{LockBackend, LockKey};
+    use harness::postgres::PostgresServer;
+    use sqlx::Connection;
+    use tokio::time::Instant;
+
+    use super::*;
+    use crate::PgBuilder;
+
+    const RETENTION: Duration = Duration::from_secs(1);
+
+    /// A sweep of one schema's lease table runs while another session holds the sweep
+    /// lock of another schema's (as a long sweep there would, statement after statement),
+    /// and of its own advisory token table: the free row past its retention goes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweep_is_not_stopped_by_the_sweep_of_another_schema_or_table() {
+        let server = harness::require(PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let backend = PgBuilder::new(server.url())
+            .schema("swept")
+            .token_retention(RETENTION)
+            .build_lease_backend()
+            .unwrap();
+        backend.setup().await.unwrap();
+        let k = LockKey::new("sweep:released").unwrap();
+        let lease = backend
+            .acquire(&k, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .unwrap();
+        backend.release(&lease).await.unwrap();
+
+        let mut other = <sqlx::PgConnection as Connection>::connect(&server.url())
+            .await
+            .unwrap();
+        for (schema, table) in [("other", Table::Leases), ("swept", Table::AdvisoryTokens)] {
+            sqlx::query("SELECT pg_advisory_lock($1)")
+                .bind(sweep_lock(&Schema::new(schema).unwrap(), table))
+                .execute(&mut other)
+                .await
+                .unwrap();
+        }
+        tokio::time::sleep(RETENTION).await;
+
+        // Each acquire starts a sweep once one is due (a second apart).
+        let busy = LockKey::new("sweep:busy").unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let rows = server
+                .psql("SELECT count(*) FROM swept.distlock_leases WHERE name = 'sweep:released'")
+                .await
+                .unwrap();
+            if rows == "0" {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the free row past its retention is still there: the sweep found its lock \
+                 taken"
+            );
+            if let Some(held) = backend
+                .acquire(&busy, Duration::from_secs(30))
+                .await
+                .unwrap()
+            {
+                backend.release(&held).await.unwrap();
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        other.close().await.unwrap();
+    }
+
+    #[test]
+    fn sweep_locks_differ_per_schema_and_table() {
+        let (a, b) = (Schema::new("a").unwrap(), Schema::new("b").unwrap());
+        assert_ne!(sweep_lock(&a, Table::Leases), sweep_lock(&b, Table::Leases));
+        assert_ne!(
+            sweep_lock(&a, Table::Leases),
+            sweep_lock(&a, Table::AdvisoryTokens)
+        );
+        assert_eq!(sweep_lock(&a, Table::Leases), sweep_lock(&a, Table::Leases));
     }
 }
