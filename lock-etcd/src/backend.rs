@@ -4,7 +4,8 @@
 //!
 //! # One lease per lock
 //!
-//! Every acquisition grants its own lease with the lock's TTL and attaches the key to it.
+//! Every acquisition has a lease of its own with the lock's TTL and attaches the key to it:
+//! a spare granted ahead for it, or one granted beside its read (see `spare`).
 //! The alternative, etcd's "session" pattern (one lease per TTL value shared by every
 //! lock, kept alive by one background loop), saves the grant round trip, but it breaks
 //! bounded ownership: a lock whose holder stops renewing it stays alive as long as any
@@ -12,15 +13,16 @@
 //! lease per lock, a lock that is not renewed is deleted by etcd when its own TTL runs out.
 //!
 //! Renewal, and how a lease can never extend another holder's lock, is in `lease`;
-//! acquiring in `acquire`; what a read of a name finds in `found`; folding a batch's
-//! per-item results in `batch`; deleting the token keys of names nobody holds in
-//! `retention`.
+//! acquiring in `acquire`; the leases granted ahead in `spare`; what a read of a name finds
+//! in `found`; folding a batch's per-item results in `batch`; deleting the token keys of
+//! names nobody holds in `retention`.
 
 mod acquire;
 mod batch;
 mod found;
 mod lease;
 pub(crate) mod retention;
+mod spare;
 
 use std::fmt;
 use std::future::Future;
@@ -41,6 +43,7 @@ use self::batch::{per_item, waves};
 use self::found::Found;
 use self::lease::EtcdLease;
 use self::retention::Sweeper;
+use self::spare::Spares;
 use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
@@ -88,6 +91,7 @@ struct Inner {
     server_min_ttl: Duration,
     capabilities: Capabilities,
     sweeper: Sweeper,
+    spares: Spares,
 }
 
 impl fmt::Debug for EtcdBackend {
@@ -132,6 +136,7 @@ impl EtcdBackend {
                 server_min_ttl,
                 capabilities,
                 sweeper: Sweeper::new(token_retention),
+                spares: Spares::default(),
             }),
         }
     }

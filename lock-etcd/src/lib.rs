@@ -59,9 +59,14 @@
 //! - `purge` deletes a lock's key and its token key in one transaction and revokes its
 //!   lease; the key's next token then comes from the clock alone, above every token it had
 //!   before under the same clock assumption as a restore.
-//! - Cost: an acquire of a free key is three round trips (a linearizable read, the lease
-//!   grant, the transaction: two consensus writes); an acquire of a held key is the read
-//!   alone and writes nothing. Release, renew and fence are one round trip. The sweep runs
+//! - Cost: an acquire of a free key is two round trips: a linearizable read, with a lease
+//!   for the lock beside it, then the transaction. The lease is a spare granted ahead in
+//!   the background while locks of its TTL are taken often (the transaction is then the
+//!   acquire's only consensus write), or else granted beside the read. Each lease is used
+//!   by one lock and revoked on release, so every lock still expires on its own; a spare
+//!   nobody uses holds no key and lapses. An acquire of a held key is the read alone and
+//!   writes nothing (after such a refusal, the next acquire without a spare reads before
+//!   it grants: three round trips). Release, renew and fence are one round trip. The sweep runs
 //!   beside them, one request at a time (a page of 1,000 token keys read, their expired
 //!   ones deleted 64 to a transaction).
 //! - Waiters in `Locker::lock` are woken when the key is deleted (released, revoked, or

@@ -1,14 +1,15 @@
-//! Acquiring: read the name, and only if it is free grant a lease with the lock's TTL and
-//! put the key on it in one transaction, with the next token; every outcome but a grant
-//! revokes the lease.
+//! Acquiring: read the name while a lease with the lock's TTL is found (a spare granted
+//! ahead) or granted, and only if the name is free put the key on the lease in one
+//! transaction, with the next token. Two round trips; with a spare, the transaction is the
+//! only consensus write on the acquire's path.
 //!
 //! # Why a read comes first
 //!
-//! A refused attempt that began with the grant would cost three consensus writes (the
-//! grant, a transaction that may write — etcd sends it through raft even when its
-//! comparison fails — and the revoke), each flushed to disk on a quorum, and would load
-//! the cluster exactly when a key is busy. A linearizable read answers "held" without a
-//! write; a free key costs the read plus the two writes it always cost.
+//! A refused attempt that began with the transaction would be a consensus write (etcd sends
+//! a transaction that may write through raft even when its comparison fails), flushed to
+//! disk on a quorum, exactly when a key is busy. A linearizable read answers "held" without
+//! a write, and the lease the attempt did not use is put back as a spare (see `spare`) for
+//! the next acquire instead of being revoked.
 //!
 //! # The token
 //!
@@ -16,8 +17,16 @@
 //! only if the token key's `mod_revision` is still the one read: if another acquire was
 //! granted (and released) since, the transaction reads the name again instead, and the
 //! attempt goes on from what it found, on the same lease.
+//!
+//! # Cancel safety
+//!
+//! The lease an attempt uses is held by a [`Claim`] until a lock holds it. Dropped before a
+//! transaction was sent (the read or the grant cancelled, the name held), the lease holds
+//! no key and goes back to the spares; dropped once one was sent, it is revoked, which
+//! deletes the key if the transaction put it. So no lock is left held by nobody, beyond
+//! the moment the revoke takes (or, if the revoke is lost too, the lease's TTL).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use distlock_core::{FencingToken, Lease, LockError, LockKey, OwnerId, valid_until};
@@ -28,6 +37,7 @@ use tracing::debug;
 use super::EtcdBackend;
 use super::found::Found;
 use super::lease::EtcdLease;
+use super::spare::Spare;
 use crate::error::Effect;
 use crate::tokens::{encode, lock_value, next_token};
 
@@ -36,10 +46,70 @@ use crate::tokens::{encode, lock_value, next_token};
 /// as a contended attempt is.
 const TRANSACTIONS_PER_ATTEMPT: usize = 3;
 
+/// The lease an acquire is using, until a lock holds it (see "Cancel safety" above).
+struct Claim<'a> {
+    backend: &'a EtcdBackend,
+    seconds: i64,
+    /// Set by the grant, which runs beside the read.
+    lease: Mutex<Option<Spare>>,
+    /// Whether a transaction that may have put the key on the lease was sent.
+    put_sent: bool,
+}
+
+impl<'a> Claim<'a> {
+    fn new(backend: &'a EtcdBackend, seconds: i64, spare: Option<Spare>) -> Self {
+        Self {
+            backend,
+            seconds,
+            lease: Mutex::new(spare),
+            put_sent: false,
+        }
+    }
+
+    fn lease(&mut self) -> Option<Spare> {
+        *self
+            .lease
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The lease now holds a lock: nothing is to be done with it on drop.
+    fn hold(mut self) {
+        self.lease
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+    }
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        let Some(spare) = self
+            .lease
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        else {
+            return;
+        };
+        let spares = &self.backend.inner.spares;
+        if !self.put_sent && spares.put_back(self.seconds, spare, Instant::now()) {
+            return;
+        }
+        // The transaction may have put the key: revoking our own lease deletes it again, so
+        // no key is held for a TTL by a caller that was told it does not hold it. A lease
+        // too old to keep holds nothing and is revoked to free it early.
+        self.backend.revoke_in_background(spare.id);
+    }
+}
+
 impl EtcdBackend {
-    /// Reads the name; if it is free, grants a lease and puts the key on it with the next
-    /// token. Validity counts from `sent`, taken before anything was sent: the lease starts
-    /// counting when etcd grants it, so validity from `sent` ends before it does.
+    /// Reads the name, with a spare lease taken or a lease granted beside the read (see
+    /// `spare`) or, after a refused attempt, granted after it; if the name is free, puts
+    /// the key on the lease with the next token. Validity counts from `sent`, taken before
+    /// anything was sent, or from when the spare's grant was sent if that is earlier: a
+    /// lease starts counting when etcd grants it, so validity from then ends before it
+    /// does.
     pub(super) async fn acquire_sent(
         &self,
         key: &LockKey,
@@ -48,67 +118,104 @@ impl EtcdBackend {
         sent: Instant,
     ) -> Result<Option<Lease>, LockError> {
         self.poke_sweeper();
-        let found = self.lookup(key).await?;
+        let taken = self.inner.spares.take(seconds, ttl, Instant::now());
+        let claim = Claim::new(self, seconds, taken.spare);
+        let granting = async {
+            if taken.spare.is_some() {
+                return Ok(());
+            }
+            let granted_from = Instant::now();
+            let id = self.grant(ttl, seconds).await?;
+            *claim
+                .lease
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) =
+                Some(Spare { id, granted_from });
+            Ok::<_, LockError>(())
+        };
+        let found = if taken.spare.is_some() || taken.grant_beside_read {
+            let (found, granted) = tokio::join!(self.lookup(key), granting);
+            let found = found?;
+            if !found.is_held() {
+                granted?;
+            }
+            found
+        } else {
+            let found = self.lookup(key).await?;
+            if found.is_held() {
+                drop(granting);
+            } else {
+                granting.await?;
+            }
+            found
+        };
         if found.is_held() {
             debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");
+            self.inner.spares.found(seconds, false, Instant::now());
             return Ok(None);
         }
-        self.take_free(key, ttl, seconds, sent, found).await
+        self.take_free(key, ttl, sent, found, claim).await
     }
 
-    /// Grants a lease and puts the key on it with the token after the newest `found`
-    /// shows, for a name `found` saw free; reads and tries again (on the same lease) while
-    /// other grants came between.
+    /// Puts the key on the claimed lease with the token after the newest `found` shows,
+    /// for a name `found` saw free; reads and tries again (on the same lease) while other
+    /// grants came between.
     async fn take_free(
         &self,
         key: &LockKey,
         ttl: Duration,
-        seconds: i64,
         sent: Instant,
         mut found: Found,
+        mut claim: Claim<'_>,
     ) -> Result<Option<Lease>, LockError> {
-        let lease_id = self.grant(ttl, seconds).await?;
+        let Some(spare) = claim.lease() else {
+            return Err(LockError::unavailable(
+                crate::error::NAME,
+                "no lease to put the key on",
+            ));
+        };
         let owner = OwnerId::random();
         for _ in 0..TRANSACTIONS_PER_ATTEMPT {
             let token = next_token(found.newest());
-            let txn = self.acquire_txn(key, owner, token, lease_id, found.token_revision());
-            match self.txn(Effect::Write("acquire"), txn).await {
-                Ok(resp) if resp.succeeded() => {
-                    let lease = Lease::new(
-                        self.inner.id,
-                        key.clone(),
-                        owner,
-                        token,
-                        ttl,
-                        valid_until(sent, ttl),
-                    );
-                    return Ok(Some(
-                        lease.with_handle(Arc::new(EtcdLease { id: lease_id })),
-                    ));
+            let txn = self.acquire_txn(key, owner, token, spare.id, found.token_revision());
+            claim.put_sent = true;
+            // An error leaves the claim to revoke the lease when it is dropped.
+            let resp = self.txn(Effect::Write("acquire"), txn).await?;
+            if resp.succeeded() {
+                let seconds = claim.seconds;
+                claim.hold();
+                if self.inner.spares.found(seconds, true, Instant::now()) {
+                    self.grant_ahead(ttl, seconds);
                 }
-                Ok(resp) => {
-                    found = Found::from_reads(&resp);
-                    if found.is_held() {
-                        debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");
-                        break;
-                    }
-                }
-                Err(e) => {
-                    // The put may have happened with the reply lost: revoking our own lease
-                    // deletes the key again, so no key is held for a TTL by a caller that
-                    // was told it does not hold it.
-                    self.revoke_in_background(lease_id);
-                    return Err(e);
-                }
+                let lease = Lease::new(
+                    self.inner.id,
+                    key.clone(),
+                    owner,
+                    token,
+                    ttl,
+                    valid_until(sent.min(spare.granted_from), ttl),
+                );
+                return Ok(Some(
+                    lease.with_handle(Arc::new(EtcdLease { id: spare.id })),
+                ));
+            }
+            // The comparison failed: nothing was put, and the lease holds no key.
+            claim.put_sent = false;
+            found = Found::from_reads(&resp);
+            if found.is_held() {
+                debug!(holder_token = ?found.holder().map(|(_, t)| t), "contended");
+                self.inner
+                    .spares
+                    .found(claim.seconds, false, Instant::now());
+                break;
             }
         }
-        self.revoke_in_background(lease_id);
         Ok(None)
     }
 
     /// Grants a lease of `seconds` for a lock of `ttl`; refuses one etcd granted longer.
     /// A lost grant reply leaves at most an unused lease that lapses: no lock was taken.
-    async fn grant(&self, ttl: Duration, seconds: i64) -> Result<i64, LockError> {
+    pub(super) async fn grant(&self, ttl: Duration, seconds: i64) -> Result<i64, LockError> {
         let granted = self
             .call(Effect::None, |client| async move {
                 client.lease_client().grant(seconds, None).await
@@ -197,8 +304,11 @@ mod tests {
             .unwrap();
 
         let ttl = Duration::from_secs(2);
+        let granted_from = Instant::now();
+        let id = backend.grant(ttl, 2).await.unwrap();
+        let claim = Claim::new(&backend, 2, Some(Spare { id, granted_from }));
         let lease = backend
-            .take_free(&key, ttl, 2, Instant::now(), seen)
+            .take_free(&key, ttl, granted_from, seen, claim)
             .await
             .unwrap()
             .expect("the name is free");

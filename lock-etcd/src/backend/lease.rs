@@ -36,9 +36,14 @@ impl EtcdBackend {
     /// acquire, a released lock) or must not hold one (an acquire whose reply was lost).
     /// Revoking only ever deletes keys attached to *this* lease, so it cannot harm another
     /// holder; if the revoke is lost too, the lease lapses by itself within its TTL.
+    /// Outside a tokio runtime (an acquire dropped as its runtime shuts down) nothing is
+    /// sent.
     pub(super) fn revoke_in_background(&self, lease_id: i64) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let backend = self.clone();
-        tokio::spawn(async move { backend.revoke(lease_id).await });
+        runtime.spawn(async move { backend.revoke(lease_id).await });
     }
 
     /// Revokes a lease, deleting the keys attached to it; errors are the caller's to ignore.
