@@ -192,8 +192,18 @@ struct DemoArgs {
 
 #[derive(Debug, Args)]
 struct TortureArgs {
-    /// The store under test (when left out, the URL in DISTLOCK_URL).
+    /// The store under test (when left out, the URL in DISTLOCK_URL, unless --own).
     url: Option<String>,
+    /// Start the store itself instead (on a free loopback port, persisting to an
+    /// append-only file), so that the nemesis also restarts it (SIGKILL, as a crash).
+    #[arg(long, value_enum, conflicts_with = "url")]
+    own: Option<torture::Own>,
+    /// The redis-server binary --own redis starts.
+    #[arg(long, default_value = "redis-server")]
+    redis_server: String,
+    /// How the store --own starts flushes its append-only file.
+    #[arg(long, value_enum, default_value = "always")]
+    fsync: torture::Fsync,
     /// The store that keeps the ledger the workers write (default: the store under test),
     /// e.g. a PostgreSQL URL whose schema `lockctl setup` made.
     #[arg(long)]
@@ -404,7 +414,10 @@ impl Command {
             },
             Command::Completions { shell } => Resolved::Completions { shell },
             Command::Torture(args) => Resolved::Torture(torture::Options {
-                url: url_or_env(args.url, env)?,
+                target: match args.own {
+                    Some(own) => torture::Target::Own(own, args.redis_server, args.fsync),
+                    None => torture::Target::Url(url_or_env(args.url, env)?),
+                },
                 ledger: args.ledger,
                 workers: args.workers,
                 keys: args.keys,
@@ -440,10 +453,16 @@ impl Resolved {
             | Resolved::Leader { url, .. }
             | Resolved::Semaphore { url, .. } => vec![url.as_str()],
             Resolved::Bench { urls, .. } => urls.iter().map(String::as_str).collect(),
-            Resolved::Torture(options) => [Some(options.url.as_str()), options.ledger.as_deref()]
-                .into_iter()
-                .flatten()
-                .collect(),
+            Resolved::Torture(options) => {
+                let url = match &options.target {
+                    torture::Target::Url(url) => url.as_str(),
+                    torture::Target::Own(torture::Own::Redis, ..) => "redis://",
+                };
+                [Some(url), options.ledger.as_deref()]
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            }
             Resolved::TortureWorker(args) => vec![args.url.as_str(), args.ledger.as_str()],
             Resolved::Completions { .. } => Vec::new(),
         }

@@ -14,6 +14,7 @@
 mod broken;
 mod check;
 mod event;
+mod store;
 pub mod worker;
 mod workers;
 
@@ -30,16 +31,27 @@ use serde::Serialize;
 use tokio::time::Instant;
 
 pub use broken::Break;
+pub use store::{Fsync, Own};
 pub use worker::WorkerArgs;
 
 use check::{Property, Tally, Violation};
+use store::OwnStore;
 use workers::{History, Workers};
+
+/// The store under test.
+#[derive(Clone, Debug)]
+pub enum Target {
+    /// A deployment, by URL.
+    Url(String),
+    /// A store the run starts itself, and restarts: which, the server binary, and how
+    /// it flushes its writes.
+    Own(Own, String, Fsync),
+}
 
 /// How a run is shaped.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// The store under test.
-    pub url: String,
+    pub target: Target,
     /// The store holding the ledger (the store under test when `None`).
     pub ledger: Option<String>,
     pub workers: u32,
@@ -70,6 +82,8 @@ pub struct Report {
     pub tally: Tally,
     pub pauses: u32,
     pub kills: u32,
+    /// Restarts of a store the run started itself (SIGKILL, then started again).
+    pub restarts: u32,
     /// Critical sections completed per second.
     pub sections_per_s: f64,
     /// Fenced writes admitted per second.
@@ -85,7 +99,11 @@ const SHOWN: usize = 100;
 
 /// Checks the options before anything starts.
 fn validate(options: &Options) -> Result<(), LockError> {
-    if crate::keys::is_memory(&options.url)
+    let memory = match &options.target {
+        Target::Url(url) => crate::keys::is_memory(url),
+        Target::Own(..) => false,
+    };
+    if memory
         || options
             .ledger
             .as_deref()
@@ -119,19 +137,38 @@ fn validate(options: &Options) -> Result<(), LockError> {
 /// Runs one torture run and prints its report; exit status 1 when a property broke.
 pub async fn run(options: &Options) -> Result<ExitCode, LockError> {
     validate(options)?;
-    let ledger_url = options
-        .ledger
-        .clone()
-        .unwrap_or_else(|| options.url.clone());
+    let (url, mut own) = match &options.target {
+        Target::Url(url) => (url.clone(), None),
+        Target::Own(Own::Redis, binary, fsync) => {
+            let store = OwnStore::start(binary, *fsync)
+                .await
+                .map_err(|e| LockError::Config(format!("cannot start the store: {e}")))?;
+            (store.url(), Some(store))
+        }
+    };
+    let result = run_on(options, &url, own.as_mut()).await;
+    if let Some(store) = own {
+        store.stop().await;
+    }
+    result
+}
+
+/// [`run`] on the store at `url`; `own` is that store when the run started it.
+async fn run_on(
+    options: &Options,
+    url: &str,
+    own: Option<&mut OwnStore>,
+) -> Result<ExitCode, LockError> {
+    let ledger_url = options.ledger.clone().unwrap_or_else(|| url.to_owned());
     // Opened here first, so a wrong URL or an unreachable store fails before any worker.
-    let backend = distlock::connect(&options.url).await?;
+    let backend = distlock::connect(url).await?;
     let ledger = distlock::fenced_resource(&ledger_url, EnforcementMode::Enforce).await?;
     distlock::Locker::builder(backend.clone())
         .ttl(options.ttl)
         .build()?;
     let prefix = format!("torture:{:016x}", rand::random::<u64>());
     let args = WorkerArgs {
-        url: small_pool(&options.url),
+        url: small_pool(url),
         ledger: small_pool(&ledger_url),
         prefix: prefix.clone(),
         keys: options.keys,
@@ -144,16 +181,16 @@ pub async fn run(options: &Options) -> Result<ExitCode, LockError> {
     let history = Arc::new(History::default());
     let mut workers = Workers::start(args, options.workers, history.clone())
         .map_err(|e| LockError::Config(format!("cannot start the worker processes: {e}")))?;
-    let shown = distlock::redact_url(&options.url);
+    let shown = distlock::redact_url(url);
     let started = Instant::now();
-    let (pauses, kills) = nemesis(options, &mut workers, &history, &shown).await?;
+    let done = nemesis(options, &mut workers, own, &history, &shown).await?;
     let patience = options.ttl * 4 + options.step_time * options.steps + Duration::from_secs(5);
     workers.stop(patience).await;
     let seconds = started.elapsed().as_secs_f64();
 
     let mut finals = Vec::new();
     for key in 0..options.keys {
-        let value = ledger.read(&worker::name(&prefix, key)).await?;
+        let value = read_ledger(&*ledger, &worker::name(&prefix, key)).await?;
         finals.push(value.as_deref().map(worker::parse).transpose()?);
     }
     for key in 0..options.keys {
@@ -179,8 +216,9 @@ pub async fn run(options: &Options) -> Result<ExitCode, LockError> {
         sections_per_s: tally.sections as f64 / seconds,
         writes_per_s: tally.writes_admitted as f64 / seconds,
         tally,
-        pauses,
-        kills,
+        pauses: done.pauses,
+        kills: done.kills,
+        restarts: done.restarts,
         violated,
         violations,
     };
@@ -192,14 +230,46 @@ pub async fn run(options: &Options) -> Result<ExitCode, LockError> {
     })
 }
 
-/// Pauses and kills workers at random until the run's time is up, printing a progress
-/// line each second; returns how many pauses and kills it made.
+/// How long the run tries to read the ledger at the end while the store says "try
+/// again" (a connection the last restart or failover broke, a store still loading).
+const LEDGER_PATIENCE: Duration = Duration::from_secs(15);
+
+/// Reads a ledger entry, asking again while the error is one worth retrying: a read
+/// changes nothing, and the store may just have been restarted by the nemesis.
+async fn read_ledger(
+    ledger: &dyn distlock::FencedResource,
+    name: &str,
+) -> Result<Option<Vec<u8>>, LockError> {
+    let give_up = Instant::now() + LEDGER_PATIENCE;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match ledger.read(name).await {
+            Err(e) if e.is_retryable() && Instant::now() + pause < give_up => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(1));
+            }
+            read => return read,
+        }
+    }
+}
+
+/// What the nemesis did.
+#[derive(Debug, Default)]
+struct Done {
+    pauses: u32,
+    kills: u32,
+    restarts: u32,
+}
+
+/// Pauses and kills workers, and restarts the store when the run started it (one action
+/// in four), at random until the run's time is up, printing a progress line each second.
 async fn nemesis(
     options: &Options,
     workers: &mut Workers,
+    mut own: Option<&mut OwnStore>,
     history: &History,
     shown: &str,
-) -> Result<(u32, u32), LockError> {
+) -> Result<Done, LockError> {
     let mut rng = StdRng::seed_from_u64(options.seed ^ 0x5eed);
     let start = Instant::now();
     let end = start + options.duration;
@@ -209,7 +279,7 @@ async fn nemesis(
         .nemesis_every
         .map(|every| start + every.mul_f64(rng.random_range(0.5..1.5)));
     let mut next_progress = start + Duration::from_secs(1);
-    let (mut pauses, mut kills) = (0, 0);
+    let mut done = Done::default();
     while Instant::now() < end {
         tokio::time::sleep(tick).await;
         let now = Instant::now();
@@ -230,34 +300,40 @@ async fn nemesis(
             next_action = Some(now + every.mul_f64(rng.random_range(0.5..1.5)));
             let worker = rng.random_range(0..workers.len());
             let pause = options.pauses && (!options.kills || rng.random_bool(0.6));
-            if workers.is_paused(worker) {
+            if let Some(store) = own.as_deref_mut().filter(|_| rng.random_bool(0.25)) {
+                store.restart().await.map_err(io_error)?;
+                done.restarts += 1;
+            } else if workers.is_paused(worker) {
                 // Already stopped: leave it to its pause.
             } else if pause {
                 workers.pause(worker);
                 // Past the TTL, so its lease runs out while it cannot renew.
                 let held = options.ttl.mul_f64(rng.random_range(1.2..2.0));
                 resume_at[worker as usize] = Some(now + held);
-                pauses += 1;
+                done.pauses += 1;
             } else if options.kills {
                 workers.kill_and_restart(worker).await.map_err(io_error)?;
-                kills += 1;
+                done.kills += 1;
             }
         }
         if now >= next_progress {
             next_progress += Duration::from_secs(1);
             let c = &history.counts;
             eprintln!(
-                "torture {shown}: {:>3}s/{}s  grants {}  writes {} (refused {})  pauses {pauses}  kills {kills}  errors {}",
+                "torture {shown}: {:>3}s/{}s  grants {}  writes {} (refused {})  pauses {}  kills {}  restarts {}  errors {}",
                 now.duration_since(start).as_secs(),
                 options.duration.as_secs(),
                 c.grants.load(Ordering::Relaxed),
                 c.writes.load(Ordering::Relaxed),
                 c.refused.load(Ordering::Relaxed),
+                done.pauses,
+                done.kills,
+                done.restarts,
                 c.errors.load(Ordering::Relaxed),
             );
         }
     }
-    Ok((pauses, kills))
+    Ok(done)
 }
 
 /// How many connections a worker's PostgreSQL pools open when the URL does not say: a
@@ -307,8 +383,8 @@ fn print(report: &Report, json: bool) {
         t.writes_refused, t.losses_noticed, t.releases_not_held, t.errors
     );
     println!(
-        "  nemesis: {} pauses past the TTL, {} kills",
-        report.pauses, report.kills
+        "  nemesis: {} pauses past the TTL, {} kills, {} store restarts",
+        report.pauses, report.kills, report.restarts
     );
     if report.violated.is_empty() {
         println!("  violations: none");
