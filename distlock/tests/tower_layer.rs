@@ -3,7 +3,7 @@
 //! job before its next step.
 
 use std::convert::Infallible;
-use std::future::Future;
+use std::future::{Future, poll_fn};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::task::{Context, Poll};
@@ -14,6 +14,7 @@ use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
 use distlock::{FencingToken, LockBackend, LockError, LockKey, Locker};
 use tokio::time::Instant;
+use tower::limit::ConcurrencyLimit;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -154,6 +155,82 @@ async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// What a worker saw when it asked the layer for readiness before taking a job.
+#[derive(Debug, PartialEq, Eq)]
+enum Readiness {
+    /// Not ready at first: the worker waited before it took job `id`.
+    Waited(u32),
+    /// Ready: the worker took job `id` (and the layer its lock).
+    Took(u32),
+}
+
+/// The inner service runs one job at a time (a concurrency limit inside the layer). While
+/// the first job runs the layer is not ready, so a worker that asks for readiness before
+/// it takes a job, as apalis does, takes no second job: no lease is held for a job that
+/// cannot run, and the job stays in the queue for another worker.
+#[tokio::test]
+async fn no_job_holds_a_lock_while_the_inner_service_is_at_capacity() {
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), Duration::from_secs(30));
+    let (started, mut running) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let opened = gate.clone();
+    let one_at_a_time = ConcurrencyLimit::new(
+        Handler(move |locked: Locked<Job>| {
+            let (started, gate) = (started.clone(), opened.clone());
+            async move {
+                started.send(locked.request.id).unwrap();
+                drop(gate.acquire().await.unwrap());
+                Ok::<_, Infallible>(locked.token)
+            }
+        }),
+        1,
+    );
+    let mut service = LockLayer::new(locker.clone(), key_of).layer(one_at_a_time);
+    // A worker as apalis runs one: readiness first, then the job, in a task of its own.
+    let (seen, mut readiness) = tokio::sync::mpsc::unbounded_channel();
+    let worker = tokio::spawn(async move {
+        let mut jobs = Vec::new();
+        for id in [1, 2] {
+            let mut waited = false;
+            poll_fn(|cx| {
+                let ready = service.poll_ready(cx);
+                if ready.is_pending() && !waited {
+                    waited = true;
+                    seen.send(Readiness::Waited(id)).unwrap();
+                }
+                ready
+            })
+            .await
+            .unwrap();
+            seen.send(Readiness::Took(id)).unwrap();
+            jobs.push(tokio::spawn(service.call(Job { id, delivery: 1 })));
+        }
+        jobs
+    });
+    assert_eq!(readiness.recv().await, Some(Readiness::Took(1)));
+    assert_eq!(running.recv().await, Some(1));
+    assert_eq!(
+        readiness.recv().await,
+        Some(Readiness::Waited(2)),
+        "the worker took job 2 while job 1 ran and held the only capacity"
+    );
+    let second = store.inspect(&LockKey::new("job:2").unwrap()).await.unwrap();
+    assert_eq!(second.owner, None, "job 2's key is free while job 1 runs");
+    assert_eq!(locker.held(), 1, "one lease renewed: job 1's");
+
+    // Job 1 ends: the capacity and the worker's next job are free.
+    gate.add_permits(2);
+    assert_eq!(readiness.recv().await, Some(Readiness::Took(2)));
+    let jobs = worker.await.unwrap();
+    let mut tokens = Vec::new();
+    for job in jobs {
+        tokens.push(job.await.unwrap().unwrap());
+    }
+    assert_eq!(running.recv().await, Some(2));
+    assert!(tokens.iter().all(|token| token.get() >= 1), "{tokens:?}");
 }
 
 /// The store stops answering renewals: the lease runs out, and the job, which would take

@@ -217,10 +217,14 @@ where
     type Error = JobError<S::Error>;
     type Future = Pin<Box<dyn Future<Output = Result<S::Response, Self::Error>> + Send>>;
 
-    /// Always ready: the inner service is made ready once the lock is held, so that no
-    /// job holds a lock while it waits for capacity and no capacity waits for a lock.
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
+    /// Ready when the inner service is ready (its error is [`JobError::Job`]): a job is
+    /// taken, and its lock with it, only when the inner service can run it at once, so no
+    /// job holds a lock while it waits for capacity (a concurrency or rate limit, a
+    /// `Buffer`) and a queue that asks for readiness before it fetches, as apalis does,
+    /// leaves the jobs it cannot run yet to other workers. The readiness is held while the
+    /// lock is taken, [`OnMiss::Retry`]'s waits included.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(JobError::Job)
     }
 
     /// # Cancel safety
@@ -280,10 +284,8 @@ where
         token: guard.token(),
         status: status.clone(),
     };
-    let job = async move {
-        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-        inner.call(locked).await
-    };
+    // `inner` is the clone `poll_ready` made ready: it runs the job at once.
+    let job = inner.call(locked);
     match status.while_held(job).await {
         Ok(done) => {
             // The job is over either way; a release that fails leaves the lease to end
