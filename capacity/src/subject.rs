@@ -138,7 +138,7 @@ impl SubjectId {
                 "distlock PostgreSQL advisory: try-lock + token upsert, unlock (pinned session)"
             }
             SubjectId::Etcd => {
-                "distlock etcd: read + lease grant + txn, delete txn (+ background revoke)"
+                "distlock etcd: read beside a lease granted ahead + txn, delete txn (+ background revoke)"
             }
             SubjectId::RedisPing => "baseline: Redis PING",
             SubjectId::RedisSetNx => "baseline: raw SET key v NX PX + DEL",
