@@ -17,6 +17,7 @@ use crate::guard::{LeaseStatus, LockGuard};
 use crate::key::{FencingToken, LockKey, OwnerId};
 use crate::lease::Release;
 use crate::locker::{Locker, RetryPolicy};
+use crate::telemetry::Kind;
 use crate::waiting::Waiting;
 
 /// The prefix of the lock key of every role: role `scheduler` is the key
@@ -332,7 +333,7 @@ async fn campaign_until_elected(
 ) {
     let mut waiting = Waiting::new(locker.backend().as_ref(), &key, retry);
     while !elected.is_closed() {
-        let held_by_another = match locker.try_lock(&key).await {
+        let held_by_another = match locker.try_lock_as(&key, Kind::Leader).await {
             // If the campaigner is gone, the guard comes back and is dropped: released.
             Ok(Some(guard)) => {
                 let _ = elected.send(Ok(guard));

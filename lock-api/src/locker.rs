@@ -14,7 +14,7 @@ use crate::guard::LockGuard;
 use crate::instrumented::Instrumented;
 use crate::key::LockKey;
 use crate::lease::Lease;
-use crate::telemetry::WAIT_SECONDS;
+use crate::telemetry::{Kind, WAIT_SECONDS};
 use crate::waiting::Waiting;
 use crate::watchdog::{LeaseState, Watchdog, check_schedule};
 
@@ -214,18 +214,28 @@ impl Locker {
     /// Not cancel safe: if cancelled after the store granted the lease, the lease is
     /// not renewed and frees itself when its TTL runs out.
     pub async fn try_lock(&self, key: &LockKey) -> Result<Option<LockGuard>, LockError> {
-        let sent = Instant::now();
-        let granted = self.backend().acquire(key, self.inner.ttl).await?;
-        Ok(granted.map(|lease| self.guard(lease, sent)))
+        self.try_lock_as(key, Kind::Lock).await
     }
 
-    /// A guard for `lease`, granted to a request sent at `sent`, renewed by the watchdog
-    /// from now on.
-    pub(crate) fn guard(&self, lease: Lease, sent: Instant) -> LockGuard {
+    /// [`Locker::try_lock`] of a lease held as `kind` (its metrics' label).
+    pub(crate) async fn try_lock_as(
+        &self,
+        key: &LockKey,
+        kind: Kind,
+    ) -> Result<Option<LockGuard>, LockError> {
+        let sent = Instant::now();
+        let granted = self.backend().acquire(key, self.inner.ttl).await?;
+        Ok(granted.map(|lease| self.guard(lease, sent, kind)))
+    }
+
+    /// A guard for `lease`, held as `kind`, granted to a request sent at `sent`, renewed
+    /// by the watchdog from now on.
+    pub(crate) fn guard(&self, lease: Lease, sent: Instant, kind: Kind) -> LockGuard {
         let watchdog = &self.inner.watchdog;
         let state = Arc::new(LeaseState::new(
             lease.valid_until(),
             watchdog.backend().name(),
+            kind,
         ));
         let id = watchdog.register(lease.clone(), state.clone(), sent);
         LockGuard::new(lease, state, id, watchdog.clone())
@@ -252,15 +262,17 @@ impl Locker {
     /// waiter of the key. It records no wait time.
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
         let waiting = Waiting::new(self.backend().as_ref(), key, self.inner.retry);
-        self.wait_for(key, waiting, || self.try_lock(key)).await
+        self.wait_for(key, Kind::Lock, waiting, || self.try_lock(key))
+            .await
     }
 
     /// Waits until `attempt` grants a guard, up to the wait timeout, waiting between
     /// attempts as `waiting` says; `name` is what a `Timeout` names. Records the time
-    /// waited in `distlock_wait_seconds`.
+    /// waited in `distlock_wait_seconds`, labelled `kind`.
     pub(crate) async fn wait_for<F, Fut>(
         &self,
         name: &LockKey,
+        kind: Kind,
         waiting: Waiting,
         attempt: F,
     ) -> Result<LockGuard, LockError>
@@ -275,8 +287,13 @@ impl Locker {
             Err(LockError::Timeout { .. }) => "timed_out",
             Err(_) => "error",
         };
-        metrics::histogram!(WAIT_SECONDS, "backend" => self.backend().name(), "outcome" => outcome)
-            .record((Instant::now() - started).as_secs_f64());
+        metrics::histogram!(
+            WAIT_SECONDS,
+            "backend" => self.backend().name(),
+            "kind" => kind.as_str(),
+            "outcome" => outcome
+        )
+        .record((Instant::now() - started).as_secs_f64());
         result
     }
 

@@ -21,6 +21,7 @@ use crate::guard::{LeaseStatus, LockGuard};
 use crate::key::{FencingToken, LockKey};
 use crate::lease::{LockInfo, Release};
 use crate::locker::{Locker, run_while_held};
+use crate::telemetry::Kind;
 use crate::waiting::Waiting;
 
 /// The most permits a semaphore may have: each is a key the store keeps while held, and a
@@ -144,7 +145,7 @@ impl Semaphore {
         }
         let slot = self.slot_of(lease.key());
         Ok(Some(Permit {
-            guard: self.locker.guard(lease, sent),
+            guard: self.locker.guard(lease, sent, Kind::Permit),
             slot,
         }))
     }
@@ -168,7 +169,7 @@ impl Semaphore {
         let locker = &self.locker;
         let waiting = Waiting::any_of(locker.backend().as_ref(), &self.slots, locker.retry());
         let guard = locker
-            .wait_for(&self.name, waiting, || async {
+            .wait_for(&self.name, Kind::Permit, waiting, || async {
                 Ok(self.try_acquire().await?.map(|permit| permit.guard))
             })
             .await?;

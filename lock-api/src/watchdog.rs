@@ -31,7 +31,7 @@ use tracing::{debug, warn};
 use crate::backend::LockBackend;
 use crate::error::LockError;
 use crate::lease::{Lease, Renewal, trusted_for};
-use crate::telemetry::{HELD, HELD_SECONDS, LOST_TOTAL};
+use crate::telemetry::{HELD, HELD_SECONDS, Kind, LOST_TOTAL};
 
 const HELD_STATE: u8 = 0;
 const LOST_STATE: u8 = 1;
@@ -44,17 +44,20 @@ pub(crate) struct LeaseState {
     state: AtomicU8,
     changed: Notify,
     backend: &'static str,
+    /// What the lease is for: the metrics' `kind` label.
+    kind: &'static str,
     /// When the lease was granted, for the held-time histogram.
     granted: Instant,
 }
 
 impl LeaseState {
-    pub(crate) fn new(valid_until: Instant, backend: &'static str) -> Self {
+    pub(crate) fn new(valid_until: Instant, backend: &'static str, kind: Kind) -> Self {
         Self {
             valid_until: Mutex::new(valid_until),
             state: AtomicU8::new(HELD_STATE),
             changed: Notify::new(),
             backend,
+            kind: kind.as_str(),
             granted: Instant::now(),
         }
     }
@@ -105,7 +108,8 @@ impl LeaseState {
     /// the deadline it read.
     fn mark_lost_by(&self, valid_until: Instant) {
         if self.end(LOST_STATE, valid_until) {
-            metrics::counter!(LOST_TOTAL, "backend" => self.backend).increment(1);
+            metrics::counter!(LOST_TOTAL, "backend" => self.backend, "kind" => self.kind)
+                .increment(1);
             debug!(backend = self.backend, "lease lost");
         }
     }
@@ -124,11 +128,12 @@ impl LeaseState {
             .compare_exchange(HELD_STATE, to, Ordering::AcqRel, Ordering::Acquire)
             .is_ok();
         if ended {
-            metrics::gauge!(HELD, "backend" => self.backend).decrement(1.0);
+            metrics::gauge!(HELD, "backend" => self.backend, "kind" => self.kind).decrement(1.0);
             let held = Instant::now()
                 .min(valid_until)
                 .saturating_duration_since(self.granted);
-            metrics::histogram!(HELD_SECONDS, "backend" => self.backend).record(held.as_secs_f64());
+            metrics::histogram!(HELD_SECONDS, "backend" => self.backend, "kind" => self.kind)
+                .record(held.as_secs_f64());
             self.changed.notify_waiters();
         }
         ended
@@ -318,7 +323,7 @@ impl Watchdog {
         sent: Instant,
     ) -> u64 {
         self.ensure_task();
-        metrics::gauge!(HELD, "backend" => state.backend).increment(1.0);
+        metrics::gauge!(HELD, "backend" => state.backend, "kind" => state.kind).increment(1.0);
         let due = sent + self.interval(lease.ttl());
         let mut registry = self.registry.lock();
         let id = registry.next_id;

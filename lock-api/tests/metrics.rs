@@ -10,8 +10,8 @@ use distlock_core::telemetry::{
     RENEW_TOTAL, WAIT_SECONDS,
 };
 use distlock_core::{
-    BackendLayer, EnforcementMode, FencingToken, Layered, Lease, LockBackend, LockError, LockKey,
-    Locker, MemoryFencedResource, async_trait,
+    BackendLayer, Election, EnforcementMode, FencingToken, Layered, Lease, LockBackend, LockError,
+    LockKey, Locker, MemoryFencedResource, async_trait,
 };
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tokio::time::Instant;
@@ -300,4 +300,39 @@ fn a_lost_lease_records_its_hold_up_to_its_deadline() {
         value(&snapshot, LOST_TOTAL, &[("backend", "memory")]),
         Some(&DebugValue::Counter(1))
     );
+}
+
+/// The guard metrics say what a lease is for: a lock, a permit or a leadership, each
+/// under its own `kind`, so permits and leaderships do not blur the locks' figures.
+#[test]
+fn locks_permits_and_leaderships_are_told_apart_by_kind() {
+    let snapshot = recorded(|| async {
+        let locker = memory_locker(Arc::new(MemoryBackend::new()), Duration::from_secs(30));
+        let lock = locker.lock(&LockKey::new("job").unwrap()).await.unwrap();
+        let semaphore = locker
+            .semaphore(&LockKey::new("exports").unwrap(), 2)
+            .unwrap();
+        let permit = semaphore.acquire().await.unwrap();
+        let election = Election::new(locker.clone(), "scheduler").unwrap();
+        let leadership = election.campaign().await.unwrap();
+        lock.release().await.unwrap();
+        permit.release().await.unwrap();
+        drop(leadership);
+    });
+    for kind in ["lock", "permit", "leader"] {
+        let holds = samples(&snapshot, HELD_SECONDS, &[("kind", kind)]);
+        assert_eq!(holds.len(), 1, "{kind}: {holds:?}");
+        assert!(
+            value(&snapshot, HELD, &[("kind", kind)]).is_some(),
+            "{kind}: no {HELD} gauge"
+        );
+    }
+    for kind in ["lock", "permit"] {
+        let waits = samples(
+            &snapshot,
+            WAIT_SECONDS,
+            &[("kind", kind), ("outcome", "acquired")],
+        );
+        assert_eq!(waits.len(), 1, "{kind}: {waits:?}");
+    }
 }
