@@ -9,7 +9,9 @@
 //! a transaction that may write through raft even when its comparison fails), flushed to
 //! disk on a quorum, exactly when a key is busy. A linearizable read answers "held" without
 //! a write, and the lease the attempt did not use is put back as a spare (see `spare`) for
-//! the next acquire instead of being revoked.
+//! the next acquire instead of being revoked. An attempt grants beside its read only when
+//! it has no spare and the last acquire of its TTL found its name free; once one is
+//! refused, the next ones read first, so attempts on a busy key write nothing.
 //!
 //! # The token
 //!
