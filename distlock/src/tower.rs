@@ -15,6 +15,7 @@
 //! back to the queue at once ([`OnMiss::Requeue`]: the call fails with
 //! [`JobError::Busy`], which a queue treats as a failed attempt to retry later). With
 //! [`LockLayer::dead_letter_after`] a job that has missed its lock on that many deliveries
+//! in a row (deliveries on which it ran and failed for its own reasons do not count)
 //! fails with [`JobError::DeadLetter`] instead, which says why, for the queue to stop
 //! retrying. Each outcome of a miss is counted in `distlock_job_lock_misses_total` with the
 //! label `outcome` (`retried`, `requeued`, `dead_lettered`), and each job stopped by a lost
@@ -70,6 +71,7 @@
 
 mod job;
 mod leader;
+mod misses;
 
 pub use job::{
     JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss,

@@ -33,15 +33,15 @@ fn key_of(job: &Job) -> Result<LockKey, LockError> {
 #[derive(Clone)]
 struct Handler<F>(F);
 
-impl<F, Fut, T> Service<Locked<Job>> for Handler<F>
+impl<F, Fut, T, E> Service<Locked<Job>> for Handler<F>
 where
     F: FnMut(Locked<Job>) -> Fut,
-    Fut: Future<Output = Result<T, Infallible>>,
+    Fut: Future<Output = Result<T, E>>,
 {
     type Response = T;
-    type Error = Infallible;
+    type Error = E;
     type Future = Fut;
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), E>> {
         Poll::Ready(Ok(()))
     }
     fn call(&mut self, locked: Locked<Job>) -> Fut {
@@ -152,6 +152,41 @@ async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
                 e.to_string().contains("job:4") && e.to_string().contains("dead-lettered"),
                 "{e}"
             );
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A job that failed on 19 deliveries for its own reasons and then finds its key held is
+/// handed back, not dead-lettered: only the deliveries that found the key held count, from
+/// the first of them.
+#[tokio::test]
+async fn only_deliveries_that_found_the_key_held_count_towards_dead_lettering() {
+    let store = MemoryBackend::new();
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
+        .dead_letter_after(3, |job: &Job| job.delivery)
+        .layer(Handler(|_: Locked<Job>| async {
+            Err::<(), _>("the provider refused")
+        }));
+    for delivery in 1..=19 {
+        let result = service.call(Job { id: 6, delivery }).await;
+        assert!(
+            matches!(result, Err(JobError::Job("the provider refused"))),
+            "{result:?}"
+        );
+    }
+    let _holder = held_elsewhere(&store, &Job { id: 6, delivery: 1 }).await;
+    for delivery in 20..=21 {
+        let result = service.call(Job { id: 6, delivery }).await;
+        assert!(
+            matches!(result, Err(JobError::Busy { .. })),
+            "delivery {delivery}: {result:?}"
+        );
+    }
+    let result = service.call(Job { id: 6, delivery: 22 }).await;
+    match result {
+        Err(e @ JobError::DeadLetter { misses: 3, .. }) => {
+            assert!(e.to_string().contains("3 deliveries in a row"), "{e}");
         }
         other => panic!("{other:?}"),
     }

@@ -11,6 +11,8 @@ use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, Retry
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::misses::Misses;
+
 /// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `dead_lettered`.
 pub const JOB_LOCK_MISSES_TOTAL: &str = "distlock_job_lock_misses_total";
 /// The counter of jobs stopped because their lease was lost.
@@ -42,11 +44,14 @@ pub enum JobError<E> {
         /// The job's lock key.
         key: LockKey,
     },
-    /// The key was held on this delivery and `misses` deliveries in all: stop retrying.
+    /// The key was held on this delivery and on the deliveries before it since the first
+    /// that found it held, `misses` in all: stop retrying. See
+    /// [`LockLayer::dead_letter_after`] for how they are counted.
     DeadLetter {
         /// The job's lock key.
         key: LockKey,
-        /// Deliveries that found the key held, this one included.
+        /// Deliveries that found the key held, counted as
+        /// [`LockLayer::dead_letter_after`] says, this one included.
         misses: u32,
     },
     /// The lease was lost while the job ran; the job was stopped before its next step.
@@ -65,7 +70,7 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             JobError::Busy { key } => write!(f, "{key} is held by another worker"),
             JobError::DeadLetter { key, misses } => write!(
                 f,
-                "{key} was held by another worker on each of {misses} deliveries: dead-lettered"
+                "{key} was held by another worker on {misses} deliveries in a row: dead-lettered"
             ),
             JobError::Lost { key } => {
                 write!(f, "the lease on {key} was lost; the job was stopped")
@@ -99,13 +104,31 @@ pub struct Locked<R> {
 type KeyOf<R> = Arc<dyn Fn(&R) -> Result<LockKey, LockError> + Send + Sync>;
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
 
+/// [`LockLayer::dead_letter_after`]'s settings and what it has seen.
+struct DeadLetter<R> {
+    /// Misses that dead-letter a job.
+    after: u32,
+    deliveries: DeliveriesOf<R>,
+    misses: Arc<Misses>,
+}
+
+impl<R> Clone for DeadLetter<R> {
+    fn clone(&self) -> Self {
+        Self {
+            after: self.after,
+            deliveries: self.deliveries.clone(),
+            misses: self.misses.clone(),
+        }
+    }
+}
+
 /// Runs each job of the inner service under a lock on the key its request names; see the
 /// [module docs](super).
 pub struct LockLayer<R> {
     locker: Locker,
     key_of: KeyOf<R>,
     on_miss: OnMiss,
-    dead_letter: Option<(u32, DeliveriesOf<R>)>,
+    dead_letter: Option<DeadLetter<R>>,
 }
 
 impl<R> Clone for LockLayer<R> {
@@ -126,7 +149,7 @@ impl<R> fmt::Debug for LockLayer<R> {
             .field("on_miss", &self.on_miss)
             .field(
                 "dead_letter_after",
-                &self.dead_letter.as_ref().map(|(n, _)| n),
+                &self.dead_letter.as_ref().map(|d| d.after),
             )
             .finish_non_exhaustive()
     }
@@ -156,16 +179,32 @@ impl<R> LockLayer<R> {
         self
     }
 
-    /// Dead-letters a job whose key is held on its `misses`-th delivery or later:
-    /// `deliveries` reads from the request how many times the queue has delivered it,
-    /// this delivery included (apalis: the attempt count).
+    /// Dead-letters a job whose key has been found held on `misses` deliveries in a row
+    /// ([`JobError::DeadLetter`]); `deliveries` reads from the request how many times the
+    /// queue has delivered it, this delivery included (apalis: the attempt count).
+    ///
+    /// Only deliveries that found the key held count, not those on which the job ran and
+    /// failed for its own reasons: the misses are the deliveries from the first one that
+    /// found the key held, since this process last took the key for the job, to this one,
+    /// both included, by the delivery counts. Taking the key (the job runs, whatever its
+    /// outcome) starts the count again, and so does a delivery count lower than that of
+    /// the first miss (the job enqueued again). The layer and the services made from it
+    /// keep this record in memory, one entry per key missed since it was last taken (at
+    /// most 65,536; past that one is forgotten and its count starts again). Where several
+    /// processes take jobs of one queue, each counts from the first miss it saw itself,
+    /// and a delivery that went to another process between two of its misses is counted as
+    /// a miss.
     #[must_use]
     pub fn dead_letter_after(
         mut self,
         misses: u32,
         deliveries: impl Fn(&R) -> u32 + Send + Sync + 'static,
     ) -> Self {
-        self.dead_letter = Some((misses, Arc::new(deliveries)));
+        self.dead_letter = Some(DeadLetter {
+            after: misses,
+            deliveries: Arc::new(deliveries),
+            misses: Arc::default(),
+        });
         self
     }
 }
@@ -268,9 +307,12 @@ where
             tokio::time::sleep(jittered).await;
             continue;
         }
-        if let Some((limit, deliveries)) = &layer.dead_letter {
-            let misses = deliveries(&request);
-            if misses >= *limit {
+        if let Some(dead_letter) = &layer.dead_letter {
+            let misses = dead_letter
+                .misses
+                .missed(&key, (dead_letter.deliveries)(&request));
+            if misses >= dead_letter.after {
+                dead_letter.misses.forget(&key);
                 metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "dead_lettered").increment(1);
                 return Err(JobError::DeadLetter { key, misses });
             }
@@ -278,6 +320,9 @@ where
         metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "requeued").increment(1);
         return Err(JobError::Busy { key });
     };
+    if let Some(dead_letter) = &layer.dead_letter {
+        dead_letter.misses.forget(&key);
+    }
     let status = guard.status();
     let locked = Locked {
         request,
