@@ -134,6 +134,39 @@ async fn retries_take_the_key_once_its_holder_lets_go() {
     assert!(token.get() >= 2, "the second grant of the key: {token:?}");
 }
 
+/// A retry is woken by the holder's release, which the store announces, instead of
+/// sleeping out its delay: the job runs sooner after the call than the shortest wait
+/// between two tries that sleep (`delay / 2`) would allow.
+#[tokio::test]
+async fn a_retry_takes_the_key_when_its_release_is_announced_not_a_delay_later() {
+    let store = MemoryBackend::new();
+    let job = Job { id: 7, delivery: 1 };
+    let holder = held_elsewhere(&store, &job).await;
+    let delay = Duration::from_secs(4);
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
+        .on_miss(OnMiss::Retry { attempts: 2, delay })
+        .layer(Handler(|_: Locked<Job>| async {
+            Ok::<_, Infallible>(Instant::now())
+        }));
+    let called = Instant::now();
+    let running = tokio::spawn(async move { service.call(job).await });
+    // The first try finds the key held; the holder lets go while the job waits.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    holder.release().await.unwrap();
+    let released = Instant::now();
+    let ran = running.await.unwrap().unwrap();
+    println!(
+        "the job ran {:?} after its call, {:?} after the release",
+        ran - called,
+        ran.saturating_duration_since(released)
+    );
+    assert!(
+        ran - called < delay / 2,
+        "the job ran {:?} after its call: it slept out the retry's delay",
+        ran - called
+    );
+}
+
 #[tokio::test]
 async fn a_job_that_keeps_missing_is_dead_lettered_with_the_reason() {
     let store = MemoryBackend::new();

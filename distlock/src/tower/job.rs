@@ -21,13 +21,20 @@ pub const JOB_LOST_TOTAL: &str = "distlock_job_lost_total";
 /// What a job finds when its key is held by another worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OnMiss {
-    /// Try again after a jittered delay (uniform in `[delay / 2, delay]`), up to
-    /// `attempts` tries in all within this call; then hand the job back as
-    /// [`OnMiss::Requeue`] does. For low-latency flows.
+    /// Wait for the key's release and try again, up to `attempts` tries in all within
+    /// this call; then hand the job back as [`OnMiss::Requeue`] does. For low-latency
+    /// flows.
+    ///
+    /// The job waits as [`Locker::lock`] does: where the store announces releases
+    /// ([`Capabilities::wakes_waiters`](distlock_core::Capabilities::wakes_waiters)), the
+    /// holder's release wakes it at once, and the jittered `delay` (uniform in
+    /// `[delay / 2, delay]`) is only the fallback for a release that was not announced (a
+    /// lease whose TTL ran out, a lost message); elsewhere it waits that delay.
     Retry {
         /// Tries in all, the first included.
         attempts: u32,
-        /// The longest wait between two tries.
+        /// The longest wait between two tries: the fallback where the store announces
+        /// releases, the poll interval where it does not.
         delay: Duration,
     },
     /// Hand the job back to the queue at once ([`JobError::Busy`]). For batch systems.
@@ -291,6 +298,13 @@ where
         OnMiss::Retry { attempts, delay } => (attempts.max(1), delay),
         OnMiss::Requeue => (1, Duration::ZERO),
     };
+    // Watching before the first try, so that a release between a refused try and the wait
+    // after it still wakes this job, as in `Locker::lock`.
+    let mut releases = if attempts > 1 {
+        layer.locker.backend().watch_releases(&key)
+    } else {
+        None
+    };
     let mut tried = 0;
     let guard = loop {
         if let Some(guard) = layer.locker.try_lock(&key).await.map_err(JobError::Lock)? {
@@ -299,12 +313,18 @@ where
         tried += 1;
         if tried < attempts {
             metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "retried").increment(1);
-            let jittered = RetryPolicy {
+            let fallback = RetryPolicy {
                 initial: delay,
                 max: delay,
             }
             .backoff(0);
-            tokio::time::sleep(jittered).await;
+            match releases.as_mut() {
+                Some(watch) => {
+                    // Woken or timed out, the next try asks the store.
+                    let _ = tokio::time::timeout(fallback, watch.released()).await;
+                }
+                None => tokio::time::sleep(fallback).await,
+            }
             continue;
         }
         if let Some(dead_letter) = &layer.dead_letter {
@@ -320,6 +340,7 @@ where
         metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "requeued").increment(1);
         return Err(JobError::Busy { key });
     };
+    drop(releases);
     if let Some(dead_letter) = &layer.dead_letter {
         dead_letter.misses.forget(&key);
     }
