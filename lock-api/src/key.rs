@@ -47,6 +47,14 @@ impl LockKey {
     pub fn as_str(&self) -> &str {
         &self.0
     }
+
+    /// True for a name of the form `<name>:permit:<digits>`: a permit slot of the
+    /// [`Semaphore`](crate::Semaphore) called `<name>`.
+    pub(crate) fn is_permit_slot(&self) -> bool {
+        self.0.rsplit_once(":permit:").is_some_and(|(name, slot)| {
+            !name.is_empty() && !slot.is_empty() && slot.bytes().all(|b| b.is_ascii_digit())
+        })
+    }
 }
 
 fn invalid_key(reason: impl Into<String>) -> LockError {

@@ -195,7 +195,9 @@ impl Locker {
         self.inner.watchdog.held()
     }
 
-    /// Takes the lock if it is free, without waiting.
+    /// Takes the lock if it is free, without waiting. A name of the form
+    /// `<name>:permit:<n>` is refused with [`LockError::InvalidKey`] before anything is
+    /// sent: it is a permit slot of [semaphore](Locker::semaphore) `<name>`.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
@@ -223,6 +225,7 @@ impl Locker {
         key: &LockKey,
         kind: Kind,
     ) -> Result<Option<LockGuard>, LockError> {
+        refuse_permit_slot(key)?;
         let sent = Instant::now();
         let granted = self.backend().acquire(key, self.inner.ttl).await?;
         Ok(granted.map(|lease| self.guard(lease, sent, kind)))
@@ -436,4 +439,18 @@ fn wait_deadline(start: Instant, wait: Option<Duration>) -> Result<Option<Instan
         })
     })
     .transpose()
+}
+
+/// Refuses a lock named like a semaphore's permit slot (`<name>:permit:<n>`): it would
+/// silently take a permit of semaphore `<name>` from every process that names it.
+fn refuse_permit_slot(key: &LockKey) -> Result<(), LockError> {
+    if key.is_permit_slot() {
+        return Err(LockError::InvalidKey {
+            reason: format!(
+                "{key} is named like a permit slot of a semaphore (<name>:permit:<n>), and a \
+                 lock of that name would take one of its permits: choose another name"
+            ),
+        });
+    }
+    Ok(())
 }

@@ -64,10 +64,11 @@ pub struct Semaphore {
 impl Locker {
     /// A semaphore called `name` with `permits` permits (1 to [`MAX_PERMITS`]).
     ///
-    /// Its permit slots are the keys `<name>:permit:<i>`; a lock of one of those names is
-    /// one of its permits. Fails with [`LockError::Config`] for zero or more than
-    /// [`MAX_PERMITS`] permits, and with [`LockError::InvalidKey`] when a slot's name is
-    /// longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES); nothing is sent.
+    /// Its permit slots are the keys `<name>:permit:<i>`; a locker refuses a lock of a
+    /// name of that form ([`LockError::InvalidKey`]), which would be one of its permits.
+    /// Fails with [`LockError::Config`] for zero or more than [`MAX_PERMITS`] permits, and
+    /// with [`LockError::InvalidKey`] when a slot's name is longer than
+    /// [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES); nothing is sent.
     ///
     /// **Two processes that name different numbers of permits** share the slots they
     /// both name: one that names 3 takes only slots 0 to 2, one that names 5 takes any of

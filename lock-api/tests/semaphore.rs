@@ -205,3 +205,39 @@ async fn a_lost_permit_stops_its_job_and_frees_the_slot() {
     assert!((2..=12).contains(&steps), "{steps} steps");
     assert_eq!(locker.held(), 0);
 }
+
+/// A lock named like a permit slot (`<name>:permit:<n>`) would silently take a permit of
+/// semaphore `<name>`: the locker refuses it before anything is sent, and the
+/// semaphore keeps its permit. Names that only look alike are locks as any other.
+#[tokio::test]
+async fn a_lock_named_like_a_permit_slot_is_refused_and_takes_no_permit() {
+    let calls = Arc::new(Layered::new(
+        Arc::new(MemoryBackend::new()),
+        Calls::default(),
+    ));
+    let locker = locker_on(calls.clone(), Duration::from_millis(10));
+    let exports = locker.semaphore(&key("exports"), 1).unwrap();
+    let slot = key("exports:permit:0");
+    let tried = locker.try_lock(&slot).await;
+    assert!(
+        matches!(&tried, Err(LockError::InvalidKey { reason }) if reason.contains("permit slot")),
+        "{tried:?}"
+    );
+    let waited = locker.lock(&slot).await;
+    assert!(
+        matches!(&waited, Err(LockError::InvalidKey { .. })),
+        "{waited:?}"
+    );
+    assert_eq!(calls.layer().sent.load(Ordering::SeqCst), 0);
+    let permit = exports.try_acquire().await.unwrap();
+    assert!(permit.is_some(), "the semaphore lost its only permit");
+    for name in [
+        "permit:0",
+        "exports:permit:",
+        "exports:permit:0a",
+        "exports:permits:0",
+    ] {
+        let guard = locker.try_lock(&key(name)).await;
+        assert!(matches!(guard, Ok(Some(_))), "{name}: {guard:?}");
+    }
+}
