@@ -242,7 +242,7 @@ where
                 JobError::Busy { .. } => "lock_busy",
                 JobError::DeadLetter { .. } => "dead_lettered",
                 JobError::Lost { .. } => "lease_lost",
-                JobError::Job(_) | JobError::Lock(_) => "failed",
+                _ => "failed",
             };
             ledger.event(job, &worker, what).await?;
             Err(match e {

@@ -19,7 +19,10 @@ pub const JOB_LOCK_MISSES_TOTAL: &str = "distlock_job_lock_misses_total";
 pub const JOB_LOST_TOTAL: &str = "distlock_job_lost_total";
 
 /// What a job finds when its key is held by another worker.
+///
+/// More policies may come: a `match` on it needs a wildcard arm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnMiss {
     /// Wait for the key's release and try again, up to `attempts` tries in all within
     /// this call; then hand the job back as [`OnMiss::Requeue`] does. For low-latency
@@ -42,7 +45,10 @@ pub enum OnMiss {
 }
 
 /// Why a locked job's call failed.
+///
+/// More reasons may come: a `match` on it needs a wildcard arm.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum JobError<E> {
     /// The job ran and failed.
     Job(E),
@@ -97,8 +103,10 @@ impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
     }
 }
 
-/// A request with the lease it runs under.
+/// A request with the lease it runs under, made by the layers; more fields may come, so
+/// it is built only by them, and a pattern on it needs `..`.
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Locked<R> {
     /// The job's request.
     pub request: R,
