@@ -13,8 +13,9 @@
 //! When the key is held by another worker, [`OnMiss`] decides, as the article's lock-miss
 //! policies do: wait for the holder's release and try again ([`OnMiss::Retry`]: woken by
 //! the release where the store announces releases, after a short jittered delay
-//! otherwise), or hand the job back to the queue at once ([`OnMiss::Requeue`]: the call fails with
-//! [`JobError::Busy`], which a queue treats as a failed attempt to retry later). With
+//! otherwise), or hand the job back to the queue at once ([`OnMiss::Requeue`]: the call
+//! fails with [`JobError::Busy`], which a queue treats as a failed attempt to retry
+//! later). With
 //! [`LockLayer::dead_letter_after`] a job that has missed its lock on that many deliveries
 //! in a row (deliveries on which it ran and failed for its own reasons do not count)
 //! fails with [`JobError::DeadLetter`] instead, which says why, for the queue to stop

@@ -216,7 +216,12 @@ async fn only_deliveries_that_found_the_key_held_count_towards_dead_lettering() 
             "delivery {delivery}: {result:?}"
         );
     }
-    let result = service.call(Job { id: 6, delivery: 22 }).await;
+    let result = service
+        .call(Job {
+            id: 6,
+            delivery: 22,
+        })
+        .await;
     match result {
         Err(e @ JobError::DeadLetter { misses: 3, .. }) => {
             assert!(e.to_string().contains("3 deliveries in a row"), "{e}");
@@ -285,7 +290,10 @@ async fn no_job_holds_a_lock_while_the_inner_service_is_at_capacity() {
         Some(Readiness::Waited(2)),
         "the worker took job 2 while job 1 ran and held the only capacity"
     );
-    let second = store.inspect(&LockKey::new("job:2").unwrap()).await.unwrap();
+    let second = store
+        .inspect(&LockKey::new("job:2").unwrap())
+        .await
+        .unwrap();
     assert_eq!(second.owner, None, "job 2's key is free while job 1 runs");
     assert_eq!(locker.held(), 1, "one lease renewed: job 1's");
 
