@@ -133,7 +133,10 @@ async fn an_acquire_dropped_while_waiting_for_replicas_gives_its_key_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_dropped_midway_gives_back_what_it_took() {
-    let (master, replica, redis) = replicated().await;
+    // WAIT outlasts any pause of the test between two polls on a loaded machine, so the
+    // first acquire can only end once the test lets its replica acknowledge it.
+    let (master, replica, redis) =
+        replicated_with(Duration::from_secs(10), Duration::from_secs(8)).await;
     let (first, second) = (
         LockKey::new("first").unwrap(),
         LockKey::new("second").unwrap(),
@@ -142,24 +145,58 @@ async fn a_batch_dropped_midway_gives_back_what_it_took() {
     let keys = [first.clone(), second.clone()];
     let mut batch = Box::pin(redis.acquire_many(&keys, LONG_TTL));
 
-    // One poll sends the first acquire; unpolled, the batch cannot go on to the second.
+    // The replica is paused, so the first acquire's WAIT cannot be answered during the
+    // poll that sends it: the batch cannot go on to the second key by itself, however
+    // long the machine holds up this thread after the send. (With the replica live, a
+    // thread held up after its first poll found both keys granted at its next one.)
+    harness::require(replica.pause());
     assert!(futures::poll!(&mut batch).is_pending());
-    while !exists(&replica, &first_key).await {
+    while !exists(&master, &first_key).await {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The live replica acknowledges the first lock; its reply waits for the next poll.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    harness::require(replica.resume());
+    // The master has the replica's acknowledgement of the first lock: WAIT has answered
+    // 1, and its reply waits for the next poll.
+    acknowledged(&master).await;
     // The second acquire's WAIT cannot be answered: the batch stops midway.
     harness::require(replica.pause());
-    let early = tokio::time::timeout(Duration::from_millis(300), &mut batch).await;
-    assert!(early.is_err(), "the batch finished early: {early:?}");
-    assert!(
-        exists(&master, &second_key).await,
-        "the second acquire was sent"
-    );
+    while !exists(&master, &second_key).await {
+        tokio::select! {
+            early = &mut batch => panic!("the batch finished early: {early:?}"),
+            () = tokio::time::sleep(Duration::from_millis(10)) => {}
+        }
+    }
     drop(batch);
     harness::require(replica.resume());
     until_freed(&master, &[&first_key, &second_key]).await;
+}
+
+/// Waits (at most 5 s) until `master` has its replica's acknowledgement of every write
+/// it took so far: the replica's offset in the master's `INFO replication` reaches the
+/// master's own, read now.
+async fn acknowledged(master: &RedisServer) {
+    let written = common::info_field(master, "replication", "master_repl_offset").await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let info = harness::require(master.command(&["INFO", "replication"]).await)
+            .as_text()
+            .unwrap_or_default();
+        let acked = info
+            .lines()
+            .filter_map(|l| l.strip_prefix("slave0:"))
+            .flat_map(|l| l.split(','))
+            .find_map(|f| f.strip_prefix("offset="))
+            .and_then(|n| n.trim().parse::<u64>().ok())
+            .unwrap_or(0);
+        if acked >= written {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the replica acknowledged offset {acked} of {written} after 5 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
