@@ -17,9 +17,9 @@ use crate::connect::{Scheme, checked, feature_off, memory};
 /// | URL | resource |
 /// |---|---|
 /// | `memory://` | a new in-process [`MemoryFencedResource`] (nothing is shared between calls) |
-/// | `redis://…`, `rediss://…`, `redis+cluster://…`, `redis+sentinel://…` | [`RedisFencedResource`](lock_redis::RedisFencedResource) |
-/// | `etcd://…`, `etcds://…` | [`EtcdFencedResource`](lock_etcd::EtcdFencedResource) |
-/// | `postgres://…` | [`PgFencedResource`](lock_postgres::PgFencedResource) in the URL's `schema` (whatever its `mode`); its table comes from [`setup`](crate::setup) |
+/// | `redis://…`, `rediss://…`, `redis+cluster://…`, `redis+sentinel://…` | `distlock::redis::RedisFencedResource` |
+/// | `etcd://…`, `etcds://…` | `distlock::etcd::EtcdFencedResource` |
+/// | `postgres://…` | `distlock::postgres::PgFencedResource` in the URL's `schema` (whatever its `mode`); its table comes from [`setup`](crate::setup) |
 ///
 /// # Errors
 ///

@@ -132,6 +132,17 @@
 //! fires its jobs only while it leads, and stamps them with the leadership's token.
 //! A standby is woken by the leader's release and takes over at once.
 //!
+//! # At most N at once
+//!
+//! [`Locker::semaphore`] makes a [`Semaphore`] of N permits (at most N exports of a
+//! tenant at once, say): each [`Permit`] is a lease on one of N slot keys, renewed and
+//! lost like a lock's, so a crashed holder's permit comes back when its TTL runs out.
+//! A permit's token rises per slot: fence its writes under [`Permit::key`], the slot,
+//! not under the semaphore's name, where the tokens of different slots are not ordered.
+//! Waiters are not served in order (a permit freed goes to whichever asks first, as
+//! Redisson's semaphores do); a locker refuses a lock named like a slot
+//! (`<name>:permit:<n>`).
+//!
 //! # Inside a job queue
 //!
 //! With the `tower` feature, `distlock::tower::LockLayer` runs each job of a tower
