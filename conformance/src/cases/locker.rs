@@ -75,7 +75,8 @@ async fn next_token_above(
     t: &Timing,
     token: FencingToken,
 ) -> Result<(), Failure> {
-    let next = ctx.take(other, key, t.ttl).await?;
+    // The long TTL, so a grant slow to come back is still held when released.
+    let next = ctx.take(other, key, t.long_ttl).await?;
     ctx.ensure(
         next.token() > token,
         format!("a token above {token}"),
@@ -93,7 +94,7 @@ async fn free_by_ttl(
     why: &str,
 ) -> Result<(), Failure> {
     let next = ctx
-        .take_by(other, key, t.ttl, t.expired_by(Instant::now()), why)
+        .take_by(other, key, t.long_ttl, t.expired_by(Instant::now()), why)
         .await?;
     release_held(ctx, other, &next).await
 }
@@ -170,20 +171,25 @@ pub async fn contention_loses_no_update(factory: &dyn Factory) -> Result<Outcome
 }
 
 /// The watchdog keeps a job running 3× its TTL alive: the guard stays held, nobody
-/// else acquires the key, the token stays the store's current one.
+/// else acquires the key, the token stays the store's current one. The TTL is
+/// [`Timing::renewed_ttl`], so only a watchdog that stops renewing loses the lease.
 pub async fn watchdog_keeps_long_job_alive(factory: &dyn Factory) -> Result<Outcome, Failure> {
     let ctx = Ctx::new("watchdog_keeps_long_job_alive", factory);
     let (client, other) = (ctx.client().await, ctx.client().await);
     let t = ctx.timing(&client);
-    let locker = locker(&ctx, client, &t)?;
+    let renewed = Timing {
+        ttl: t.renewed_ttl,
+        ..t.clone()
+    };
+    let locker = locker(&ctx, client, &renewed)?;
     let key = ctx.key("k")?;
     let Some(guard) = ctx.ok("try_lock", locker.try_lock(&key).await)? else {
         return Err(ctx.fail("try_lock of a free key to grant a guard", "Ok(None)"));
     };
     let token = guard.token();
-    let until = Instant::now() + t.ttl * 3;
+    let until = Instant::now() + renewed.ttl * 3;
     while Instant::now() < until {
-        sleep(t.ttl / 4).await;
+        sleep(renewed.ttl / 4).await;
         ctx.ensure(
             guard.is_held(),
             "the guard to stay held while renewed",

@@ -111,7 +111,7 @@ pub async fn dropped_with_lock_frees_the_key(factory: &dyn Factory) -> Result<Ou
             Some(ran) => {
                 let ran = ctx.ok("with_lock", ran)?;
                 ctx.ensure(ran == polls, "with_lock to return the job's value", || ran)?;
-                let next = ctx.take(&c.other, &keys[0], c.t.ttl).await?;
+                let next = ctx.take(&c.other, &keys[0], c.t.long_ttl).await?;
                 release_held(&ctx, &c.other, &next).await?;
                 return ctx.pass(&c.t);
             }

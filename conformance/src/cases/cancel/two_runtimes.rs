@@ -13,14 +13,15 @@ use tokio::time::{Instant, sleep};
 use super::{after_the_cut, record_given_up, served_within};
 use crate::cases::locker::locker;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// A client and a [`Locker`] used from two tokio runtimes: the first use of both is on
 /// runtime A, a guard is taken on B, and A shuts down while it is running calls. The
 /// watchdog starts again on B by itself: both guards stay renewed for two TTLs with no new
 /// lock taken. Then calls on B work at once (the guard taken on B is released, the key A
 /// was using is free by its TTL), and the guard taken on A stays renewed on B for three
-/// TTLs more.
+/// TTLs more. The guards' TTL is [`Timing::renewed_ttl`](crate::suite::Timing::renewed_ttl):
+/// only a watchdog that stops renewing loses them.
 ///
 /// [`Locker`]: distlock_core::Locker
 pub async fn runtime_shutdown_spares_the_other_runtime(
@@ -29,7 +30,11 @@ pub async fn runtime_shutdown_spares_the_other_runtime(
     let ctx = Ctx::new("runtime_shutdown_spares_the_other_runtime", factory);
     let (first, other) = (ctx.client().await, ctx.client().await);
     let t = ctx.timing(&first);
-    let locker = locker(&ctx, first.clone(), &t)?;
+    let renewed = Timing {
+        ttl: t.renewed_ttl,
+        ..t.clone()
+    };
+    let locker = locker(&ctx, first.clone(), &renewed)?;
     let (on_a, on_b, busy, after) = (
         ctx.key("guard-on-a")?,
         ctx.key("guard-on-b")?,
@@ -89,9 +94,9 @@ pub async fn runtime_shutdown_spares_the_other_runtime(
 
     // Nothing new is locked yet: only a watchdog that started again on B by itself keeps
     // these guards.
-    let until = Instant::now() + t.ttl * 2;
+    let until = Instant::now() + renewed.ttl * 2;
     while Instant::now() < until {
-        sleep(t.ttl / 4).await;
+        sleep(renewed.ttl / 4).await;
         for guard in [&guard_a, &guard_b] {
             ctx.ensure(
                 guard.is_held(),
@@ -118,9 +123,9 @@ pub async fn runtime_shutdown_spares_the_other_runtime(
     let probe = ctx.key("probe")?;
     after_the_cut(&ctx, &t, &first, &other, &probe, &[busy], cut, what).await?;
     let guards = [guard_a, guard_after];
-    let until = Instant::now() + t.ttl * 3;
+    let until = Instant::now() + renewed.ttl * 3;
     while Instant::now() < until {
-        sleep(t.ttl / 4).await;
+        sleep(renewed.ttl / 4).await;
         for guard in &guards {
             ctx.ensure(
                 guard.is_held(),
