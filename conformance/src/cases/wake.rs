@@ -11,6 +11,7 @@ use tokio::time::{Instant, sleep};
 
 use crate::deaf::Deaf;
 use crate::factory::Factory;
+use crate::history::{Op, Reply};
 use crate::suite::{Ctx, Failure, Outcome};
 
 /// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
@@ -178,7 +179,10 @@ pub async fn a_cancelled_waiter_leaves_no_subscription(
         let key = key.clone();
         tokio::spawn(async move { waiter.lock(&key).await.map(drop) })
     };
-    sleep(SETTLE).await;
+    // The waiter watches the key from before its first attempt (`Locker::lock`'s
+    // contract): once the history shows that attempt refused, the watch is there, however
+    // late a loaded machine ran the waiting task. A fixed pause was not always enough.
+    refused_once(&ctx, &key).await?;
     let watched = client.watched_keys();
     ctx.ensure(
         watched.contains(&key),
@@ -195,6 +199,29 @@ pub async fn a_cancelled_waiter_leaves_no_subscription(
     )?;
     super::release_held(&ctx, &holder, &held).await?;
     ctx.pass(&t)
+}
+
+/// Waits until the history shows an acquire of `key` refused (the key held by another):
+/// a waiter's first attempt. It goes out at once and the next not before
+/// [`LONG_BACKOFF`], so none within that time is a waiter that never tried.
+async fn refused_once(ctx: &Ctx<'_>, key: &distlock_core::LockKey) -> Result<(), Failure> {
+    let started = Instant::now();
+    let refused = || {
+        ctx.history()
+            .events()
+            .iter()
+            .any(|e| e.op == Op::Acquire && &e.key == key && e.reply == Reply::Busy)
+    };
+    while !refused() {
+        if started.elapsed() >= LONG_BACKOFF {
+            return Err(ctx.fail(
+                format!("the waiter's first attempt on {key} within {LONG_BACKOFF:?}"),
+                "no refused acquire recorded",
+            ));
+        }
+        sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
 }
 
 async fn joined<T>(ctx: &Ctx<'_>, task: tokio::task::JoinHandle<T>) -> Result<T, Failure> {
