@@ -26,8 +26,13 @@ impl RawRedis {
     pub(super) async fn connect(id: SubjectId, url: &str) -> Result<Self, BenchError> {
         let err = |e: redis::RedisError| BenchError::client(id.slug(), e);
         let client = redis::Client::open(url).map_err(err)?;
+        // The response timeout of the distlock backend the baselines are compared with, not
+        // redis-rs's 500 ms, which a raw baseline's reply outlasted in a quick run on a
+        // loaded two-core machine: both sides of a ratio wait as long for a reply.
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(lock_redis::DEFAULT_RESPONSE_TIMEOUT));
         let conn = client
-            .get_multiplexed_async_connection()
+            .get_multiplexed_async_connection_with_config(&config)
             .await
             .map_err(err)?;
         let mut rslock = rslock::LockManager::new(vec![url.to_owned()]);
