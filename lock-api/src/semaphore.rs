@@ -47,7 +47,9 @@ pub const MAX_PERMITS: u32 = 1024;
 /// assert!(exports.try_acquire().await?.is_none()); // full: the job goes back to the queue
 /// first.release().await?;
 /// let rows = exports.with_permit(|permit| {
-///     let token = permit.token(); // fence the export's writes with it
+///     // Fence the export's writes under the permit's slot, not the semaphore's name:
+///     // tokens rise per slot, and those of different slots are not ordered.
+///     let (slot, token) = (permit.key().clone(), permit.token());
 ///     async move { 42 }
 /// }).await?;
 /// assert_eq!(rows, 42);
