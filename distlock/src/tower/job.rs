@@ -283,7 +283,9 @@ where
 
     /// # Cancel safety
     /// Dropping the future stops the job and releases its lock (in the background, as a
-    /// dropped [`distlock_core::LockGuard`] does).
+    /// dropped [`distlock_core::LockGuard`] does). Dropped while it waits for the key
+    /// ([`OnMiss::Retry`]), it leaves no release watch behind, and the readiness it held
+    /// goes back to the inner service.
     fn call(&mut self, request: R) -> Self::Future {
         // The clone that was made ready is the one called (tower's usual swap).
         let clone = self.inner.clone();
