@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{Kind, builder, shared_server};
+use common::{Kind, builder, shared_server, start_server};
 use distlock_core::{Fence, Lease, LockBackend, LockKey, Release};
 use harness::postgres::PostgresServer;
 use tokio::time::Instant;
@@ -238,7 +238,10 @@ async fn swept_down_to(
 async fn a_million_one_off_names_leave_the_lease_table_as_it_started() {
     const NAMES: usize = 1_000_000;
     const BATCH: usize = 1_000;
-    let server = shared_server().await;
+    // A server of its own: VACUUM gives the swept table's pages back only when no
+    // statement older than the sweep's deletes runs in the database, and the other
+    // million-row test's sweep (of another schema, under its own sweep lock) would.
+    let server = start_server().await;
     let schema = "retention_million";
     let backend = backend_in(&server, Kind::Lease, schema, RETENTION, 4).await;
     let held = take(&backend, "held", HELD_TTL).await;
@@ -283,7 +286,10 @@ async fn a_million_one_off_names_leave_the_lease_table_as_it_started() {
 /// minutes, beside a name held through the backend.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_million_free_advisory_token_rows_are_swept_and_the_held_one_kept() {
-    let server = shared_server().await;
+    // A server of its own: VACUUM gives the swept table's pages back only when no
+    // statement older than the sweep's deletes runs in the database, and the other
+    // million-row test's sweep (of another schema, under its own sweep lock) would.
+    let server = start_server().await;
     let schema = "retention_million_advisory";
     let backend = backend_in(&server, Kind::Advisory, schema, RETENTION, 4).await;
     let held = take(&backend, "held", HELD_TTL).await;
