@@ -38,7 +38,7 @@ use tokio::sync::oneshot;
 ///   before its reply.
 /// * The future it returns is complete in itself: it may run in a task of its own,
 ///   after every caller has gone, on the runtime of any of them.
-pub(super) trait SendBatch<C, O>: Clone + Send + Sync + 'static {
+pub(crate) trait SendBatch<C, O>: Clone + Send + Sync + 'static {
     /// The backend's name, in the errors of a caller its batch did not answer.
     const BACKEND: &'static str;
     /// The operation, in the same errors.
@@ -52,8 +52,8 @@ pub(super) trait SendBatch<C, O>: Clone + Send + Sync + 'static {
 }
 
 /// A call that goes in a batch: what is sent, and where its caller's answer goes.
-pub(super) struct Waiting<C, O> {
-    pub(super) call: C,
+pub(crate) struct Waiting<C, O> {
+    pub(crate) call: C,
     /// The caller's runtime, where its batch runs (see [`InFlight::hand_off`]).
     runtime: Option<Handle>,
     reply: oneshot::Sender<Result<O, LockError>>,
@@ -61,7 +61,7 @@ pub(super) struct Waiting<C, O> {
 
 impl<C, O> Waiting<C, O> {
     /// Gives its caller `answer`; hands it back when the caller has gone.
-    pub(super) fn answer(self, answer: Result<O, LockError>) -> Result<(), Result<O, LockError>> {
+    pub(crate) fn answer(self, answer: Result<O, LockError>) -> Result<(), Result<O, LockError>> {
         self.reply.send(answer)
     }
 }
@@ -94,7 +94,7 @@ impl<S: SendBatch<C, O>, C, O> Drop for Reply<S, C, O> {
 
 /// The single calls of one kind on one node: each goes alone, leads a batch, or waits to
 /// go in one.
-pub(super) struct Coalescer<C, O> {
+pub(crate) struct Coalescer<C, O> {
     queue: Arc<Queue<Waiting<C, O>>>,
     /// How long a queued caller waits for its answer.
     patience: Duration,
@@ -108,7 +108,7 @@ where
     /// A coalescer with at most `sent_at_once` calls (or batches) on their way. A queued
     /// caller waits `patience` at most: enough for the call in flight ahead of it and then
     /// its own batch.
-    pub(super) fn new(sent_at_once: usize, patience: Duration) -> Self {
+    pub(crate) fn new(sent_at_once: usize, patience: Duration) -> Self {
         Self {
             queue: Arc::new(Queue::new(sent_at_once)),
             patience,
@@ -132,7 +132,7 @@ where
     /// after, see [`SendBatch::unread`]), a leader's batch runs to its end, and the place
     /// in flight of a dropped call is handed on. A call sent alone is as cancel safe as
     /// `alone()`'s future.
-    pub(super) async fn run<S, F>(
+    pub(crate) async fn run<S, F>(
         &self,
         sender: &S,
         batched: impl Fn() -> C,

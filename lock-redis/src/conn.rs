@@ -524,6 +524,20 @@ fn parse_cluster_slots(reply: Value) -> SlotOwners {
     SlotOwners::new(ranges)
 }
 
+/// `f` within `limit`, or a timed-out I/O error: for connecting, which has no response
+/// timeout of its own.
+pub(crate) async fn with_timeout<T>(
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, RedisError>>,
+) -> Result<T, RedisError> {
+    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
+        Err(RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection within {limit:?}"),
+        )))
+    })
+}
+
 /// A reply that is an error, as an error. Errors nested in a multi-key script's array are
 /// left in place: they belong to one item each, not to the whole call.
 pub(crate) fn reply_error(reply: Value) -> RedisResult<Value> {

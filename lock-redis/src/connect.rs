@@ -1,8 +1,7 @@
-//! Building a [`RedisBackend`]: the connection to one node or a cluster (two for a
+//! Building a backend's [`Core`]: the connection to one node or a cluster (two for a
 //! cluster), the credentials, server version and eviction policy checked, and the
 //! scripts loaded.
 
-use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -11,292 +10,290 @@ use parking_lot::Mutex;
 use redis::aio::ConnectionManagerConfig;
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
 use redis::cluster_async::ClusterConnection;
-use redis::{FromRedisValue, ProtocolVersion, RedisError, RedisResult, Value};
+use redis::{FromRedisValue, ProtocolVersion, RedisResult, Value};
 use tracing::{debug, warn};
 
-use super::coalesce::Coalescer;
-use super::replicas::{AckedConns, Connector};
-use super::{Inner, LONGEST_TTL, RedisBackend, SENT_AT_ONCE};
 use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
-use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client};
+use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client, with_timeout};
+use crate::core::{AckedConns, Connector, Core};
 use crate::error::{KindName, config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused, subscriptions_refused};
 
-impl RedisBackend {
-    pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
-        let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
-        if b.max_ttl > LONGEST_TTL {
-            return Err(LockError::Config(format!(
-                "max_ttl {:?} is longer than Redis can keep an expiry; at most {LONGEST_TTL:?}",
-                b.max_ttl
-            )));
+/// The longest TTL a [`RedisBackend`](crate::RedisBackend) accepts, whatever
+/// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
+/// count of milliseconds since 1970, so `PX` must leave room for the current time.
+/// 2^62 ms (about 146 million years) leaves plenty; a longer `max_ttl` fails `build` with
+/// [`LockError::Config`].
+pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
+
+/// Connects to the servers `b` names, checks them and loads the scripts: the [`Core`] of
+/// a new backend.
+pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
+    let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
+    if b.max_ttl > LONGEST_TTL {
+        return Err(LockError::Config(format!(
+            "max_ttl {:?} is longer than Redis can keep an expiry; at most {LONGEST_TTL:?}",
+            b.max_ttl
+        )));
+    }
+    if b.uses_tls() {
+        crate::tls::ensure_crypto_provider();
+    }
+    let certificates = b.tls_root_ca.clone().map(|pem| redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    });
+    let mut listen_on = Vec::new();
+    // The Sentinels of a `redis+sentinel://` master, which the listener asks too.
+    let mut sentinel_servers = None;
+    // The seed nodes of a cluster, for the listener's connection with shard channels.
+    let mut cluster_nodes = None;
+    // Connections of their own for acquires with `WAIT` (see `AckedConns`).
+    let mut acked = None;
+    let conn = if b.cluster {
+        for (url, shown) in b.urls.iter().zip(&shown_urls) {
+            if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
+                if info.redis_settings().db() != 0 {
+                    return Err(LockError::Config(format!(
+                        "{shown}: a Redis Cluster has only database 0"
+                    )));
+                }
+            }
         }
-        if b.uses_tls() {
-            crate::tls::ensure_crypto_provider();
+        let nodes = b
+            .urls
+            .iter()
+            .map(|u| parse_url(u))
+            .collect::<Result<Vec<_>, _>>()?;
+        cluster_nodes = Some(nodes.clone());
+        // A PUBLISH reaches every node of a cluster: release notifications can be
+        // heard on any of them (before Redis 7.0, which has shard channels).
+        for node in &nodes {
+            listen_on.push(
+                client(node.clone(), certificates.clone())
+                    .map_err(|e| config_error(&shown_urls.join(","), &e))?,
+            );
         }
-        let certificates = b.tls_root_ca.clone().map(|pem| redis::TlsCertificates {
-            client_tls: None,
-            root_cert: Some(pem),
-        });
-        let mut listen_on = Vec::new();
-        // The Sentinels of a `redis+sentinel://` master, which the listener asks too.
-        let mut sentinel_servers = None;
-        // The seed nodes of a cluster, for the listener's connection with shard channels.
-        let mut cluster_nodes = None;
-        // Connections of their own for acquires with `WAIT` (see `AckedConns`).
-        let mut acked = None;
-        let conn = if b.cluster {
-            for (url, shown) in b.urls.iter().zip(&shown_urls) {
-                if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
-                    if info.redis_settings().db() != 0 {
-                        return Err(LockError::Config(format!(
-                            "{shown}: a Redis Cluster has only database 0"
-                        )));
-                    }
-                }
+        let shown = shown_urls.join(",");
+        // Two connections: one that retries (reads, and scripts safe to run twice), one
+        // that never sends a request again (see `Conn`).
+        let c = cluster_connection(&b, nodes.clone(), certificates.clone(), 2, &shown).await?;
+        let once_client = cluster_client(&b, nodes, certificates.clone(), 0, &shown)?;
+        let once = connect_cluster(&once_client, b.connect_timeout, &shown).await?;
+        if b.replica_acks.is_some() {
+            acked = Some(Connector::Cluster(Box::new(once_client), b.connect_timeout));
+        }
+        Conn::Cluster(
+            c,
+            Arc::new(ClusterState {
+                once,
+                slots: Mutex::new(None),
+            }),
+        )
+    } else {
+        let target = match b.sentinel_url()? {
+            Some(sentinel) => {
+                let sentinels =
+                    sentinel_target(&b, sentinel, certificates.clone(), &shown_urls[0])?;
+                sentinel_servers = Some(sentinels.clone());
+                Target::Sentinel(sentinels)
             }
-            let nodes = b
-                .urls
-                .iter()
-                .map(|u| parse_url(u))
-                .collect::<Result<Vec<_>, _>>()?;
-            cluster_nodes = Some(nodes.clone());
-            // A PUBLISH reaches every node of a cluster: release notifications can be
-            // heard on any of them (before Redis 7.0, which has shard channels).
-            for node in &nodes {
-                listen_on.push(
-                    client(node.clone(), certificates.clone())
-                        .map_err(|e| config_error(&shown_urls.join(","), &e))?,
-                );
+            None => {
+                let info = parse_url(&b.urls[0])?;
+                let client = client(info, certificates.clone())
+                    .map_err(|e| config_error(&shown_urls[0], &e))?;
+                listen_on.push(client.clone());
+                Target::Fixed(Box::new(client))
             }
-            let shown = shown_urls.join(",");
-            // Two connections: one that retries (reads, and scripts safe to run twice), one
-            // that never sends a request again (see `Conn`).
-            let c = cluster_connection(&b, nodes.clone(), certificates.clone(), 2, &shown).await?;
-            let once_client = cluster_client(&b, nodes, certificates.clone(), 0, &shown)?;
-            let once = connect_cluster(&once_client, b.connect_timeout, &shown).await?;
-            if b.replica_acks.is_some() {
-                acked = Some(Connector::Cluster(Box::new(once_client), b.connect_timeout));
-            }
-            Conn::Cluster(
-                c,
-                Arc::new(ClusterState {
-                    once,
-                    slots: Mutex::new(None),
-                }),
-            )
-        } else {
-            let target = match b.sentinel_url()? {
-                Some(sentinel) => {
-                    let sentinels =
-                        sentinel_target(&b, sentinel, certificates.clone(), &shown_urls[0])?;
-                    sentinel_servers = Some(sentinels.clone());
-                    Target::Sentinel(sentinels)
-                }
-                None => {
-                    let info = parse_url(&b.urls[0])?;
-                    let client = client(info, certificates.clone())
-                        .map_err(|e| config_error(&shown_urls[0], &e))?;
-                    listen_on.push(client.clone());
-                    Target::Fixed(Box::new(client))
-                }
-            };
-            // The backend applies its own response timeout to every request (to tell an
-            // unknown outcome from an unreachable server), and the node's connection is
-            // made again when a request it gave up on met silence (see `Node`); the
-            // manager only bounds connecting.
-            let config = ConnectionManagerConfig::new()
-                .set_connection_timeout(Some(b.connect_timeout))
-                .set_response_timeout(None)
-                .set_number_of_retries(1)
-                .set_max_delay(Duration::from_millis(500));
-            let c = with_timeout(
-                b.connect_timeout * 2,
-                Node::open(target.clone(), config.clone(), b.response_timeout),
-            )
-            .await
-            .map_err(|e| connect_error(&shown_urls[0], e))?;
-            if b.replica_acks.is_some() {
-                acked = Some(Connector::Single {
-                    target,
-                    config,
-                    response_timeout: b.response_timeout,
-                    limit: b.connect_timeout * 2,
-                });
-            }
-            Conn::Single(c)
         };
-        // Connecting does not prove the credentials: a server with a password accepts the
-        // connection and refuses the first command.
-        with_timeout(
-            b.connect_timeout,
-            conn.command::<Value>(&redis::cmd("PING")),
+        // The backend applies its own response timeout to every request (to tell an
+        // unknown outcome from an unreachable server), and the node's connection is
+        // made again when a request it gave up on met silence (see `Node`); the
+        // manager only bounds connecting.
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(b.connect_timeout))
+            .set_response_timeout(None)
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_millis(500));
+        let c = with_timeout(
+            b.connect_timeout * 2,
+            Node::open(target.clone(), config.clone(), b.response_timeout),
         )
         .await
-        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-        // A node that refuses `INFO` (an ACL rule, a renamed command) is left out.
-        let infos: Vec<String> = with_timeout(b.connect_timeout, conn.infos("server"))
-            .await
-            .map_err(|e| connect_error(&shown_urls.join(","), e))?
-            .into_iter()
-            .filter_map(|(_, info)| String::from_redis_value(info).ok())
-            .collect();
-        for info in &infos {
-            crate::version::check(info)
-                .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
-        }
-        let slotted = b.cluster
-            || infos
-                .iter()
-                .any(|info| info.lines().any(|l| l.trim() == "redis_mode:cluster"));
-        // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
-        // The `replica_acks` connections go to these same nodes: nothing more to read.
-        let memory = with_timeout(b.connect_timeout, memory_infos(&conn, &shown_urls[0]))
-            .await
-            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-        check_eviction(memory)?;
-        // Releases are announced on their key's shard when every master has shard
-        // channels (SPUBLISH, Redis 7.0).
-        let mut sharded = b.cluster
-            && infos.iter().all(|info| {
-                crate::version::server_version(info)
-                    .is_some_and(|(major, minor, _)| (major, minor) >= SHARD_CHANNELS)
+        .map_err(|e| connect_error(&shown_urls[0], e))?;
+        if b.replica_acks.is_some() {
+            acked = Some(Connector::Single {
+                target,
+                config,
+                response_timeout: b.response_timeout,
+                limit: b.connect_timeout * 2,
             });
-        with_timeout(b.connect_timeout, conn.load_all())
-            .await
-            .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-        let refused_to = async |sharded| {
-            with_timeout(
-                b.connect_timeout,
-                announcements_refused(&conn, &b.prefix, sharded),
-            )
-            .await
-            .map_err(|e| connect_error(&shown_urls.join(","), e))
-        };
-        let mut refused = refused_to(sharded).await?;
-        if let Some(why) = refused.as_ref().filter(|_| sharded) {
-            // A user with README's rules from before shard channels may PUBLISH: it keeps
-            // its wake-ups, announced to every node.
-            if refused_to(false).await?.is_none() {
+        }
+        Conn::Single(c)
+    };
+    // Connecting does not prove the credentials: a server with a password accepts the
+    // connection and refuses the first command.
+    with_timeout(
+        b.connect_timeout,
+        conn.command::<Value>(&redis::cmd("PING")),
+    )
+    .await
+    .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+    // A node that refuses `INFO` (an ACL rule, a renamed command) is left out.
+    let infos: Vec<String> = with_timeout(b.connect_timeout, conn.infos("server"))
+        .await
+        .map_err(|e| connect_error(&shown_urls.join(","), e))?
+        .into_iter()
+        .filter_map(|(_, info)| String::from_redis_value(info).ok())
+        .collect();
+    for info in &infos {
+        crate::version::check(info)
+            .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
+    }
+    let slotted = b.cluster
+        || infos
+            .iter()
+            .any(|info| info.lines().any(|l| l.trim() == "redis_mode:cluster"));
+    // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
+    // The `replica_acks` connections go to these same nodes: nothing more to read.
+    let memory = with_timeout(b.connect_timeout, memory_infos(&conn, &shown_urls[0]))
+        .await
+        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+    check_eviction(memory)?;
+    // Releases are announced on their key's shard when every master has shard
+    // channels (SPUBLISH, Redis 7.0).
+    let mut sharded = b.cluster
+        && infos.iter().all(|info| {
+            crate::version::server_version(info)
+                .is_some_and(|(major, minor, _)| (major, minor) >= SHARD_CHANNELS)
+        });
+    with_timeout(b.connect_timeout, conn.load_all())
+        .await
+        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+    let refused_to = async |sharded| {
+        with_timeout(
+            b.connect_timeout,
+            announcements_refused(&conn, &b.prefix, sharded),
+        )
+        .await
+        .map_err(|e| connect_error(&shown_urls.join(","), e))
+    };
+    let mut refused = refused_to(sharded).await?;
+    if let Some(why) = refused.as_ref().filter(|_| sharded) {
+        // A user with README's rules from before shard channels may PUBLISH: it keeps
+        // its wake-ups, announced to every node.
+        if refused_to(false).await?.is_none() {
+            warn!(
+                "releases are announced with PUBLISH, which reaches every node of the \
+                 cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
+                 keep them on their key's shard"
+            );
+            (sharded, refused) = (false, None);
+        }
+    }
+    if let Some(why) = &refused {
+        warn!(
+            "release wake-ups are off: {why}; waiters poll with backoff instead. Grant \
+             the user the channels &{}:* to turn them on",
+            b.prefix
+        );
+    }
+    let mut node_servers = Some(match sentinel_servers {
+        Some(sentinels) => Servers::Sentinel(sentinels),
+        None => Servers::Nodes(listen_on),
+    });
+    let mut servers = match cluster_nodes {
+        _ if refused.is_some() => None,
+        Some(nodes) if sharded => {
+            let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
+            Some(Servers::Shards(Box::new(move |pushes| {
+                let mut client = ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(connect_timeout)
+                    .tcp_settings(tcp_settings())
+                    .use_protocol(ProtocolVersion::RESP3)
+                    .push_sender(pushes);
+                if let Some(certificates) = certificates.clone() {
+                    client = client.certs(certificates);
+                }
+                client.build()
+            })))
+        }
+        _ => node_servers.take(),
+    };
+    // A user who may announce but not subscribe gets no listener, which would only be
+    // refused; on a cluster whose shard channels it may not subscribe to, one over
+    // PUBLISH if it may.
+    let subscribe_refused = async |servers: &Servers| {
+        let probed =
+            with_timeout(b.connect_timeout, subscriptions_refused(servers, &b.prefix)).await;
+        // Unreachable now: the listener finds out when it runs.
+        probed.unwrap_or_else(|e| {
+            debug!(error = %e.kind_name(), "no subscription tried at build");
+            None
+        })
+    };
+    if let Some(listening) = &servers {
+        if let Some(why) = subscribe_refused(listening).await {
+            let unsharded = match node_servers.take() {
+                Some(nodes)
+                    if sharded
+                        && refused_to(false).await?.is_none()
+                        && subscribe_refused(&nodes).await.is_none() =>
+                {
+                    Some(nodes)
+                }
+                _ => None,
+            };
+            if unsharded.is_some() {
                 warn!(
                     "releases are announced with PUBLISH, which reaches every node of the \
                      cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
                      keep them on their key's shard"
                 );
-                (sharded, refused) = (false, None);
+                sharded = false;
+            } else {
+                warn!(
+                    "release wake-ups are off: {why}; waiters poll with backoff instead. \
+                     Grant the user +subscribe +unsubscribe (+ssubscribe +sunsubscribe on \
+                     a Redis 7 cluster) to turn them on"
+                );
             }
+            servers = unsharded;
         }
-        if let Some(why) = &refused {
-            warn!(
-                "release wake-ups are off: {why}; waiters poll with backoff instead. Grant \
-                 the user the channels &{}:* to turn them on",
-                b.prefix
-            );
-        }
-        let mut node_servers = Some(match sentinel_servers {
-            Some(sentinels) => Servers::Sentinel(sentinels),
-            None => Servers::Nodes(listen_on),
-        });
-        let mut servers = match cluster_nodes {
-            _ if refused.is_some() => None,
-            Some(nodes) if sharded => {
-                let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
-                Some(Servers::Shards(Box::new(move |pushes| {
-                    let mut client = ClusterClientBuilder::new(nodes.clone())
-                        .connection_timeout(connect_timeout)
-                        .tcp_settings(tcp_settings())
-                        .use_protocol(ProtocolVersion::RESP3)
-                        .push_sender(pushes);
-                    if let Some(certificates) = certificates.clone() {
-                        client = client.certs(certificates);
-                    }
-                    client.build()
-                })))
-            }
-            _ => node_servers.take(),
-        };
-        // A user who may announce but not subscribe gets no listener, which would only be
-        // refused; on a cluster whose shard channels it may not subscribe to, one over
-        // PUBLISH if it may.
-        let subscribe_refused = async |servers: &Servers| {
-            let probed =
-                with_timeout(b.connect_timeout, subscriptions_refused(servers, &b.prefix)).await;
-            // Unreachable now: the listener finds out when it runs.
-            probed.unwrap_or_else(|e| {
-                debug!(error = %e.kind_name(), "no subscription tried at build");
-                None
-            })
-        };
-        if let Some(listening) = &servers {
-            if let Some(why) = subscribe_refused(listening).await {
-                let unsharded = match node_servers.take() {
-                    Some(nodes)
-                        if sharded
-                            && refused_to(false).await?.is_none()
-                            && subscribe_refused(&nodes).await.is_none() =>
-                    {
-                        Some(nodes)
-                    }
-                    _ => None,
-                };
-                if unsharded.is_some() {
-                    warn!(
-                        "releases are announced with PUBLISH, which reaches every node of the \
-                         cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
-                         keep them on their key's shard"
-                    );
-                    sharded = false;
-                } else {
-                    warn!(
-                        "release wake-ups are off: {why}; waiters poll with backoff instead. \
-                         Grant the user +subscribe +unsubscribe (+ssubscribe +sunsubscribe on \
-                         a Redis 7 cluster) to turn them on"
-                    );
-                }
-                servers = unsharded;
-            }
-        }
-        let acked = match acked {
-            Some(connector) => Some(
-                AckedConns::open(connector)
-                    .await
-                    .map_err(|e| connect_error(&shown_urls.join(","), e))?,
-            ),
-            None => None,
-        };
-        let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
-            .native_batch(true)
-            .server_side_ttl(true)
-            .inspect(true)
-            .wakes_waiters(servers.is_some());
-        // A queued call waits for the call in flight ahead of it and then its own batch,
-        // each bounded by the response timeout; the third one is slack.
-        let coalesced_patience = b.response_timeout * 3;
-        Ok(Self {
-            inner: Arc::new(Inner {
-                conn,
-                listener: ReleaseListener::new(
-                    servers,
-                    b.prefix.clone(),
-                    b.connect_timeout,
-                    b.response_timeout,
-                ),
-                prefix: b.prefix,
-                caps,
-                response_timeout: b.response_timeout,
-                replica_acks: b.replica_acks,
-                acked,
-                id: BackendId::next(),
-                shown_urls,
-                cluster: b.cluster,
-                slotted,
-                sharded,
-                announces: refused.is_none(),
-                acquires: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
-                releases: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
-            }),
-        })
     }
+    let acked = match acked {
+        Some(connector) => Some(
+            AckedConns::open(connector)
+                .await
+                .map_err(|e| connect_error(&shown_urls.join(","), e))?,
+        ),
+        None => None,
+    };
+    let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
+        .native_batch(true)
+        .server_side_ttl(true)
+        .inspect(true)
+        .wakes_waiters(servers.is_some());
+    Ok(Core {
+        conn,
+        listener: ReleaseListener::new(
+            servers,
+            b.prefix.clone(),
+            b.connect_timeout,
+            b.response_timeout,
+        ),
+        prefix: b.prefix,
+        caps,
+        response_timeout: b.response_timeout,
+        replica_acks: b.replica_acks,
+        acked,
+        id: BackendId::next(),
+        shown_urls,
+        cluster: b.cluster,
+        slotted,
+        sharded,
+        announces: refused.is_none(),
+    })
 }
 
 /// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).
@@ -340,18 +337,6 @@ async fn connect_cluster(
     with_timeout(connect_timeout, client.get_async_connection())
         .await
         .map_err(|e| connect_error(shown_urls, e))
-}
-
-pub(super) async fn with_timeout<T>(
-    limit: Duration,
-    f: impl Future<Output = Result<T, RedisError>>,
-) -> Result<T, RedisError> {
-    tokio::time::timeout(limit, f).await.unwrap_or_else(|_| {
-        Err(RedisError::from(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no connection within {limit:?}"),
-        )))
-    })
 }
 
 /// The Sentinels of a `redis+sentinel://` URL, each reached with the URL's TLS and the

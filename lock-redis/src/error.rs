@@ -6,7 +6,8 @@
 use distlock_core::{DriverFailure, Effect, FailureKind, LockError};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
-use crate::backend::NAME;
+/// The backend's name, in its errors and leases.
+pub(crate) const NAME: &str = "redis";
 
 pub(crate) fn config_error(shown_url: &str, e: &RedisError) -> LockError {
     // The client library's message may quote the URL: only its kind is kept.

@@ -84,6 +84,7 @@ impl FencedResource for RedisFencedResource {
         };
         let latest: String = self
             .backend
+            .core()
             .run_script_on(
                 "fenced_write",
                 &ADMIT_WRITE_SCRIPT,
@@ -101,7 +102,7 @@ impl FencedResource for RedisFencedResource {
         );
         let mut get = redis::cmd("GET");
         get.arg(data);
-        self.backend.read_command("fenced_read", &get).await
+        self.backend.core().read_command("fenced_read", &get).await
     }
 
     async fn check_only(
@@ -111,6 +112,7 @@ impl FencedResource for RedisFencedResource {
     ) -> Result<Admission, LockError> {
         let latest: String = self
             .backend
+            .core()
             .run_script("admit", &ADMIT_SCRIPT, resource, token.get())
             .await?;
         Ok(decide(self.mode, resource, token, parse_latest(&latest)?))

@@ -6,11 +6,10 @@ use distlock_core::{Effect, LockError, Release, Renewal, valid_until};
 use redis::Value;
 use tokio::time::Instant;
 
-use super::NAME;
-use crate::error::map_error;
+use crate::error::{NAME, map_error};
 
 /// A renew script's reply (`1`: renewed) for a call sent at `sent`.
-pub(super) fn renewal(renewed: i64, sent: Instant, ttl: Duration) -> Renewal {
+pub(crate) fn renewal(renewed: i64, sent: Instant, ttl: Duration) -> Renewal {
     if renewed == 1 {
         Renewal::Renewed {
             valid_until: valid_until(sent, ttl),
@@ -21,7 +20,7 @@ pub(super) fn renewal(renewed: i64, sent: Instant, ttl: Duration) -> Renewal {
 }
 
 /// A release script's reply (`1`: released).
-pub(super) fn release(released: i64) -> Release {
+pub(crate) fn release(released: i64) -> Release {
     if released == 1 {
         Release::Released
     } else {
@@ -30,7 +29,7 @@ pub(super) fn release(released: i64) -> Release {
 }
 
 /// An acquire script's reply: the token granted, or none (the key is held).
-pub(super) fn parse_token(reply: Option<Value>) -> Result<Option<u64>, LockError> {
+pub(crate) fn parse_token(reply: Option<Value>) -> Result<Option<u64>, LockError> {
     let Some(reply) = reply else {
         return Err(LockError::backend(NAME, "the acquire script sent no reply"));
     };

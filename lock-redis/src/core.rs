@@ -1,0 +1,991 @@
+//! [`Core`]: what a Redis backend holds (the connection to one node or a cluster, its
+//! settings, what the server allows) and every operation it sends: the single-key
+//! scripts, the multi-key batches (one script call per hash slot, one pipeline per node),
+//! the acquire followed by `WAIT`, and the cleanup after an acquire whose outcome is
+//! unknown. [`crate::RedisBackend`] implements the trait on top of it, choosing for each
+//! call which of these it takes. Below it: `calls` (the keys and arguments of a script
+//! call, and how a batch's items are grouped and its replies spread back), `reply` (what
+//! the scripts' replies mean) and `acked` (the connections of acquires with `WAIT`).
+
+mod acked;
+mod calls;
+mod reply;
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use distlock_core::{
+    BackendId, Capabilities, DriverFailure, Effect, FailureKind, Fence, FencingToken, Lease,
+    LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
+};
+use futures::FutureExt;
+use redis::{RedisError, RedisResult, Value};
+use tokio::time::Instant;
+use tracing::debug;
+
+pub use self::acked::ACKED_CONNECTIONS;
+pub(crate) use self::acked::{AckedConn, AckedConns, Connector};
+pub(crate) use self::calls::{Extra, spread};
+use self::calls::{grouped_calls, lease_args, resent};
+pub(crate) use self::reply::{parse_token, release, renewal};
+use crate::conn::{Call, Conn, key_slot};
+use crate::error::{KindName, NAME, is_refused_for_now, is_resendable, is_unreachable, map_error};
+use crate::keys::{LockKeys, Mark, parse_held};
+use crate::releases::ReleaseListener;
+use crate::scripts::{
+    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, Lua,
+    RELEASE_MANY_SCRIPT, RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
+};
+
+/// The first pause before a release that did not run is sent again; it doubles each time.
+const RESEND_PAUSE: Duration = Duration::from_millis(5);
+
+/// How many response timeouts the cleanup after an acquire with an unknown outcome may
+/// take in all (see [`Core::abandon`]).
+const CLEANUP_TIMEOUTS: u32 = 2;
+
+/// The connection of a Redis backend, its settings, and every operation it sends. Made
+/// by `connect`; shared by the clones of a [`crate::RedisBackend`].
+pub(crate) struct Core {
+    pub(crate) conn: Conn,
+    pub(crate) prefix: String,
+    pub(crate) caps: Capabilities,
+    pub(crate) response_timeout: Duration,
+    pub(crate) replica_acks: Option<(usize, Duration)>,
+    /// The connections acquires with `WAIT` go over (with `replica_acks` only).
+    pub(crate) acked: Option<Arc<AckedConns>>,
+    pub(crate) id: BackendId,
+    /// The URLs with passwords hidden, for `Debug`.
+    pub(crate) shown_urls: Vec<String>,
+    pub(crate) cluster: bool,
+    /// Hash slots divide the keys: a cluster, or a single node that runs in cluster mode
+    /// (`redis_mode:cluster`; it answers for the keys of its slots and refuses a script
+    /// whose keys span slots). Batches are then grouped by slot, and tokens counted per
+    /// slot (see [`Core::high_water`]).
+    pub(crate) slotted: bool,
+    /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
+    /// `PUBLISH`.
+    pub(crate) sharded: bool,
+    /// The server lets this user announce releases (see `releases::announcements_refused`).
+    pub(crate) announces: bool,
+    /// Hears the releases of the keys this instance's waiters watch.
+    pub(crate) listener: ReleaseListener,
+}
+
+/// An acquire on its way: if its future is dropped before the reply, whatever it may have
+/// taken is given back in the background (checked against its owner id). One attempt,
+/// or one per key an `acquire_any` may have taken.
+pub(crate) struct AbandonOnDrop<'a> {
+    core: &'a Core,
+    attempts: Vec<(LockKeys, OwnerId)>,
+    ttl: Duration,
+    /// The connection of its own the attempt went over, if any: the cleanup goes over it
+    /// too, so that it runs after the attempt.
+    over: Option<AckedConn>,
+}
+
+impl AbandonOnDrop<'_> {
+    /// The attempt's outcome is known: nothing is given back when this is dropped.
+    pub(crate) fn settled(&mut self) {
+        self.attempts.clear();
+    }
+}
+
+impl Drop for AbandonOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.attempts.is_empty() {
+            let attempts = std::mem::take(&mut self.attempts);
+            self.core.abandon_over(self.over.take(), attempts, self.ttl);
+        }
+    }
+}
+
+/// A grant whose `WAIT` came back: the lease, how many replicas acknowledged it, and the
+/// attempt, given back if dropped before [`AbandonOnDrop::settled`].
+pub(crate) struct Acked<'a> {
+    pub(crate) lease: Lease,
+    pub(crate) replicas: i64,
+    pub(crate) pending: AbandonOnDrop<'a>,
+}
+
+/// Most locks in one multi-key script call. A script runs atomically and holds the server
+/// meanwhile, so a long batch is split into several calls (pipelined together).
+const CHUNK: usize = 128;
+
+impl Core {
+    /// The Redis key of `key`, `<prefix>:{<name>}`.
+    pub(crate) fn keys(&self, key: &LockKey) -> LockKeys {
+        LockKeys::new(&self.prefix, key)
+    }
+
+    /// The high-water key that `lock` shares with the other locks of its hash slot (on a
+    /// Cluster) or of the server, which the acquire and fence scripts read (see
+    /// `acquire.lua`).
+    pub(crate) fn high_water(&self, lock: &str) -> String {
+        crate::keys::high_water_key(
+            &self.prefix,
+            self.slotted.then(|| key_slot(lock.as_bytes())),
+        )
+    }
+
+    /// [`Self::keys`] for an acquire, marked as [`Self::mark`] says.
+    pub(crate) fn acquire_keys(&self, key: &LockKey) -> LockKeys {
+        LockKeys {
+            mark: self.mark(std::slice::from_ref(key)),
+            ..self.keys(key)
+        }
+    }
+
+    /// How an acquire of one of `keys` marks it waited for (see `acquire.lua`): never when
+    /// this backend hears no release (wake-ups off, or its listener refused), granted
+    /// marked when other waiters of this process watch one of them, and otherwise marked
+    /// only if held.
+    fn mark(&self, keys: &[LockKey]) -> Mark {
+        let listener = &self.listener;
+        if !listener.hears_releases() {
+            Mark::Never
+        } else if keys.iter().any(|k| listener.others_wait(k)) {
+            Mark::Granted
+        } else {
+            Mark::WhenHeld
+        }
+    }
+
+    /// Waits for a reply at most the response timeout. No reply in time means the request
+    /// may have run: `OutcomeUnknown` for an operation that changes state.
+    ///
+    /// Not an `async fn`, nor an `async` block: either would keep `request` twice in its
+    /// state (as it came and inside the timeout), doubling the size of every call's future.
+    pub(crate) fn timed<T>(
+        &self,
+        operation: &'static str,
+        effect: Effect,
+        request: impl Future<Output = Result<T, RedisError>>,
+    ) -> impl Future<Output = Result<T, LockError>> {
+        self.timed_within(self.response_timeout, operation, effect, request)
+    }
+
+    /// [`Self::timed`] with a limit of its own (a cluster's batch waits longer).
+    fn timed_within<T>(
+        &self,
+        limit: Duration,
+        operation: &'static str,
+        effect: Effect,
+        request: impl Future<Output = Result<T, RedisError>>,
+    ) -> impl Future<Output = Result<T, LockError>> {
+        tokio::time::timeout(limit, request)
+            .map(move |reply| Self::reply_or_error(reply, operation, effect, limit))
+    }
+
+    /// What [`Self::timed_within`] makes of a reply, or of none within `limit`.
+    fn reply_or_error<T>(
+        reply: Result<Result<T, RedisError>, tokio::time::error::Elapsed>,
+        operation: &'static str,
+        effect: Effect,
+        limit: Duration,
+    ) -> Result<T, LockError> {
+        match reply {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(map_error(operation, effect, &e)),
+            Err(_) => {
+                let message = format!("no reply within {limit:?}");
+                Err(DriverFailure::new(FailureKind::ReplyLost, message).into_error(NAME, effect))
+            }
+        }
+    }
+
+    /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
+    /// taken, in the background, checked against their owner ids. Best effort: the keys
+    /// expire on their own anyway. Bounded: each try waits at most the response timeout,
+    /// a try whose connection dropped is made again, and so are the keys a server refused
+    /// for now (a replica, a dataset loading, a busy script); the cleanup gives up after
+    /// [`CLEANUP_TIMEOUTS`] response timeouts (or the TTL, if shorter), so a hung server
+    /// does not keep a task per attempt alive for the lease's TTL.
+    pub(crate) fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
+        self.abandon_over(None, attempts, ttl);
+    }
+
+    /// [`Self::abandon`] over `over`, the connection the attempts went over, when it is not
+    /// the shared one.
+    fn abandon_over(
+        &self,
+        over: Option<AckedConn>,
+        attempts: Vec<(LockKeys, OwnerId)>,
+        ttl: Duration,
+    ) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let conn = over
+            .as_ref()
+            .map_or_else(|| self.conn.clone(), |c| c.conn().clone());
+        let node_timeout = self.response_timeout;
+        let announce = self.announce_arg();
+        runtime.spawn(async move {
+            // Kept until the cleanup is done: it is not handed to another call meanwhile.
+            let _over = over;
+            let mut calls: Vec<Call> = attempts
+                .into_iter()
+                .map(|(keys, owner)| Call {
+                    script: &ABANDON_SCRIPT,
+                    keys: vec![keys.lock],
+                    args: [Some(owner.to_string().into()), announce.clone()]
+                        .into_iter()
+                        .flatten()
+                        .collect(),
+                })
+                .collect();
+            let keys = calls.len();
+            // Requests on the same connection run in order, so this runs after the
+            // acquire if that ever reached the server. A hung server gets one try: the
+            // cleanup must not outlive its caller by more than a few response timeouts.
+            let give_up = Instant::now() + ttl.min(node_timeout * CLEANUP_TIMEOUTS);
+            let mut pause = RESEND_PAUSE;
+            let done = loop {
+                let left = give_up.saturating_duration_since(Instant::now());
+                let reply =
+                    tokio::time::timeout(left.min(node_timeout), conn.batch(&calls, node_timeout))
+                        .await;
+                let again = match reply {
+                    // The items that did not run (refused for now: a replica, a dataset
+                    // loading, a busy script; or their connection dropped) are sent again.
+                    Ok(Ok(replies)) => {
+                        calls = calls
+                            .into_iter()
+                            .zip(replies)
+                            .filter_map(|(call, reply)| {
+                                matches!(&reply, Err(e) if is_resendable(e)).then_some(call)
+                            })
+                            .collect();
+                        if calls.is_empty() {
+                            break true;
+                        }
+                        true
+                    }
+                    // A connection that dropped: the one made again may serve the next try.
+                    Ok(Err(e)) => is_resendable(&e),
+                    Err(_) => false,
+                };
+                if !again || Instant::now() + pause >= give_up {
+                    break false;
+                }
+                tokio::time::sleep(pause).await;
+                pause *= 2;
+            };
+            tracing::debug!(
+                keys,
+                done,
+                "cleanup after an acquire with an unknown outcome"
+            );
+        });
+    }
+
+    fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
+        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
+        if keys.mark != Mark::WhenHeld {
+            args.push(vec![keys.mark.arg()]);
+        }
+        Call {
+            script: &ACQUIRE_SCRIPT,
+            keys: vec![keys.lock.clone(), self.high_water(&keys.lock)],
+            args,
+        }
+    }
+
+    /// A renew, release or fence call: the lock key (and for a fence the high-water key it
+    /// shares), the value the lease holds it with, and `extra` (see [`Extra`]).
+    fn lease_call(&self, script: &'static Lua, lease: &Lease, extra: Extra) -> Call {
+        let (value, more) = lease_args(lease, extra);
+        let mut args: Vec<Vec<u8>> = std::iter::once(value).chain(more).map(Into::into).collect();
+        let lock = self.keys(lease.key()).lock;
+        let keys = match extra {
+            Extra::Release => {
+                args.extend(self.announce_arg());
+                vec![lock]
+            }
+            Extra::Token => {
+                let high_water = self.high_water(&lock);
+                vec![lock, high_water]
+            }
+            Extra::Ttl => vec![lock],
+        };
+        Call { script, keys, args }
+    }
+
+    /// The last argument of the release and abandon scripts: `S` makes them announce with
+    /// `SPUBLISH`, on the key's shard only, and `-` not at all (the server refuses this
+    /// user's announcements: each would be an `ACL LOG` entry); without it they `PUBLISH`.
+    pub(crate) fn announce_arg(&self) -> Option<Vec<u8>> {
+        if !self.announces {
+            return Some(b"-".to_vec());
+        }
+        self.sharded.then(|| b"S".to_vec())
+    }
+
+    /// One acquire sent directly, with the single-key script.
+    pub(crate) async fn acquire_one(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        called: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let keys = self.acquire_keys(key);
+        let owner = OwnerId::random();
+        let call = self.acquire_call(&keys, owner, ttl);
+        let mut pending = AbandonOnDrop {
+            core: self,
+            attempts: vec![(keys, owner)],
+            ttl,
+            over: None,
+        };
+        let reply = self
+            .timed(
+                "acquire",
+                Effect::Write("acquire"),
+                self.invoke_resending::<Option<u64>>(&call),
+            )
+            .await;
+        let attempts = std::mem::take(&mut pending.attempts);
+        match reply {
+            Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, ttl, called))),
+            Err(e) => {
+                if let LockError::OutcomeUnknown { .. } = e {
+                    self.abandon(attempts, ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// One free key of `keys` (two or more) with one script on a single node; see
+    /// [`LockBackend::acquire_any`].
+    pub(crate) async fn acquire_any_one(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+        called: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let owner = OwnerId::random();
+        let locks: Vec<LockKeys> = keys.iter().map(|k| self.keys(k)).collect();
+        // A semaphore's waiters watch every slot.
+        let mark = self.mark(keys);
+        let call = Call {
+            script: &ACQUIRE_ANY_SCRIPT,
+            // On a single node: one high-water key for all.
+            keys: locks
+                .iter()
+                .map(|k| k.lock.clone())
+                .chain([self.high_water(&locks[0].lock)])
+                .collect(),
+            args: vec![
+                owner.to_string().into(),
+                ttl.as_millis().to_string().into(),
+                vec![mark.arg()],
+            ],
+        };
+        let mut pending = AbandonOnDrop {
+            core: self,
+            attempts: locks.into_iter().map(|k| (k, owner)).collect(),
+            ttl,
+            over: None,
+        };
+        // Sent again after a dropped connection, with the flag that makes the script look
+        // for the slot this attempt took first (see `acquire_any.lua`).
+        let reply = self
+            .timed("acquire", Effect::Write("acquire"), async {
+                match self.conn.invoke::<Option<(usize, u64)>>(&call).await {
+                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                        debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
+                        let mut again = call.clone();
+                        again.args.push(b"R".to_vec());
+                        let reply =
+                            Box::pin(self.conn.invoke::<Option<(usize, u64)>>(&again)).await;
+                        resent(e, reply)
+                    }
+                    reply => reply,
+                }
+            })
+            .await;
+        let attempts = std::mem::take(&mut pending.attempts);
+        match reply {
+            Ok(None) => Ok(None),
+            Ok(Some((taken, token))) => {
+                // The script counts keys from 1, as Lua does.
+                let key = taken
+                    .checked_sub(1)
+                    .and_then(|i| keys.get(i))
+                    .ok_or_else(|| {
+                        LockError::backend(
+                            NAME,
+                            format!("the acquire_any script named key {taken} of {}", keys.len()),
+                        )
+                    })?;
+                Ok(Some(self.lease(key, owner, token, ttl, called)))
+            }
+            Err(e) => {
+                if let LockError::OutcomeUnknown { .. } = e {
+                    self.abandon(attempts, ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends an acquire script's `call` on the shared connection. A single node's
+    /// connection that dropped is sent the same call once more, on the connection it makes
+    /// again: the acquire scripts answer a resent attempt with the grant it already made,
+    /// so the call cannot take a key twice, and a restart or a network blip costs one
+    /// round trip instead of an unknown outcome. (A cluster connection resends on its own.)
+    async fn invoke_resending<T: redis::FromRedisValue>(
+        &self,
+        call: &Call,
+    ) -> Result<T, RedisError> {
+        match self.conn.invoke::<T>(call).await {
+            Err(e) if !self.cluster && (e.is_connection_dropped() || e.is_io_error()) => {
+                debug!(error = %e.kind_name(), "acquire: connection lost; sending it again");
+                // Boxed: a rare path should not double the size of every call.
+                let reply = Box::pin(self.conn.invoke::<T>(call)).await;
+                resent(e, reply)
+            }
+            reply => reply,
+        }
+    }
+
+    /// One release. A release whose connection dropped either ran before the drop or
+    /// never will: if the store still shows the lease as the holder afterwards (asked on
+    /// the connection made again), it did not run and is sent once more. Sending it again
+    /// blindly could report `NotHeld` for a release that did run. A release the node
+    /// refused for now (a failover or restart under way: CLUSTERDOWN, TRYAGAIN, LOADING,
+    /// no connection to the node yet) did not run either, and is sent again.
+    ///
+    /// Both are tried again after a short pause, for half the response timeout at most:
+    /// a connection made again after a restart or a failover is not always ready for the
+    /// very next request.
+    pub(crate) async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
+        let released = self
+            .timed(
+                "release",
+                Effect::Write("release"),
+                self.release_until_settled(lease, None),
+            )
+            .await?;
+        Ok(release(released))
+    }
+
+    /// Sends `lease`'s release until its outcome is known, as [`Self::release_one`] says;
+    /// `failed` is the error of a send already made (a batch's), if any.
+    pub(crate) async fn release_until_settled(
+        &self,
+        lease: &Lease,
+        failed: Option<RedisError>,
+    ) -> redis::RedisResult<i64> {
+        let call = self.lease_call(&RELEASE_SCRIPT, lease, Extra::Release);
+        let give_up = Instant::now() + self.response_timeout / 2;
+        let mut pause = RESEND_PAUSE;
+        // The error of the last send when it may have run: ask before sending again.
+        let mut unsure: Option<RedisError> = None;
+        let mut failed = failed;
+        loop {
+            if let Some(e) = &unsure {
+                // Boxed: a rare path should not double the size of every release.
+                let fence_call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
+                match Box::pin(self.conn.invoke::<(i64, u64)>(&fence_call)).await {
+                    // Still held: the release did not run.
+                    Ok((1, _)) => unsure = None,
+                    // Gone: it ran, or the lease ran out; nobody can say which.
+                    Ok(_) => return Err(e.clone()),
+                    Err(asked) if Instant::now() + pause < give_up && is_unreachable(&asked) => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                        continue;
+                    }
+                    Err(_) => return Err(e.clone()),
+                }
+            }
+            let reply = match failed.take() {
+                Some(e) => Err(e),
+                None => self.conn.invoke(&call).await,
+            };
+            let e = match reply {
+                Err(e) if Instant::now() + pause < give_up && is_resendable(&e) => e,
+                reply => return reply,
+            };
+            debug!(error = %e.kind_name(), "release: not run, or no reply; trying again");
+            if !is_refused_for_now(&e) {
+                unsure = Some(e);
+            }
+            tokio::time::sleep(pause).await;
+            pause *= 2;
+        }
+    }
+
+    /// Runs `script` on the fenced-resource key of `resource` with `token`.
+    pub(crate) async fn run_script<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        script: &'static Lua,
+        resource: &str,
+        token: u64,
+    ) -> Result<T, LockError> {
+        let call = Call {
+            script,
+            keys: vec![crate::keys::fenced_resource_key(&self.prefix, resource)],
+            args: vec![token.to_string().into()],
+        };
+        self.timed(operation, Effect::Write(operation), self.conn.invoke(&call))
+            .await
+    }
+
+    /// Runs `script` on `keys` (all of one hash slot) with `args` sent as bytes, so a
+    /// caller's value reaches the script unchanged. A script that [runs once] is never
+    /// sent again after a connection error.
+    ///
+    /// [runs once]: crate::scripts::Lua::runs_once
+    pub(crate) async fn run_script_on<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        script: &'static Lua,
+        keys: &[String],
+        args: &[&[u8]],
+    ) -> Result<T, LockError> {
+        let call = Call {
+            script,
+            keys: keys.to_vec(),
+            args: args.iter().map(|a| a.to_vec()).collect(),
+        };
+        self.timed(operation, Effect::Write(operation), self.conn.invoke(&call))
+            .await
+    }
+
+    /// Runs a command that only reads (routed by its first key in a cluster).
+    pub(crate) async fn read_command<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        cmd: &redis::Cmd,
+    ) -> Result<T, LockError> {
+        self.timed(operation, Effect::None, self.conn.command(cmd))
+            .await
+    }
+
+    pub(crate) fn lease(
+        &self,
+        key: &LockKey,
+        owner: OwnerId,
+        token: u64,
+        ttl: Duration,
+        sent: Instant,
+    ) -> Lease {
+        Lease::new(
+            self.id,
+            key.clone(),
+            owner,
+            FencingToken(token),
+            ttl,
+            valid_until(sent, ttl),
+        )
+    }
+
+    /// Runs a batch under [`Self::timed_within`]. In a cluster each node's pipeline has the
+    /// response timeout of its own (a silent node makes only its items unreachable), so
+    /// the whole batch gets twice that, room for the redirected calls sent again after.
+    pub(crate) async fn timed_batch(
+        &self,
+        operation: &'static str,
+        calls: &[Call],
+    ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
+        let node_timeout = self.response_timeout;
+        let limit = if self.cluster {
+            node_timeout * 2
+        } else {
+            node_timeout
+        };
+        let request = self.conn.batch(calls, node_timeout);
+        self.timed_within(limit, operation, Effect::Write(operation), request)
+            .await
+    }
+
+    /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
+    /// for a lease whose cluster node did not answer while another node did. Any other
+    /// per-lease error, or no node answering at all, fails the whole batch.
+    pub(crate) fn lease_outcomes(
+        &self,
+        operation: &'static str,
+        replies: Vec<redis::RedisResult<Value>>,
+    ) -> Result<Vec<Option<i64>>, LockError> {
+        let mut out = Vec::with_capacity(replies.len());
+        let mut unreachable = None;
+        let mut answered = 0usize;
+        for reply in replies {
+            match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+                Ok(n) => {
+                    answered += 1;
+                    out.push(Some(n));
+                }
+                Err(e) if self.cluster && is_unreachable(&e) => {
+                    unreachable.get_or_insert(e);
+                    out.push(None);
+                }
+                Err(e) => return Err(map_error(operation, Effect::Write(operation), &e)),
+            }
+        }
+        match unreachable {
+            Some(e) if answered == 0 => Err(map_error(operation, Effect::Write(operation), &e)),
+            _ => Ok(out),
+        }
+    }
+
+    /// The items of a batch (given by the slots of their keys) grouped into multi-key
+    /// script calls: where hash slots divide the keys (a cluster, or a node in cluster
+    /// mode) a call's keys must share a slot; on one node in standalone mode any
+    /// keys go together. At most [`CHUNK`] items per call.
+    pub(crate) fn groups(&self, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
+        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+        for (i, slot) in slots.enumerate() {
+            let slot = if self.slotted { slot } else { 0 };
+            by_slot.entry(slot).or_default().push(i);
+        }
+        by_slot
+            .into_values()
+            .flat_map(|items| {
+                items
+                    .chunks(CHUNK)
+                    .map(<[usize]>::to_vec)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
+    /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
+    /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
+    pub(crate) async fn send_acquires(
+        &self,
+        operation: &'static str,
+        attempts: &[(LockKeys, OwnerId, Duration)],
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
+        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+            let (k, owner, ttl) = &attempts[i];
+            keys.push(k.lock.clone());
+            args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
+        });
+        // The high-water key each call's locks share, after them; and how each key is
+        // marked waited for, one byte per key, unless all are marked only when held.
+        for (call, group) in calls.iter_mut().zip(&groups) {
+            let high_water = self.high_water(&call.keys[0]);
+            call.keys.push(high_water);
+            if group.iter().any(|&i| attempts[i].0.mark != Mark::WhenHeld) {
+                let marks = group.iter().map(|&i| attempts[i].0.mark.arg());
+                call.args.push(marks.collect());
+            }
+        }
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, attempts.len()))
+    }
+
+    /// `acquire_many` without replica acknowledgements: one acquire batch for all keys.
+    /// In a cluster, the keys of a node that did not answer while another did are `None`
+    /// (what their attempts may have taken is given back in the background); any other
+    /// failure fails the batch, and the keys it took are released.
+    pub(crate) async fn acquire_batch(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
+            .iter()
+            .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
+            .collect();
+        let sent = Instant::now();
+        let replies = self.send_acquires("acquire_many", &with_ttl).await;
+        let attempts: Vec<(LockKeys, OwnerId)> =
+            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
+        let replies = match replies {
+            Ok(r) => r,
+            Err(e) => {
+                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    self.abandon(attempts, ttl);
+                }
+                return Err(e);
+            }
+        };
+        let mut out = Vec::with_capacity(keys.len());
+        let mut failure = None;
+        let mut unknown = Vec::new();
+        let mut unreachable = None;
+        let mut answered = 0usize;
+        for ((key, (lock_keys, owner)), reply) in keys.iter().zip(attempts).zip(replies) {
+            let reply = match reply {
+                // A cluster node that did not answer: its keys are `None`, and whatever an
+                // attempt that reached it may have taken is given back in the background.
+                Err(e) if self.cluster && is_unreachable(&e) => {
+                    unknown.push((lock_keys, owner));
+                    unreachable.get_or_insert(e);
+                    out.push(None);
+                    continue;
+                }
+                other => other,
+            };
+            match reply
+                .map_err(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e))
+                .and_then(|v| parse_token(Some(v)))
+            {
+                Ok(token) => {
+                    answered += 1;
+                    out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
+                }
+                Err(e) => {
+                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                        unknown.push((lock_keys, owner));
+                    }
+                    failure.get_or_insert(e);
+                    out.push(None);
+                }
+            }
+        }
+        if failure.is_none() && answered == 0 {
+            failure =
+                unreachable.map(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e));
+        }
+        if let Some(e) = failure {
+            // A failed batch holds nothing: give back what it took.
+            let taken: Vec<Lease> = out.into_iter().flatten().collect();
+            let _ = self.release_leases(&taken).await;
+            if !unknown.is_empty() {
+                self.abandon(unknown, ttl);
+            }
+            return Err(e);
+        }
+        if !unknown.is_empty() {
+            self.abandon(unknown, ttl);
+        }
+        Ok(out)
+    }
+
+    /// A renew or release batch: one multi-key call per group, one reply per lease.
+    pub(crate) async fn send_lease_batch(
+        &self,
+        operation: &'static str,
+        script: &'static Lua,
+        leases: &[&Lease],
+        extra: Extra,
+    ) -> Result<Vec<RedisResult<Value>>, LockError> {
+        let (groups, calls) = self.lease_calls(script, leases, extra);
+        let replies = self.timed_batch(operation, &calls).await?;
+        Ok(spread(&groups, replies, leases.len()))
+    }
+
+    /// The multi-key calls of a renew or release batch, and the groups of leases they
+    /// carry (for [`spread`]).
+    pub(crate) fn lease_calls(
+        &self,
+        script: &'static Lua,
+        leases: &[&Lease],
+        extra: Extra,
+    ) -> (Vec<Vec<usize>>, Vec<Call>) {
+        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
+        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
+        let mut calls = grouped_calls(script, &groups, |i, call_keys, args| {
+            let (value, more) = lease_args(leases[i], extra);
+            call_keys.push(keys[i].lock.clone());
+            args.extend(std::iter::once(value).chain(more).map(Into::into));
+        });
+        if let Extra::Release = extra {
+            for call in &mut calls {
+                call.args.extend(self.announce_arg());
+            }
+        }
+        (groups, calls)
+    }
+
+    /// Settles the releases of a batch that failed for a reason a single release is sent
+    /// again after (see [`Self::release_until_settled`]), one by one: a connection that
+    /// dropped, or a node that refused for now.
+    pub(crate) async fn settle_releases(
+        &self,
+        replies: &mut [RedisResult<Value>],
+        leases: &[&Lease],
+    ) {
+        let settle = replies.iter_mut().zip(leases).filter_map(|(reply, lease)| {
+            let failed = match reply {
+                Err(e) if is_resendable(e) => e.clone(),
+                _ => return None,
+            };
+            Some(async move {
+                *reply = self
+                    .release_until_settled(lease, Some(failed))
+                    .await
+                    .map(Value::Int);
+            })
+        });
+        futures::future::join_all(settle).await;
+    }
+
+    /// An acquire followed by `WAIT` in the same round trip: `None` when the key is held,
+    /// otherwise the grant with the number of replicas that acknowledged it, still
+    /// pending (see [`Acked`]). Whatever it took is given back in the background when its
+    /// future is dropped before it returns, and when it fails after taking the key.
+    pub(crate) async fn acquire_acked(
+        &self,
+        key: &LockKey,
+        ttl: Duration,
+        replicas: usize,
+        wait: Duration,
+    ) -> Result<Option<Acked<'_>>, LockError> {
+        let Some(pool) = &self.acked else {
+            return Err(LockError::backend(NAME, "no connections for replica_acks"));
+        };
+        // Nothing is sent yet: no connection free within the response timeout is a plain
+        // failure.
+        let acked = self.timed("acquire", Effect::None, pool.take()).await?;
+        let keys = self.acquire_keys(key);
+        let owner = OwnerId::random();
+        let call = self.acquire_call(&keys, owner, ttl);
+        let mut wait_cmd = redis::cmd("WAIT");
+        wait_cmd.arg(replicas).arg(wait.as_millis().to_string());
+        let conn = acked.conn().clone();
+        let mut pending = AbandonOnDrop {
+            core: self,
+            attempts: vec![(keys, owner)],
+            ttl,
+            over: Some(acked),
+        };
+        let sent = Instant::now();
+        let replies = self
+            .timed(
+                "acquire",
+                Effect::Write("acquire"),
+                conn.invoke_with(&call, &[wait_cmd]),
+            )
+            .await;
+        let mut replies = match replies {
+            Ok(r) => r.into_iter(),
+            Err(e) => {
+                // The connection is dropped with `pending` (after the cleanup, if any):
+                // a request of it may still be pending.
+                if !matches!(e, LockError::OutcomeUnknown { .. }) {
+                    pending.attempts.clear();
+                }
+                return Err(e);
+            }
+        };
+        // Every reply came back: the connection can serve the next acquire.
+        if let Some(acked) = pending.over.take() {
+            acked.put_back();
+        }
+        // The script's own error, or no grant: nothing was taken.
+        let Some(token) = parse_token(replies.next()).inspect_err(|_| pending.attempts.clear())?
+        else {
+            pending.attempts.clear();
+            return Ok(None);
+        };
+        let acked: i64 = match replies.next().map(Value::extract_error) {
+            Some(Ok(v)) => redis::from_redis_value(v).map_err(|e| LockError::backend(NAME, e))?,
+            Some(Err(e)) => return Err(map_error("acquire", Effect::Write("acquire"), &e)),
+            None => 0,
+        };
+        let lease = self.lease(key, owner, token, ttl, sent);
+        Ok(Some(Acked {
+            lease,
+            replicas: acked,
+            pending,
+        }))
+    }
+
+    /// `renew`'s one script.
+    pub(crate) async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
+        let call = self.lease_call(&RENEW_SCRIPT, lease, Extra::Ttl);
+        let sent = Instant::now();
+        let renewed: i64 = self
+            .timed("renew", Effect::Write("renew"), self.conn.invoke(&call))
+            .await?;
+        Ok(renewal(renewed, sent, lease.ttl()))
+    }
+
+    /// `fence`'s one script.
+    pub(crate) async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
+        let call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
+        let (current, newest): (i64, u64) = self
+            .timed("fence", Effect::None, self.conn.invoke(&call))
+            .await?;
+        Ok(if current == 1 {
+            Fence::Current
+        } else {
+            Fence::Stale {
+                current: FencingToken(newest),
+            }
+        })
+    }
+
+    /// The holder, its token and what is left of its TTL, from the lock key (`GET` and
+    /// `PTTL` in one pipeline).
+    pub(crate) async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
+        let keys = self.keys(key);
+        let mut pipe = redis::pipe();
+        pipe.get(&keys.lock).pttl(&keys.lock);
+        let (held, pttl): (Option<String>, i64) = self
+            .timed("inspect", Effect::None, self.conn.pipeline(&pipe))
+            .await?;
+        let (owner, token) = held.as_deref().and_then(parse_held).unzip();
+        Ok(LockInfo {
+            owner,
+            token,
+            remaining: u64::try_from(pttl).ok().map(Duration::from_millis),
+        })
+    }
+
+    /// Deletes the lock key with one `DEL`, whoever holds it.
+    pub(crate) async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
+        let keys = self.keys(key);
+        let mut del = redis::cmd("DEL");
+        del.arg(&keys.lock);
+        let _deleted: i64 = self
+            .timed("purge", Effect::Write("purge"), self.conn.command(&del))
+            .await?;
+        Ok(())
+    }
+
+    /// A renew batch (see [`crate::RedisBackend`]'s `renew_many`).
+    pub(crate) async fn renew_leases(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sent = Instant::now();
+        let all: Vec<&Lease> = leases.iter().collect();
+        let replies = self
+            .send_lease_batch("renew_many", &RENEW_MANY_SCRIPT, &all, Extra::Ttl)
+            .await?;
+        Ok(self
+            .lease_outcomes("renew_many", replies)?
+            .into_iter()
+            .zip(leases)
+            .map(|(outcome, lease)| match outcome {
+                Some(n) => renewal(n, sent, lease.ttl()),
+                None => Renewal::Unreachable,
+            })
+            .collect())
+    }
+
+    /// A release batch (see [`crate::RedisBackend`]'s `release_many`).
+    pub(crate) async fn release_leases(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let all: Vec<&Lease> = leases.iter().collect();
+        let mut replies = self
+            .send_lease_batch("release_many", &RELEASE_MANY_SCRIPT, &all, Extra::Release)
+            .await?;
+        if self.cluster {
+            // Items a node refused for now, or whose connection dropped, are settled one by
+            // one, as a single release is: a restarted or failed-over node's connection is
+            // often not ready for the batch that finds it gone.
+            self.settle_releases(&mut replies, &all).await;
+        }
+        Ok(self
+            .lease_outcomes("release_many", replies)?
+            .into_iter()
+            .map(|outcome| outcome.map_or(Release::Unreachable, release))
+            .collect())
+    }
+}
