@@ -79,10 +79,14 @@ async fn calls_after_too_many_cancelled_streams_go_out_on_a_new_connection() {
             backend.acquire(&fresh, TTL),
             backend.inspect(&held_key),
         );
-        assert!(
-            cancelled.iter().all(Result::is_err),
-            "every call was cancelled before its reply came"
-        );
+        for outcome in cancelled {
+            match outcome {
+                Err(_cancelled) => {}
+                // Caught by the closing connection before it was cancelled.
+                Ok(Err(e)) => errors.push(e),
+                Ok(Ok(got)) => panic!("a call got its reply before it was cancelled: {got:?}"),
+            }
+        }
         match renewal {
             Ok(renewal) => assert!(matches!(renewal, Renewal::Renewed { .. }), "{renewal:?}"),
             Err(e) => errors.push(e),

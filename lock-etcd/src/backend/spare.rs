@@ -175,14 +175,20 @@ impl Spares {
         true
     }
 
-    /// A lease granted ahead came back (`None` if its grant failed).
-    fn granted_ahead(&self, seconds: i64, spare: Option<Spare>, now: Instant) -> bool {
-        let mut shelves = self.shelves();
-        if let Some(shelf) = shelves.iter_mut().find(|s| s.seconds == seconds) {
+    /// A grant ahead of `seconds` ended, whether or not it granted a lease.
+    fn granted_ahead(&self, seconds: i64) {
+        if let Some(shelf) = self.shelves().iter_mut().find(|s| s.seconds == seconds) {
             shelf.granting = shelf.granting.saturating_sub(1);
         }
-        drop(shelves);
-        spare.is_some_and(|spare| self.put_back(seconds, spare, now))
+    }
+
+    /// The grants ahead under way now, for tests.
+    #[cfg(test)]
+    fn granting(&self, seconds: i64) -> usize {
+        self.shelves()
+            .iter()
+            .find(|s| s.seconds == seconds)
+            .map_or(0, |s| s.granting)
     }
 
     /// The spares waiting now, for tests.
@@ -196,27 +202,45 @@ impl Spares {
     }
 }
 
+/// A grant ahead under way: counted as being granted until dropped, also when its task is
+/// dropped unfinished (its runtime shut down), so that later grants ahead are not held back.
+struct GrantingAhead {
+    inner: Weak<Inner>,
+    seconds: i64,
+}
+
+impl Drop for GrantingAhead {
+    fn drop(&mut self) {
+        if let Some(inner) = self.inner.upgrade() {
+            inner.spares.granted_ahead(self.seconds);
+        }
+    }
+}
+
 impl EtcdBackend {
     /// Grants one lease of `seconds` in the background and keeps it as a spare. The task
     /// holds the backend weakly: a backend dropped meanwhile leaves the lease to lapse.
     pub(super) fn grant_ahead(&self, ttl: Duration, seconds: i64) {
-        let inner: Weak<Inner> = Arc::downgrade(&self.inner);
+        let granting = GrantingAhead {
+            inner: Arc::downgrade(&self.inner),
+            seconds,
+        };
         tokio::spawn(async move {
-            let Some(backend) = inner.upgrade().map(|inner| EtcdBackend { inner }) else {
+            let Some(backend) = granting.inner.upgrade().map(|inner| EtcdBackend { inner }) else {
                 return;
             };
             let granted_from = Instant::now();
-            let spare = backend
-                .grant(ttl, seconds)
-                .await
-                .ok()
-                .map(|id| Spare { id, granted_from });
-            let kept = backend
+            let Ok(id) = backend.grant(ttl, seconds).await else {
+                return;
+            };
+            drop(granting);
+            let spare = Spare { id, granted_from };
+            if !backend
                 .inner
                 .spares
-                .granted_ahead(seconds, spare, Instant::now());
-            if let (Some(spare), false) = (spare, kept) {
-                backend.revoke_in_background(spare.id);
+                .put_back(seconds, spare, Instant::now())
+            {
+                backend.revoke_in_background(id);
             }
         });
     }
@@ -270,11 +294,11 @@ mod tests {
             !spares.found(8, true, soon),
             "{SPARES_WANTED} already being granted"
         );
-        spares.granted_ahead(8, None, soon);
+        spares.granted_ahead(8);
         assert!(spares.found(8, true, soon), "one grant failed");
         assert!(!spares.found(8, false, soon), "a refused attempt");
-        spares.granted_ahead(8, None, soon);
-        spares.granted_ahead(8, None, soon);
+        spares.granted_ahead(8);
+        spares.granted_ahead(8);
         let later = soon + max_age(TTL);
         assert!(
             !spares.found(8, true, later),
@@ -299,6 +323,37 @@ mod tests {
         let taken = spares.take(8, TTL, t0);
         assert_eq!(taken.spare, Some(spare(1, t0)));
         assert!(!taken.grant_beside_read, "a spare needs no grant");
+    }
+
+    /// A grant ahead whose task is dropped before it ran (its runtime shut down) is no
+    /// longer counted as under way, so later locks are granted spares again.
+    #[test]
+    fn a_grant_ahead_dropped_with_its_runtime_does_not_hold_back_later_ones() {
+        use harness::etcd::EtcdServer;
+        let runtime = tokio::runtime::Runtime::new().unwrap();
+        let (_server, backend) = runtime.block_on(async {
+            let server = harness::require(EtcdServer::start().await);
+            let backend = EtcdBackend::builder()
+                .endpoint(server.endpoint())
+                .build()
+                .await
+                .unwrap();
+            (server, backend)
+        });
+        let spares = &backend.inner.spares;
+        let t0 = Instant::now();
+        spares.take(8, TTL, t0);
+        spares.found(8, true, t0);
+        assert!(spares.found(8, true, t0), "a lock soon after another");
+        assert_eq!(spares.granting(8), 1);
+
+        let short = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        short.block_on(async { backend.grant_ahead(TTL, 8) });
+        drop(short);
+        assert_eq!(spares.granting(8), 0, "the dropped grant is not under way");
+        drop(runtime);
     }
 
     #[test]
