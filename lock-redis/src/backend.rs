@@ -82,7 +82,7 @@ impl fmt::Debug for RedisBackend {
         f.debug_struct("RedisBackend")
             .field("urls", &core.shown_urls)
             .field("cluster", &core.cluster)
-            .field("prefix", &core.prefix)
+            .field("prefix", &core.calls.prefix)
             .field("response_timeout", &core.response_timeout)
             .finish_non_exhaustive()
     }
@@ -96,13 +96,13 @@ impl RedisBackend {
 
     /// The key prefix.
     pub fn key_prefix(&self) -> &str {
-        &self.core().prefix
+        &self.core().calls.prefix
     }
 
     /// The Redis key of `key`, `<prefix>:{<name>}`, which holds `<owner id>:<token>`
     /// while the lock is held; it is also the channel its releases are announced on.
     pub fn redis_key(&self, key: &LockKey) -> String {
-        LockKeys::new(&self.core().prefix, key).lock
+        LockKeys::new(&self.core().calls.prefix, key).lock
     }
 
     /// Connects as `b` says (see [`crate::connect`]), with the coalescers of single calls.

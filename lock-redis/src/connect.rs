@@ -15,7 +15,7 @@ use tracing::{debug, warn};
 
 use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
 use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client, with_timeout};
-use crate::core::{AckedConns, Connector, Core};
+use crate::core::{AckedConns, Calls, Connector, Core};
 use crate::error::{KindName, config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused, subscriptions_refused};
 
@@ -27,9 +27,87 @@ use crate::releases::{ReleaseListener, Servers, announcements_refused, subscript
 pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 
 /// Connects to the servers `b` names, checks them and loads the scripts: the [`Core`] of
-/// a new backend.
+/// a new backend. In stages, in this order: [`validate`], [`open`], [`check_server`],
+/// [`load_scripts`], [`announcing`], [`listening`], [`open_acked`], [`assemble`].
 pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
-    let shown_urls: Vec<String> = b.urls.iter().map(|u| redact_url(u)).collect();
+    let shown = validate(&b)?;
+    let opened = open(&b, &shown).await?;
+    let server = check_server(&b, &opened.conn, &shown).await?;
+    load_scripts(&b, &opened.conn, &shown).await?;
+    let announced = announcing(&b, &opened.conn, server.sharded, &shown).await?;
+    let heard = listening(&b, &opened, &announced, &shown).await?;
+    let acked = open_acked(opened.acked, &shown).await?;
+    Ok(assemble(
+        b,
+        opened.conn,
+        shown,
+        server,
+        &announced,
+        heard,
+        acked,
+    ))
+}
+
+/// The URLs with passwords hidden, one for each of `b`'s.
+struct Shown(Vec<String>);
+
+impl Shown {
+    /// The first URL: a single node's, or a Sentinel master's.
+    fn first(&self) -> &str {
+        &self.0[0]
+    }
+
+    /// All of them, comma-separated.
+    fn all(&self) -> String {
+        self.0.join(",")
+    }
+}
+
+/// What [`open`] made: the connection, and what the listener and the acquires with `WAIT`
+/// are opened from later.
+struct Opened {
+    conn: Conn,
+    /// The TLS roots `b` names, for every later connection.
+    certificates: Option<redis::TlsCertificates>,
+    /// The nodes a listener may `SUBSCRIBE` on.
+    listen_on: Vec<redis::Client>,
+    /// The Sentinels of a `redis+sentinel://` master, which the listener asks too.
+    sentinels: Option<Arc<Sentinels>>,
+    /// The seed nodes of a cluster, for the listener's connection with shard channels.
+    cluster_nodes: Option<Vec<redis::ConnectionInfo>>,
+    /// How to open the connections of their own for acquires with `WAIT` (see
+    /// `AckedConns`).
+    acked: Option<Connector>,
+}
+
+/// What [`check_server`] read of the servers.
+struct Server {
+    /// Hash slots divide the keys (see [`Calls::slotted`]).
+    slotted: bool,
+    /// Every master has shard channels (`SPUBLISH`, Redis 7.0), so releases may be
+    /// announced on their key's shard.
+    sharded: bool,
+}
+
+/// How releases are announced, as [`announcing`] found out.
+struct Announced {
+    /// With `SPUBLISH`, on their key's shard.
+    sharded: bool,
+    /// Why the server refuses this user's announcements, if it does.
+    refused: Option<String>,
+}
+
+/// Where the release listener subscribes (none: wake-ups off), and whether releases are
+/// still announced on their shard, as [`listening`] found out.
+struct Heard {
+    servers: Option<Servers>,
+    sharded: bool,
+}
+
+/// Checks what needs no server: the TTL bounds; installs the TLS crypto provider where a
+/// URL asks for TLS. The URLs with passwords hidden, for errors and `Debug`.
+fn validate(b: &RedisBackendBuilder) -> Result<Shown, LockError> {
+    let shown = Shown(b.urls.iter().map(|u| redact_url(u)).collect());
     if b.max_ttl > LONGEST_TTL {
         return Err(LockError::Config(format!(
             "max_ttl {:?} is longer than Redis can keep an expiry; at most {LONGEST_TTL:?}",
@@ -39,98 +117,134 @@ pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
     if b.uses_tls() {
         crate::tls::ensure_crypto_provider();
     }
+    Ok(shown)
+}
+
+/// Opens the connection: to a cluster, or to one node (named by its URL or by
+/// Sentinels).
+async fn open(b: &RedisBackendBuilder, shown: &Shown) -> Result<Opened, LockError> {
     let certificates = b.tls_root_ca.clone().map(|pem| redis::TlsCertificates {
         client_tls: None,
         root_cert: Some(pem),
     });
-    let mut listen_on = Vec::new();
-    // The Sentinels of a `redis+sentinel://` master, which the listener asks too.
-    let mut sentinel_servers = None;
-    // The seed nodes of a cluster, for the listener's connection with shard channels.
-    let mut cluster_nodes = None;
-    // Connections of their own for acquires with `WAIT` (see `AckedConns`).
-    let mut acked = None;
-    let conn = if b.cluster {
-        for (url, shown) in b.urls.iter().zip(&shown_urls) {
-            if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
-                if info.redis_settings().db() != 0 {
-                    return Err(LockError::Config(format!(
-                        "{shown}: a Redis Cluster has only database 0"
-                    )));
-                }
-            }
-        }
-        let nodes = b
-            .urls
-            .iter()
-            .map(|u| parse_url(u))
-            .collect::<Result<Vec<_>, _>>()?;
-        cluster_nodes = Some(nodes.clone());
-        // A PUBLISH reaches every node of a cluster: release notifications can be
-        // heard on any of them (before Redis 7.0, which has shard channels).
-        for node in &nodes {
-            listen_on.push(
-                client(node.clone(), certificates.clone())
-                    .map_err(|e| config_error(&shown_urls.join(","), &e))?,
-            );
-        }
-        let shown = shown_urls.join(",");
-        // Two connections: one that retries (reads, and scripts safe to run twice), one
-        // that never sends a request again (see `Conn`).
-        let c = cluster_connection(&b, nodes.clone(), certificates.clone(), 2, &shown).await?;
-        let once_client = cluster_client(&b, nodes, certificates.clone(), 0, &shown)?;
-        let once = connect_cluster(&once_client, b.connect_timeout, &shown).await?;
-        if b.replica_acks.is_some() {
-            acked = Some(Connector::Cluster(Box::new(once_client), b.connect_timeout));
-        }
-        Conn::Cluster(
-            c,
-            Arc::new(ClusterState {
-                once,
-                slots: Mutex::new(None),
-            }),
-        )
+    if b.cluster {
+        open_cluster(b, certificates, shown).await
     } else {
-        let target = match b.sentinel_url()? {
-            Some(sentinel) => {
-                let sentinels =
-                    sentinel_target(&b, sentinel, certificates.clone(), &shown_urls[0])?;
-                sentinel_servers = Some(sentinels.clone());
-                Target::Sentinel(sentinels)
+        open_node(b, certificates, shown).await
+    }
+}
+
+/// [`open`] for a cluster: two connections, one that retries (reads, and scripts safe to
+/// run twice), one that never sends a request again (see `Conn`).
+async fn open_cluster(
+    b: &RedisBackendBuilder,
+    certificates: Option<redis::TlsCertificates>,
+    shown: &Shown,
+) -> Result<Opened, LockError> {
+    for (url, shown) in b.urls.iter().zip(&shown.0) {
+        if let Ok(info) = redis::IntoConnectionInfo::into_connection_info(url.as_str()) {
+            if info.redis_settings().db() != 0 {
+                return Err(LockError::Config(format!(
+                    "{shown}: a Redis Cluster has only database 0"
+                )));
             }
-            None => {
-                let info = parse_url(&b.urls[0])?;
-                let client = client(info, certificates.clone())
-                    .map_err(|e| config_error(&shown_urls[0], &e))?;
-                listen_on.push(client.clone());
-                Target::Fixed(Box::new(client))
-            }
-        };
-        // The backend applies its own response timeout to every request (to tell an
-        // unknown outcome from an unreachable server), and the node's connection is
-        // made again when a request it gave up on met silence (see `Node`); the
-        // manager only bounds connecting.
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(b.connect_timeout))
-            .set_response_timeout(None)
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(500));
-        let c = with_timeout(
-            b.connect_timeout * 2,
-            Node::open(target.clone(), config.clone(), b.response_timeout),
-        )
-        .await
-        .map_err(|e| connect_error(&shown_urls[0], e))?;
-        if b.replica_acks.is_some() {
-            acked = Some(Connector::Single {
-                target,
-                config,
-                response_timeout: b.response_timeout,
-                limit: b.connect_timeout * 2,
-            });
         }
-        Conn::Single(c)
+    }
+    let nodes = b
+        .urls
+        .iter()
+        .map(|u| parse_url(u))
+        .collect::<Result<Vec<_>, _>>()?;
+    let all = shown.all();
+    // A PUBLISH reaches every node of a cluster: release notifications can be
+    // heard on any of them (before Redis 7.0, which has shard channels).
+    let mut listen_on = Vec::new();
+    for node in &nodes {
+        listen_on
+            .push(client(node.clone(), certificates.clone()).map_err(|e| config_error(&all, &e))?);
+    }
+    let c = cluster_connection(b, nodes.clone(), certificates.clone(), 2, &all).await?;
+    let once_client = cluster_client(b, nodes.clone(), certificates.clone(), 0, &all)?;
+    let once = connect_cluster(&once_client, b.connect_timeout, &all).await?;
+    let acked = b
+        .replica_acks
+        .is_some()
+        .then(|| Connector::Cluster(Box::new(once_client), b.connect_timeout));
+    let state = ClusterState {
+        once,
+        slots: Mutex::new(None),
     };
+    Ok(Opened {
+        conn: Conn::Cluster(c, Arc::new(state)),
+        certificates,
+        listen_on,
+        sentinels: None,
+        cluster_nodes: Some(nodes),
+        acked,
+    })
+}
+
+/// [`open`] for one node, at its URL or where its Sentinels say.
+async fn open_node(
+    b: &RedisBackendBuilder,
+    certificates: Option<redis::TlsCertificates>,
+    shown: &Shown,
+) -> Result<Opened, LockError> {
+    let mut listen_on = Vec::new();
+    let mut sentinels = None;
+    let target = match b.sentinel_url()? {
+        Some(sentinel) => {
+            let found = sentinel_target(b, sentinel, certificates.clone(), shown.first())?;
+            sentinels = Some(found.clone());
+            Target::Sentinel(found)
+        }
+        None => {
+            let info = parse_url(&b.urls[0])?;
+            let client =
+                client(info, certificates.clone()).map_err(|e| config_error(shown.first(), &e))?;
+            listen_on.push(client.clone());
+            Target::Fixed(Box::new(client))
+        }
+    };
+    // The backend applies its own response timeout to every request (to tell an
+    // unknown outcome from an unreachable server), and the node's connection is
+    // made again when a request it gave up on met silence (see `Node`); the
+    // manager only bounds connecting.
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(b.connect_timeout))
+        .set_response_timeout(None)
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(500));
+    let c = with_timeout(
+        b.connect_timeout * 2,
+        Node::open(target.clone(), config.clone(), b.response_timeout),
+    )
+    .await
+    .map_err(|e| connect_error(shown.first(), e))?;
+    let acked = b.replica_acks.is_some().then(|| Connector::Single {
+        target,
+        config,
+        response_timeout: b.response_timeout,
+        limit: b.connect_timeout * 2,
+    });
+    Ok(Opened {
+        conn: Conn::Single(c),
+        certificates,
+        listen_on,
+        sentinels,
+        cluster_nodes: None,
+        acked,
+    })
+}
+
+/// Checks the servers before anything is loaded or locked: the credentials (`PING`), the
+/// version (`INFO server`) and that no node may evict lock keys (`INFO memory`); reads
+/// whether hash slots divide the keys and whether every master has shard channels.
+async fn check_server(
+    b: &RedisBackendBuilder,
+    conn: &Conn,
+    shown: &Shown,
+) -> Result<Server, LockError> {
     // Connecting does not prove the credentials: a server with a password accepts the
     // connection and refuses the first command.
     with_timeout(
@@ -138,17 +252,17 @@ pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
         conn.command::<Value>(&redis::cmd("PING")),
     )
     .await
-    .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+    .map_err(|e| connect_error(&shown.all(), e))?;
     // A node that refuses `INFO` (an ACL rule, a renamed command) is left out.
     let infos: Vec<String> = with_timeout(b.connect_timeout, conn.infos("server"))
         .await
-        .map_err(|e| connect_error(&shown_urls.join(","), e))?
+        .map_err(|e| connect_error(&shown.all(), e))?
         .into_iter()
         .filter_map(|(_, info)| String::from_redis_value(info).ok())
         .collect();
     for info in &infos {
         crate::version::check(info)
-            .map_err(|m| LockError::Config(format!("{}: {m}", shown_urls.join(","))))?;
+            .map_err(|m| LockError::Config(format!("{}: {m}", shown.all())))?;
     }
     let slotted = b.cluster
         || infos
@@ -156,33 +270,62 @@ pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
             .any(|info| info.lines().any(|l| l.trim() == "redis_mode:cluster"));
     // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
     // The `replica_acks` connections go to these same nodes: nothing more to read.
-    let memory = with_timeout(b.connect_timeout, memory_infos(&conn, &shown_urls[0]))
+    let memory = with_timeout(b.connect_timeout, memory_infos(conn, shown.first()))
         .await
-        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
+        .map_err(|e| connect_error(&shown.all(), e))?;
     check_eviction(memory)?;
     // Releases are announced on their key's shard when every master has shard
     // channels (SPUBLISH, Redis 7.0).
-    let mut sharded = b.cluster
+    let sharded = b.cluster
         && infos.iter().all(|info| {
             crate::version::server_version(info)
                 .is_some_and(|(major, minor, _)| (major, minor) >= SHARD_CHANNELS)
         });
+    Ok(Server { slotted, sharded })
+}
+
+/// Loads every script on every node.
+async fn load_scripts(
+    b: &RedisBackendBuilder,
+    conn: &Conn,
+    shown: &Shown,
+) -> Result<(), LockError> {
     with_timeout(b.connect_timeout, conn.load_all())
         .await
-        .map_err(|e| connect_error(&shown_urls.join(","), e))?;
-    let refused_to = async |sharded| {
-        with_timeout(
-            b.connect_timeout,
-            announcements_refused(&conn, &b.prefix, sharded),
-        )
-        .await
-        .map_err(|e| connect_error(&shown_urls.join(","), e))
-    };
-    let mut refused = refused_to(sharded).await?;
+        .map_err(|e| connect_error(&shown.all(), e))
+}
+
+/// Why the server refuses this user's announcements (with `SPUBLISH` if `sharded`), if it
+/// does.
+async fn refused_to_announce(
+    b: &RedisBackendBuilder,
+    conn: &Conn,
+    sharded: bool,
+    shown: &Shown,
+) -> Result<Option<String>, LockError> {
+    with_timeout(
+        b.connect_timeout,
+        announcements_refused(conn, &b.prefix, sharded),
+    )
+    .await
+    .map_err(|e| connect_error(&shown.all(), e))
+}
+
+/// Probes how this user may announce releases: on their shard where the masters have
+/// shard channels, else with `PUBLISH` if the server lets it, else not at all (wake-ups
+/// off, said in a warning).
+async fn announcing(
+    b: &RedisBackendBuilder,
+    conn: &Conn,
+    sharded: bool,
+    shown: &Shown,
+) -> Result<Announced, LockError> {
+    let mut sharded = sharded;
+    let mut refused = refused_to_announce(b, conn, sharded, shown).await?;
     if let Some(why) = refused.as_ref().filter(|_| sharded) {
         // A user with README's rules from before shard channels may PUBLISH: it keeps
         // its wake-ups, announced to every node.
-        if refused_to(false).await?.is_none() {
+        if refused_to_announce(b, conn, false, shown).await?.is_none() {
             warn!(
                 "releases are announced with PUBLISH, which reaches every node of the \
                  cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
@@ -198,102 +341,153 @@ pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Core, LockError> {
             b.prefix
         );
     }
-    let mut node_servers = Some(match sentinel_servers {
-        Some(sentinels) => Servers::Sentinel(sentinels),
-        None => Servers::Nodes(listen_on),
+    Ok(Announced { sharded, refused })
+}
+
+/// Where the release listener will subscribe: none when announcements are refused; the
+/// shards where they go with `SPUBLISH`; otherwise the node, its Sentinels or the
+/// cluster's nodes. A user who may announce but not subscribe gets no listener, which
+/// would only be refused; on a cluster whose shard channels it may not subscribe to, one
+/// over `PUBLISH` if it may (releases are then announced with `PUBLISH` too).
+async fn listening(
+    b: &RedisBackendBuilder,
+    opened: &Opened,
+    announced: &Announced,
+    shown: &Shown,
+) -> Result<Heard, LockError> {
+    let sharded = announced.sharded;
+    let mut node_servers = Some(match &opened.sentinels {
+        Some(sentinels) => Servers::Sentinel(sentinels.clone()),
+        None => Servers::Nodes(opened.listen_on.clone()),
     });
-    let mut servers = match cluster_nodes {
-        _ if refused.is_some() => None,
-        Some(nodes) if sharded => {
-            let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
-            Some(Servers::Shards(Box::new(move |pushes| {
-                let mut client = ClusterClientBuilder::new(nodes.clone())
-                    .connection_timeout(connect_timeout)
-                    .tcp_settings(tcp_settings())
-                    .use_protocol(ProtocolVersion::RESP3)
-                    .push_sender(pushes);
-                if let Some(certificates) = certificates.clone() {
-                    client = client.certs(certificates);
-                }
-                client.build()
-            })))
-        }
+    let servers = match &opened.cluster_nodes {
+        _ if announced.refused.is_some() => None,
+        Some(nodes) if sharded => Some(shard_servers(b, nodes.clone(), &opened.certificates)),
         _ => node_servers.take(),
     };
-    // A user who may announce but not subscribe gets no listener, which would only be
-    // refused; on a cluster whose shard channels it may not subscribe to, one over
-    // PUBLISH if it may.
-    let subscribe_refused = async |servers: &Servers| {
-        let probed =
-            with_timeout(b.connect_timeout, subscriptions_refused(servers, &b.prefix)).await;
-        // Unreachable now: the listener finds out when it runs.
-        probed.unwrap_or_else(|e| {
-            debug!(error = %e.kind_name(), "no subscription tried at build");
-            None
-        })
+    let Some(listening) = &servers else {
+        return Ok(Heard { servers, sharded });
     };
-    if let Some(listening) = &servers {
-        if let Some(why) = subscribe_refused(listening).await {
-            let unsharded = match node_servers.take() {
-                Some(nodes)
-                    if sharded
-                        && refused_to(false).await?.is_none()
-                        && subscribe_refused(&nodes).await.is_none() =>
-                {
-                    Some(nodes)
-                }
-                _ => None,
-            };
-            if unsharded.is_some() {
-                warn!(
-                    "releases are announced with PUBLISH, which reaches every node of the \
-                     cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
-                     keep them on their key's shard"
-                );
-                sharded = false;
-            } else {
-                warn!(
-                    "release wake-ups are off: {why}; waiters poll with backoff instead. \
-                     Grant the user +subscribe +unsubscribe (+ssubscribe +sunsubscribe on \
-                     a Redis 7 cluster) to turn them on"
-                );
-            }
-            servers = unsharded;
+    let Some(why) = subscribe_refused(b, listening).await else {
+        return Ok(Heard { servers, sharded });
+    };
+    let unsharded = match node_servers.take() {
+        Some(nodes)
+            if sharded
+                && refused_to_announce(b, &opened.conn, false, shown)
+                    .await?
+                    .is_none()
+                && subscribe_refused(b, &nodes).await.is_none() =>
+        {
+            Some(nodes)
         }
-    }
-    let acked = match acked {
-        Some(connector) => Some(
-            AckedConns::open(connector)
-                .await
-                .map_err(|e| connect_error(&shown_urls.join(","), e))?,
-        ),
-        None => None,
+        _ => None,
     };
+    if unsharded.is_some() {
+        warn!(
+            "releases are announced with PUBLISH, which reaches every node of the \
+             cluster: {why}. Grant the user +spublish +ssubscribe +sunsubscribe to \
+             keep them on their key's shard"
+        );
+        return Ok(Heard {
+            servers: unsharded,
+            sharded: false,
+        });
+    }
+    warn!(
+        "release wake-ups are off: {why}; waiters poll with backoff instead. \
+         Grant the user +subscribe +unsubscribe (+ssubscribe +sunsubscribe on \
+         a Redis 7 cluster) to turn them on"
+    );
+    Ok(Heard {
+        servers: None,
+        sharded,
+    })
+}
+
+/// The cluster's shards, for a listener that subscribes to each key on its shard.
+fn shard_servers(
+    b: &RedisBackendBuilder,
+    nodes: Vec<redis::ConnectionInfo>,
+    certificates: &Option<redis::TlsCertificates>,
+) -> Servers {
+    let (connect_timeout, certificates) = (b.connect_timeout, certificates.clone());
+    Servers::Shards(Box::new(move |pushes| {
+        let mut client = ClusterClientBuilder::new(nodes.clone())
+            .connection_timeout(connect_timeout)
+            .tcp_settings(tcp_settings())
+            .use_protocol(ProtocolVersion::RESP3)
+            .push_sender(pushes);
+        if let Some(certificates) = certificates.clone() {
+            client = client.certs(certificates);
+        }
+        client.build()
+    }))
+}
+
+/// Why `servers` refuse this user's subscriptions, if they do; none when they cannot be
+/// reached now (the listener finds out when it runs).
+async fn subscribe_refused(b: &RedisBackendBuilder, servers: &Servers) -> Option<String> {
+    let probed = with_timeout(b.connect_timeout, subscriptions_refused(servers, &b.prefix)).await;
+    probed.unwrap_or_else(|e| {
+        debug!(error = %e.kind_name(), "no subscription tried at build");
+        None
+    })
+}
+
+/// Opens the first of the connections of acquires with `WAIT`, if `replica_acks` asks for
+/// them.
+async fn open_acked(
+    connector: Option<Connector>,
+    shown: &Shown,
+) -> Result<Option<Arc<AckedConns>>, LockError> {
+    match connector {
+        Some(connector) => AckedConns::open(connector)
+            .await
+            .map(Some)
+            .map_err(|e| connect_error(&shown.all(), e)),
+        None => Ok(None),
+    }
+}
+
+/// The [`Core`], with its capabilities and its release listener (started on its first
+/// watch).
+fn assemble(
+    b: RedisBackendBuilder,
+    conn: Conn,
+    shown: Shown,
+    server: Server,
+    announced: &Announced,
+    heard: Heard,
+    acked: Option<Arc<AckedConns>>,
+) -> Core {
     let caps = Capabilities::new(Duration::from_millis(1), b.min_ttl, b.max_ttl)
         .native_batch(true)
         .server_side_ttl(true)
         .inspect(true)
-        .wakes_waiters(servers.is_some());
-    Ok(Core {
+        .wakes_waiters(heard.servers.is_some());
+    Core {
         conn,
         listener: ReleaseListener::new(
-            servers,
+            heard.servers,
             b.prefix.clone(),
             b.connect_timeout,
             b.response_timeout,
         ),
-        prefix: b.prefix,
+        calls: Calls {
+            prefix: b.prefix,
+            slotted: server.slotted,
+            sharded: heard.sharded,
+            announces: announced.refused.is_none(),
+        },
         caps,
         response_timeout: b.response_timeout,
         replica_acks: b.replica_acks,
         acked,
         id: BackendId::next(),
-        shown_urls,
+        shown_urls: shown.0,
         cluster: b.cluster,
-        slotted,
-        sharded,
-        announces: refused.is_none(),
-    })
+    }
 }
 
 /// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).

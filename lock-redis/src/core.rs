@@ -9,9 +9,9 @@
 
 mod acked;
 mod calls;
+mod cleanup;
 mod reply;
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,30 +27,24 @@ use tracing::debug;
 
 pub use self::acked::ACKED_CONNECTIONS;
 pub(crate) use self::acked::{AckedConn, AckedConns, Connector};
-pub(crate) use self::calls::{Extra, spread};
-use self::calls::{grouped_calls, lease_args, resent};
+pub(crate) use self::calls::{Calls, Extra, spread};
+use self::calls::{lease_outcomes, resent};
+use self::cleanup::RESEND_PAUSE;
 pub(crate) use self::reply::{parse_token, release, renewal};
-use crate::conn::{Call, Conn, key_slot};
+use crate::conn::{Call, Conn};
 use crate::error::{KindName, NAME, is_refused_for_now, is_resendable, is_unreachable, map_error};
 use crate::keys::{LockKeys, Mark, parse_held};
 use crate::releases::ReleaseListener;
 use crate::scripts::{
-    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, FENCE_SCRIPT, Lua,
-    RELEASE_MANY_SCRIPT, RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
+    FENCE_SCRIPT, Lua, RELEASE_MANY_SCRIPT, RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
 };
-
-/// The first pause before a release that did not run is sent again; it doubles each time.
-const RESEND_PAUSE: Duration = Duration::from_millis(5);
-
-/// How many response timeouts the cleanup after an acquire with an unknown outcome may
-/// take in all (see [`Core::abandon`]).
-const CLEANUP_TIMEOUTS: u32 = 2;
 
 /// The connection of a Redis backend, its settings, and every operation it sends. Made
 /// by `connect`; shared by the clones of a [`crate::RedisBackend`].
 pub(crate) struct Core {
     pub(crate) conn: Conn,
-    pub(crate) prefix: String,
+    /// The keys and the calls of its scripts.
+    pub(crate) calls: Calls,
     pub(crate) caps: Capabilities,
     pub(crate) response_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
@@ -60,16 +54,6 @@ pub(crate) struct Core {
     /// The URLs with passwords hidden, for `Debug`.
     pub(crate) shown_urls: Vec<String>,
     pub(crate) cluster: bool,
-    /// Hash slots divide the keys: a cluster, or a single node that runs in cluster mode
-    /// (`redis_mode:cluster`; it answers for the keys of its slots and refuses a script
-    /// whose keys span slots). Batches are then grouped by slot, and tokens counted per
-    /// slot (see [`Core::high_water`]).
-    pub(crate) slotted: bool,
-    /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
-    /// `PUBLISH`.
-    pub(crate) sharded: bool,
-    /// The server lets this user announce releases (see `releases::announcements_refused`).
-    pub(crate) announces: bool,
     /// Hears the releases of the keys this instance's waiters watch.
     pub(crate) listener: ReleaseListener,
 }
@@ -110,31 +94,12 @@ pub(crate) struct Acked<'a> {
     pub(crate) pending: AbandonOnDrop<'a>,
 }
 
-/// Most locks in one multi-key script call. A script runs atomically and holds the server
-/// meanwhile, so a long batch is split into several calls (pipelined together).
-const CHUNK: usize = 128;
-
 impl Core {
-    /// The Redis key of `key`, `<prefix>:{<name>}`.
-    pub(crate) fn keys(&self, key: &LockKey) -> LockKeys {
-        LockKeys::new(&self.prefix, key)
-    }
-
-    /// The high-water key that `lock` shares with the other locks of its hash slot (on a
-    /// Cluster) or of the server, which the acquire and fence scripts read (see
-    /// `acquire.lua`).
-    pub(crate) fn high_water(&self, lock: &str) -> String {
-        crate::keys::high_water_key(
-            &self.prefix,
-            self.slotted.then(|| key_slot(lock.as_bytes())),
-        )
-    }
-
     /// [`Self::keys`] for an acquire, marked as [`Self::mark`] says.
     pub(crate) fn acquire_keys(&self, key: &LockKey) -> LockKeys {
         LockKeys {
             mark: self.mark(std::slice::from_ref(key)),
-            ..self.keys(key)
+            ..self.calls.keys(key)
         }
     }
 
@@ -201,7 +166,7 @@ impl Core {
     /// expire on their own anyway. Bounded: each try waits at most the response timeout,
     /// a try whose connection dropped is made again, and so are the keys a server refused
     /// for now (a replica, a dataset loading, a busy script); the cleanup gives up after
-    /// [`CLEANUP_TIMEOUTS`] response timeouts (or the TTL, if shorter), so a hung server
+    /// two response timeouts (or the TTL, if shorter), so a hung server
     /// does not keep a task per attempt alive for the lease's TTL.
     pub(crate) fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
         self.abandon_over(None, attempts, ttl);
@@ -222,106 +187,15 @@ impl Core {
             .as_ref()
             .map_or_else(|| self.conn.clone(), |c| c.conn().clone());
         let node_timeout = self.response_timeout;
-        let announce = self.announce_arg();
+        let calls = attempts
+            .into_iter()
+            .map(|(keys, owner)| self.calls.abandon_call(keys, owner))
+            .collect();
         runtime.spawn(async move {
             // Kept until the cleanup is done: it is not handed to another call meanwhile.
             let _over = over;
-            let mut calls: Vec<Call> = attempts
-                .into_iter()
-                .map(|(keys, owner)| Call {
-                    script: &ABANDON_SCRIPT,
-                    keys: vec![keys.lock],
-                    args: [Some(owner.to_string().into()), announce.clone()]
-                        .into_iter()
-                        .flatten()
-                        .collect(),
-                })
-                .collect();
-            let keys = calls.len();
-            // Requests on the same connection run in order, so this runs after the
-            // acquire if that ever reached the server. A hung server gets one try: the
-            // cleanup must not outlive its caller by more than a few response timeouts.
-            let give_up = Instant::now() + ttl.min(node_timeout * CLEANUP_TIMEOUTS);
-            let mut pause = RESEND_PAUSE;
-            let done = loop {
-                let left = give_up.saturating_duration_since(Instant::now());
-                let reply =
-                    tokio::time::timeout(left.min(node_timeout), conn.batch(&calls, node_timeout))
-                        .await;
-                let again = match reply {
-                    // The items that did not run (refused for now: a replica, a dataset
-                    // loading, a busy script; or their connection dropped) are sent again.
-                    Ok(Ok(replies)) => {
-                        calls = calls
-                            .into_iter()
-                            .zip(replies)
-                            .filter_map(|(call, reply)| {
-                                matches!(&reply, Err(e) if is_resendable(e)).then_some(call)
-                            })
-                            .collect();
-                        if calls.is_empty() {
-                            break true;
-                        }
-                        true
-                    }
-                    // A connection that dropped: the one made again may serve the next try.
-                    Ok(Err(e)) => is_resendable(&e),
-                    Err(_) => false,
-                };
-                if !again || Instant::now() + pause >= give_up {
-                    break false;
-                }
-                tokio::time::sleep(pause).await;
-                pause *= 2;
-            };
-            tracing::debug!(
-                keys,
-                done,
-                "cleanup after an acquire with an unknown outcome"
-            );
+            cleanup::give_back(&conn, calls, ttl, node_timeout).await;
         });
-    }
-
-    fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
-        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
-        if keys.mark != Mark::WhenHeld {
-            args.push(vec![keys.mark.arg()]);
-        }
-        Call {
-            script: &ACQUIRE_SCRIPT,
-            keys: vec![keys.lock.clone(), self.high_water(&keys.lock)],
-            args,
-        }
-    }
-
-    /// A renew, release or fence call: the lock key (and for a fence the high-water key it
-    /// shares), the value the lease holds it with, and `extra` (see [`Extra`]).
-    fn lease_call(&self, script: &'static Lua, lease: &Lease, extra: Extra) -> Call {
-        let (value, more) = lease_args(lease, extra);
-        let mut args: Vec<Vec<u8>> = std::iter::once(value).chain(more).map(Into::into).collect();
-        let lock = self.keys(lease.key()).lock;
-        let keys = match extra {
-            Extra::Release => {
-                args.extend(self.announce_arg());
-                vec![lock]
-            }
-            Extra::Token => {
-                let high_water = self.high_water(&lock);
-                vec![lock, high_water]
-            }
-            Extra::Ttl => vec![lock],
-        };
-        Call { script, keys, args }
-    }
-
-    /// The last argument of the release and abandon scripts: `S` makes them announce with
-    /// `SPUBLISH`, on the key's shard only, and `-` not at all (the server refuses this
-    /// user's announcements: each would be an `ACL LOG` entry); without it they `PUBLISH`.
-    pub(crate) fn announce_arg(&self) -> Option<Vec<u8>> {
-        if !self.announces {
-            return Some(b"-".to_vec());
-        }
-        self.sharded.then(|| b"S".to_vec())
     }
 
     /// One acquire sent directly, with the single-key script.
@@ -333,7 +207,7 @@ impl Core {
     ) -> Result<Option<Lease>, LockError> {
         let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
-        let call = self.acquire_call(&keys, owner, ttl);
+        let call = self.calls.acquire_call(&keys, owner, ttl);
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: vec![(keys, owner)],
@@ -368,23 +242,10 @@ impl Core {
         called: Instant,
     ) -> Result<Option<Lease>, LockError> {
         let owner = OwnerId::random();
-        let locks: Vec<LockKeys> = keys.iter().map(|k| self.keys(k)).collect();
+        let locks: Vec<LockKeys> = keys.iter().map(|k| self.calls.keys(k)).collect();
         // A semaphore's waiters watch every slot.
         let mark = self.mark(keys);
-        let call = Call {
-            script: &ACQUIRE_ANY_SCRIPT,
-            // On a single node: one high-water key for all.
-            keys: locks
-                .iter()
-                .map(|k| k.lock.clone())
-                .chain([self.high_water(&locks[0].lock)])
-                .collect(),
-            args: vec![
-                owner.to_string().into(),
-                ttl.as_millis().to_string().into(),
-                vec![mark.arg()],
-            ],
-        };
+        let call = self.calls.acquire_any_call(&locks, owner, ttl, mark);
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: locks.into_iter().map(|k| (k, owner)).collect(),
@@ -481,7 +342,9 @@ impl Core {
         lease: &Lease,
         failed: Option<RedisError>,
     ) -> redis::RedisResult<i64> {
-        let call = self.lease_call(&RELEASE_SCRIPT, lease, Extra::Release);
+        let call = self
+            .calls
+            .lease_call(&RELEASE_SCRIPT, lease, Extra::Release);
         let give_up = Instant::now() + self.response_timeout / 2;
         let mut pause = RESEND_PAUSE;
         // The error of the last send when it may have run: ask before sending again.
@@ -490,7 +353,7 @@ impl Core {
         loop {
             if let Some(e) = &unsure {
                 // Boxed: a rare path should not double the size of every release.
-                let fence_call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
+                let fence_call = self.calls.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
                 match Box::pin(self.conn.invoke::<(i64, u64)>(&fence_call)).await {
                     // Still held: the release did not run.
                     Ok((1, _)) => unsure = None,
@@ -531,7 +394,10 @@ impl Core {
     ) -> Result<T, LockError> {
         let call = Call {
             script,
-            keys: vec![crate::keys::fenced_resource_key(&self.prefix, resource)],
+            keys: vec![crate::keys::fenced_resource_key(
+                &self.calls.prefix,
+                resource,
+            )],
             args: vec![token.to_string().into()],
         };
         self.timed(operation, Effect::Write(operation), self.conn.invoke(&call))
@@ -606,57 +472,6 @@ impl Core {
             .await
     }
 
-    /// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
-    /// for a lease whose cluster node did not answer while another node did. Any other
-    /// per-lease error, or no node answering at all, fails the whole batch.
-    pub(crate) fn lease_outcomes(
-        &self,
-        operation: &'static str,
-        replies: Vec<redis::RedisResult<Value>>,
-    ) -> Result<Vec<Option<i64>>, LockError> {
-        let mut out = Vec::with_capacity(replies.len());
-        let mut unreachable = None;
-        let mut answered = 0usize;
-        for reply in replies {
-            match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
-                Ok(n) => {
-                    answered += 1;
-                    out.push(Some(n));
-                }
-                Err(e) if self.cluster && is_unreachable(&e) => {
-                    unreachable.get_or_insert(e);
-                    out.push(None);
-                }
-                Err(e) => return Err(map_error(operation, Effect::Write(operation), &e)),
-            }
-        }
-        match unreachable {
-            Some(e) if answered == 0 => Err(map_error(operation, Effect::Write(operation), &e)),
-            _ => Ok(out),
-        }
-    }
-
-    /// The items of a batch (given by the slots of their keys) grouped into multi-key
-    /// script calls: where hash slots divide the keys (a cluster, or a node in cluster
-    /// mode) a call's keys must share a slot; on one node in standalone mode any
-    /// keys go together. At most [`CHUNK`] items per call.
-    pub(crate) fn groups(&self, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
-        let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
-        for (i, slot) in slots.enumerate() {
-            let slot = if self.slotted { slot } else { 0 };
-            by_slot.entry(slot).or_default().push(i);
-        }
-        by_slot
-            .into_values()
-            .flat_map(|items| {
-                items
-                    .chunks(CHUNK)
-                    .map(<[usize]>::to_vec)
-                    .collect::<Vec<_>>()
-            })
-            .collect()
-    }
-
     /// An acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, one reply per attempt
     /// (in the order of `attempts`). The outer error means nothing is known of any attempt.
     pub(crate) async fn send_acquires(
@@ -664,22 +479,7 @@ impl Core {
         operation: &'static str,
         attempts: &[(LockKeys, OwnerId, Duration)],
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
-        let groups = self.groups(attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())));
-        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
-            let (k, owner, ttl) = &attempts[i];
-            keys.push(k.lock.clone());
-            args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
-        });
-        // The high-water key each call's locks share, after them; and how each key is
-        // marked waited for, one byte per key, unless all are marked only when held.
-        for (call, group) in calls.iter_mut().zip(&groups) {
-            let high_water = self.high_water(&call.keys[0]);
-            call.keys.push(high_water);
-            if group.iter().any(|&i| attempts[i].0.mark != Mark::WhenHeld) {
-                let marks = group.iter().map(|&i| attempts[i].0.mark.arg());
-                call.args.push(marks.collect());
-            }
-        }
+        let (groups, calls) = self.calls.acquire_calls(attempts);
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, attempts.len()))
     }
@@ -771,32 +571,9 @@ impl Core {
         leases: &[&Lease],
         extra: Extra,
     ) -> Result<Vec<RedisResult<Value>>, LockError> {
-        let (groups, calls) = self.lease_calls(script, leases, extra);
+        let (groups, calls) = self.calls.lease_calls(script, leases, extra);
         let replies = self.timed_batch(operation, &calls).await?;
         Ok(spread(&groups, replies, leases.len()))
-    }
-
-    /// The multi-key calls of a renew or release batch, and the groups of leases they
-    /// carry (for [`spread`]).
-    pub(crate) fn lease_calls(
-        &self,
-        script: &'static Lua,
-        leases: &[&Lease],
-        extra: Extra,
-    ) -> (Vec<Vec<usize>>, Vec<Call>) {
-        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
-        let groups = self.groups(keys.iter().map(|k| key_slot(k.lock.as_bytes())));
-        let mut calls = grouped_calls(script, &groups, |i, call_keys, args| {
-            let (value, more) = lease_args(leases[i], extra);
-            call_keys.push(keys[i].lock.clone());
-            args.extend(std::iter::once(value).chain(more).map(Into::into));
-        });
-        if let Extra::Release = extra {
-            for call in &mut calls {
-                call.args.extend(self.announce_arg());
-            }
-        }
-        (groups, calls)
     }
 
     /// Settles the releases of a batch that failed for a reason a single release is sent
@@ -841,7 +618,7 @@ impl Core {
         let acked = self.timed("acquire", Effect::None, pool.take()).await?;
         let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
-        let call = self.acquire_call(&keys, owner, ttl);
+        let call = self.calls.acquire_call(&keys, owner, ttl);
         let mut wait_cmd = redis::cmd("WAIT");
         wait_cmd.arg(replicas).arg(wait.as_millis().to_string());
         let conn = acked.conn().clone();
@@ -895,7 +672,7 @@ impl Core {
 
     /// `renew`'s one script.
     pub(crate) async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
-        let call = self.lease_call(&RENEW_SCRIPT, lease, Extra::Ttl);
+        let call = self.calls.lease_call(&RENEW_SCRIPT, lease, Extra::Ttl);
         let sent = Instant::now();
         let renewed: i64 = self
             .timed("renew", Effect::Write("renew"), self.conn.invoke(&call))
@@ -905,7 +682,7 @@ impl Core {
 
     /// `fence`'s one script.
     pub(crate) async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
-        let call = self.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
+        let call = self.calls.lease_call(&FENCE_SCRIPT, lease, Extra::Token);
         let (current, newest): (i64, u64) = self
             .timed("fence", Effect::None, self.conn.invoke(&call))
             .await?;
@@ -921,7 +698,7 @@ impl Core {
     /// The holder, its token and what is left of its TTL, from the lock key (`GET` and
     /// `PTTL` in one pipeline).
     pub(crate) async fn inspect(&self, key: &LockKey) -> Result<LockInfo, LockError> {
-        let keys = self.keys(key);
+        let keys = self.calls.keys(key);
         let mut pipe = redis::pipe();
         pipe.get(&keys.lock).pttl(&keys.lock);
         let (held, pttl): (Option<String>, i64) = self
@@ -937,7 +714,7 @@ impl Core {
 
     /// Deletes the lock key with one `DEL`, whoever holds it.
     pub(crate) async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
-        let keys = self.keys(key);
+        let keys = self.calls.keys(key);
         let mut del = redis::cmd("DEL");
         del.arg(&keys.lock);
         let _deleted: i64 = self
@@ -956,8 +733,7 @@ impl Core {
         let replies = self
             .send_lease_batch("renew_many", &RENEW_MANY_SCRIPT, &all, Extra::Ttl)
             .await?;
-        Ok(self
-            .lease_outcomes("renew_many", replies)?
+        Ok(lease_outcomes(self.cluster, "renew_many", replies)?
             .into_iter()
             .zip(leases)
             .map(|(outcome, lease)| match outcome {
@@ -982,8 +758,7 @@ impl Core {
             // often not ready for the batch that finds it gone.
             self.settle_releases(&mut replies, &all).await;
         }
-        Ok(self
-            .lease_outcomes("release_many", replies)?
+        Ok(lease_outcomes(self.cluster, "release_many", replies)?
             .into_iter()
             .map(|outcome| outcome.map_or(Release::Unreachable, release))
             .collect())

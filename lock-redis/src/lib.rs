@@ -83,11 +83,11 @@ mod scripts;
 mod tls;
 mod version;
 
+pub use self::core::ACKED_CONNECTIONS;
 pub use backend::{RedisBackend, SENT_AT_ONCE};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
     DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SENTINEL_PORT, REDIS_URL_ENV, RedisBackendBuilder,
 };
 pub use connect::LONGEST_TTL;
-pub use core::ACKED_CONNECTIONS;
 pub use fenced::RedisFencedResource;

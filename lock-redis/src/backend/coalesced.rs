@@ -117,7 +117,9 @@ impl SendBatch<Lease, Release> for Arc<Core> {
 
     async fn send(self, batch: Vec<Waiting<Lease, Release>>) {
         let leases: Vec<&Lease> = batch.iter().map(|w| &w.call).collect();
-        let (groups, calls) = self.lease_calls(&RELEASE_MANY_SCRIPT, &leases, Extra::Release);
+        let (groups, calls) = self
+            .calls
+            .lease_calls(&RELEASE_MANY_SCRIPT, &leases, Extra::Release);
         let request = async {
             let mut replies = match self.conn.batch(&calls, self.response_timeout).await {
                 Ok(replies) => spread(&groups, replies, leases.len()),

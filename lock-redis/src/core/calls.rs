@@ -1,14 +1,188 @@
-//! The pieces of a script call that need nothing of the connection: the arguments of a
-//! lease call, how a batch's items are grouped into multi-key calls and how the replies of
-//! those calls are spread back over the items, and what an acquire sent twice answers.
+//! What a backend sends, apart from sending it: [`Calls`] (a lock's keys and each script
+//! call's keys and arguments), how a batch's items are grouped into multi-key calls and
+//! how the replies of those calls are spread back over the items, and what an acquire sent
+//! twice answers.
 
-use distlock_core::Lease;
+use std::collections::BTreeMap;
+
+use std::time::Duration;
+
+use distlock_core::{Effect, Lease, LockError, LockKey, OwnerId};
 use redis::{ErrorKind, RedisError, RedisResult, Value};
 use tracing::debug;
 
-use crate::conn::{Call, reply_error};
-use crate::error::KindName;
-use crate::scripts::Lua;
+use crate::conn::{Call, key_slot, reply_error};
+use crate::error::{KindName, is_unreachable, map_error};
+use crate::keys::{LockKeys, Mark};
+use crate::scripts::{
+    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, Lua,
+};
+
+/// The calls a backend sends, made from its key prefix and what its servers allow: which
+/// keys a lock has, and each script call's keys and arguments.
+pub(crate) struct Calls {
+    pub(crate) prefix: String,
+    /// Hash slots divide the keys: a cluster, or a single node that runs in cluster mode
+    /// (`redis_mode:cluster`; it answers for the keys of its slots and refuses a script
+    /// whose keys span slots). Batches are then grouped by slot, and tokens counted per
+    /// slot (see [`Calls::high_water`]).
+    pub(crate) slotted: bool,
+    /// Releases are announced with `SPUBLISH` (a cluster of Redis 7.0 or newer), not
+    /// `PUBLISH`.
+    pub(crate) sharded: bool,
+    /// The server lets this user announce releases (see `releases::announcements_refused`).
+    pub(crate) announces: bool,
+}
+
+impl Calls {
+    /// The Redis key of `key`, `<prefix>:{<name>}`.
+    pub(crate) fn keys(&self, key: &LockKey) -> LockKeys {
+        LockKeys::new(&self.prefix, key)
+    }
+
+    /// The high-water key that `lock` shares with the other locks of its hash slot (on a
+    /// Cluster) or of the server, which the acquire and fence scripts read (see
+    /// `acquire.lua`).
+    pub(crate) fn high_water(&self, lock: &str) -> String {
+        crate::keys::high_water_key(
+            &self.prefix,
+            self.slotted.then(|| key_slot(lock.as_bytes())),
+        )
+    }
+
+    /// The last argument of the release and abandon scripts: `S` makes them announce with
+    /// `SPUBLISH`, on the key's shard only, and `-` not at all (the server refuses this
+    /// user's announcements: each would be an `ACL LOG` entry); without it they `PUBLISH`.
+    pub(crate) fn announce_arg(&self) -> Option<Vec<u8>> {
+        if !self.announces {
+            return Some(b"-".to_vec());
+        }
+        self.sharded.then(|| b"S".to_vec())
+    }
+
+    pub(crate) fn acquire_call(&self, keys: &LockKeys, owner: OwnerId, ttl: Duration) -> Call {
+        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
+        if keys.mark != Mark::WhenHeld {
+            args.push(vec![keys.mark.arg()]);
+        }
+        Call {
+            script: &ACQUIRE_SCRIPT,
+            keys: vec![keys.lock.clone(), self.high_water(&keys.lock)],
+            args,
+        }
+    }
+
+    /// The call of `acquire_any.lua` over `locks` (two or more, on a single node), each
+    /// marked waited for as `mark` says.
+    pub(crate) fn acquire_any_call(
+        &self,
+        locks: &[LockKeys],
+        owner: OwnerId,
+        ttl: Duration,
+        mark: Mark,
+    ) -> Call {
+        Call {
+            script: &ACQUIRE_ANY_SCRIPT,
+            // On a single node: one high-water key for all.
+            keys: locks
+                .iter()
+                .map(|k| k.lock.clone())
+                .chain([self.high_water(&locks[0].lock)])
+                .collect(),
+            args: vec![
+                owner.to_string().into(),
+                ttl.as_millis().to_string().into(),
+                vec![mark.arg()],
+            ],
+        }
+    }
+
+    /// The calls of an acquire batch: one [`ACQUIRE_MANY_SCRIPT`] call per group, and the
+    /// groups of attempts they carry (for [`spread`]).
+    pub(crate) fn acquire_calls(
+        &self,
+        attempts: &[(LockKeys, OwnerId, Duration)],
+    ) -> (Vec<Vec<usize>>, Vec<Call>) {
+        let groups = groups(
+            self.slotted,
+            attempts.iter().map(|(k, ..)| key_slot(k.lock.as_bytes())),
+        );
+        let mut calls = grouped_calls(&ACQUIRE_MANY_SCRIPT, &groups, |i, keys, args| {
+            let (k, owner, ttl) = &attempts[i];
+            keys.push(k.lock.clone());
+            args.extend([owner.to_string().into(), ttl.as_millis().to_string().into()]);
+        });
+        // The high-water key each call's locks share, after them; and how each key is
+        // marked waited for, one byte per key, unless all are marked only when held.
+        for (call, group) in calls.iter_mut().zip(&groups) {
+            let high_water = self.high_water(&call.keys[0]);
+            call.keys.push(high_water);
+            if group.iter().any(|&i| attempts[i].0.mark != Mark::WhenHeld) {
+                let marks = group.iter().map(|&i| attempts[i].0.mark.arg());
+                call.args.push(marks.collect());
+            }
+        }
+        (groups, calls)
+    }
+
+    /// A renew, release or fence call: the lock key (and for a fence the high-water key it
+    /// shares), the value the lease holds it with, and `extra` (see [`Extra`]).
+    pub(crate) fn lease_call(&self, script: &'static Lua, lease: &Lease, extra: Extra) -> Call {
+        let (value, more) = lease_args(lease, extra);
+        let mut args: Vec<Vec<u8>> = std::iter::once(value).chain(more).map(Into::into).collect();
+        let lock = self.keys(lease.key()).lock;
+        let keys = match extra {
+            Extra::Release => {
+                args.extend(self.announce_arg());
+                vec![lock]
+            }
+            Extra::Token => {
+                let high_water = self.high_water(&lock);
+                vec![lock, high_water]
+            }
+            Extra::Ttl => vec![lock],
+        };
+        Call { script, keys, args }
+    }
+
+    /// The multi-key calls of a renew or release batch, and the groups of leases they
+    /// carry (for [`spread`]).
+    pub(crate) fn lease_calls(
+        &self,
+        script: &'static Lua,
+        leases: &[&Lease],
+        extra: Extra,
+    ) -> (Vec<Vec<usize>>, Vec<Call>) {
+        let keys: Vec<LockKeys> = leases.iter().map(|l| self.keys(l.key())).collect();
+        let groups = groups(
+            self.slotted,
+            keys.iter().map(|k| key_slot(k.lock.as_bytes())),
+        );
+        let mut calls = grouped_calls(script, &groups, |i, call_keys, args| {
+            let (value, more) = lease_args(leases[i], extra);
+            call_keys.push(keys[i].lock.clone());
+            args.extend(std::iter::once(value).chain(more).map(Into::into));
+        });
+        if let Extra::Release = extra {
+            for call in &mut calls {
+                call.args.extend(self.announce_arg());
+            }
+        }
+        (groups, calls)
+    }
+
+    /// The call of `abandon.lua` on the key an attempt of `owner` may have taken.
+    pub(crate) fn abandon_call(&self, keys: LockKeys, owner: OwnerId) -> Call {
+        Call {
+            script: &ABANDON_SCRIPT,
+            keys: vec![keys.lock],
+            args: [Some(owner.to_string().into()), self.announce_arg()]
+                .into_iter()
+                .flatten()
+                .collect(),
+        }
+    }
+}
 
 /// What a lease call sends besides the value the lease holds its key with.
 #[derive(Clone, Copy)]
@@ -18,7 +192,7 @@ pub(crate) enum Extra {
     /// The lease's token, and the high-water key as a second key (fence checks).
     Token,
     /// Nothing per lease, and after the leases the announcing command
-    /// ([`super::Core::announce_arg`]): releases.
+    /// ([`Calls::announce_arg`]): releases.
     Release,
 }
 
@@ -95,11 +269,65 @@ pub(crate) fn spread(
         .collect()
 }
 
+/// Most locks in one multi-key script call. A script runs atomically and holds the server
+/// meanwhile, so a long batch is split into several calls (pipelined together).
+const CHUNK: usize = 128;
+
+/// The items of a batch (given by the slots of their keys) grouped into multi-key
+/// script calls: where hash slots divide the keys (a cluster, or a node in cluster
+/// mode) a call's keys must share a slot; on one node in standalone mode any
+/// keys go together. At most [`CHUNK`] items per call.
+pub(crate) fn groups(slotted: bool, slots: impl Iterator<Item = u16>) -> Vec<Vec<usize>> {
+    let mut by_slot: BTreeMap<u16, Vec<usize>> = BTreeMap::new();
+    for (i, slot) in slots.enumerate() {
+        let slot = if slotted { slot } else { 0 };
+        by_slot.entry(slot).or_default().push(i);
+    }
+    by_slot
+        .into_values()
+        .flat_map(|items| {
+            items
+                .chunks(CHUNK)
+                .map(<[usize]>::to_vec)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// The per-lease replies of a renew or release batch: `Some(script result)`, or `None`
+/// for a lease whose cluster node did not answer while another node did. Any other
+/// per-lease error, or no node answering at all, fails the whole batch.
+pub(crate) fn lease_outcomes(
+    cluster: bool,
+    operation: &'static str,
+    replies: Vec<redis::RedisResult<Value>>,
+) -> Result<Vec<Option<i64>>, LockError> {
+    let mut out = Vec::with_capacity(replies.len());
+    let mut unreachable = None;
+    let mut answered = 0usize;
+    for reply in replies {
+        match reply.and_then(|v| Ok(redis::from_redis_value::<i64>(v)?)) {
+            Ok(n) => {
+                answered += 1;
+                out.push(Some(n));
+            }
+            Err(e) if cluster && is_unreachable(&e) => {
+                unreachable.get_or_insert(e);
+                out.push(None);
+            }
+            Err(e) => return Err(map_error(operation, Effect::Write(operation), &e)),
+        }
+    }
+    match unreachable {
+        Some(e) if answered == 0 => Err(map_error(operation, Effect::Write(operation), &e)),
+        _ => Ok(out),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::error::{map_error, server_error};
-    use distlock_core::{Effect, LockError};
 
     /// Whatever stops the resend, the first send may have run: the acquire's outcome is
     /// unknown (so its caller cleans up), never `Unavailable`.
