@@ -3,9 +3,10 @@
 //! scripts, the multi-key batches (one script call per hash slot, one pipeline per node),
 //! the acquire followed by `WAIT`, and the cleanup after an acquire whose outcome is
 //! unknown. [`crate::RedisBackend`] implements the trait on top of it, choosing for each
-//! call which of these it takes. Below it: `calls` (the keys and arguments of a script
-//! call, and how a batch's items are grouped and its replies spread back), `reply` (what
-//! the scripts' replies mean) and `acked` (the connections of acquires with `WAIT`).
+//! call which of these it takes. Below it: `calls` (a lock's keys, the keys and arguments
+//! of each script call, and how a batch's items are grouped and its replies spread back),
+//! `cleanup` (the resends of the cleanup), `reply` (what the scripts' replies mean) and
+//! `acked` (the connections of acquires with `WAIT`).
 
 mod acked;
 mod calls;
