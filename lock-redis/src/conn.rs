@@ -120,13 +120,25 @@ impl Conn {
                 let reply = Box::pin(self.invoke_once(call)).await?;
                 T::from_redis_value(reply).map_err(RedisError::from)
             }
-            Conn::Cluster(c, _) => Box::pin(inv.invoke_async(&mut c.clone())).await,
+            Conn::Cluster(c, _) => match Box::pin(inv.invoke_async(&mut c.clone())).await {
+                // The client's own reload sends SCRIPT LOAD, which has no key, where its
+                // slot map says the masters are: after a switchover or a failover that may
+                // not be the node its EVALSHA reached, which then still lacks the script.
+                // NOSCRIPT proves the call did not run: load it where the call goes.
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    let reply = Box::pin(self.invoke_once(call)).await?;
+                    T::from_redis_value(reply).map_err(RedisError::from)
+                }
+                reply => reply,
+            },
         }
     }
 
-    /// One call of a script that must not run twice, through the cluster connection that
-    /// never sends a request again. Redirects prove the call did not run: they are
-    /// followed here, twice at most (an ASK with `ASKING` first).
+    /// One call on a cluster, following redirects here, twice at most (an ASK with
+    /// `ASKING` first), and loading the script on the node that answers NOSCRIPT: for a
+    /// script that must not run twice (through the cluster connection that never sends a
+    /// request again; redirects prove the call did not run), and for a batch's call
+    /// redirected after a switchover or a failover.
     async fn invoke_once(&self, call: &Call) -> RedisResult<Value> {
         let mut route =
             SingleNodeRoutingInfo::SpecificNode(Route::new(call.slot(), SlotAddr::Master));
@@ -256,12 +268,15 @@ impl Conn {
         let mut out: Vec<Option<RedisResult<Value>>> = calls.iter().map(|_| None).collect();
         for (idx, replies) in futures::future::join_all(sends).await {
             for (i, reply) in idx.into_iter().zip(replies) {
-                // A redirected command did not run: send it again through the client's
-                // routing, which follows MOVED/ASK and refreshes its slot map.
+                // A redirected command did not run: send it again to the node the redirect
+                // names, loading its script there if that node lacks it. (Not through the
+                // client's script invocation: after a switchover its SCRIPT LOAD, which has
+                // no key, may reach another node than its EVALSHA, and the new master,
+                // which has no scripts, answers NOSCRIPT until the lease runs out.)
                 let reply = match reply {
                     Err(e) if is_redirect(&e) => {
                         owners.stale.store(true, Ordering::Relaxed);
-                        tokio::time::timeout(node_timeout, self.invoke::<Value>(&calls[i]))
+                        tokio::time::timeout(node_timeout, Box::pin(self.invoke_once(&calls[i])))
                             .await
                             .unwrap_or_else(|_| Err(no_reply_within(node_timeout)))
                     }
