@@ -48,6 +48,20 @@ impl Call {
         cmd
     }
 
+    /// The call as `EVAL` with the script's source: runs whether or not the node has
+    /// the script, and leaves it cached there.
+    fn eval_cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(self.script.source()).arg(self.keys.len());
+        for k in &self.keys {
+            cmd.arg(k);
+        }
+        for a in &self.args {
+            cmd.arg(a.as_slice());
+        }
+        cmd
+    }
+
     fn invocation(&self) -> redis::ScriptInvocation<'static> {
         let mut inv = self.script.prepare_invoke();
         for k in &self.keys {
@@ -331,23 +345,21 @@ impl Conn {
             if again.is_empty() {
                 break;
             }
+            // A call that met NOSCRIPT goes again as EVAL, with the script's source: it
+            // runs on whichever node the route reaches and caches the script there. (A
+            // SCRIPT LOAD first could reach another node: on a Cluster right after a
+            // switchover the client's map may route a keyless command elsewhere, and the
+            // new master, which has no scripts, answered NOSCRIPT until the lease ran out.)
             let resent = async {
-                let mut scripts: Vec<&'static Lua> = Vec::new();
+                let mut pipe = Pipeline::with_capacity(again.len() + 1);
+                if asking {
+                    pipe.cmd("ASKING");
+                }
                 for &j in &again {
                     let call = &calls[idx[j]];
                     let missing = matches!(&out[j], Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript));
-                    if missing
-                        && !scripts
-                            .iter()
-                            .any(|s| s.get_hash() == call.script.get_hash())
-                    {
-                        scripts.push(call.script);
-                    }
+                    pipe.add_command(if missing { call.eval_cmd() } else { call.cmd() });
                 }
-                for script in scripts {
-                    self.load(script, route.clone()).await?;
-                }
-                let pipe = pipeline(&mut again.iter().map(|&j| &calls[idx[j]]));
                 self.send(&pipe, route.clone(), once, asking).await
             };
             match resent.await {
