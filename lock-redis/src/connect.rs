@@ -247,16 +247,10 @@ async fn check_server(
 ) -> Result<Server, LockError> {
     // Connecting does not prove the credentials: a server with a password accepts the
     // connection and refuses the first command.
-    with_timeout(
-        b.connect_timeout,
-        conn.command::<Value>(&redis::cmd("PING")),
-    )
-    .await
-    .map_err(|e| connect_error(&shown.all(), e))?;
+    bounded(b, shown, conn.command::<Value>(&redis::cmd("PING"))).await?;
     // A node that refuses `INFO` (an ACL rule, a renamed command) is left out.
-    let infos: Vec<String> = with_timeout(b.connect_timeout, conn.infos("server"))
-        .await
-        .map_err(|e| connect_error(&shown.all(), e))?
+    let infos: Vec<String> = bounded(b, shown, conn.infos("server"))
+        .await?
         .into_iter()
         .filter_map(|(_, info)| String::from_redis_value(info).ok())
         .collect();
@@ -270,9 +264,7 @@ async fn check_server(
             .any(|info| info.lines().any(|l| l.trim() == "redis_mode:cluster"));
     // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
     // The `replica_acks` connections go to these same nodes: nothing more to read.
-    let memory = with_timeout(b.connect_timeout, memory_infos(conn, shown.first()))
-        .await
-        .map_err(|e| connect_error(&shown.all(), e))?;
+    let memory = bounded(b, shown, memory_infos(conn, shown.first())).await?;
     check_eviction(memory)?;
     // Releases are announced on their key's shard when every master has shard
     // channels (SPUBLISH, Redis 7.0).
@@ -284,15 +276,25 @@ async fn check_server(
     Ok(Server { slotted, sharded })
 }
 
+/// One step of `build` against the servers: bounded by the connect timeout, its error
+/// naming the servers as the user gave them.
+async fn bounded<T>(
+    b: &RedisBackendBuilder,
+    shown: &Shown,
+    step: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+) -> Result<T, LockError> {
+    with_timeout(b.connect_timeout, step)
+        .await
+        .map_err(|e| connect_error(&shown.all(), e))
+}
+
 /// Loads every script on every node.
 async fn load_scripts(
     b: &RedisBackendBuilder,
     conn: &Conn,
     shown: &Shown,
 ) -> Result<(), LockError> {
-    with_timeout(b.connect_timeout, conn.load_all())
-        .await
-        .map_err(|e| connect_error(&shown.all(), e))
+    bounded(b, shown, conn.load_all()).await
 }
 
 /// Why the server refuses this user's announcements (with `SPUBLISH` if `sharded`), if it
@@ -303,12 +305,7 @@ async fn refused_to_announce(
     sharded: bool,
     shown: &Shown,
 ) -> Result<Option<String>, LockError> {
-    with_timeout(
-        b.connect_timeout,
-        announcements_refused(conn, &b.prefix, sharded),
-    )
-    .await
-    .map_err(|e| connect_error(&shown.all(), e))
+    bounded(b, shown, announcements_refused(conn, &b.prefix, sharded)).await
 }
 
 /// Probes how this user may announce releases: on their shard where the masters have
