@@ -265,26 +265,36 @@ impl Locker {
     /// waiter of the key. It records no wait time.
     pub async fn lock(&self, key: &LockKey) -> Result<LockGuard, LockError> {
         let waiting = Waiting::new(self.backend().as_ref(), key, self.inner.retry);
-        self.wait_for(key, Kind::Lock, waiting, || self.try_lock(key))
+        let wait = self.inner.wait_timeout;
+        self.wait_for(key, Kind::Lock, wait, waiting, || self.try_lock(key))
             .await
     }
 
-    /// Waits until `attempt` grants a guard, up to the wait timeout, waiting between
-    /// attempts as `waiting` says; `name` is what a `Timeout` names. Records the time
-    /// waited in `distlock_wait_seconds`, labelled `kind`.
-    pub(crate) async fn wait_for<F, Fut>(
+    /// The wait timeout of [`Locker::lock`] (`None`: no deadline).
+    pub(crate) fn wait_timeout(&self) -> Option<Duration> {
+        self.inner.wait_timeout
+    }
+
+    /// Waits until `attempt` grants what it asks for, up to `wait` (`None`: no deadline),
+    /// waiting between attempts as `waiting` says; `name` is what a `Timeout` names.
+    /// Records the time waited in `distlock_wait_seconds`, labelled `kind`. A `wait` too
+    /// long to be a deadline is [`LockError::Config`].
+    pub(crate) async fn wait_for<T, F, Fut>(
         &self,
         name: &LockKey,
         kind: Kind,
+        wait: Option<Duration>,
         waiting: Waiting,
         attempt: F,
-    ) -> Result<LockGuard, LockError>
+    ) -> Result<T, LockError>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<Option<LockGuard>, LockError>>,
+        Fut: Future<Output = Result<Option<T>, LockError>>,
     {
         let started = Instant::now();
-        let result = self.retry_until(name, waiting, attempt, started).await;
+        let result = self
+            .retry_until(name, wait, waiting, attempt, started)
+            .await;
         let outcome = match &result {
             Ok(_) => "acquired",
             Err(LockError::Timeout { .. }) => "timed_out",
@@ -301,18 +311,19 @@ impl Locker {
     }
 
     /// [`Locker::wait_for`]'s loop, begun at `started`.
-    async fn retry_until<F, Fut>(
+    async fn retry_until<T, F, Fut>(
         &self,
         name: &LockKey,
+        wait: Option<Duration>,
         mut waiting: Waiting,
         mut attempt: F,
         started: Instant,
-    ) -> Result<LockGuard, LockError>
+    ) -> Result<T, LockError>
     where
         F: FnMut() -> Fut,
-        Fut: Future<Output = Result<Option<LockGuard>, LockError>>,
+        Fut: Future<Output = Result<Option<T>, LockError>>,
     {
-        let deadline = wait_deadline(started, self.inner.wait_timeout)?;
+        let deadline = wait_deadline(started, wait)?;
         let timed_out = || LockError::Timeout {
             key: name.clone(),
             waited: Instant::now() - started,

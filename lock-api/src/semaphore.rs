@@ -172,9 +172,13 @@ impl Semaphore {
         let locker = &self.locker;
         let waiting = Waiting::any_of(locker.backend().as_ref(), &self.slots, locker.retry());
         let guard = locker
-            .wait_for(&self.name, Kind::Permit, waiting, || async {
-                Ok(self.try_acquire().await?.map(|permit| permit.guard))
-            })
+            .wait_for(
+                &self.name,
+                Kind::Permit,
+                locker.wait_timeout(),
+                waiting,
+                || async { Ok(self.try_acquire().await?.map(|permit| permit.guard)) },
+            )
             .await?;
         let slot = self.slot_of(guard.key());
         Ok(Permit { guard, slot })
