@@ -259,10 +259,10 @@ impl PgAdvisoryBackend {
     /// [`LockError::Config`] on a refused login or a database without `setup()`.
     /// Optional: without it, connections open on first use.
     pub async fn connect(&self) -> Result<(), LockError> {
-        self.client
-            .warm_up(NAME, "distlock_advisory_tokens")
-            .await?;
-        self.check_pooling().await
+        // The check first: the pool's connections set session limits (see
+        // `PgPooling::Session`), which must not be left on server sessions a pooler shares.
+        self.check_pooling().await?;
+        self.client.warm_up(NAME, "distlock_advisory_tokens").await
     }
 
     /// Fails with [`LockError::Config`] naming the pooling mode when client connections

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::{LockBackend, LockError, redact_url, trusted_for};
-use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection};
 
 use crate::advisory::PgAdvisoryBackend;
 use crate::client::PgClient;
@@ -15,6 +15,7 @@ use crate::lease_table::PgLeaseBackend;
 use crate::pooling::PgPooling;
 use crate::retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 use crate::schema::{DEFAULT_SCHEMA, Schema};
+use crate::statement::session_bounds;
 
 /// A pooled connection idle for longer than this is pinged before a call uses it.
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
@@ -272,7 +273,7 @@ impl PgBuilder {
         // connection idle for longer than `PING_IF_IDLE_FOR` is pinged first, as the server
         // (`idle_session_timeout`) or the network may have ended it meanwhile; under load
         // none is.
-        let pool = PgPoolOptions::new()
+        let mut pool = PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(self.connect_timeout)
             .test_before_acquire(false)
@@ -283,8 +284,22 @@ impl PgBuilder {
                     }
                     Ok(true)
                 })
-            })
-            .connect_lazy_with(options);
+            });
+        if self.pooling == PgPooling::Session {
+            // The server bounds every statement and transaction of the session by the
+            // request time limit (see `PgPooling::Session`). Session settings only where
+            // the session is the connection's own: behind a transaction pooler they would
+            // stay on a server session other clients are given.
+            let bounds: Arc<str> = session_bounds(self.request_timeout).into();
+            pool = pool.after_connect(move |conn, _meta| {
+                let bounds = Arc::clone(&bounds);
+                Box::pin(async move {
+                    sqlx::raw_sql(AssertSqlSafe(bounds)).execute(conn).await?;
+                    Ok(())
+                })
+            });
+        }
+        let pool = pool.connect_lazy_with(options);
         Ok(PgClient {
             pool,
             schema,

@@ -280,8 +280,10 @@ impl PgLeaseBackend {
     /// Cancel safe: it changes nothing in the store; a cancelled call leaves some
     /// connections opened, or none.
     pub async fn connect(&self) -> Result<(), LockError> {
-        self.client.warm_up(NAME, "distlock_leases").await?;
-        self.check_pooling().await
+        // The check first: the pool's connections set session limits with the default
+        // pooling, which must not be left on server sessions a pooler shares.
+        self.check_pooling().await?;
+        self.client.warm_up(NAME, "distlock_leases").await
     }
 
     /// Creates the schema and tables if they do not exist. Idempotent; run it once at
@@ -298,6 +300,12 @@ impl PgLeaseBackend {
     /// connections send no `extra_float_digits` (PgBouncer refuses it unless told to
     /// ignore it): floating-point values a simple query returns as text come at the
     /// server's default precision, which is exact from PostgreSQL 12 on.
+    ///
+    /// With the default [`PgPooling::Session`] each of its connections has the server
+    /// bound its statements and its transactions' waits on the client by the request time
+    /// limit (`statement_timeout`, `idle_in_transaction_session_timeout`; see
+    /// [`PgPooling::Session`]). An application statement or transaction that needs longer
+    /// sets its own in its transaction (`SET LOCAL statement_timeout = ...`).
     ///
     /// With [`PgPooling::Transaction`] its connections go through a transaction pooler:
     /// [`crate::PgFencedResource`] and [`crate::IdempotencyKeys`] work there; the

@@ -25,8 +25,17 @@ pub enum PgPooling {
     /// default (`pooling=session`). Statements are prepared once per connection and sent
     /// with their values as bind parameters; release wake-ups use `LISTEN`.
     ///
-    /// Before its first call (or in `connect()`) a backend checks that sessions are kept,
-    /// and refuses to work with [`LockError::Config`] when they are not.
+    /// Each connection of the pool sets, when it opens, `statement_timeout` and
+    /// `idle_in_transaction_session_timeout` to the request time limit for its session:
+    /// a statement waiting on a row another transaction keeps locked is cancelled by the
+    /// server when its client gives up (instead of a backend left waiting for nobody, and
+    /// taking the row once it is free), and a transaction on the pool (setup's, or the
+    /// application's on [`PgLeaseBackend::pool`](crate::PgLeaseBackend::pool)) whose
+    /// client stalls is ended, with its row locks, after the limit.
+    ///
+    /// Before its first call (or in `connect()`, before it opens the pool) a backend
+    /// checks that sessions are kept, and refuses to work with [`LockError::Config`] when
+    /// they are not.
     #[default]
     Session,
     /// A proxy between client and server pools server sessions per transaction

@@ -61,12 +61,24 @@ impl Sending {
 
 /// `BEGIN` with the transaction's server-side limits, as one simple-protocol message.
 pub(crate) fn bounded_begin(limit: Duration) -> String {
-    // Whole milliseconds, at least 1: 0 would turn the limits off.
-    let ms = limit.as_millis().clamp(1, i32::MAX as u128);
+    let ms = whole_ms(limit);
     format!(
         "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
          SET LOCAL statement_timeout = {ms}"
     )
+}
+
+/// The same limits for a whole session, as one simple-protocol message: what a pool in
+/// [`PgPooling::Session`] sets on each connection it opens (see `PgPooling::Session`).
+pub(crate) fn session_bounds(limit: Duration) -> String {
+    let ms = whole_ms(limit);
+    format!("SET idle_in_transaction_session_timeout = {ms}; SET statement_timeout = {ms}")
+}
+
+/// A time limit as PostgreSQL's settings take it: whole milliseconds, at least 1 (0 would
+/// turn the limit off), at most `i32::MAX`.
+fn whole_ms(limit: Duration) -> u128 {
+    limit.as_millis().clamp(1, i32::MAX as u128)
 }
 
 /// A value of a statement; `$N` in the text is the N-th.

@@ -15,12 +15,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::start_server;
+use common::{start_server, until_no_session};
 use distlock_core::{LockBackend, LockKey, Renewal};
 use harness::pgbouncer::{PgBouncerServer, PoolMode};
-use harness::postgres::{PASSWORD, PostgresServer, USER};
+use harness::postgres::{PASSWORD, USER};
 use harness::proxy::FaultProxy;
-use lock_postgres::sqlx::{self, AssertSqlSafe, Connection, PgConnection};
+use lock_postgres::sqlx::{self, Connection, PgConnection};
 use lock_postgres::{PgLeaseBackend, PgPooling};
 use tokio::time::Instant;
 
@@ -51,25 +51,6 @@ fn url_at(addr: std::net::SocketAddr) -> String {
     format!("postgres://{USER}:{PASSWORD}@{addr}/postgres")
 }
 
-/// A connection straight to the server, to look at its sessions.
-async fn observer(server: &PostgresServer) -> PgConnection {
-    PgConnection::connect(&server.url()).await.unwrap()
-}
-
-/// How many sessions of the server match `condition` (on `pg_stat_activity`), this
-/// observer's own session left out.
-async fn sessions(observer: &mut PgConnection, condition: &str) -> i64 {
-    let sql = format!(
-        "SELECT count(*) FROM pg_stat_activity \
-          WHERE pid <> pg_backend_pid() AND ({condition})"
-    );
-    sqlx::query_scalar(AssertSqlSafe(sql))
-        .persistent(false)
-        .fetch_one(observer)
-        .await
-        .unwrap()
-}
-
 /// Sessions in a transaction that waits on its client after it changed a row of the lease
 /// table (it has a transaction id only once it wrote).
 const IDLE_ON_LEASES: &str = "state = 'idle in transaction' AND backend_xid IS NOT NULL \
@@ -78,18 +59,6 @@ const IDLE_ON_LEASES: &str = "state = 'idle in transaction' AND backend_xid IS N
 /// Sessions whose statement waits for a lock (a row of the lease table).
 const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
 
-/// Polls until no session matches `condition`, at most until `deadline`; the number last
-/// seen (0 when none is left).
-async fn until_none(observer: &mut PgConnection, condition: &str, deadline: Instant) -> i64 {
-    loop {
-        let seen = sessions(observer, condition).await;
-        if seen == 0 || Instant::now() >= deadline {
-            return seen;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
     let server = start_server().await;
@@ -97,7 +66,7 @@ async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
     let proxy = harness::require(FaultProxy::start(bouncer.addr()).await);
     let direct = backend_at(&bouncer.url(), 2, REQUEST_TIMEOUT).await;
     let stalled = backend_at(&url_at(proxy.addr()), 1, REQUEST_TIMEOUT).await;
-    let mut observer = observer(&server).await;
+    let mut observer = common::observer(&server).await;
     let k = key("stalled:renew");
     // Long enough that the lease is still held when the renew's UPDATE runs.
     let ttl = Duration::from_secs(3);
@@ -112,7 +81,7 @@ async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
     proxy.delay(Duration::from_millis(300));
     let renew = tokio::spawn(async move { stalled.renew(&adopted).await });
     let deadline = Instant::now() + REQUEST_TIMEOUT;
-    while sessions(&mut observer, IDLE_ON_LEASES).await == 0 {
+    while common::sessions(&mut observer, IDLE_ON_LEASES).await == 0 {
         assert!(
             Instant::now() < deadline,
             "the renew's transaction was never seen waiting on its client"
@@ -126,7 +95,7 @@ async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
 
     // The server ends the stalled transaction once it waited on its client for the
     // request time limit: its row lock goes with it.
-    let left = until_none(
+    let left = until_no_session(
         &mut observer,
         IDLE_ON_LEASES,
         stalled_at + REQUEST_TIMEOUT + MARGIN,
@@ -152,7 +121,7 @@ async fn acquires_behind_a_stalled_transaction_leave_no_backend_waiting() {
     let server = start_server().await;
     let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
     let backend = backend_at(&bouncer.url(), ACQUIRES as u32, REQUEST_TIMEOUT).await;
-    let mut observer = observer(&server).await;
+    let mut observer = common::observer(&server).await;
     let k = key("stalled:row");
     let ttl = Duration::from_millis(200);
     assert!(backend.acquire(&k, ttl).await.unwrap().is_some());
@@ -183,7 +152,7 @@ async fn acquires_behind_a_stalled_transaction_leave_no_backend_waiting() {
     let gave_up = Instant::now();
     // The server cancels each waiting statement at the request time limit: none waits
     // on for a client that is gone.
-    let left = until_none(
+    let left = until_no_session(
         &mut observer,
         WAITING_ON_A_LOCK,
         gave_up + REQUEST_TIMEOUT + MARGIN,

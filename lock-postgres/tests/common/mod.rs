@@ -12,7 +12,7 @@ use conformance::factory::{
 };
 use distlock_core::{EnforcementMode, LockBackend};
 use harness::{ShiftedClock, postgres::PostgresServer, proxy::FaultProxy};
-use lock_postgres::{PgBuilder, PgFencedResource};
+use lock_postgres::{PgBuilder, PgFencedResource, sqlx};
 
 /// The server shared by the tests of one binary. Only a `Weak` is kept here: the server
 /// is stopped (killed on drop) as soon as the last test holding it ends, so no process
@@ -225,4 +225,40 @@ pub async fn server_time(server: &PostgresServer) -> std::time::SystemTime {
     );
     let micros: u64 = micros.trim().parse().expect("a clock in µs");
     std::time::UNIX_EPOCH + Duration::from_micros(micros)
+}
+
+/// A connection straight to `server`, to look at its sessions.
+pub async fn observer(server: &PostgresServer) -> sqlx::PgConnection {
+    use sqlx::Connection;
+    sqlx::PgConnection::connect(&server.url()).await.unwrap()
+}
+
+/// How many sessions of the server match `condition` (on `pg_stat_activity`), the
+/// observer's own session left out.
+pub async fn sessions(observer: &mut sqlx::PgConnection, condition: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(*) FROM pg_stat_activity \
+          WHERE pid <> pg_backend_pid() AND ({condition})"
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+        .persistent(false)
+        .fetch_one(observer)
+        .await
+        .unwrap()
+}
+
+/// Polls until no session matches `condition`, at most until `deadline`; the number last
+/// seen (0 when none is left).
+pub async fn until_no_session(
+    observer: &mut sqlx::PgConnection,
+    condition: &str,
+    deadline: tokio::time::Instant,
+) -> i64 {
+    loop {
+        let seen = sessions(observer, condition).await;
+        if seen == 0 || tokio::time::Instant::now() >= deadline {
+            return seen;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

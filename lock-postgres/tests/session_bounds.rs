@@ -1,0 +1,177 @@
+//! The lease table with the default `pooling=session`, on a direct connection and through
+//! a default PgBouncer in `pool_mode = session`: the server, not only the client, bounds
+//! the statements and transactions of the backend's pool by the request time limit.
+//!
+//! - Acquires that wait on a row another transaction keeps locked do not stay waiting on
+//!   the server once their clients gave up: no backend is left waiting on the lock (to
+//!   take the row, for nobody, once it is free).
+//! - A transaction on the backend's pool (the application's, through
+//!   `PgLeaseBackend::pool`) whose client stalls after it locked a row is ended by the
+//!   server after the limit, and the row's key can be taken again.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{observer, sessions, start_server, until_no_session};
+use distlock_core::{LockBackend, LockKey};
+use harness::pgbouncer::{PgBouncerServer, PoolMode};
+use harness::postgres::{PASSWORD, USER};
+use harness::proxy::FaultProxy;
+use lock_postgres::PgLeaseBackend;
+use lock_postgres::sqlx::{self, Connection, PgConnection};
+use tokio::time::Instant;
+
+/// The request time limit of the backends here, and so the server's limit.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long past the server's limit a stalled transaction or a waiting statement may
+/// still be seen before the test calls it left behind (scheduling on a loaded machine).
+const MARGIN: Duration = Duration::from_secs(5);
+
+/// Sessions whose statement waits for a lock (a row of the lease table).
+const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
+
+/// Sessions in a transaction that waits on its client after it locked rows of the lease
+/// table.
+const IDLE_ON_LEASES: &str =
+    "state = 'idle in transaction' AND query LIKE '%distlock_leases%FOR UPDATE%'";
+
+fn key(name: &str) -> LockKey {
+    LockKey::new(name).unwrap()
+}
+
+/// A lease backend with the default pooling at `url`, its pool opened.
+async fn backend_at(url: &str, pool_size: u32) -> PgLeaseBackend {
+    let backend = common::builder_at(url)
+        .pool_size(pool_size)
+        .request_timeout(REQUEST_TIMEOUT)
+        .build_lease_backend()
+        .unwrap();
+    backend.connect().await.unwrap();
+    backend
+}
+
+fn url_at(addr: std::net::SocketAddr) -> String {
+    format!("postgres://{USER}:{PASSWORD}@{addr}/postgres")
+}
+
+/// Takes `k` on `backend`, lets another transaction lock its row and the lease run out,
+/// then has `acquires` acquires wait on the row until their clients give up; the number
+/// of backends still waiting on the lock after the server's limit.
+async fn acquires_left_waiting(
+    server: &harness::postgres::PostgresServer,
+    backend: PgLeaseBackend,
+    acquires: usize,
+    k: &LockKey,
+) -> i64 {
+    let mut observer = observer(server).await;
+    let ttl = Duration::from_millis(200);
+    assert!(backend.acquire(k, ttl).await.unwrap().is_some());
+
+    // Another client's transaction keeps the row locked and waits (an application's
+    // transaction that stalled).
+    let mut holder = PgConnection::connect(&server.url()).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT 1 FROM distlock.distlock_leases WHERE name = '{}' FOR UPDATE",
+        k.as_str()
+    )))
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    tokio::time::sleep(ttl).await;
+
+    // The lease ran out, so each acquire tries to take the row over and waits for the
+    // lock until its client gives up.
+    let backend = Arc::new(backend);
+    let mut tasks = Vec::new();
+    for _ in 0..acquires {
+        let (backend, k) = (backend.clone(), k.clone());
+        tasks.push(tokio::spawn(async move { backend.acquire(&k, ttl).await }));
+    }
+    for task in tasks {
+        assert!(task.await.unwrap().is_err(), "the row stays locked");
+    }
+    let gave_up = Instant::now();
+    let left = until_no_session(
+        &mut observer,
+        WAITING_ON_A_LOCK,
+        gave_up + REQUEST_TIMEOUT + MARGIN,
+    )
+    .await;
+    holder.close().await.unwrap();
+    left
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_behind_a_locked_row_leave_no_backend_waiting_on_a_direct_server() {
+    const ACQUIRES: usize = 8;
+    let server = start_server().await;
+    let backend = backend_at(&server.url(), ACQUIRES as u32).await;
+    let left = acquires_left_waiting(&server, backend, ACQUIRES, &key("locked:direct")).await;
+    assert_eq!(
+        left,
+        0,
+        "backends still wait on the row's lock {:?} after their clients gave up",
+        REQUEST_TIMEOUT + MARGIN
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquires_behind_a_locked_row_leave_no_backend_waiting_through_session_pooling() {
+    const ACQUIRES: usize = 4;
+    let server = start_server().await;
+    let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Session).await);
+    let backend = backend_at(&bouncer.url(), ACQUIRES as u32).await;
+    let left = acquires_left_waiting(&server, backend, ACQUIRES, &key("locked:bouncer")).await;
+    assert_eq!(
+        left,
+        0,
+        "backends still wait on the row's lock {:?} after their clients gave up",
+        REQUEST_TIMEOUT + MARGIN
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_on_the_pool_whose_client_stalls_does_not_keep_its_row_locked() {
+    let server = start_server().await;
+    let proxy = harness::require(FaultProxy::start(server.addr()).await);
+    let direct = backend_at(&server.url(), 2).await;
+    let stalled = backend_at(&url_at(proxy.addr()), 1).await;
+    let mut observer = observer(&server).await;
+    let k = key("stalled:application");
+    let ttl = Duration::from_millis(500);
+    assert!(direct.acquire(&k, ttl).await.unwrap().is_some());
+
+    // The application's transaction on the backend's pool locks the lease's row, then its
+    // client stalls (the proxy holds whatever it sends next).
+    let mut tx = stalled.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM distlock.distlock_leases WHERE name = $1 FOR UPDATE")
+        .bind(k.as_str())
+        .persistent(false)
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert_eq!(sessions(&mut observer, IDLE_ON_LEASES).await, 1);
+    proxy.blackhole();
+    let stalled_at = Instant::now();
+
+    let left = until_no_session(
+        &mut observer,
+        IDLE_ON_LEASES,
+        stalled_at + REQUEST_TIMEOUT + MARGIN,
+    )
+    .await;
+    assert_eq!(
+        left,
+        0,
+        "a transaction still waits on its stalled client, holding the lease's row, {:?} \
+         after the client stalled",
+        stalled_at.elapsed()
+    );
+    // The lease ran out meanwhile: the key is taken again, without waiting on a lock.
+    let again = direct.acquire(&k, ttl).await.unwrap();
+    assert!(again.is_some(), "the expired key is free to take");
+    drop(tx);
+    drop(proxy);
+}
