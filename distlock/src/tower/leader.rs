@@ -7,7 +7,10 @@
 //! ([`JobError::Lost`]). The others answer `Ok(None)` at once and count the skip in
 //! `distlock_ticks_skipped_total`. The layer campaigns in a task of its own for as long as
 //! it or a service made from it lives, campaigns again after a loss, and gives the role
-//! up when the last of them is dropped, so that a standby takes over at once.
+//! up when the last of them is dropped or [`LeaderLayer::resign`] is called, so that a
+//! standby takes over at once. Where leadership moves between instances whose clocks
+//! disagree, [`TickLayer`](super::TickLayer) runs each tick once rather than once per
+//! leadership.
 
 use std::fmt;
 use std::future::Future;
@@ -17,6 +20,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use distlock_core::{Election, FencingToken, LeaseStatus, LockError, LockKey};
+use tokio::sync::watch;
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::warn;
@@ -29,8 +33,9 @@ pub const TICKS_SKIPPED_TOTAL: &str = "distlock_ticks_skipped_total";
 /// How long the campaign waits after an error its election could not retry.
 const CAMPAIGN_PAUSE: Duration = Duration::from_secs(1);
 
-/// The leadership this process holds now, if any: its token and status.
-type Current = Arc<Mutex<Option<(FencingToken, LeaseStatus)>>>;
+/// The leadership this process holds now, if any: its token and status. The campaign
+/// task sends each change; [`TickLayer`](super::TickLayer) watches for elections.
+pub(super) type Current = watch::Sender<Option<(FencingToken, LeaseStatus)>>;
 
 /// Runs the inner service only while this process leads the election's role.
 ///
@@ -42,19 +47,28 @@ type Current = Arc<Mutex<Option<(FencingToken, LeaseStatus)>>>;
 /// answer `Ok(None)` at once and count the skip in `distlock_ticks_skipped_total`
 /// ([`TICKS_SKIPPED_TOTAL`]). The layer campaigns in a task of its own for as long as it or
 /// a service made from it lives, campaigns again after a loss, and gives the role up when
-/// the last of them is dropped, so that a standby, woken by the release, takes over at
+/// the last of them is dropped or [`LeaderLayer::resign`] is called, so that a standby,
+/// woken by the release, takes over at once.
+///
+/// It runs a tick once per *leadership*: when the role moves between instances whose
+/// clocks disagree, a tick can run in both (the new leader's clock is behind) or in
+/// neither (it is ahead). [`TickLayer`](super::TickLayer), built on it, runs each tick
 /// once.
 #[derive(Clone)]
 pub struct LeaderLayer {
-    leading: Arc<Leading>,
+    pub(super) leading: Arc<Leading>,
 }
 
 /// The campaign task and what it found; the task ends with the last layer or service.
-struct Leading {
-    role: String,
-    key: LockKey,
-    current: Current,
+pub(super) struct Leading {
+    pub(super) role: String,
+    pub(super) key: LockKey,
+    pub(super) current: Arc<Current>,
     campaign: tokio::task::AbortHandle,
+    /// Set by [`LeaderLayer::resign`]: the campaign gives the role up and ends.
+    stop: watch::Sender<bool>,
+    /// The campaign task, for [`LeaderLayer::resign`] to wait for.
+    task: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Drop for Leading {
@@ -82,18 +96,42 @@ impl LeaderLayer {
                 "a LeaderLayer campaigns in a task: build it inside a tokio runtime".into(),
             )
         })?;
-        let current = Current::default();
+        let current = Arc::new(Current::new(None));
         let role = election.role().to_owned();
         let key = election.key().clone();
-        let campaign = runtime.spawn(campaign(election, current.clone()));
+        let (stop, stopped) = watch::channel(false);
+        let campaign = runtime.spawn(campaign(election, current.clone(), stopped));
         Ok(Self {
             leading: Arc::new(Leading {
                 role,
                 key,
                 current,
                 campaign: campaign.abort_handle(),
+                stop,
+                task: Mutex::new(Some(campaign)),
             }),
         })
+    }
+
+    /// Gives the role up now and stops campaigning, for a graceful shutdown (one instance
+    /// of a rolling deploy): the lease is released in the store, so a standby, woken by the
+    /// release, leads at once instead of a TTL later. From then on the services made from
+    /// this layer answer `Ok(None)`. A second call returns at once.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the campaign task resigns whether or not this future is polled to the
+    /// end; dropping it only stops waiting for the release.
+    pub async fn resign(&self) {
+        self.leading.stop.send_replace(true);
+        let task = self
+            .leading
+            .task
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 
     /// Whether this process leads the role now (as far as its lease's local deadline
@@ -105,33 +143,43 @@ impl LeaderLayer {
 
 impl Leading {
     /// The leadership held now, if its lease still holds.
-    fn now(&self) -> Option<(FencingToken, LeaseStatus)> {
-        let current = self
-            .current
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        current.filter(|(_, status)| status.is_held())
+    pub(super) fn now(&self) -> Option<(FencingToken, LeaseStatus)> {
+        self.current
+            .borrow()
+            .clone()
+            .filter(|(_, status)| status.is_held())
     }
 }
 
-/// Campaigns, holds the role until the lease is lost, and campaigns again.
-async fn campaign(election: Election, current: Current) {
-    let set = |value| {
-        *current
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) = value;
-    };
+/// Campaigns, holds the role until the lease is lost, and campaigns again; gives the role
+/// up and ends once `stop` is set.
+async fn campaign(election: Election, current: Arc<Current>, mut stop: watch::Receiver<bool>) {
     loop {
-        match election.campaign().await {
+        let elected = tokio::select! {
+            _ = stop.wait_for(|stop| *stop) => return,
+            elected = election.campaign() => elected,
+        };
+        match elected {
             Ok(leadership) => {
-                set(Some((leadership.token(), leadership.status())));
-                leadership.lost().await;
-                set(None);
+                current.send_replace(Some((leadership.token(), leadership.status())));
+                let resign = tokio::select! {
+                    () = leadership.lost() => false,
+                    _ = stop.wait_for(|stop| *stop) => true,
+                };
+                current.send_replace(None);
+                if resign {
+                    if let Err(error) = leadership.resign().await {
+                        warn!(role = election.role(), %error, "resigning failed; the lease runs out on its own");
+                    }
+                    return;
+                }
             }
             Err(error) => {
                 warn!(role = election.role(), %error, "campaign failed; campaigning again");
-                tokio::time::sleep(CAMPAIGN_PAUSE).await;
+                tokio::select! {
+                    _ = stop.wait_for(|stop| *stop) => return,
+                    () = tokio::time::sleep(CAMPAIGN_PAUSE) => {}
+                }
             }
         }
     }
@@ -177,39 +225,82 @@ where
     type Error = JobError<S::Error>;
     type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
 
-    /// Always ready: the inner service is made ready only in the process that leads.
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
+    /// While this process leads, the inner service's readiness (its error is
+    /// [`JobError::Job`]): a leader whose inner service is at capacity (a concurrency or
+    /// rate limit, a `Buffer`) is not ready, so the scheduler in front of it waits instead
+    /// of handing it a tick that would wait inside. Where another process leads, ready at
+    /// once: the call answers `Ok(None)` without the inner service.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        poll_ready_while_leading(&self.leading, &mut self.inner, cx)
     }
 
     /// # Cancel safety
     /// Dropping the future stops the tick; the leadership stays.
     fn call(&mut self, request: R) -> Self::Future {
         let Some((token, status)) = self.leading.now() else {
-            metrics::counter!(TICKS_SKIPPED_TOTAL, "role" => self.leading.role.clone())
-                .increment(1);
+            skipped(&self.leading.role);
             return Box::pin(std::future::ready(Ok(None)));
         };
+        // The clone that was made ready is the one called (tower's usual swap).
         let clone = self.inner.clone();
-        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let inner = std::mem::replace(&mut self.inner, clone);
         let key = self.leading.key.clone();
-        let locked = Locked {
-            request,
-            token,
-            status: status.clone(),
-        };
-        Box::pin(async move {
-            let tick = async move {
-                std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-                inner.call(locked).await
-            };
-            match status.while_held(tick).await {
-                Ok(done) => done.map(Some).map_err(JobError::Job),
-                Err(_) => {
-                    metrics::counter!(JOB_LOST_TOTAL).increment(1);
-                    Err(JobError::Lost { key })
-                }
-            }
-        })
+        Box::pin(async move { run_tick(inner, request, token, status, key).await.map(Some) })
     }
 }
+
+/// [`LeaderService::poll_ready`]: the inner service's readiness while leading, ready
+/// otherwise.
+pub(super) fn poll_ready_while_leading<S, Q>(
+    leading: &Leading,
+    inner: &mut S,
+    cx: &mut Context<'_>,
+) -> Poll<Result<(), JobError<S::Error>>>
+where
+    S: Service<Q>,
+{
+    if leading.now().is_some() {
+        inner.poll_ready(cx).map_err(JobError::Job)
+    } else {
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// Counts a tick this process did not run.
+pub(super) fn skipped(role: &str) {
+    metrics::counter!(TICKS_SKIPPED_TOTAL, "role" => role.to_owned()).increment(1);
+}
+
+/// Runs one tick in `inner` under the leadership (`token`, `status`): made ready first
+/// (at once where `poll_ready` already made it so), stopped before its next step once the
+/// leadership is lost.
+pub(super) async fn run_tick<S, R>(
+    mut inner: S,
+    request: R,
+    token: FencingToken,
+    status: LeaseStatus,
+    key: LockKey,
+) -> Result<S::Response, JobError<S::Error>>
+where
+    S: Service<Locked<R>>,
+{
+    let locked = Locked {
+        request,
+        token,
+        status: status.clone(),
+    };
+    let tick = async move {
+        std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
+        inner.call(locked).await
+    };
+    match status.while_held(tick).await {
+        Ok(done) => done.map_err(JobError::Job),
+        Err(_) => {
+            metrics::counter!(JOB_LOST_TOTAL).increment(1);
+            Err(JobError::Lost { key })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
