@@ -18,6 +18,7 @@ use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client, 
 use crate::core::{AckedConns, Calls, Connector, Core};
 use crate::error::{KindName, config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused, subscriptions_refused};
+use crate::tcp::tcp_settings;
 
 /// The longest TTL a [`RedisBackend`](crate::RedisBackend) accepts, whatever
 /// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
@@ -163,7 +164,8 @@ async fn open_cluster(
         listen_on
             .push(client(node.clone(), certificates.clone()).map_err(|e| config_error(&all, &e))?);
     }
-    let c = cluster_connection(b, nodes.clone(), certificates.clone(), 2, &all).await?;
+    let retrying = cluster_client(b, nodes.clone(), certificates.clone(), 2, &all)?;
+    let c = connect_cluster(&retrying, b.connect_timeout, &all).await?;
     let once_client = cluster_client(b, nodes.clone(), certificates.clone(), 0, &all)?;
     let once = connect_cluster(&once_client, b.connect_timeout, &all).await?;
     let acked = b
@@ -265,7 +267,7 @@ async fn check_server(
     // Before anything is loaded or locked: a Redis that may evict lock keys is refused.
     // The `replica_acks` connections go to these same nodes: nothing more to read.
     let memory = bounded(b, shown, memory_infos(conn, shown.first())).await?;
-    check_eviction(memory)?;
+    crate::eviction::check(memory)?;
     // Releases are announced on their key's shard when every master has shard
     // channels (SPUBLISH, Redis 7.0).
     let sharded = b.cluster
@@ -275,6 +277,9 @@ async fn check_server(
         });
     Ok(Server { slotted, sharded })
 }
+
+/// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).
+const SHARD_CHANNELS: (u32, u32) = (7, 0);
 
 /// One step of `build` against the servers: bounded by the connect timeout, its error
 /// naming the servers as the user gave them.
@@ -487,20 +492,6 @@ fn assemble(
     }
 }
 
-/// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).
-const SHARD_CHANNELS: (u32, u32) = (7, 0);
-
-async fn cluster_connection(
-    b: &RedisBackendBuilder,
-    nodes: Vec<redis::ConnectionInfo>,
-    certificates: Option<redis::TlsCertificates>,
-    retries: u32,
-    shown_urls: &str,
-) -> Result<ClusterConnection, LockError> {
-    let client = cluster_client(b, nodes, certificates, retries, shown_urls)?;
-    connect_cluster(&client, b.connect_timeout, shown_urls).await
-}
-
 /// A cluster client that sends a request at most `retries` more times after an error.
 fn cluster_client(
     b: &RedisBackendBuilder,
@@ -573,56 +564,6 @@ fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
         .set_tcp_settings(tcp_settings()))
 }
 
-/// How long a connection may carry nothing before TCP probes its peer.
-const KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
-/// The pause between two unanswered probes.
-#[cfg(any(
-    target_os = "linux",
-    target_os = "android",
-    target_os = "macos",
-    target_os = "freebsd",
-    target_os = "windows"
-))]
-const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
-/// Unanswered probes before the kernel closes the connection.
-#[cfg(any(
-    target_os = "linux",
-    target_os = "android",
-    target_os = "macos",
-    target_os = "freebsd"
-))]
-const KEEPALIVE_PROBES: u32 = 3;
-
-/// The TCP options of every connection (the node's or each cluster node's, the release
-/// listener's, those of `replica_acks`): `TCP_NODELAY`, since a request is one small write
-/// whose reply the caller waits for (Nagle's algorithm would hold it back behind an
-/// unacknowledged one), and keepalive. The backend finds a dead connection itself where
-/// a caller waits (the response timeout on every request, the listener's ping after a
-/// quiet response timeout); keepalive keeps a connection that carries nothing for long
-/// in the tables of NATs and firewalls, and has the kernel close one whose peer is gone,
-/// within 30 s (15 s idle, then 3 probes 5 s apart).
-pub(crate) fn tcp_settings() -> redis::io::tcp::TcpSettings {
-    let keepalive = redis::io::tcp::socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE);
-    #[cfg(any(
-        target_os = "linux",
-        target_os = "android",
-        target_os = "macos",
-        target_os = "freebsd",
-        target_os = "windows"
-    ))]
-    let keepalive = keepalive.with_interval(KEEPALIVE_INTERVAL);
-    #[cfg(any(
-        target_os = "linux",
-        target_os = "android",
-        target_os = "macos",
-        target_os = "freebsd"
-    ))]
-    let keepalive = keepalive.with_retries(KEEPALIVE_PROBES);
-    redis::io::tcp::TcpSettings::default()
-        .set_nodelay(true)
-        .set_keepalive(keepalive)
-}
-
 /// The `INFO memory` reply of each node the backend talks to (every master of a cluster),
 /// with the node's name: its shown URL, or `host:port` in a cluster. A node's error reply
 /// (a user without `+info`, a renamed `INFO`) is kept as that node's reply.
@@ -640,120 +581,9 @@ async fn memory_infos(conn: &Conn, shown_url: &str) -> RedisResult<Vec<(String, 
     Ok(nodes)
 }
 
-/// What a node's `INFO memory` says Redis may evict.
-#[derive(Debug, PartialEq, Eq)]
-enum Eviction {
-    /// `noeviction`: a full server refuses writes (`OOM`, which callers see as
-    /// `Unavailable`) and keeps every key.
-    Never,
-    /// Another policy with no memory limit (`maxmemory 0`): nothing is evicted on a 64-bit
-    /// server until `maxmemory` is set, which `CONFIG SET` does at runtime.
-    Dormant { policy: String },
-    /// Another policy with a memory limit (or none reported): keys go once it is reached.
-    Live {
-        policy: String,
-        maxmemory: Option<u64>,
-    },
-    /// The reply names no policy (a proxy, say).
-    Unknown,
-}
-
-/// The eviction a node's `INFO memory` text (fields `maxmemory`, `maxmemory_policy`) allows.
-fn eviction(info: &str) -> Eviction {
-    let field = |name: &str| {
-        info.lines()
-            .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
-            .map(str::trim)
-    };
-    let Some(policy) = field("maxmemory_policy").filter(|p| !p.is_empty()) else {
-        return Eviction::Unknown;
-    };
-    if policy == "noeviction" {
-        return Eviction::Never;
-    }
-    let policy = policy.to_owned();
-    match field("maxmemory").and_then(|m| m.parse::<u64>().ok()) {
-        Some(0) => Eviction::Dormant { policy },
-        maxmemory => Eviction::Live { policy, maxmemory },
-    }
-}
-
-/// Refuses a Redis that may evict lock keys, naming each such node with its
-/// `maxmemory-policy` and `maxmemory`. Under `volatile-*` a full Redis drops keys with a
-/// TTL, every lock key among them; under `allkeys-*` also the keys kept without one (the
-/// token high-water keys, a fenced resource's highest admitted token): mutual exclusion
-/// and fencing would break without an error. The nodes where eviction is only a
-/// `CONFIG SET maxmemory` away get one warning, and those whose policy cannot be read
-/// another.
-fn check_eviction(nodes: Vec<(String, Value)>) -> Result<(), LockError> {
-    let (mut live, mut dormant, mut unread) = (Vec::new(), Vec::new(), Vec::new());
-    for (node, reply) in nodes {
-        let info = match reply {
-            Value::ServerError(e) => {
-                unread.push(format!("{node} (INFO memory refused: {})", e.code()));
-                continue;
-            }
-            reply => String::from_redis_value(reply).map_or(Eviction::Unknown, |i| eviction(&i)),
-        };
-        match info {
-            Eviction::Never => {}
-            Eviction::Dormant { policy } => {
-                dormant.push(format!(
-                    "{node} (`maxmemory-policy {policy}`, `maxmemory 0`)"
-                ));
-            }
-            Eviction::Live { policy, maxmemory } => {
-                let maxmemory =
-                    maxmemory.map_or_else(|| "not reported".to_owned(), |m| m.to_string());
-                live.push(format!(
-                    "{node} (`maxmemory-policy {policy}`, `maxmemory {maxmemory}`)"
-                ));
-            }
-            Eviction::Unknown => {
-                unread.push(format!("{node} (no maxmemory_policy in INFO memory)"))
-            }
-        }
-    }
-    if !live.is_empty() {
-        return Err(LockError::Config(format!(
-            "Redis may evict lock keys when its memory is full, which silently breaks mutual \
-             exclusion and fencing: {}. Set `maxmemory-policy noeviction` (a full Redis then \
-             refuses new locks instead)",
-            live.join(", ")
-        )));
-    }
-    if !dormant.is_empty() {
-        warn!(
-            "`maxmemory-policy` evicts keys on {} but no `maxmemory` limit is set, so nothing \
-             is evicted yet; once `maxmemory` is set Redis may evict lock keys and silently \
-             break mutual exclusion and fencing. Set `maxmemory-policy noeviction`",
-            dormant.join(", ")
-        );
-    }
-    // Not refused: nothing shows that this Redis evicts, and refusing would shut out a user
-    // whose ACL leaves out `INFO`, or a proxy or managed service that blocks it, who
-    // could not change that from here (the version check lets such servers through too).
-    if !unread.is_empty() {
-        warn!(
-            "cannot read `maxmemory-policy` on {}: if it evicts keys (any policy but \
-             `noeviction`, with `maxmemory` set), Redis may drop held locks. Check that it is \
-             `noeviction`, or grant the user `+info` to have it checked",
-            unread.join(", ")
-        );
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn info(maxmemory: &str, policy: &str) -> String {
-        format!(
-            "# Memory\r\nused_memory:1040856\r\nmaxmemory:{maxmemory}\r\n\
-             maxmemory_human:0B\r\nmaxmemory_policy:{policy}\r\nallocator_frag_ratio:1.00\r\n"
-        )
-    }
 
     /// Every connection the backend opens is made from these settings (the cluster
     /// clients are given [`tcp_settings`] too).
@@ -764,83 +594,5 @@ mod tests {
             assert!(info.tcp_settings().nodelay(), "{url}");
             assert!(info.tcp_settings().keepalive().is_some(), "{url}");
         }
-    }
-
-    #[test]
-    fn any_policy_but_noeviction_evicts_once_maxmemory_is_set() {
-        assert_eq!(eviction(&info("104857600", "noeviction")), Eviction::Never);
-        assert_eq!(eviction(&info("0", "noeviction")), Eviction::Never);
-        for policy in [
-            "volatile-lru",
-            "allkeys-lru",
-            "volatile-ttl",
-            "allkeys-lfu",
-            "some-future-policy",
-        ] {
-            assert_eq!(
-                eviction(&info("104857600", policy)),
-                Eviction::Live {
-                    policy: policy.to_owned(),
-                    maxmemory: Some(104_857_600)
-                }
-            );
-            assert_eq!(
-                eviction(&info("0", policy)),
-                Eviction::Dormant {
-                    policy: policy.to_owned()
-                }
-            );
-        }
-        // `maxmemory_human` is not `maxmemory`; a missing limit is not proof of none.
-        assert_eq!(
-            eviction("maxmemory_human:0B\r\nmaxmemory_policy:allkeys-lru\r\n"),
-            Eviction::Live {
-                policy: "allkeys-lru".to_owned(),
-                maxmemory: None
-            }
-        );
-        assert_eq!(eviction("# Memory\r\nmaxmemory:0\r\n"), Eviction::Unknown);
-    }
-
-    #[test]
-    fn the_refusal_names_the_setting_the_value_the_node_and_the_fix() {
-        let text = |s: String| Value::BulkString(s.into_bytes());
-        let refused = check_eviction(vec![
-            ("127.0.0.1:7000".to_owned(), text(info("0", "noeviction"))),
-            (
-                "127.0.0.1:7001".to_owned(),
-                text(info("104857600", "allkeys-lru")),
-            ),
-        ]);
-        let Err(LockError::Config(message)) = refused else {
-            panic!("refused with a Config error: {refused:?}")
-        };
-        for part in [
-            "`maxmemory-policy allkeys-lru`",
-            "127.0.0.1:7001",
-            "104857600",
-            "`maxmemory-policy noeviction`",
-        ] {
-            assert!(message.contains(part), "{part} in {message}");
-        }
-        assert!(!message.contains("7000"), "{message}");
-    }
-
-    #[test]
-    fn a_policy_that_is_dormant_or_cannot_be_read_is_let_through() {
-        // What Redis answers a user without `+info`.
-        let refused = redis::parse_redis_value(
-            b"-NOPERM this user has no permissions to run the 'info' command\r\n",
-        )
-        .expect("an error reply");
-        let nodes = vec![
-            (
-                "a".to_owned(),
-                Value::BulkString(info("0", "volatile-lru").into_bytes()),
-            ),
-            ("b".to_owned(), refused),
-            ("c".to_owned(), Value::BulkString(b"# Memory\r\n".to_vec())),
-        ];
-        assert!(check_eviction(nodes).is_ok());
     }
 }

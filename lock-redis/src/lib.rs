@@ -76,10 +76,12 @@ mod conn;
 mod connect;
 mod core;
 mod error;
+mod eviction;
 mod fenced;
 mod keys;
 mod releases;
 mod scripts;
+mod tcp;
 mod tls;
 mod version;
 
