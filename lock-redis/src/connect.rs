@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use distlock_core::{BackendId, Capabilities, LockError};
+use distlock_core::{BackendId, Capabilities, LockError, redact_url};
 use parking_lot::Mutex;
 use redis::aio::ConnectionManagerConfig;
 use redis::cluster::{ClusterClient, ClusterClientBuilder};
@@ -13,12 +13,13 @@ use redis::cluster_async::ClusterConnection;
 use redis::{FromRedisValue, ProtocolVersion, RedisResult, Value};
 use tracing::{debug, warn};
 
-use crate::config::{RedisBackendBuilder, SentinelUrl, redact_url};
+use crate::config::RedisBackendBuilder;
 use crate::conn::{ClusterState, Conn, Node, Sentinels, Target, addr_at, client, with_timeout};
 use crate::core::{AckedConns, Calls, Connector, Core};
 use crate::error::{KindName, config_error, connect_error};
 use crate::releases::{ReleaseListener, Servers, announcements_refused, subscriptions_refused};
 use crate::tcp::tcp_settings;
+use crate::url::SentinelUrl;
 
 /// The longest TTL a [`RedisBackend`](crate::RedisBackend) accepts, whatever
 /// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit

@@ -83,13 +83,15 @@ mod releases;
 mod scripts;
 mod tcp;
 mod tls;
+mod url;
 mod version;
 
 pub use self::core::ACKED_CONNECTIONS;
+pub use self::url::DEFAULT_SENTINEL_PORT;
 pub use backend::{RedisBackend, SENT_AT_ONCE};
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
-    DEFAULT_RESPONSE_TIMEOUT, DEFAULT_SENTINEL_PORT, REDIS_URL_ENV, RedisBackendBuilder,
+    DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
 };
 pub use connect::LONGEST_TTL;
 pub use fenced::RedisFencedResource;
