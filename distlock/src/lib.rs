@@ -202,6 +202,10 @@ pub use lock_redis as redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "tower")))]
 pub mod tower;
 
+#[cfg(feature = "apalis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "apalis")))]
+pub mod apalis;
+
 /// The README's examples, compiled and run as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]

@@ -1,5 +1,6 @@
 //! One worker process: an apalis worker on the run's Redis queue that makes payouts,
-//! under [`distlock::tower::LockLayer`] or (to show what goes wrong) without it.
+//! as a plain apalis handler under [`distlock::apalis::ApalisLockLayer`] or (to show what
+//! goes wrong) without it.
 //!
 //! The provider's client is synchronous, so a payout call runs on a blocking thread: once
 //! started, no cancellation of the job reaches it. That is where the faults land: a
@@ -14,11 +15,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use apalis::layers::WorkerBuilderExt;
-use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use apalis_core::error::BoxDynError;
 use apalis_core::task::Task;
 use apalis_core::worker::builder::WorkerBuilder;
 use apalis_redis::RedisStorage;
-use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
+use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
+use distlock::tower::{JobError, OnMiss};
 use distlock::{FencingToken, LockKey, Locker};
 use nix::sys::signal::{Signal, raise};
 use tower_layer::Layer;
@@ -74,37 +76,47 @@ pub async fn run(args: WorkerArgs) -> Result<(), BoxError> {
         worker: args.name.clone().into(),
         fault: args.fault,
     };
-    let layer = if args.locked {
+    let lock = if args.locked {
         let locker = Locker::builder(distlock::connect(&args.redis).await?)
             .ttl(TTL)
             .build()?;
         let run = args.run.clone();
-        let layer = LockLayer::new(locker, move |task: &Task<Payout>| {
-            LockKey::new(format!("queue-payout:{run}:{}", task.args.id))
+        let lock = ApalisLockLayer::new(locker, move |job: &Payout| {
+            LockKey::new(format!("queue-payout:{run}:{}", job.id))
         })
         .on_miss(OnMiss::Requeue)
-        .dead_letter_after(DEAD_LETTER_AFTER, |task: &Task<Payout>| {
-            u32::try_from(task.ctx().attempt()).unwrap_or(u32::MAX)
-        });
-        Some(layer)
+        .retry_after(Duration::from_secs(1))?
+        .dead_letter_after(DEAD_LETTER_AFTER);
+        Some(lock)
     } else {
         None
+    };
+    // A plain apalis handler: the lease, when the job runs under one, is an argument.
+    let handler = {
+        let pay = pay.clone();
+        move |job: Payout, lease: Option<JobLease>| {
+            pay.clone().pay(job, lease.map(|lease| lease.token()))
+        }
     };
     loop {
         // Two jobs at a time per worker, so that every worker gets its share.
         let builder = WorkerBuilder::new(args.name.as_str())
             .backend(storage.clone())
             .concurrency(2);
-        let stopped = match &layer {
-            Some(layer) => {
-                let service = ToApalis {
-                    inner: layer.layer(pay.clone()),
+        let stopped = match &lock {
+            Some(lock) => {
+                let recorded = Recorded {
                     ledger: ledger.clone(),
                     worker: args.name.clone().into(),
                 };
-                builder.build(service).run().await
+                builder
+                    .layer(recorded)
+                    .layer(lock.clone())
+                    .build(handler.clone())
+                    .run()
+                    .await
             }
-            None => builder.build(pay.clone()).run().await,
+            None => builder.build(handler.clone()).run().await,
         };
         match stopped {
             Ok(()) => return Ok(()),
@@ -156,34 +168,6 @@ impl Pay {
     }
 }
 
-impl Service<Task<Payout>> for Pay {
-    type Response = Outcome;
-    type Error = Failed;
-    type Future = Pin<Box<dyn Future<Output = Result<Outcome, Failed>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Failed>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, task: Task<Payout>) -> Self::Future {
-        Box::pin(self.clone().pay(task.args, None))
-    }
-}
-
-impl Service<Locked<Task<Payout>>> for Pay {
-    type Response = Outcome;
-    type Error = Failed;
-    type Future = Pin<Box<dyn Future<Output = Result<Outcome, Failed>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Failed>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, locked: Locked<Task<Payout>>) -> Self::Future {
-        Box::pin(self.clone().pay(locked.request.args, Some(locked.token)))
-    }
-}
-
 /// A payout that failed (the ledger or the provider's client).
 #[derive(Debug)]
 pub struct Failed(BoxError);
@@ -206,19 +190,35 @@ impl std::error::Error for Failed {
     }
 }
 
-/// The lock layer's outcomes in apalis's terms, each recorded in the ledger: a miss goes
-/// back to the queue to be retried later, a job dead-lettered is not retried, a job
-/// stopped by a lost lease is retried like any failure.
+/// Records in the ledger what the lock layer made of each delivery it did not run to the
+/// end: its key held (sent back to the queue), dead-lettered, its lease lost.
 #[derive(Clone)]
-struct ToApalis<S> {
-    inner: S,
+struct Recorded {
     ledger: Ledger,
     worker: Arc<str>,
 }
 
-impl<S> Service<Task<Payout>> for ToApalis<S>
+impl<S> Layer<S> for Recorded {
+    type Service = Recording<S>;
+
+    fn layer(&self, inner: S) -> Recording<S> {
+        Recording {
+            inner,
+            recorded: self.clone(),
+        }
+    }
+}
+
+/// The service [`Recorded`] makes.
+#[derive(Clone)]
+struct Recording<S> {
+    inner: S,
+    recorded: Recorded,
+}
+
+impl<S> Service<Task<Payout>> for Recording<S>
 where
-    S: Service<Task<Payout>, Response = Outcome, Error = JobError<Failed>> + Send + 'static,
+    S: Service<Task<Payout>, Response = Outcome, Error = BoxDynError> + Send + 'static,
     S::Future: Send + 'static,
 {
     type Response = Outcome;
@@ -226,30 +226,26 @@ where
     type Future = Pin<Box<dyn Future<Output = Result<Outcome, BoxDynError>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxDynError>> {
-        self.inner.poll_ready(cx).map_err(Into::into)
+        self.inner.poll_ready(cx)
     }
 
     fn call(&mut self, task: Task<Payout>) -> Self::Future {
         let job = task.args.id;
-        let (ledger, worker) = (self.ledger.clone(), self.worker.clone());
+        let Recorded { ledger, worker } = self.recorded.clone();
         let done = self.inner.call(task);
         Box::pin(async move {
             let e = match done.await {
                 Ok(outcome) => return Ok(outcome),
                 Err(e) => e,
             };
-            let what = match &e {
-                JobError::Busy { .. } => "lock_busy",
-                JobError::DeadLetter { .. } => "dead_lettered",
-                JobError::Lost { .. } => "lease_lost",
+            let what = match job_error(&*e) {
+                Some(JobError::Busy { .. }) => "lock_busy",
+                Some(JobError::DeadLetter { .. }) => "dead_lettered",
+                Some(JobError::Lost { .. }) => "lease_lost",
                 _ => "failed",
             };
             ledger.event(job, &worker, what).await?;
-            Err(match e {
-                JobError::Busy { .. } => RetryAfterError::new(e, Duration::from_secs(1)).into(),
-                JobError::DeadLetter { .. } => AbortError::new(e).into(),
-                e => e.into(),
-            })
+            Err(e)
         })
     }
 }

@@ -1,0 +1,335 @@
+//! [apalis](https://docs.rs/apalis) workers with each job under its lock: a layer that
+//! goes between a `WorkerBuilder` and a plain apalis handler.
+//!
+//! ```no_run
+//! # async fn doc() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::time::Duration;
+//! use apalis_core::backend::memory::MemoryStorage;
+//! use apalis_core::error::BoxDynError;
+//! use apalis_core::worker::builder::WorkerBuilder;
+//! use distlock::apalis::{ApalisLockLayer, JobLease};
+//! use distlock::{LockKey, Locker};
+//!
+//! #[derive(Clone, Debug)]
+//! struct Payout {
+//!     id: u64,
+//! }
+//!
+//! /// A plain apalis handler; the lease comes as an argument like apalis's own.
+//! async fn pay(job: Payout, lease: JobLease) -> Result<(), BoxDynError> {
+//!     println!("paying {} under token {}", job.id, lease.token());
+//!     Ok(())
+//! }
+//!
+//! let locker = Locker::builder(distlock::connect("redis://127.0.0.1:6379").await?)
+//!     .ttl(Duration::from_secs(30))
+//!     .build()?;
+//! let lock = ApalisLockLayer::new(locker, |job: &Payout| LockKey::new(format!("payout:{}", job.id)))
+//!     .dead_letter_after(20);
+//! WorkerBuilder::new("payouts")
+//!     .backend(MemoryStorage::<Payout>::new())
+//!     .layer(lock)
+//!     .build(pay)
+//!     .run()
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! [`ApalisLockLayer`] is [`LockLayer`](crate::tower::LockLayer) in apalis's terms: the key
+//! comes from the job's arguments, the delivery count from apalis's attempt counter, and
+//! the handler is an ordinary apalis handler that takes a [`JobLease`] argument for the
+//! token and the lease's status (or none, if it does not need them). The layer's outcomes
+//! become the errors apalis acts on:
+//!
+//! | the layer finds | apalis gets | apalis does |
+//! |---|---|---|
+//! | the job ran and failed | the handler's error, unchanged | what its own retry policy says |
+//! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay | retries the job later |
+//! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`] | stops retrying (killed) |
+//! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`] | a failed attempt, retried by its policy |
+//! | the key invalid, or the lock store failing | the [`JobError`] | a failed attempt |
+//!
+//! Each error the layer makes has a `JobError<Infallible>` saying why: [`job_error`] finds
+//! it in an error apalis reports.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use apalis_core::task::Task;
+use apalis_core::task::data::MissingDataError;
+use apalis_core::task::from_request::FromRequest;
+use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::tower::{JobError, LockLayer, LockService, Locked, OnMiss};
+
+/// The default of [`ApalisLockLayer::retry_after`].
+pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// The longest delay before a job whose key was held is tried again, whatever its
+/// delivery count: 64 times [`ApalisLockLayer::retry_after`].
+const RETRY_GROWTH_CAP: u32 = 64;
+
+/// What the handler gets of the lease its job runs under: take it as an argument of an
+/// apalis handler (`async fn pay(job: Payout, lease: JobLease)`).
+#[derive(Clone, Debug)]
+pub struct JobLease {
+    token: FencingToken,
+    status: LeaseStatus,
+}
+
+impl JobLease {
+    /// The lease's fencing token: attach it to every write the job makes.
+    pub fn token(&self) -> FencingToken {
+        self.token
+    }
+
+    /// The lease's status, to check [`LeaseStatus::is_held`] between the job's steps.
+    pub fn status(&self) -> &LeaseStatus {
+        &self.status
+    }
+}
+
+impl<Args: Sync> FromRequest<Task<Args>> for JobLease {
+    type Error = MissingDataError;
+
+    /// The lease of a job run under [`ApalisLockLayer`]; [`MissingDataError`] for a job
+    /// that runs without it (a worker built without the layer).
+    async fn from_request(task: &Task<Args>) -> Result<Self, Self::Error> {
+        task.ctx().data().get_checked::<JobLease>().cloned()
+    }
+}
+
+/// The [`JobError`] that says why the layer failed a job, in an error apalis reports (the
+/// error itself, or the source of its [`RetryAfterError`] or [`AbortError`]); `None` for
+/// the handler's own errors.
+pub fn job_error<'a>(
+    error: &'a (dyn std::error::Error + 'static),
+) -> Option<&'a JobError<Infallible>> {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(found) = e.downcast_ref::<JobError<Infallible>>() {
+            return Some(found);
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// Runs each job of an apalis worker under a lock on the key its arguments name; see the
+/// [module docs](self).
+pub struct ApalisLockLayer<Args> {
+    layer: LockLayer<Task<Args>>,
+    retry_after: Duration,
+}
+
+impl<Args> Clone for ApalisLockLayer<Args> {
+    fn clone(&self) -> Self {
+        Self {
+            layer: self.layer.clone(),
+            retry_after: self.retry_after,
+        }
+    }
+}
+
+impl<Args> fmt::Debug for ApalisLockLayer<Args> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApalisLockLayer")
+            .field("layer", &self.layer)
+            .field("retry_after", &self.retry_after)
+            .finish()
+    }
+}
+
+impl<Args: 'static> ApalisLockLayer<Args> {
+    /// Locks each job on `locker`, on the key `key_of` derives from its arguments (an
+    /// invalid key fails the job with [`JobError::Lock`] before anything is sent). A job
+    /// whose key is held goes back to the queue ([`OnMiss::Requeue`]) unless
+    /// [`Self::on_miss`] says otherwise, to be tried again after [`Self::retry_after`].
+    pub fn new(
+        locker: Locker,
+        key_of: impl Fn(&Args) -> Result<LockKey, LockError> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            layer: LockLayer::new(locker, move |task: &Task<Args>| key_of(&task.args)),
+            retry_after: DEFAULT_RETRY_AFTER,
+        }
+    }
+
+    /// What a job does when its key is held by another worker; see [`OnMiss`].
+    #[must_use]
+    pub fn on_miss(mut self, on_miss: OnMiss) -> Self {
+        self.layer = self.layer.on_miss(on_miss);
+        self
+    }
+
+    /// Dead-letters ([`AbortError`]) a job whose key has been found held on `misses`
+    /// deliveries in a row, counted from apalis's attempt counter as
+    /// [`LockLayer::dead_letter_after`] says (deliveries on which the job ran and failed
+    /// for its own reasons do not count).
+    #[must_use]
+    pub fn dead_letter_after(mut self, misses: u32) -> Self {
+        self.layer = self.layer.dead_letter_after(misses, |task: &Task<Args>| {
+            u32::try_from(task.ctx().attempt()).unwrap_or(u32::MAX)
+        });
+        self
+    }
+
+    /// The delay before a job whose key was held is tried again, at its first delivery;
+    /// it doubles with each delivery up to 64 times this, and is drawn uniformly from the
+    /// upper half of that (jitter, so that the workers that missed one key together do
+    /// not come back together). Default [`DEFAULT_RETRY_AFTER`]. A zero delay is refused.
+    pub fn retry_after(mut self, delay: Duration) -> Result<Self, LockError> {
+        if delay.is_zero() {
+            return Err(LockError::Config(
+                "the retry delay of a job whose key was held must be greater than zero".into(),
+            ));
+        }
+        self.retry_after = delay;
+        Ok(self)
+    }
+}
+
+impl<S, Args> Layer<S> for ApalisLockLayer<Args> {
+    type Service = ApalisLock<S, Args>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ApalisLock {
+            inner: self.layer.layer(WithLease { inner }),
+            outcomes: Outcomes {
+                retry_after: self.retry_after,
+            },
+        }
+    }
+}
+
+/// The service [`ApalisLockLayer`] makes.
+pub struct ApalisLock<S, Args> {
+    inner: LockService<WithLease<S>, Task<Args>>,
+    outcomes: Outcomes,
+}
+
+impl<S: Clone, Args> Clone for ApalisLock<S, Args> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            outcomes: self.outcomes,
+        }
+    }
+}
+
+impl<S: fmt::Debug, Args> fmt::Debug for ApalisLock<S, Args> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ApalisLock")
+            .field("inner", &self.inner)
+            .field("retry_after", &self.outcomes.retry_after)
+            .finish()
+    }
+}
+
+impl<S, Args> Service<Task<Args>> for ApalisLock<S, Args>
+where
+    S: Service<Task<Args>> + Clone + Send + 'static,
+    S::Future: Send,
+    S::Response: Send,
+    S::Error: Into<BoxDynError> + Send,
+    Args: Send + Sync + 'static,
+{
+    type Response = S::Response;
+    type Error = BoxDynError;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, BoxDynError>> + Send>>;
+
+    /// Ready when the handler's service is ready, as [`LockService`]'s readiness says.
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxDynError>> {
+        let outcomes = self.outcomes;
+        self.inner
+            .poll_ready(cx)
+            .map_err(|e| outcomes.into_apalis(e, 0))
+    }
+
+    /// # Cancel safety
+    /// As [`LockService`]'s: dropping the future stops the job and releases its lock.
+    fn call(&mut self, task: Task<Args>) -> Self::Future {
+        // Read when the job is over: apalis counts this delivery once it starts it.
+        let attempt = task.ctx().raw_attempt().clone();
+        let outcomes = self.outcomes;
+        let run = self.inner.call(task);
+        Box::pin(async move {
+            run.await.map_err(|e| {
+                let delivery = u32::try_from(attempt.current()).unwrap_or(u32::MAX);
+                outcomes.into_apalis(e, delivery)
+            })
+        })
+    }
+}
+
+/// How the layer's outcomes become apalis errors (the table of the module docs).
+#[derive(Clone, Copy, Debug)]
+struct Outcomes {
+    retry_after: Duration,
+}
+
+impl Outcomes {
+    fn into_apalis<E: Into<BoxDynError>>(self, e: JobError<E>, delivery: u32) -> BoxDynError {
+        let why = match e {
+            JobError::Job(e) => return e.into(),
+            JobError::Busy { key } => {
+                let delay = RetryPolicy {
+                    initial: self.retry_after,
+                    max: self.retry_after.saturating_mul(RETRY_GROWTH_CAP),
+                }
+                .backoff(delivery.saturating_sub(1));
+                return Box::new(RetryAfterError::new(
+                    JobError::<Infallible>::Busy { key },
+                    delay,
+                ));
+            }
+            JobError::DeadLetter { key, misses } => {
+                return Box::new(AbortError::new(JobError::<Infallible>::DeadLetter {
+                    key,
+                    misses,
+                }));
+            }
+            JobError::Lost { key } => JobError::<Infallible>::Lost { key },
+            JobError::Lock(e) => JobError::Lock(e),
+        };
+        Box::new(why)
+    }
+}
+
+/// The handler's service behind the lock: the lease goes into the task's data, where a
+/// [`JobLease`] argument finds it.
+#[derive(Clone, Debug)]
+pub struct WithLease<S> {
+    inner: S,
+}
+
+impl<S, Args> Service<Locked<Task<Args>>> for WithLease<S>
+where
+    S: Service<Task<Args>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, locked: Locked<Task<Args>>) -> S::Future {
+        let Locked {
+            mut request,
+            token,
+            status,
+            ..
+        } = locked;
+        request.inject_data(JobLease { token, status });
+        self.inner.call(request)
+    }
+}

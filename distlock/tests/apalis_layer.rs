@@ -1,0 +1,194 @@
+//! `distlock::apalis`: plain apalis handlers behind the lock layer, called as an apalis
+//! worker calls them (a `Task` with its attempt count), on the in-memory store.
+
+use std::time::Duration;
+
+use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
+use apalis_core::task::Task;
+use apalis_core::task::builder::TaskBuilder;
+use apalis_core::task::task_fn::task_fn;
+use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
+use distlock::tower::JobError;
+use distlock::{LockError, LockKey, Locker};
+use tower::{Layer, Service, ServiceExt};
+
+#[derive(Clone, Debug)]
+struct Payout {
+    id: u64,
+}
+
+fn key(job: &Payout) -> Result<LockKey, LockError> {
+    LockKey::new(format!("payout:{}", job.id))
+}
+
+async fn locker() -> Locker {
+    Locker::builder(distlock::connect("memory://").await.unwrap())
+        .ttl(Duration::from_secs(30))
+        .build()
+        .unwrap()
+}
+
+fn delivery(id: u64, attempt: usize) -> Task<Payout> {
+    TaskBuilder::new(Payout { id }).attempt(attempt).build()
+}
+
+/// The handler's own error, to tell it from the layer's.
+#[derive(Debug)]
+struct Declined;
+
+impl std::fmt::Display for Declined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("declined by the provider")
+    }
+}
+
+impl std::error::Error for Declined {}
+
+#[tokio::test]
+async fn a_plain_handler_runs_under_the_lock_and_gets_its_token() {
+    let locker = locker().await;
+    let probe = locker.clone();
+    // The handler sees its key held (by its own lease) and returns its token.
+    let handler = move |job: Payout, lease: JobLease| {
+        let probe = probe.clone();
+        async move {
+            let held = probe.try_lock(&key(&job)?).await?.is_none();
+            assert!(lease.status().is_held());
+            Ok::<_, BoxDynError>((held, lease.token()))
+        }
+    };
+    let mut worker = ApalisLockLayer::new(locker.clone(), key).layer(task_fn(handler));
+    let (held, token) = worker
+        .ready()
+        .await
+        .unwrap()
+        .call(delivery(7, 1))
+        .await
+        .unwrap();
+    assert!(held, "the job ran without its key held");
+    let after = locker
+        .try_lock(&key(&Payout { id: 7 }).unwrap())
+        .await
+        .unwrap();
+    let after = after.expect("the key was not released when the job ended");
+    assert!(after.token() > token, "{:?} after {token:?}", after.token());
+}
+
+#[tokio::test]
+async fn a_handler_that_takes_no_lease_runs_too_and_its_own_errors_pass_unchanged() {
+    let handler = |_: Payout| async { Err::<(), _>(Box::new(Declined) as BoxDynError) };
+    let mut worker = ApalisLockLayer::new(locker().await, key).layer(task_fn(handler));
+    let e = worker
+        .ready()
+        .await
+        .unwrap()
+        .call(delivery(1, 1))
+        .await
+        .unwrap_err();
+    assert!(e.downcast_ref::<Declined>().is_some(), "{e:?}");
+    assert!(job_error(&*e).is_none(), "{e:?}");
+}
+
+#[tokio::test]
+async fn a_held_key_sends_the_job_back_after_a_jittered_growing_delay() {
+    let locker = locker().await;
+    let _other = locker
+        .try_lock(&key(&Payout { id: 3 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let ran = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = ran.clone();
+    let handler = move |_: Payout| {
+        flag.store(true, std::sync::atomic::Ordering::SeqCst);
+        async { Ok::<_, BoxDynError>(()) }
+    };
+    let base = Duration::from_millis(400);
+    let mut worker = ApalisLockLayer::new(locker, key)
+        .retry_after(base)
+        .unwrap()
+        .layer(task_fn(handler));
+    for (attempt, ceiling) in [(1, base), (2, base * 2), (4, base * 8), (30, base * 64)] {
+        let e = worker
+            .ready()
+            .await
+            .unwrap()
+            .call(delivery(3, attempt))
+            .await
+            .unwrap_err();
+        let retry = e
+            .downcast_ref::<RetryAfterError>()
+            .unwrap_or_else(|| panic!("not a RetryAfterError: {e:?}"));
+        let delay = retry.get_duration();
+        assert!(
+            delay >= ceiling / 2 && delay <= ceiling,
+            "delivery {attempt}: {delay:?} outside [{:?}, {ceiling:?}]",
+            ceiling / 2
+        );
+        assert!(
+            matches!(job_error(&*e), Some(JobError::Busy { .. })),
+            "{e:?}"
+        );
+    }
+    assert!(
+        !ran.load(std::sync::atomic::Ordering::SeqCst),
+        "the job ran without its lock"
+    );
+}
+
+#[tokio::test]
+async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_by_its_attempt_count() {
+    let locker = locker().await;
+    let _other = locker
+        .try_lock(&key(&Payout { id: 5 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let handler = |_: Payout| async { Ok::<_, BoxDynError>(()) };
+    let mut worker = ApalisLockLayer::new(locker, key)
+        .dead_letter_after(3)
+        .layer(task_fn(handler));
+    let mut outcomes = Vec::new();
+    for attempt in 1..=3 {
+        let e = worker
+            .ready()
+            .await
+            .unwrap()
+            .call(delivery(5, attempt))
+            .await
+            .unwrap_err();
+        outcomes.push((
+            e.downcast_ref::<RetryAfterError>().is_some(),
+            e.downcast_ref::<AbortError>().is_some(),
+            format!("{:?}", job_error(&*e)),
+        ));
+    }
+    assert!(outcomes[0].0 && outcomes[1].0, "{outcomes:#?}");
+    assert!(outcomes[2].1, "{outcomes:#?}");
+    assert!(
+        outcomes[2].2.contains("DeadLetter") && outcomes[2].2.contains("misses: 3"),
+        "{outcomes:#?}"
+    );
+}
+
+#[tokio::test]
+async fn a_lease_asked_for_outside_the_layer_is_a_missing_data_error() {
+    let handler = |_: Payout, lease: JobLease| async move { Ok::<_, BoxDynError>(lease.token()) };
+    let mut worker = task_fn(handler);
+    let e: BoxDynError = worker
+        .ready()
+        .await
+        .unwrap()
+        .call(delivery(9, 1))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("JobLease"), "{e}");
+}
+
+#[tokio::test]
+async fn a_zero_retry_delay_is_refused() {
+    let e = ApalisLockLayer::new(locker().await, key)
+        .retry_after(Duration::ZERO)
+        .unwrap_err();
+    assert!(matches!(e, LockError::Config(_)), "{e:?}");
+}
