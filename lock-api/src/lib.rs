@@ -38,7 +38,7 @@ pub use lease::{
 };
 pub use locker::{Locker, LockerBuilder, RetryPolicy};
 pub use redact::{redact_url, url_userinfo_is_ambiguous};
-pub use semaphore::{MAX_PERMITS, Permit, Semaphore};
+pub use semaphore::{MAX_PERMITS, Permit, Permits, Semaphore};
 
 /// Re-exported so backends implement [`LockBackend`] with the same macro version.
 pub use async_trait::async_trait;

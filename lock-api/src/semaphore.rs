@@ -9,20 +9,26 @@
 //! lost, and the slot's fencing token strictly increases with every grant of that slot.
 //! Nothing is kept for the semaphore as a whole, so nothing outlives its permits.
 
+mod permit;
+mod take;
+
+pub use permit::{Permit, Permits};
+
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
-use tokio::time::Instant;
-use tracing::debug;
+use tokio::time::{Instant, sleep};
 
 use crate::error::LockError;
-use crate::guard::{LeaseStatus, LockGuard};
-use crate::key::{FencingToken, LockKey};
-use crate::lease::{LockInfo, Release};
+use crate::key::LockKey;
+use crate::lease::LockInfo;
 use crate::locker::{Locker, run_while_held};
 use crate::telemetry::Kind;
 use crate::waiting::Waiting;
+use take::{Taken, Taking};
 
 /// The most permits a semaphore may have: each is a key the store keeps while held, and a
 /// full semaphore's waiters watch every one of them.
@@ -118,45 +124,30 @@ impl Semaphore {
     /// [`acquire_any`](crate::LockBackend::acquire_any) of its own.
     ///
     /// # Cancel safety
-    /// As [`Locker::try_lock`]: if cancelled after the store granted a slot, the permit is
-    /// not renewed and frees itself when its TTL runs out.
+    /// Cancel safe: if dropped while the store is asked, the call finishes in a task of
+    /// its own and gives back the slot it took, on every backend.
     pub async fn try_acquire(&self) -> Result<Option<Permit>, LockError> {
-        let start = rand::random_range(0..self.slots.len());
-        let order: Vec<LockKey> = self.slots[start..]
-            .iter()
-            .chain(&self.slots[..start])
-            .cloned()
-            .collect();
-        let sent = Instant::now();
-        let backend = self.locker.backend();
-        let Some(lease) = backend.acquire_any(&order, self.locker.ttl()).await? else {
-            return Ok(None);
-        };
-        if !self.slots.contains(lease.key()) {
-            // Not one of ours: give it back rather than count it as a permit.
-            let stray = lease.key().clone();
-            if let Err(error) = backend.release(&lease).await {
-                debug!(key = %stray, %error, "release of a key granted outside the slots failed");
-            }
-            return Err(LockError::Backend {
-                backend: backend.name(),
-                source: format!(
-                    "acquire_any granted {stray}, which is not one of the keys asked for"
-                )
-                .into(),
-            });
-        }
-        let slot = self.slot_of(lease.key());
-        Ok(Some(Permit {
-            guard: self.locker.guard(lease, sent, Kind::Permit),
-            slot,
-        }))
+        Ok(self
+            .take(1)
+            .await?
+            .and_then(|taken| taken.into_iter().next()))
     }
 
-    /// The index of `key` among the slots (a key [`Semaphore::try_acquire`] checked).
-    fn slot_of(&self, key: &LockKey) -> u32 {
-        let slot = self.slots.iter().position(|s| s == key).unwrap_or_default();
-        u32::try_from(slot).unwrap_or_default()
+    /// Takes `k` permits if `k` are free, all or none, without waiting: `Ok(None)` when
+    /// fewer than `k` are free (any it took on the way are given back first, so it never
+    /// holds a partial set). Each permit is on its own slot with its own token.
+    ///
+    /// Fails with [`LockError::Config`] for `k` zero or above [`Semaphore::permits`];
+    /// nothing is sent. It asks the store once per permit taken where the store has an
+    /// [`acquire_any`](crate::LockBackend::acquire_any) of its own, and once per slot at
+    /// most otherwise.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: if dropped while the store is asked, the call finishes in a task of
+    /// its own and gives back every slot it took, on every backend.
+    pub async fn try_acquire_many(&self, k: u32) -> Result<Option<Permits>, LockError> {
+        self.check_many(k)?;
+        Ok(self.take(k).await?.map(Permits::new))
     }
 
     /// Waits for a permit, up to the locker's wait timeout, as [`Locker::lock`] waits for a
@@ -165,23 +156,165 @@ impl Semaphore {
     /// longest backoff is the fallback for a permit freed unannounced (an expired one);
     /// elsewhere it polls with jittered backoff. A `Timeout` names the semaphore.
     ///
+    /// **Not fair**: waiters are not served in the order they came. A freed permit goes
+    /// to whichever attempt reaches the store first, a `try_acquire` caller included, so
+    /// under a steady stream of takers a waiter can wait until its timeout; see the
+    /// crate's README for what a waiter can expect.
+    ///
     /// # Cancel safety
-    /// As [`Locker::lock`]: a cancelled wait leaves no watch behind, and a permit granted
-    /// as it was cancelled frees itself when its TTL runs out.
+    /// Cancel safe: a cancelled wait leaves no watch behind, and an attempt in flight when
+    /// it is cancelled finishes in a task of its own and gives back the slot it took, on
+    /// every backend.
     pub async fn acquire(&self) -> Result<Permit, LockError> {
+        self.acquire_within(self.locker.wait_timeout()).await
+    }
+
+    /// [`Semaphore::acquire`] with a wait of its own instead of the locker's wait timeout:
+    /// `Err(LockError::Timeout)` naming the semaphore once `wait` has passed without a
+    /// permit, holding nothing. The deadline holds even when a call to the store hangs.
+    /// A zero `wait` still makes one attempt, which fails at its first await on the store
+    /// (ask once with [`Semaphore::try_acquire`] instead); a wait too long to be a
+    /// deadline ([`Duration::MAX`]) is [`LockError::Config`], nothing sent.
+    ///
+    /// # Cancel safety
+    /// As [`Semaphore::acquire`]; a wait that times out gives back what its last attempt
+    /// took, as a cancelled one does.
+    pub async fn acquire_timeout(&self, wait: Duration) -> Result<Permit, LockError> {
+        self.acquire_within(Some(wait)).await
+    }
+
+    /// Waits for `k` permits at once, all or none, up to the locker's wait timeout, as
+    /// [`Semaphore::acquire`] waits for one: an attempt that finds fewer than `k` free
+    /// gives back what it took and waits for a release. Fails with [`LockError::Config`]
+    /// for `k` zero or above [`Semaphore::permits`], nothing sent.
+    ///
+    /// Not fair, and a caller asking for many is served after callers asking for few
+    /// whenever fewer than `k` come free at once: under steady demand for single permits
+    /// it can wait until its timeout.
+    ///
+    /// # Cancel safety
+    /// As [`Semaphore::acquire`]: nothing is left held, on every backend.
+    pub async fn acquire_many(&self, k: u32) -> Result<Permits, LockError> {
+        self.acquire_many_within(k, self.locker.wait_timeout())
+            .await
+    }
+
+    /// [`Semaphore::acquire_many`] with a wait of its own (see
+    /// [`Semaphore::acquire_timeout`]).
+    ///
+    /// # Cancel safety
+    /// As [`Semaphore::acquire_many`]; a wait that times out leaves nothing held.
+    pub async fn acquire_many_timeout(&self, k: u32, wait: Duration) -> Result<Permits, LockError> {
+        self.acquire_many_within(k, Some(wait)).await
+    }
+
+    /// The number of permits free right now: the slots the store shows without a holder,
+    /// read one by one with [`LockBackend::inspect`](crate::LockBackend::inspect) (one
+    /// round trip per slot; [`LockError::Unsupported`] where the backend cannot inspect).
+    ///
+    /// **A snapshot**: it may be out of date before it returns (slots are read one after
+    /// the other, and others take and release permits meanwhile), so it is for logs,
+    /// metrics and dashboards, not a check before an acquire: take a permit with
+    /// [`Semaphore::try_acquire`] instead. A slot whose holder died counts as held until
+    /// its TTL runs out in the store.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: it only reads.
+    pub async fn available(&self) -> Result<u32, LockError> {
+        let free = self
+            .holders()
+            .await?
+            .iter()
+            .filter(|h| h.owner.is_none())
+            .count();
+        Ok(u32::try_from(free).unwrap_or(MAX_PERMITS))
+    }
+
+    /// Refuses a number of permits this semaphore can never grant at once.
+    fn check_many(&self, k: u32) -> Result<(), LockError> {
+        if k == 0 || k > self.permits() {
+            return Err(LockError::Config(format!(
+                "semaphore {} has {} permits: ask for 1 to {} at once, not {k}",
+                self.name,
+                self.permits(),
+                self.permits()
+            )));
+        }
+        Ok(())
+    }
+
+    /// One attempt at `k` permits (checked): all of them, or `None` holding nothing.
+    async fn take(&self, k: u32) -> Result<Option<Vec<Permit>>, LockError> {
+        Ok(self.attempt(k).await?.ok())
+    }
+
+    /// One attempt at `k` permits (checked): all of them, or how many it took and gave
+    /// back because fewer than `k` were free.
+    async fn attempt(&self, k: u32) -> Result<Result<Vec<Permit>, usize>, LockError> {
+        let sent = Instant::now();
+        let k = usize::try_from(k).unwrap_or(usize::MAX);
+        let backend = self.locker.backend().clone();
+        let leases = match Taking::new(backend, self.slots.clone(), k, self.locker.ttl()).await? {
+            Taken::All(leases) => leases,
+            Taken::TooFew { given_back } => return Ok(Err(given_back)),
+        };
+        Ok(Ok(leases
+            .into_iter()
+            .map(|lease| {
+                let slot = self.slot_of(lease.key());
+                Permit {
+                    guard: self.locker.guard(lease, sent, Kind::Permit),
+                    slot,
+                }
+            })
+            .collect()))
+    }
+
+    /// The index of `key` among the slots (a key [`Taking`] checked).
+    fn slot_of(&self, key: &LockKey) -> u32 {
+        let slot = self.slots.iter().position(|s| s == key).unwrap_or_default();
+        u32::try_from(slot).unwrap_or_default()
+    }
+
+    /// [`Semaphore::acquire`] up to `wait` (`None`: no deadline).
+    async fn acquire_within(&self, wait: Option<Duration>) -> Result<Permit, LockError> {
+        let mut permits = self.wait_for(1, wait).await?;
+        Ok(permits.pop().expect("one permit asked for, one granted"))
+    }
+
+    /// [`Semaphore::acquire_many`] up to `wait` (`None`: no deadline).
+    async fn acquire_many_within(
+        &self,
+        k: u32,
+        wait: Option<Duration>,
+    ) -> Result<Permits, LockError> {
+        self.check_many(k)?;
+        Ok(Permits::new(self.wait_for(k, wait).await?))
+    }
+
+    /// Waits for `k` permits (checked) up to `wait`, as [`Locker::lock`] waits.
+    ///
+    /// An attempt that took some slots and gave them back (fewer than `k` free) waits
+    /// the locker's growing jittered backoff before it says so: its own give-back is a
+    /// release its watch hears, and would otherwise wake it at once, again and again.
+    async fn wait_for(&self, k: u32, wait: Option<Duration>) -> Result<Vec<Permit>, LockError> {
         let locker = &self.locker;
         let waiting = Waiting::any_of(locker.backend().as_ref(), &self.slots, locker.retry());
-        let guard = locker
-            .wait_for(
-                &self.name,
-                Kind::Permit,
-                locker.wait_timeout(),
-                waiting,
-                || async { Ok(self.try_acquire().await?.map(|permit| permit.guard)) },
-            )
-            .await?;
-        let slot = self.slot_of(guard.key());
-        Ok(Permit { guard, slot })
+        let gave_back = AtomicU32::new(0);
+        let attempt = || async {
+            match self.attempt(k).await? {
+                Ok(permits) => Ok(Some(permits)),
+                Err(0) => Ok(None),
+                Err(_) => {
+                    let n = gave_back.fetch_add(1, Ordering::Relaxed);
+                    sleep(locker.retry().backoff(n)).await;
+                    Ok(None)
+                }
+            }
+        };
+        locker
+            .wait_for(&self.name, Kind::Permit, wait, waiting, attempt)
+            .await
     }
 
     /// Waits for a permit, runs the job under it, and releases it, as
@@ -220,73 +353,6 @@ impl fmt::Debug for Semaphore {
         f.debug_struct("Semaphore")
             .field("name", &self.name)
             .field("permits", &self.slots.len())
-            .finish_non_exhaustive()
-    }
-}
-
-/// One held permit of a [`Semaphore`]: a lease on one of its slots, renewed by the
-/// locker's watchdog until released. Dropping it releases it in the background, as
-/// dropping a [`LockGuard`] does.
-///
-/// **Its token** is its slot's fencing token: it strictly increases with every grant of
-/// that slot, so a store downstream that fences per slot ([`Permit::key`]) rejects a
-/// permit holder that lost its permit to another. Tokens of different slots are not
-/// ordered against each other.
-#[must_use = "a permit is released as soon as it is dropped"]
-pub struct Permit {
-    guard: LockGuard,
-    slot: u32,
-}
-
-impl Permit {
-    /// The slot this permit holds, from 0.
-    pub fn slot(&self) -> u32 {
-        self.slot
-    }
-
-    /// The slot's key: the name to fence the permit's writes under.
-    pub fn key(&self) -> &LockKey {
-        self.guard.key()
-    }
-
-    /// The slot's fencing token for this grant.
-    pub fn token(&self) -> FencingToken {
-        self.guard.token()
-    }
-
-    /// True until the permit is lost, released, or past its local validity deadline.
-    pub fn is_held(&self) -> bool {
-        self.guard.is_held()
-    }
-
-    /// The permit's status, to hand to the job's tasks ([`LeaseStatus::while_held`]).
-    pub fn status(&self) -> LeaseStatus {
-        self.guard.status()
-    }
-
-    /// The lease behind the permit, as a guard.
-    pub fn guard(&self) -> &LockGuard {
-        &self.guard
-    }
-
-    /// Stops renewal and gives the permit back. `Release::NotHeld` means it had already
-    /// been lost.
-    ///
-    /// # Cancel safety
-    /// As [`LockGuard::release`]: if dropped before the store answers, the permit frees
-    /// itself when its TTL runs out.
-    pub async fn release(self) -> Result<Release, LockError> {
-        self.guard.release().await
-    }
-}
-
-impl fmt::Debug for Permit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Permit")
-            .field("key", self.key())
-            .field("slot", &self.slot)
-            .field("token", &self.token())
-            .field("held", &self.is_held())
             .finish_non_exhaustive()
     }
 }

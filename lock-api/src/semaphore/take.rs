@@ -1,0 +1,161 @@
+//! One attempt at `k` permits ([`Taking`]): slots taken one by one with
+//! [`LockBackend::acquire_any`], all kept or all given back, in a future that, if dropped
+//! before it hands them over, finishes in a task of its own and gives back whatever it
+//! took.
+//!
+//! Why: a backend call dropped at an await point may already have taken a slot in the
+//! store (the request went out, the reply had not come back). Redis gives such a slot back
+//! itself; the other stores leave it held until its TTL runs out. Finishing the call
+//! instead of dropping it knows what it took, so every backend gives it back at once.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use tracing::debug;
+
+use crate::backend::LockBackend;
+use crate::error::LockError;
+use crate::key::LockKey;
+use crate::lease::Lease;
+
+/// What an attempt got.
+pub(super) enum Taken {
+    /// `k` leases on distinct slots.
+    All(Vec<Lease>),
+    /// Fewer than `k` were free; the attempt gave back the `given_back` it had taken.
+    TooFew {
+        /// How many slots it took and gave back (each a release other waiters hear).
+        given_back: usize,
+    },
+}
+
+/// The call inside a [`Taking`]: owns everything it uses, so it can finish elsewhere.
+type Call = Pin<Box<dyn Future<Output = Result<Taken, LockError>> + Send>>;
+
+/// An attempt at `k` of `slots`: [`Taken::All`], [`Taken::TooFew`] holding nothing, or the
+/// error of a call (holding nothing). Dropped before it completes, it
+/// finishes in a spawned task and releases what it took (where no runtime is left to run
+/// it, the leases free themselves when their TTL runs out).
+pub(super) struct Taking {
+    call: Option<Call>,
+    backend: Arc<dyn LockBackend>,
+}
+
+impl Taking {
+    /// Starts taking `k` (1 to `slots.len()`) of `slots` for `ttl` on `backend`, trying
+    /// them from a random one onwards, so that processes do not all contend for slot 0.
+    pub(super) fn new(
+        backend: Arc<dyn LockBackend>,
+        slots: Arc<[LockKey]>,
+        k: usize,
+        ttl: Duration,
+    ) -> Self {
+        let call = Box::pin(take(backend.clone(), slots, k, ttl));
+        Self {
+            call: Some(call),
+            backend,
+        }
+    }
+}
+
+impl Future for Taking {
+    type Output = Result<Taken, LockError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(call) = self.call.as_mut() else {
+            return Poll::Ready(Err(LockError::Config(
+                "a permit attempt was polled after it completed".into(),
+            )));
+        };
+        let taken = ready!(call.as_mut().poll(cx));
+        // Handed over: from here the caller owns the leases.
+        self.call = None;
+        Poll::Ready(taken)
+    }
+}
+
+impl Drop for Taking {
+    fn drop(&mut self) {
+        let Some(call) = self.call.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let backend = self.backend.clone();
+        runtime.spawn(async move {
+            if let Ok(Taken::All(leases)) = call.await {
+                give_back(
+                    backend.as_ref(),
+                    &leases,
+                    "a permit attempt whose caller had gone",
+                )
+                .await;
+            }
+        });
+    }
+}
+
+/// [`Taking`]'s call: `acquire_any` over the slots not yet tried, until `k` are taken or
+/// one finds none free; then all of them are kept, or all given back.
+async fn take(
+    backend: Arc<dyn LockBackend>,
+    slots: Arc<[LockKey]>,
+    k: usize,
+    ttl: Duration,
+) -> Result<Taken, LockError> {
+    let start = rand::random_range(0..slots.len());
+    let mut order: Vec<LockKey> = slots[start..]
+        .iter()
+        .chain(&slots[..start])
+        .cloned()
+        .collect();
+    let mut taken: Vec<Lease> = Vec::with_capacity(k);
+    while taken.len() < k {
+        let granted = match backend.acquire_any(&order, ttl).await {
+            Ok(Some(lease)) => lease,
+            Ok(None) => {
+                give_back(backend.as_ref(), &taken, "too few free permits").await;
+                return Ok(Taken::TooFew {
+                    given_back: taken.len(),
+                });
+            }
+            Err(error) => {
+                give_back(backend.as_ref(), &taken, "a failed permit attempt").await;
+                return Err(error);
+            }
+        };
+        // The slots before the granted one were held when asked: the next call starts
+        // after it.
+        let Some(at) = order.iter().position(|slot| slot == granted.key()) else {
+            // Not one of ours: give it back rather than count it as a permit.
+            let stray = granted.key().clone();
+            taken.push(granted);
+            give_back(backend.as_ref(), &taken, "a key granted outside the slots").await;
+            return Err(LockError::Backend {
+                backend: backend.name(),
+                source: format!(
+                    "acquire_any granted {stray}, which is not one of the keys asked for"
+                )
+                .into(),
+            });
+        };
+        order.drain(..=at);
+        taken.push(granted);
+    }
+    Ok(Taken::All(taken))
+}
+
+/// Releases `leases` (best effort: what fails frees itself when its TTL runs out); `why`
+/// is for the log.
+async fn give_back(backend: &dyn LockBackend, leases: &[Lease], why: &str) {
+    if leases.is_empty() {
+        return;
+    }
+    if let Err(error) = backend.release_many(leases).await {
+        debug!(leases = leases.len(), %error, why, "giving back permit slots failed; they run out on their own");
+    }
+}
