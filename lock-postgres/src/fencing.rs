@@ -36,8 +36,24 @@
 //! the caller's or one of their own, so the pooler keeps one server session for it from
 //! parse to execute. The price is a parse round trip per statement, and for
 //! [`PgFencedResource::latest`] and [`FencedResource::read`] a `BEGIN` and a `COMMIT`.
+//!
+//! # The server bounds their own transactions
+//!
+//! The transactions [`PgFencedResource`] runs itself ([`FencedResource::write`],
+//! [`FencedResource::check_only`], [`FencedResource::read`], [`PgFencedResource::latest`])
+//! wait on the client between round trips, and from the admission to the `COMMIT` hold the
+//! resource's row locked. Their `BEGIN` sets, for that transaction only,
+//! `idle_in_transaction_session_timeout` and `statement_timeout` to the resource's
+//! [time limit](PgFencedResource::time_limit) (5 s by default), whatever the pool: a
+//! client that stalls there loses the transaction, and the row, after the limit, and a
+//! statement waiting on a row another transaction keeps locked fails after it instead of
+//! waiting for ever. [`PgFencedResource::admit_in`] and [`IdempotencyKeys::record`] run in
+//! the caller's transaction, which keeps the caller's limits (the lease backend's
+//! [`pool`](crate::PgLeaseBackend::pool) sets them on its connections, see
+//! [`PgPooling::Session`](crate::PgPooling::Session)).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
@@ -48,8 +64,13 @@ use sqlx::{AssertSqlSafe, PgPool, PgTransaction};
 use crate::client::token_from;
 use crate::error::{self, Operation};
 use crate::schema::{self, Schema};
+use crate::statement::bounded_begin;
 
 const NAME: &str = "postgres-fence";
+
+/// The default [time limit](PgFencedResource::time_limit) of a fenced resource's own
+/// transactions.
+pub const DEFAULT_FENCE_TIME_LIMIT: Duration = Duration::from_secs(5);
 
 /// A [`FencedResource`] stored in PostgreSQL, in shadow or enforce mode.
 ///
@@ -59,6 +80,8 @@ pub struct PgFencedResource {
     pool: PgPool,
     schema: Schema,
     mode: EnforcementMode,
+    /// The `BEGIN` of its own transactions, with their server-side limits.
+    begin_sql: Arc<str>,
     admit_sql: Arc<str>,
     latest_sql: Arc<str>,
     write_sql: Arc<str>,
@@ -82,10 +105,34 @@ impl PgFencedResource {
                 .sql("SELECT last_fencing_token FROM {s}.distlock_fenced WHERE resource = $1"),
             write_sql: schema.sql("UPDATE {s}.distlock_fenced SET value = $2 WHERE resource = $1"),
             read_sql: schema.sql("SELECT value FROM {s}.distlock_fenced WHERE resource = $1"),
+            begin_sql: bounded_begin(DEFAULT_FENCE_TIME_LIMIT).into(),
             pool,
             schema,
             mode,
         })
+    }
+
+    /// The limit the server puts on the resource's own transactions (see the module's
+    /// documentation): how long one may wait on the client, and how long one of its
+    /// statements may run or wait for a lock. Default [`DEFAULT_FENCE_TIME_LIMIT`].
+    /// Fails with [`LockError::Config`] when it is not between 1 ms and `i32::MAX` ms
+    /// (PostgreSQL's range for both settings).
+    pub fn time_limit(mut self, limit: Duration) -> Result<Self, LockError> {
+        let max = Duration::from_millis(i32::MAX as u64);
+        if limit < Duration::from_millis(1) || limit > max {
+            return Err(LockError::Config(format!(
+                "fenced resource time limit {limit:?} is out of range 1ms..={max:?}"
+            )));
+        }
+        self.begin_sql = bounded_begin(limit).into();
+        Ok(self)
+    }
+
+    /// A transaction of the resource's own, bounded on the server.
+    async fn begin(&self) -> Result<PgTransaction<'static>, sqlx::Error> {
+        self.pool
+            .begin_with(AssertSqlSafe(Arc::clone(&self.begin_sql)))
+            .await
     }
 
     /// Creates the schema and tables if they do not exist. Idempotent.
@@ -166,7 +213,7 @@ impl PgFencedResource {
     pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
         check_name(resource, "resource")?;
         let fail = |e| error::from_sqlx(NAME, Operation::Fence, &self.schema, e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let mut tx = self.begin().await.map_err(fail)?;
         let latest: Option<Option<i64>> =
             sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
                 .bind(resource)
@@ -195,7 +242,7 @@ impl FencedResource for PgFencedResource {
         value: &[u8],
     ) -> Result<Admission, LockError> {
         let fail = |e| error::from_sqlx(NAME, Operation::Write, &self.schema, e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let mut tx = self.begin().await.map_err(fail)?;
         let admission = self.admit_in(&mut tx, resource, token).await?;
         if admission.is_admitted() {
             sqlx::query(AssertSqlSafe(self.write_sql.clone()))
@@ -213,7 +260,7 @@ impl FencedResource for PgFencedResource {
     async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
         check_name(resource, "resource")?;
         let fail = |e| error::from_sqlx(NAME, Operation::Read, &self.schema, e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let mut tx = self.begin().await.map_err(fail)?;
         let value: Option<Option<Vec<u8>>> =
             sqlx::query_scalar(AssertSqlSafe(self.read_sql.clone()))
                 .bind(resource)
@@ -231,7 +278,7 @@ impl FencedResource for PgFencedResource {
         token: FencingToken,
     ) -> Result<Admission, LockError> {
         let fail = |e| error::from_sqlx(NAME, Operation::Admit, &self.schema, e);
-        let mut tx = self.pool.begin().await.map_err(fail)?;
+        let mut tx = self.begin().await.map_err(fail)?;
         let admission = self.admit_in(&mut tx, resource, token).await?;
         tx.commit().await.map_err(fail)?;
         Ok(admission)
@@ -332,6 +379,25 @@ mod tests {
         let err = check_name("", "idempotency key").unwrap_err();
         assert!(err.to_string().contains("idempotency key"), "{err}");
         assert!(check_name("a\u{0}b", "resource").is_err());
+    }
+
+    #[tokio::test]
+    async fn a_time_limit_postgresql_cannot_take_is_refused() {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .connect_lazy("postgres://u@127.0.0.1:1/db")
+            .unwrap();
+        let fenced = PgFencedResource::new(pool, "distlock", EnforcementMode::Enforce).unwrap();
+        for bad in [
+            Duration::ZERO,
+            Duration::from_micros(999),
+            Duration::from_millis(i32::MAX as u64 + 1),
+        ] {
+            assert!(
+                matches!(fenced.clone().time_limit(bad), Err(LockError::Config(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(fenced.time_limit(Duration::from_millis(1)).is_ok());
     }
 
     #[test]

@@ -36,7 +36,7 @@ mod waiters;
 pub use advisory::PgAdvisoryBackend;
 pub use announcer::ANNOUNCER_APPLICATION_NAME;
 pub use config::{MAX_POOL_SIZE, PgBuilder, PgMode, URL_PARAMS, is_url_param};
-pub use fencing::{Idempotency, IdempotencyKeys, PgFencedResource};
+pub use fencing::{DEFAULT_FENCE_TIME_LIMIT, Idempotency, IdempotencyKeys, PgFencedResource};
 pub use lease_table::PgLeaseBackend;
 pub use pooling::PgPooling;
 pub use releases::LISTENER_APPLICATION_NAME;
