@@ -6,7 +6,6 @@ use std::time::Duration;
 
 use distlock_core::{LockError, redact_url, trusted_for};
 
-use crate::RedisBackend;
 use crate::url::SentinelUrl;
 
 /// The key prefix used when none is set.
@@ -25,8 +24,8 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The environment variable [`RedisBackendBuilder::from_env`] reads the URL from.
 pub const REDIS_URL_ENV: &str = "DISTLOCK_REDIS_URL";
 
-/// Options for a [`RedisBackend`]; made by [`new`](Self::new) (or
-/// [`RedisBackend::builder`]), [`from_url`](Self::from_url) or [`from_env`](Self::from_env).
+/// Options for a [`RedisBackend`](crate::RedisBackend); made by [`new`](Self::new) (or
+/// [`RedisBackend::builder`](crate::RedisBackend::builder)), [`from_url`](Self::from_url) or [`from_env`](Self::from_env).
 ///
 /// # URLs
 ///
@@ -281,25 +280,10 @@ impl RedisBackendBuilder {
         }
     }
 
-    /// Validates the options and connects.
-    ///
-    /// Fails with [`LockError::Config`] for a malformed URL or one with a query parameter,
-    /// a bad prefix or bad TTL bounds, or refused credentials, and with
-    /// [`LockError::Unavailable`] when no server answers.
-    ///
-    /// It also reads each node's eviction policy (`INFO memory`; every master of a
-    /// cluster) and fails with [`LockError::Config`] naming the node when Redis may evict
-    /// keys: any `maxmemory-policy` but `noeviction` with a `maxmemory` limit set. An
-    /// evicted lock key is a lock granted twice, with nothing to say so; set
-    /// `maxmemory-policy noeviction`. Such a policy with no limit (`maxmemory 0`, which
-    /// evicts nothing until a limit is set), and a policy the user may not read (no
-    /// `+info`), are let through with a warning. The policy is read only here.
-    pub async fn build(self) -> Result<RedisBackend, LockError> {
-        self.validate()?;
-        RedisBackend::connect(self).await
-    }
-
-    fn validate(&self) -> Result<(), LockError> {
+    /// Checks the options before anything is sent: the URLs, the prefix, the TTL bounds,
+    /// the timeouts, `replica_acks` and the TLS root CA. [`build`](Self::build) (in
+    /// lib.rs, above this module and the backend's) calls it first.
+    pub(crate) fn validate(&self) -> Result<(), LockError> {
         if self.urls.is_empty() {
             return Err(LockError::Config("no Redis URL was given".into()));
         }

@@ -95,3 +95,28 @@ pub use config::{
 };
 pub use connect::LONGEST_TTL;
 pub use fenced::RedisFencedResource;
+
+use distlock_core::LockError;
+
+// The builder's last step stands here, above the builder (config.rs) and the backend
+// (backend.rs): the backend is made from the builder's settings, so the builder's module
+// does not name the backend.
+impl RedisBackendBuilder {
+    /// Validates the options and connects.
+    ///
+    /// Fails with [`LockError::Config`] for a malformed URL or one with a query parameter,
+    /// a bad prefix or bad TTL bounds, or refused credentials, and with
+    /// [`LockError::Unavailable`] when no server answers.
+    ///
+    /// It also reads each node's eviction policy (`INFO memory`; every master of a
+    /// cluster) and fails with [`LockError::Config`] naming the node when Redis may evict
+    /// keys: any `maxmemory-policy` but `noeviction` with a `maxmemory` limit set. An
+    /// evicted lock key is a lock granted twice, with nothing to say so; set
+    /// `maxmemory-policy noeviction`. Such a policy with no limit (`maxmemory 0`, which
+    /// evicts nothing until a limit is set), and a policy the user may not read (no
+    /// `+info`), are let through with a warning. The policy is read only here.
+    pub async fn build(self) -> Result<RedisBackend, LockError> {
+        self.validate()?;
+        RedisBackend::connect(self).await
+    }
+}
