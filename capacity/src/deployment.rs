@@ -19,8 +19,9 @@ use distlock_core::{LockBackend, LockError, LockKey, Release};
 use crate::BenchError;
 use crate::load::Sample;
 use crate::machine::Machine;
+use crate::plan::Plan;
 use crate::report;
-use crate::scenarios::{self, Plan};
+use crate::scenarios;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};
 
 /// The header of the deployments' `capacity.csv`.

@@ -8,6 +8,8 @@
 //! * [`handoff`]: one key, many waiters: release-to-grant time with and without the
 //!   backend's release notifications;
 //! * [`load`]: closed-loop load at a given concurrency, with latency histograms;
+//! * [`plan`]: how much a run measures, full or quick;
+//! * [`target`]: one target of the report, judged on a run;
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
 //!   contended key, batches, memory per held guard) and the targets they are judged by;
 //! * [`waited`]: releases with a waiter on every key against releases nobody waits for,
@@ -32,9 +34,11 @@ pub mod load;
 pub mod machine;
 pub mod permits;
 pub mod placement;
+pub mod plan;
 pub mod report;
 pub mod scenarios;
 pub mod subject;
+pub mod target;
 pub mod waited;
 
 /// Everything that can stop a benchmark run.

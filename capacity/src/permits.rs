@@ -21,7 +21,7 @@ use tokio::time::Instant;
 
 use crate::BenchError;
 use crate::load::{self, Keys};
-use crate::scenarios::Plan;
+use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};
 use crate::waited::{Side, measure};
 

@@ -24,8 +24,9 @@ use crate::BenchError;
 use crate::affinity;
 use crate::cpu::CpuReading;
 use crate::load::{self, Keys};
-use crate::scenarios::{Plan, Target};
+use crate::plan::Plan;
 use crate::subject::{Subject, SubjectId};
+use crate::target::Target;
 use crate::waited::Side;
 
 mod table;

@@ -13,8 +13,10 @@ use crate::handoff::HandoffRow;
 use crate::load::Sample;
 use crate::machine::Machine;
 use crate::permits::PermitCycles;
-use crate::scenarios::{Plan, RedisServerCost, Results, Target};
+use crate::plan::Plan;
+use crate::scenarios::{RedisServerCost, Results};
 use crate::subject::SubjectId;
+use crate::target::Target;
 use crate::waited::WaitedReleases;
 
 /// The header of `capacity.csv`.

@@ -40,7 +40,7 @@ use tokio::time::Instant;
 use crate::BenchError;
 use crate::cpu::CpuReading;
 use crate::load::{self, Keys};
-use crate::scenarios::Plan;
+use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId};
 
 /// Whether a task that only watches a key of `subject` ([`ReleaseWatch`]) makes its
