@@ -75,6 +75,9 @@ macro_rules! __conformance_cases {
             semaphore_expired_permit_is_freed: [],
             a_permit_release_wakes_a_waiter: [wakes_waiters],
             dropped_permit_acquire_leaves_no_orphan: [],
+            dropped_permit_acquire_mid_wait_leaves_no_permit_held: [],
+            timed_out_permit_acquire_leaves_no_permit_held: [],
+            semaphore_grants_many_permits_all_or_none: [],
         }
     };
 }

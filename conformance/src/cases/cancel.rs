@@ -40,10 +40,10 @@ use crate::history::{Op, Reply};
 use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// The pause between two polls of a call: long enough for a reply to arrive.
-const BETWEEN_POLLS: Duration = Duration::from_millis(2);
+pub(super) const BETWEEN_POLLS: Duration = Duration::from_millis(2);
 
 /// A call that needs more polls than this to complete is stuck.
-const MAX_POLLS: usize = 500;
+pub(super) const MAX_POLLS: usize = 500;
 
 /// How many keys the batch forms are given: two, so a backend that pins a connection per
 /// lease has room for the other client's leases and the probe in a small pool.
@@ -61,7 +61,7 @@ fn served_within(t: &Timing) -> Duration {
 
 /// Polls `call` at most `polls` times, with [`BETWEEN_POLLS`] between polls, and drops it
 /// there; its output if it completed by then.
-async fn cut_after<F: Future>(call: F, polls: usize) -> Option<F::Output> {
+pub(super) async fn cut_after<F: Future>(call: F, polls: usize) -> Option<F::Output> {
     let mut call = std::pin::pin!(call);
     for polled in 0..polls {
         if polled > 0 {
@@ -75,7 +75,7 @@ async fn cut_after<F: Future>(call: F, polls: usize) -> Option<F::Output> {
 }
 
 /// The failure of a call that never completed.
-fn never_completed(ctx: &Ctx<'_>, what: &str) -> Failure {
+pub(super) fn never_completed(ctx: &Ctx<'_>, what: &str) -> Failure {
     ctx.fail(
         format!("{what} to complete within {MAX_POLLS} polls"),
         "still pending",
