@@ -243,7 +243,7 @@ impl PgBuilder {
         Ok(PgAdvisoryBackend::from_client(client, self.pool_size))
     }
 
-    fn client(&self, max_connections: u32) -> Result<PgClient, LockError> {
+    pub(crate) fn client(&self, max_connections: u32) -> Result<PgClient, LockError> {
         let schema = Schema::new(&self.schema)?;
         if self.pool_size == 0 || self.pool_size > MAX_POOL_SIZE {
             return Err(LockError::Config(format!(

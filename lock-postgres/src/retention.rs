@@ -12,6 +12,12 @@
 //! statement, so concurrent acquires on a name wait for at most one batch), and one at a
 //! time across every process sharing the schema and table (a transaction-level advisory
 //! lock of that table and schema, which a sweep that finds it taken skips).
+//!
+//! A sweep that stops before the end of the table (it found the lock taken by another
+//! process's sweep, or a statement failed) leaves the name it reached, and the process's
+//! next sweep goes on from there: started again from the first name each time, sweeps cut
+//! off as often as not would only ever go over the table's first names. A sweep that
+//! reached the end leaves the first name.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -78,7 +84,8 @@ fn sweep_lock(schema: &Schema, table: Table) -> i64 {
 /// The statement for one batch: `$1` retention in µs, `$2` the last name of the previous
 /// batch (`''` at first), `$3` the sweep lock, `$4` the batch size, and for the advisory
 /// table `$5` the schema.
-/// Returns the batch's last name, how many names it looked at and how many rows it deleted.
+/// Returns whether it had the sweep lock, the batch's last name, how many names it looked
+/// at and how many rows it deleted.
 fn statement(schema: &Schema, table: Table) -> Arc<str> {
     let name = table.name();
     let (held, free) = match table {
@@ -105,7 +112,7 @@ fn statement(schema: &Schema, table: Table) -> Arc<str> {
          gone AS (DELETE FROM {{s}}.{name} t USING batch b \
                    WHERE t.name = b.name AND t.token < {{clock_us}} - $1 AND {free} \
                   RETURNING 1) \
-         SELECT (SELECT max(name) FROM batch) AS last, \
+         SELECT (SELECT ok FROM go) AS locked, (SELECT max(name) FROM batch) AS last, \
                 (SELECT count(*) FROM batch) AS scanned, \
                 (SELECT count(*) FROM gone) AS deleted"
     )))
@@ -124,19 +131,52 @@ struct Inner {
     lock: i64,
     retention: Duration,
     sweeps: Periodic,
+    /// Names looked at per statement.
+    batch: i64,
+    /// The last name the previous sweep looked at when it stopped before the end of the
+    /// table; empty once one reached the end.
+    resume: std::sync::Mutex<String>,
+}
+
+impl Inner {
+    fn new(client: &PgClient, backend: &'static str, table: Table) -> Self {
+        Self {
+            backend,
+            table,
+            sql: statement(&client.schema, table),
+            lock: sweep_lock(&client.schema, table),
+            retention: client.token_retention,
+            sweeps: Periodic::new(sweep_interval(client.token_retention)),
+            batch: BATCH,
+            resume: std::sync::Mutex::new(String::new()),
+        }
+    }
+
+    fn resume(&self) -> std::sync::MutexGuard<'_, String> {
+        self.resume
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// What one batch of a sweep did.
+#[derive(Debug, PartialEq, Eq)]
+enum Step {
+    /// Another process's sweep held the lock: nothing was looked at.
+    CutOff,
+    /// A batch looked at `scanned` names and deleted `deleted` rows; `more` when names
+    /// may follow.
+    Swept {
+        scanned: u64,
+        deleted: u64,
+        more: bool,
+    },
 }
 
 impl Sweeper {
     pub(crate) fn new(client: &PgClient, backend: &'static str, table: Table) -> Self {
         Self {
-            inner: Arc::new(Inner {
-                backend,
-                table,
-                sql: statement(&client.schema, table),
-                lock: sweep_lock(&client.schema, table),
-                retention: client.token_retention,
-                sweeps: Periodic::new(sweep_interval(client.token_retention)),
-            }),
+            inner: Arc::new(Inner::new(client, backend, table)),
         }
     }
 
@@ -149,7 +189,7 @@ impl Sweeper {
         };
         let (inner, client) = (Arc::clone(&self.inner), client.clone());
         turn.spawn(async move {
-            match sweep(&client, &inner).await {
+            match sweep(&client, &inner).await.map(|swept| swept.deleted) {
                 Ok(0) => {}
                 Ok(deleted) => debug!(
                     backend = inner.backend,
@@ -166,51 +206,86 @@ impl Sweeper {
     }
 }
 
-/// One sweep: batch after batch until the end of the table (or another process's sweep
-/// holds the lock). The number of rows deleted.
-async fn sweep(client: &PgClient, inner: &Inner) -> Result<u64, distlock_core::LockError> {
-    let retention_us = i64::try_from(inner.retention.as_micros()).unwrap_or(i64::MAX);
-    let mut after = String::new();
-    let mut deleted = 0u64;
+/// What a sweep did: names looked at, rows deleted.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct Swept {
+    scanned: u64,
+    deleted: u64,
+}
+
+/// One sweep: batch after batch from where the previous one stopped until the end of the
+/// table (or another process's sweep holds the lock).
+async fn sweep(client: &PgClient, inner: &Inner) -> Result<Swept, distlock_core::LockError> {
+    let mut swept = Swept::default();
     loop {
-        let mut conn = client.conn(inner.backend).await?;
-        let mut query = Statement::new(&inner.sql)
-            .bind(Value::Int8(retention_us))
-            .bind(Value::Text(after.as_str()))
-            .bind(Value::Int8(inner.lock))
-            .bind(Value::Int8(BATCH));
-        if let Table::AdvisoryTokens = inner.table {
-            query = query.bind(Value::Text(client.schema.as_str()));
-        }
-        let row = client
-            .timed(
-                inner.backend,
-                Operation::Purge,
-                query.fetch_optional(client.sending(), &mut conn),
-            )
-            .await;
-        let row = match row {
-            Ok(Some(row)) => row,
-            // The statement always returns one row.
-            Ok(None) => return Ok(deleted),
-            Err(failed) => {
-                if failed.broken {
-                    conn.close_on_drop();
+        match step(client, inner).await? {
+            Step::CutOff => return Ok(swept),
+            Step::Swept {
+                scanned,
+                deleted,
+                more,
+            } => {
+                swept.scanned += scanned;
+                swept.deleted += deleted;
+                if !more {
+                    return Ok(swept);
                 }
-                return Err(failed.error);
             }
-        };
-        let decode =
-            |e| crate::error::from_sqlx(inner.backend, Operation::Purge, &client.schema, e);
-        let last: Option<String> = row.try_get("last").map_err(decode)?;
-        let scanned: i64 = row.try_get("scanned").map_err(decode)?;
-        let gone: i64 = row.try_get("deleted").map_err(decode)?;
-        deleted += u64::try_from(gone).unwrap_or(0);
-        match last {
-            Some(last) if scanned == BATCH => after = last,
-            _ => return Ok(deleted),
         }
     }
+}
+
+/// One batch, from the name the sweep reached; moves that name on (back to the first one
+/// at the end of the table). A failed statement leaves it where it was.
+async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::LockError> {
+    let retention_us = i64::try_from(inner.retention.as_micros()).unwrap_or(i64::MAX);
+    let after = inner.resume().clone();
+    let mut conn = client.conn(inner.backend).await?;
+    let mut query = Statement::new(&inner.sql)
+        .bind(Value::Int8(retention_us))
+        .bind(Value::Text(after.as_str()))
+        .bind(Value::Int8(inner.lock))
+        .bind(Value::Int8(inner.batch));
+    if let Table::AdvisoryTokens = inner.table {
+        query = query.bind(Value::Text(client.schema.as_str()));
+    }
+    let row = client
+        .timed(
+            inner.backend,
+            Operation::Purge,
+            query.fetch_optional(client.sending(), &mut conn),
+        )
+        .await;
+    let row = match row {
+        Ok(Some(row)) => row,
+        // The statement always returns one row.
+        Ok(None) => return Ok(Step::CutOff),
+        Err(failed) => {
+            if failed.broken {
+                conn.close_on_drop();
+            }
+            return Err(failed.error);
+        }
+    };
+    let decode = |e| crate::error::from_sqlx(inner.backend, Operation::Purge, &client.schema, e);
+    let locked: bool = row.try_get("locked").map_err(decode)?;
+    if !locked {
+        return Ok(Step::CutOff);
+    }
+    let last: Option<String> = row.try_get("last").map_err(decode)?;
+    let scanned: i64 = row.try_get("scanned").map_err(decode)?;
+    let gone: i64 = row.try_get("deleted").map_err(decode)?;
+    let more = scanned == inner.batch && last.is_some();
+    *inner.resume() = if more {
+        last.unwrap_or_default()
+    } else {
+        String::new()
+    };
+    Ok(Step::Swept {
+        scanned: u64::try_from(scanned).unwrap_or(0),
+        deleted: u64::try_from(gone).unwrap_or(0),
+        more,
+    })
 }
 
 #[cfg(test)]
@@ -289,6 +364,93 @@ mod tests {
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
+        other.close().await.unwrap();
+    }
+
+    /// A sweep that looked at one batch and was then cut off by another process's sweep
+    /// (which holds the lock of the table and schema) leaves the name it reached: the
+    /// next sweep goes on from there, not from the first name, and one that reached the
+    /// end of the table leaves the first name for the next.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweep_cut_off_is_taken_up_where_it_stopped() {
+        const KEPT: u64 = 100;
+        const PAST: u64 = 150;
+        let server = harness::require(PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let builder = PgBuilder::new(server.url())
+            .schema("resumed")
+            .token_retention(RETENTION);
+        builder
+            .build_lease_backend()
+            .unwrap()
+            .setup()
+            .await
+            .unwrap();
+        let client = builder.client(2).unwrap();
+        // KEPT names first whose tokens are an hour ahead (kept), then PAST names whose
+        // tokens are long past the retention.
+        harness::require(
+            server
+                .psql(&format!(
+                    "INSERT INTO resumed.distlock_leases (name, owner, token, expires_at) \
+                     SELECT 'a' || lpad(i::text, 4, '0'), NULL, \
+                            (extract(epoch FROM clock_timestamp()) * 1000000)::bigint \
+                            + 3600000000, NULL FROM generate_series(1, {KEPT}) i; \
+                     INSERT INTO resumed.distlock_leases (name, owner, token, expires_at) \
+                     SELECT 'b' || lpad(i::text, 4, '0'), NULL, 1, NULL \
+                       FROM generate_series(1, {PAST}) i"
+                ))
+                .await,
+        );
+        let mut inner = Inner::new(&client, "postgres-lease", Table::Leases);
+        inner.batch = KEPT as i64;
+
+        // A sweep's first batch: the kept names.
+        assert_eq!(
+            step(&client, &inner).await.unwrap(),
+            Step::Swept {
+                scanned: KEPT,
+                deleted: 0,
+                more: true
+            }
+        );
+        // Another process's sweep holds the lock: this one is cut off.
+        let mut other = <sqlx::PgConnection as Connection>::connect(&server.url())
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(inner.lock)
+            .execute(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(step(&client, &inner).await.unwrap(), Step::CutOff);
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(inner.lock)
+            .execute(&mut other)
+            .await
+            .unwrap();
+
+        // The next sweep looks only at the names after the first batch.
+        assert_eq!(
+            sweep(&client, &inner).await.unwrap(),
+            Swept {
+                scanned: PAST,
+                deleted: PAST
+            },
+            "the sweep after the cut-off did not go on from where it stopped"
+        );
+        // That one reached the end: the next starts from the first name.
+        assert_eq!(
+            sweep(&client, &inner).await.unwrap(),
+            Swept {
+                scanned: KEPT,
+                deleted: 0
+            }
+        );
         other.close().await.unwrap();
     }
 
