@@ -69,13 +69,19 @@
 //!
 //! [`LeaderLayer`] is the other half, for scheduled jobs: it runs the inner service only
 //! in the process that leads the job's role, so N instances of a cron worker fire each
-//! tick once, with the leadership's token attached.
+//! tick once, with the leadership's token attached, and [`TickLayer`] on top of it runs
+//! each tick once across instances whatever their clocks and however leadership moves.
 
 mod job;
 mod leader;
 mod misses;
+mod tick;
 
 pub use job::{
     JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
+pub use tick::{
+    DEFAULT_CATCH_UP, DEFAULT_RETENTION, TICKS_CAUGHT_UP_TOTAL, TICKS_CLAIMED_ELSEWHERE_TOTAL,
+    TICKS_MISFIRED_TOTAL, TickLayer, TickLayerBuilder, TickService,
+};
