@@ -487,3 +487,6 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests;
