@@ -161,16 +161,24 @@ impl<R> TickLayerBuilder<R> {
 }
 
 /// Runs each tick of a schedule once across the instances of a scheduler, in the one that
-/// leads, whatever their clocks and however leadership moves; see the
-/// [module docs](self).
+/// leads, whatever their clocks and however leadership moves.
+///
+/// [`LeaderLayer`] alone runs a tick once per *leadership*: each instance fires a tick when
+/// its own clock reaches it, so at a hand-over to an instance whose clock is behind the
+/// tick runs twice, and to one whose clock is ahead it is lost. A `TickLayer` keys each run
+/// by the tick's *nominal* fire time, which every instance agrees on, read from the request
+/// by the `fire_time` it was given.
 ///
 /// Every instance fires every tick into its `TickService`; where this process leads, the
-/// service claims the tick by its nominal fire time and runs it only if the claim is
-/// taken, with the leadership's token, under
-/// [`LeaseStatus::while_held`](distlock_core::LeaseStatus::while_held), as
-/// [`LeaderLayer`] does. A tick claimed by another instance, or fired where another
-/// instance leads, answers `Ok(None)`. When this process gains leadership it runs the
-/// latest tick it fired as a standby, if unclaimed and within the catch-up window: in the
+/// service claims the tick and runs it only if the claim is taken, with the leadership's
+/// token, under [`LeaseStatus::while_held`](distlock_core::LeaseStatus::while_held), as
+/// [`LeaderLayer`] does. The claim is a lease on
+/// `<election key>:tick:<schedule>:<fire time in ms>`, taken with the retention TTL and
+/// never released: while it lasts no other instance takes it, and the tick never runs
+/// again. A tick claimed by another instance, older than the catch-up window, or fired
+/// where another instance leads answers `Ok(None)`. When this process gains leadership it
+/// runs at once the latest tick it fired as a standby, if nobody claimed it and it is
+/// within the catch-up window (Quartz's "fire once now" misfire policy): in the
 /// background, its result logged.
 ///
 /// A claim is taken before the tick runs and never released: a leader that crashes
