@@ -47,6 +47,20 @@
 //! drops a connection that has answered and connects again. Bounded by the client alone,
 //! each attempt left a session behind, still waiting for the lock.
 //!
+//! # A lock table that is full
+//!
+//! Each registration is a shared lock in PostgreSQL's lock table, which every session of
+//! the server shares (`max_locks_per_transaction` times the connection slots, plus spare
+//! shared memory). When it is full, registering fails with "out of shared memory"
+//! (SQLSTATE 53200), and the listener drops its connection, which frees whatever part of
+//! the registration the server had granted (a session lock outlives the failed statement
+//! that took it, but not the session). It then connects again after a pause that doubles
+//! each time this happens, as after a failed connection, instead of after the first pause
+//! of a lost one: registering again at once filled the lock table again about ten times a
+//! second, for the listener and for every other session of the server. It says so once at
+//! `warn` level, naming the setting, until a registration succeeds again; waiters poll
+//! with their backoff meanwhile.
+//!
 //! # Lifetime
 //!
 //! The listener's lifecycle (started by the first watch, connected again with a growing
@@ -54,8 +68,10 @@
 //! [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows PostgreSQL.
 
 use std::collections::{HashMap, HashSet};
+use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use distlock_core::LockKey;
@@ -64,7 +80,7 @@ use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::watch;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::PgPooling;
 use crate::announcer::Announcer;
@@ -106,6 +122,9 @@ pub(crate) struct Follower {
     request_timeout: Duration,
     /// [`keepalive_sql`] for `request_timeout`.
     keepalive: Arc<str>,
+    /// Whether the warning about a full lock table was given since the last registration
+    /// that succeeded.
+    warned_lock_table: AtomicBool,
 }
 
 impl ReleaseListener {
@@ -137,6 +156,7 @@ impl ReleaseListener {
                 connect_timeout,
                 request_timeout,
                 keepalive: keepalive_sql(request_timeout).into(),
+                warned_lock_table: AtomicBool::new(false),
             }),
             stop: watch::channel(()).0,
             pooling,
@@ -233,12 +253,41 @@ impl FollowReleases for Follower {
     }
 }
 
-/// Why the listener stopped following its connection, for the log.
-type Lost = String;
+/// Why the listener stopped following its connection.
+enum Lost {
+    /// The connection failed, was closed, or did not answer in time (the reason).
+    Connection(String),
+    /// Registering the watched keys found the server's lock table full (the error).
+    LockTableFull(String),
+}
+
+impl Lost {
+    fn from_sqlx(e: &sqlx::Error) -> Self {
+        match e {
+            sqlx::Error::Database(db) if db.code().as_deref() == Some(OUT_OF_MEMORY) => {
+                Self::LockTableFull(e.to_string())
+            }
+            _ => Self::Connection(e.to_string()),
+        }
+    }
+}
+
+impl fmt::Display for Lost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Connection(why) | Self::LockTableFull(why) => f.write_str(why),
+        }
+    }
+}
+
+/// SQLSTATE `out_of_memory`: among others, "out of shared memory" from a full lock table.
+const OUT_OF_MEMORY: &str = "53200";
 
 impl Follower {
     /// Connects, listens, registers the watched keys and wakes waiters from the
-    /// notifications until the connection is lost. True if the `LISTEN` ran.
+    /// notifications until the connection is lost. True if the `LISTEN` ran and the
+    /// connection was then lost; false when it failed before, or the lock table was full
+    /// (see "A lock table that is full" above): the pause before the next attempt doubles.
     async fn follow_pool(&self, pool: &PgPool, releases: &Releases) -> bool {
         let mut listener = match PgListener::connect_with(pool).await {
             Ok(listener) => listener,
@@ -262,6 +311,21 @@ impl Follower {
         let lost = self
             .follow_listening(&mut listener, releases, &mut registered)
             .await;
+        if let Lost::LockTableFull(error) = &lost {
+            let watched = releases.watched_keys().len();
+            if self.warned_lock_table.swap(true, Ordering::Relaxed) {
+                debug!(%error, watched, "the release listener cannot register its keys");
+            } else {
+                warn!(
+                    %error,
+                    watched,
+                    "the release listener cannot register the keys its waiters watch: the \
+                     server's lock table is full (raise max_locks_per_transaction); waiters \
+                     poll with their backoff, and the listener tries again after a growing pause"
+                );
+            }
+            return false;
+        }
         debug!(%lost, "the release listener's connection was lost");
         true
     }
@@ -287,8 +351,8 @@ impl Follower {
                                 releases.wake(&key);
                             }
                         }
-                        Ok(Ok(None)) => return "closed".to_owned(),
-                        Ok(Err(e)) => return e.to_string(),
+                        Ok(Ok(None)) => return Lost::Connection("closed".to_owned()),
+                        Ok(Err(e)) => return Lost::from_sqlx(&e),
                         // Quiet for a while: a connection that died silently would stay
                         // quiet forever, so it must answer a ping.
                         Err(_) => {
@@ -332,6 +396,7 @@ impl Follower {
                 .map(|k| waiter_id(self.mode, &self.schema, k))
                 .collect();
             self.run(listener, REGISTER, &ids).await?;
+            self.warned_lock_table.store(false, Ordering::Relaxed);
             for (key, id) in new.into_iter().zip(ids) {
                 releases.wake(&key);
                 registered.insert(key, id);
@@ -362,8 +427,11 @@ impl Follower {
     ) -> Result<(), Lost> {
         match tokio::time::timeout(self.request_timeout, statement).await {
             Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(e.to_string()),
-            Err(_) => Err(format!("no reply within {:?}", self.request_timeout)),
+            Ok(Err(e)) => Err(Lost::from_sqlx(&e)),
+            Err(_) => Err(Lost::Connection(format!(
+                "no reply within {:?}",
+                self.request_timeout
+            ))),
         }
     }
 }
@@ -560,6 +628,70 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         drop(watch);
+    }
+
+    /// With the server's lock table nearly full (another session holds 16,000 advisory
+    /// locks; the test server has room for 23,000 to 24,000), registering the 10,000 keys
+    /// the waiters watch fails with "out of shared memory". The listener connects again (a registration cannot be kept in part), but
+    /// with a pause that doubles from the first (100 ms) up to the longest (2 s), not the
+    /// first pause each time: in 10 s at most as many connections as that schedule
+    /// allows, and at least two (it did fail and try again).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_lock_table_makes_the_listener_try_again_after_a_growing_pause() {
+        const HELD: i64 = 16_000;
+        const WATCHED: usize = 10_000;
+        const WINDOW: Duration = Duration::from_secs(10);
+        let server = server().await;
+        let proxy = harness::require(harness::proxy::FaultProxy::start(server.addr()).await);
+        let url = format!(
+            "postgres://{}:{}@{}/postgres",
+            harness::postgres::USER,
+            harness::postgres::PASSWORD,
+            proxy.addr()
+        );
+        let backend = PgBuilder::new(url).build_lease_backend().unwrap();
+        backend.setup().await.unwrap();
+        backend.connect().await.unwrap();
+        let mut holder = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url())
+            .await
+            .unwrap();
+        sqlx::query("SELECT count(pg_advisory_lock(-i)) FROM generate_series(1, $1::bigint) AS i")
+            .bind(HELD)
+            .execute(&mut holder)
+            .await
+            .unwrap();
+
+        let before = proxy.accepted();
+        let watches: Vec<ReleaseWatch> = (0..WATCHED)
+            .map(|i| {
+                backend
+                    .watch_releases(&key(&format!("full:{i}")))
+                    .expect("in a runtime")
+            })
+            .collect();
+        tokio::time::sleep(WINDOW).await;
+        let connections = proxy.accepted() - before;
+
+        // Attempts the doubling schedule allows in the window: the first at once, then one
+        // after each pause that fits.
+        let (mut allowed, mut pause, mut spent) =
+            (1u64, Duration::from_millis(100), Duration::ZERO);
+        while spent + pause <= WINDOW {
+            spent += pause;
+            allowed += 1;
+            pause = (pause * 2).min(Duration::from_secs(2));
+        }
+        assert!(
+            connections >= 2,
+            "the listener connected {connections} times: its registration never failed"
+        );
+        assert!(
+            connections <= allowed,
+            "the listener connected {connections} times in {WINDOW:?} with the lock table \
+             full; a pause doubling from 100 ms to 2 s allows {allowed}"
+        );
+        sqlx::Connection::close(holder).await.unwrap();
+        drop(watches);
     }
 
     #[test]
