@@ -5,7 +5,11 @@
 //! The waiters here hold their permits with the long TTL (20 TTLs, at least 10 s): a slot
 //! an abandoned attempt left held would stay held that long, where one given back is free
 //! again after a release's round trip; the cases allow [`given_back_within`] for that,
-//! far less.
+//! far less. Where the factory can delay the link ([`Factory::link`]), the waiter's
+//! attempt runs with every request and reply delayed by [`ON_ITS_WAY`], so that many cut
+//! points fall after the store granted a slot and before its reply came back (on a
+//! loopback link that window is a fraction of a poll); the delay is lifted before the
+//! checks.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -19,6 +23,23 @@ use super::locker::locker;
 use super::release_held;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
+
+/// The link delay each way while the waiter's attempt is cut, where the factory has one.
+const ON_ITS_WAY: Duration = Duration::from_millis(20);
+
+/// Delays the link by [`ON_ITS_WAY`], where the factory can.
+async fn slow_link(ctx: &Ctx<'_>) {
+    if let Some(link) = ctx.factory().link() {
+        link.delay(ON_ITS_WAY).await;
+    }
+}
+
+/// Lifts [`slow_link`]'s delay.
+async fn heal_link(ctx: &Ctx<'_>) {
+    if let Some(link) = ctx.factory().link() {
+        link.heal().await;
+    }
+}
 
 /// How long after an attempt was abandoned a slot it took may stay held: its release's
 /// round trips, with room for a loaded machine (2 TTLs plus 2 s), and well under the
@@ -115,7 +136,8 @@ pub async fn dropped_permit_acquire_mid_wait_leaves_no_permit_held(
     for polls in 1..=MAX_POLLS {
         let semaphore = ctx.semaphore(&waiter, &format!("mid-wait-{polls}"), 2)?;
         let held = fill(&ctx, &holder, &semaphore, &t).await?;
-        let mut acquire = std::pin::pin!(semaphore.acquire());
+        // Boxed, so that the cut drops the wait itself, not a pin of it.
+        let mut acquire = Box::pin(semaphore.acquire());
         // Mid-wait: its first attempt was refused (the semaphore is full).
         let started = Instant::now();
         while !refused(&ctx, &semaphore) {
@@ -131,8 +153,10 @@ pub async fn dropped_permit_acquire_mid_wait_leaves_no_permit_held(
             sleep(BETWEEN_POLLS).await;
         }
         release_held(&ctx, &holder, &held[1]).await?;
+        slow_link(&ctx).await;
         let outcome = cut_after(acquire, polls).await;
         let cut = Instant::now();
+        heal_link(&ctx).await;
         let what = format!("a permit wait dropped {polls} poll(s) after a permit was freed");
         match outcome {
             Some(permit) => {
@@ -183,8 +207,10 @@ pub async fn timed_out_permit_acquire_leaves_no_permit_held(
     release_held(&ctx, &holder, &held[1]).await?;
     for ms in 1..=u64::try_from(MAX_POLLS).unwrap_or(u64::MAX) {
         let wait = Duration::from_millis(ms);
+        slow_link(&ctx).await;
         let waited = semaphore.acquire_timeout(wait).await;
         let cut = Instant::now();
+        heal_link(&ctx).await;
         match waited {
             Ok(permit) => {
                 super::guard_released(&ctx, permit.release().await)?;
