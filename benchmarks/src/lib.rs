@@ -7,8 +7,10 @@
 //!   baselines and the `rslock` peer it is compared with, behind one [`subjects::Subject`]
 //!   interface (one acquire + release cycle per call);
 //! * [`load`]: closed-loop load at a given concurrency, with latency histograms;
+//! * [`plan`]: how much a run measures, full or quick;
 //! * [`scenarios`]: the measurements of the capacity report (concurrency sweep, one
-//!   contended key, batches, memory per held guard) and the targets they are judged by;
+//!   contended key, batches, memory per held guard) and the targets they are judged by
+//!   ([`target`]);
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
 //! * [`placed`]: the Redis pairs with redis-server and the client sharing cores and
 //!   pinned apart;
@@ -23,4 +25,4 @@ pub mod placed;
 pub mod server_cost;
 pub mod subjects;
 
-pub use capacity::{BenchError, deployment, load, machine, report, scenarios};
+pub use capacity::{BenchError, deployment, load, machine, plan, report, scenarios, target};

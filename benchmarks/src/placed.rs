@@ -5,7 +5,7 @@ use std::sync::Arc;
 use crate::BenchError;
 use crate::subjects::{self, Servers, Store};
 use capacity::placement::{self, Open, PlacedPairs};
-use capacity::scenarios::Plan;
+use capacity::plan::Plan;
 
 /// Opens distlock, rslock, the two-step design and raw `SET NX` + `DEL` on the run's
 /// redis-server and measures them at 16 and 64 tasks, shared and pinned (a pinned round

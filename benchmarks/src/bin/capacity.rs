@@ -15,15 +15,20 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use benchmarks::BenchError;
-use benchmarks::load::{self, Keys};
+use benchmarks::load::{self, Keys, Sample};
 use benchmarks::machine::Machine;
+use benchmarks::plan::Plan;
 use benchmarks::report::Report;
-use benchmarks::scenarios::{self, GuardMemory, Plan, Results};
-use benchmarks::subjects::{self, Servers, Store, SubjectId};
+use benchmarks::scenarios::{self, GuardMemory, Paired, RedisServerCost, Results};
+use benchmarks::subjects::{self, Servers, Store, Subject, SubjectId};
+use benchmarks::target::Target;
+use capacity::handoff::HandoffRow;
 use clap::Parser;
+use distlock_core::LockBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Measures distlock's backends beside raw-client baselines and writes a capacity report.
@@ -202,118 +207,137 @@ async fn handoff_only(args: &Args) -> Result<(), BenchError> {
 async fn pairs_only(args: &Args) -> Result<(), BenchError> {
     let (plan, backends, servers) = start_selected(args).await?;
     for (a, b, level) in scenarios::TARGET_PAIRS {
-        if !backends.contains(&a) {
-            continue;
+        if backends.contains(&a) {
+            print_pair(a, b, level, &servers, &plan).await?;
         }
-        let sa = subjects::open(a, &servers).await?;
-        let sb = subjects::open(b, &servers).await?;
-        // The server's cost under load only where the report has it: Redis.
-        if a.store() == Store::Redis {
-            for s in [&sa, &sb] {
-                let cost =
-                    benchmarks::server_cost::loaded_cycle_cost(&servers, s, level, plan.duration)
-                        .await?;
-                println!(
-                    "{:>16} {level:>3} tasks {:>9.0} cycles/s  server: {:.2} µs CPU and {:.2} \
-                     commands per cycle",
-                    s.id().slug(),
-                    cost.cycles_per_sec,
-                    cost.cpu_us_per_cycle,
-                    cost.commands_per_cycle
-                );
-            }
-        }
-        let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, &plan).await;
-        sa.close().await;
-        sb.close().await;
-        let pair = pair?;
-        let rounds = |r: &[f64]| {
-            r.iter()
-                .map(|v| format!("{v:.2}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        };
-        println!(
-            "{} / {} at {level} tasks: cycles/s {:.2}x (rounds {}), acquire p50 {:.2}x (rounds {})",
-            a.slug(),
-            b.slug(),
-            pair.throughput_ratio(),
-            rounds(&pair.throughput_ratios),
-            pair.acquire_p50_ratio(),
-            rounds(&pair.acquire_p50_ratios)
-        );
     }
     if backends.contains(&SubjectId::Redis) {
-        let placed = benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
-            eprintln!("{m}");
-        })
-        .await?;
-        println!("\nredis pairs, shared and pinned\n");
-        println!("{}", placed.markdown(plan.duration / 3));
-        for t in placed.targets() {
-            print_target(&t);
-        }
-        println!();
-        let redis = subjects::open(SubjectId::Redis, &servers).await?;
-        let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
-        let rslock = subjects::open(SubjectId::Rslock, &servers).await?;
-        let calls = if args.quick { 200 } else { 5_000 };
-        let cost =
-            benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, &rslock, calls)
-                .await?;
-        let us = |subject: SubjectId| {
-            cost.cycle_us
-                .iter()
-                .find(|(s, _)| *s == subject)
-                .map_or(f64::NAN, |(_, us)| *us)
-        };
-        let ratios: Vec<String> = cost
-            .sequential_ratios()
-            .iter()
-            .map(|r| format!("{r:.2}"))
-            .collect();
-        println!(
-            "redis server µs per fresh-key cycle (median of {} rounds, {calls} cycles each): \
-             distlock {:.2}, rslock {:.2}, raw SET NX + DEL {:.2}; distlock / rslock {:.2}x \
-             (rounds {})",
-            cost.cycle_rounds.len(),
-            us(SubjectId::Redis),
-            us(SubjectId::Rslock),
-            us(SubjectId::RedisSetNx),
-            cost.sequential_ratio().unwrap_or(f64::NAN),
-            ratios.join(" ")
-        );
+        print_redis_pairs(&servers, &plan).await?;
+        print_redis_cycle_cost(args, &servers).await?;
     }
     for id in backends {
-        let subject = subjects::open(id, &servers).await?;
-        if let Some(backend) = subject.backend() {
-            for &size in &plan.batch_sizes {
-                let redis = id.store() == Store::Redis;
-                if redis {
-                    servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
-                }
-                let row = scenarios::batch(id, &backend, size, plan.batch_reps).await?;
-                let server = if redis {
-                    let info = servers.redis_command(&["INFO", "commandstats"]).await?;
-                    let keys = (size * plan.batch_reps.max(1)) as f64;
-                    format!(
-                        ", server µs per key: {:.2} (acquire, renew and release)",
-                        scenarios::usec_of(&info, &["evalsha"]) / keys
-                    )
-                } else {
-                    String::new()
-                };
-                let rate = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.0}"));
-                println!(
-                    "{} batches of {size}: acquire_many {} keys/s, renew_many {} keys/s{server}",
-                    id.slug(),
-                    rate(row.acquire_keys_per_sec),
-                    rate(row.renew_keys_per_sec)
-                );
-            }
-        }
-        subject.close().await;
+        print_batches(id, &servers, &plan).await?;
     }
+    Ok(())
+}
+
+/// The target pair `a` / `b` at `level` tasks, round by round; on Redis each side's
+/// server cost under load first.
+async fn print_pair(
+    a: SubjectId,
+    b: SubjectId,
+    level: usize,
+    servers: &Servers,
+    plan: &Plan,
+) -> Result<(), BenchError> {
+    let sa = subjects::open(a, servers).await?;
+    let sb = subjects::open(b, servers).await?;
+    // The server's cost under load only where the report has it: Redis.
+    if a.store() == Store::Redis {
+        for s in [&sa, &sb] {
+            let cost = benchmarks::server_cost::loaded_cycle_cost(servers, s, level, plan.duration)
+                .await?;
+            println!(
+                "{:>16} {level:>3} tasks {:>9.0} cycles/s  server: {:.2} µs CPU and {:.2} \
+                 commands per cycle",
+                s.id().slug(),
+                cost.cycles_per_sec,
+                cost.cpu_us_per_cycle,
+                cost.commands_per_cycle
+            );
+        }
+    }
+    let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, plan).await;
+    sa.close().await;
+    sb.close().await;
+    let pair = pair?;
+    println!(
+        "{} / {} at {level} tasks: cycles/s {:.2}x (rounds {}), acquire p50 {:.2}x (rounds {})",
+        a.slug(),
+        b.slug(),
+        pair.throughput_ratio(),
+        rounds(&pair.throughput_ratios, 2),
+        pair.acquire_p50_ratio(),
+        rounds(&pair.acquire_p50_ratios, 2)
+    );
+    Ok(())
+}
+
+/// The Redis pairs shared and pinned, as the report's table, with their targets.
+async fn print_redis_pairs(servers: &Servers, plan: &Plan) -> Result<(), BenchError> {
+    let placed = benchmarks::placed::redis_placed_pairs(servers, plan, |m| {
+        eprintln!("{m}");
+    })
+    .await?;
+    println!("\nredis pairs, shared and pinned\n");
+    println!("{}", placed.markdown(plan.duration / 3));
+    for t in placed.targets() {
+        print_target(&t);
+    }
+    println!();
+    Ok(())
+}
+
+/// What the Redis server spends per fresh-key cycle of distlock, rslock and raw
+/// `SET NX` + `DEL`.
+async fn print_redis_cycle_cost(args: &Args, servers: &Servers) -> Result<(), BenchError> {
+    let redis = subjects::open(SubjectId::Redis, servers).await?;
+    let raw = subjects::open(SubjectId::RedisSetNx, servers).await?;
+    let rslock = subjects::open(SubjectId::Rslock, servers).await?;
+    let calls = if args.quick { 200 } else { 5_000 };
+    let cost =
+        benchmarks::server_cost::redis_server_cost(servers, &redis, &raw, &rslock, calls).await?;
+    let us = |subject: SubjectId| {
+        cost.cycle_us
+            .iter()
+            .find(|(s, _)| *s == subject)
+            .map_or(f64::NAN, |(_, us)| *us)
+    };
+    println!(
+        "redis server µs per fresh-key cycle (median of {} rounds, {calls} cycles each): \
+         distlock {:.2}, rslock {:.2}, raw SET NX + DEL {:.2}; distlock / rslock {:.2}x \
+         (rounds {})",
+        cost.cycle_rounds.len(),
+        us(SubjectId::Redis),
+        us(SubjectId::Rslock),
+        us(SubjectId::RedisSetNx),
+        cost.sequential_ratio().unwrap_or(f64::NAN),
+        rounds(&cost.sequential_ratios(), 2)
+    );
+    Ok(())
+}
+
+/// The batch rates of the backend `id` at each size; on Redis also the server's time
+/// per key.
+async fn print_batches(id: SubjectId, servers: &Servers, plan: &Plan) -> Result<(), BenchError> {
+    let subject = subjects::open(id, servers).await?;
+    if let Some(backend) = subject.backend() {
+        for &size in &plan.batch_sizes {
+            let redis = id.store() == Store::Redis;
+            if redis {
+                servers.redis_command(&["CONFIG", "RESETSTAT"]).await?;
+            }
+            let row = scenarios::batch(id, &backend, size, plan.batch_reps).await?;
+            let server = if redis {
+                let info = servers.redis_command(&["INFO", "commandstats"]).await?;
+                let keys = (size * plan.batch_reps.max(1)) as f64;
+                format!(
+                    ", server µs per key: {:.2} (acquire, renew and release)",
+                    scenarios::usec_of(&info, &["evalsha"]) / keys
+                )
+            } else {
+                String::new()
+            };
+            let rate = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.0}"));
+            println!(
+                "{} batches of {size}: acquire_many {} keys/s, renew_many {} keys/s{server}",
+                id.slug(),
+                rate(row.acquire_keys_per_sec),
+                rate(row.renew_keys_per_sec)
+            );
+        }
+    }
+    subject.close().await;
     Ok(())
 }
 
@@ -464,15 +488,85 @@ async fn waited_releases(
     measured.map(Some)
 }
 
+/// The full report: every selected backend and its stores' baselines, measured in turn
+/// against servers started for the run, then the report written.
 async fn run(args: &Args) -> Result<(), BenchError> {
     let plan = plan(args);
     let backends = selected_backends(args)?;
     let stores = stores_of(&backends);
-    let subjects: Vec<SubjectId> = SubjectId::ALL
+    let subjects = subjects_of(&backends, &stores);
+    let absent = not_selected(&backends);
+    let machine = machine(args);
+    let bar = progress_bar(&subjects, &plan);
+    bar.set_message(format!(
+        "starting servers: {}",
+        stores
+            .iter()
+            .map(|s| s.name())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    let servers = Servers::start(&stores).await?;
+    bar.inc(1);
+
+    let mut results = Results::default();
+    let mut contention = Contention::default();
+    for &id in &subjects {
+        measure_subject(id, &servers, &plan, &bar, &mut results, &mut contention).await?;
+    }
+    results.paired = target_pairs(&subjects, &servers, &plan, &bar).await?;
+    if subjects.contains(&SubjectId::Redis) {
+        results.placed = Some(
+            benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
+                bar.set_message(m.to_owned());
+            })
+            .await?,
+        );
+    }
+    bar.inc(1);
+    for &id in &backends {
+        measure_waiters_and_permits(id, &servers, &plan, &bar, &mut results).await?;
+    }
+    let redis_cost = if subjects.contains(&SubjectId::Redis) {
+        Some(redis_cost(args, &servers, &plan, &bar).await?)
+    } else {
+        None
+    };
+    drop(servers);
+
+    bar.set_message(format!("memory: holding {} guards", plan.guards));
+    bar.inc(1);
+    results.memory = Some(measure_guard_memory(&plan).await?);
+    bar.inc(1);
+    bar.finish_with_message("done");
+
+    write_report(
+        args,
+        Report {
+            machine,
+            mode: if args.quick { "quick" } else { "full" }.into(),
+            plan,
+            results,
+            contended: contention.contended,
+            handoffs: contention.handoffs,
+            renew: contention.renew,
+            redis_cost,
+            absent,
+        },
+    )
+}
+
+/// The subjects a run measures: the selected backends, and the baselines of their stores.
+fn subjects_of(backends: &[SubjectId], stores: &[Store]) -> Vec<SubjectId> {
+    SubjectId::ALL
         .into_iter()
         .filter(|s| backends.contains(s) || (!s.is_backend() && stores.contains(&s.store())))
-        .collect();
-    let absent: Vec<String> = SubjectId::BACKENDS
+        .collect()
+}
+
+/// The report's line for each backend left out of the run.
+fn not_selected(backends: &[SubjectId]) -> Vec<String> {
+    SubjectId::BACKENDS
         .into_iter()
         .filter(|b| !backends.contains(b))
         .map(|b| {
@@ -481,8 +575,11 @@ async fn run(args: &Args) -> Result<(), BenchError> {
                 b.slug()
             )
         })
-        .collect();
+        .collect()
+}
 
+/// The machine and its servers' versions, printed at the start of the run.
+fn machine(args: &Args) -> Machine {
     let machine = ["redis-server", "postgres", "etcd"]
         .into_iter()
         .fold(Machine::detect(), |machine, server| {
@@ -498,7 +595,11 @@ async fn run(args: &Args) -> Result<(), BenchError> {
     );
     let versions: Vec<&str> = machine.servers.iter().map(|(_, v)| v.as_str()).collect();
     println!("servers: {}", versions.join(" | "));
+    machine
+}
 
+/// The run's progress bar, one step per measurement.
+fn progress_bar(subjects: &[SubjectId], plan: &Plan) -> ProgressBar {
     let backend_count = subjects.iter().filter(|s| s.is_backend()).count();
     let steps =
         subjects.len() * plan.levels.len() + backend_count * (2 + plan.batch_sizes.len()) + 2;
@@ -507,104 +608,136 @@ async fn run(args: &Args) -> Result<(), BenchError> {
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
-    bar.set_message(format!(
-        "starting servers: {}",
-        stores
-            .iter()
-            .map(|s| s.name())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ));
-    let servers = Servers::start(&stores).await?;
-    bar.inc(1);
+    bar
+}
 
-    let mut results = Results::default();
-    let mut contended = Vec::new();
-    let mut handoffs = Vec::new();
-    let mut renew = Vec::new();
-    for &id in &subjects {
-        bar.set_message(format!("{}: connecting", id.slug()));
-        let subject = subjects::open(id, &servers).await?;
-        let samples = scenarios::sweep(subject.clone(), &plan, |level| {
-            bar.set_message(format!("{}: {level} tasks", id.slug()));
-        })
-        .await;
-        bar.inc(u64::try_from(plan.levels.len()).unwrap_or(0));
-        let samples = match samples {
-            Ok(s) => s,
-            Err(e) => {
-                subject.close().await;
-                return Err(e);
-            }
-        };
-        for s in &samples {
-            // `suspend` prints even when the bar is hidden (output not a terminal).
-            bar.suspend(|| {
-                println!(
-                    "{:>24} {:>3} tasks {:>10.0} cycles/s  p50 {:>7.0} µs  p99 {:>7.0} µs",
-                    id.slug(),
-                    s.concurrency,
-                    s.ops_per_sec(),
-                    s.cycle_us(0.5),
-                    s.cycle_us(0.99)
-                );
-            });
+/// What the report has of each backend under contention, beside the sweep.
+#[derive(Default)]
+struct Contention {
+    /// One contended key.
+    contended: Vec<Sample>,
+    /// Handoffs of one key among waiting tasks, notified and polling.
+    handoffs: Vec<HandoffRow>,
+    /// Renewals per second of one lease.
+    renew: Vec<(SubjectId, f64)>,
+}
+
+/// The sweep of `id`, printed sample by sample, and of a backend what
+/// [`measure_backend`] measures.
+async fn measure_subject(
+    id: SubjectId,
+    servers: &Servers,
+    plan: &Plan,
+    bar: &ProgressBar,
+    results: &mut Results,
+    contention: &mut Contention,
+) -> Result<(), BenchError> {
+    bar.set_message(format!("{}: connecting", id.slug()));
+    let subject = subjects::open(id, servers).await?;
+    let samples = scenarios::sweep(subject.clone(), plan, |level| {
+        bar.set_message(format!("{}: {level} tasks", id.slug()));
+    })
+    .await;
+    bar.inc(u64::try_from(plan.levels.len()).unwrap_or(0));
+    let samples = match samples {
+        Ok(s) => s,
+        Err(e) => {
+            subject.close().await;
+            return Err(e);
         }
-        results.sweep.extend(samples);
-        if let Some(backend) = subject.backend() {
-            bar.set_message(format!(
-                "{}: one key, {} tasks",
+    };
+    for s in &samples {
+        // `suspend` prints even when the bar is hidden (output not a terminal).
+        bar.suspend(|| {
+            println!(
+                "{:>24} {:>3} tasks {:>10.0} cycles/s  p50 {:>7.0} µs  p99 {:>7.0} µs",
                 id.slug(),
-                plan.contended_tasks
-            ));
-            contended.push(
-                load::closed_loop(
-                    subject.clone(),
-                    plan.contended_tasks,
-                    Keys::Shared,
-                    plan.warmup,
-                    plan.duration,
-                )
-                .await?,
+                s.concurrency,
+                s.ops_per_sec(),
+                s.cycle_us(0.5),
+                s.cycle_us(0.99)
             );
-            bar.inc(1);
-            for notified in [true, false] {
-                if notified && !backend.capabilities().wakes_waiters {
-                    continue;
-                }
-                bar.set_message(format!(
-                    "{}: handoff among {} waiters{}",
-                    id.slug(),
-                    plan.contended_tasks,
-                    if notified { ", notified" } else { ", polling" }
-                ));
-                handoffs.push(
-                    capacity::handoff::handoff(
-                        id,
-                        backend.clone(),
-                        plan.contended_tasks,
-                        plan.handoffs,
-                        notified,
-                    )
-                    .await?,
-                );
-            }
-            bar.set_message(format!("{}: renew", id.slug()));
-            renew.push((
-                id,
-                scenarios::renew_rate(id, &backend, plan.duration).await?,
-            ));
-            bar.inc(1);
-            for &size in &plan.batch_sizes {
-                bar.set_message(format!("{}: batches of {size}", id.slug()));
-                results
-                    .batches
-                    .push(scenarios::batch(id, &backend, size, plan.batch_reps).await?);
-                bar.inc(1);
-            }
-        }
-        subject.close().await;
+        });
     }
+    results.sweep.extend(samples);
+    if let Some(backend) = subject.backend() {
+        measure_backend(id, &subject, &backend, plan, bar, results, contention).await?;
+    }
+    subject.close().await;
+    Ok(())
+}
+
+/// One contended key, the handoffs (notified where the backend wakes waiters, and
+/// polling), the renew rate and the batches of the backend `id`.
+async fn measure_backend(
+    id: SubjectId,
+    subject: &Arc<dyn Subject>,
+    backend: &Arc<dyn LockBackend>,
+    plan: &Plan,
+    bar: &ProgressBar,
+    results: &mut Results,
+    contention: &mut Contention,
+) -> Result<(), BenchError> {
+    bar.set_message(format!(
+        "{}: one key, {} tasks",
+        id.slug(),
+        plan.contended_tasks
+    ));
+    contention.contended.push(
+        load::closed_loop(
+            subject.clone(),
+            plan.contended_tasks,
+            Keys::Shared,
+            plan.warmup,
+            plan.duration,
+        )
+        .await?,
+    );
+    bar.inc(1);
+    for notified in [true, false] {
+        if notified && !backend.capabilities().wakes_waiters {
+            continue;
+        }
+        bar.set_message(format!(
+            "{}: handoff among {} waiters{}",
+            id.slug(),
+            plan.contended_tasks,
+            if notified { ", notified" } else { ", polling" }
+        ));
+        contention.handoffs.push(
+            capacity::handoff::handoff(
+                id,
+                backend.clone(),
+                plan.contended_tasks,
+                plan.handoffs,
+                notified,
+            )
+            .await?,
+        );
+    }
+    bar.set_message(format!("{}: renew", id.slug()));
+    contention
+        .renew
+        .push((id, scenarios::renew_rate(id, backend, plan.duration).await?));
+    bar.inc(1);
+    for &size in &plan.batch_sizes {
+        bar.set_message(format!("{}: batches of {size}", id.slug()));
+        results
+            .batches
+            .push(scenarios::batch(id, backend, size, plan.batch_reps).await?);
+        bar.inc(1);
+    }
+    Ok(())
+}
+
+/// The interleaved pairs of [`scenarios::TARGET_PAIRS`] whose subjects both run.
+async fn target_pairs(
+    subjects: &[SubjectId],
+    servers: &Servers,
+    plan: &Plan,
+    bar: &ProgressBar,
+) -> Result<Vec<Paired>, BenchError> {
+    let mut paired = Vec::new();
     for (a, b, level) in scenarios::TARGET_PAIRS {
         if !(subjects.contains(&a) && subjects.contains(&b)) {
             continue;
@@ -614,87 +747,78 @@ async fn run(args: &Args) -> Result<(), BenchError> {
             a.slug(),
             b.slug()
         ));
-        let sa = subjects::open(a, &servers).await?;
-        let sb = subjects::open(b, &servers).await?;
-        let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, &plan).await;
+        let sa = subjects::open(a, servers).await?;
+        let sb = subjects::open(b, servers).await?;
+        let pair = scenarios::paired(sa.clone(), sb.clone(), level, plan.pair_rounds, plan).await;
         sa.close().await;
         sb.close().await;
-        results.paired.push(pair?);
+        paired.push(pair?);
     }
-    if subjects.contains(&SubjectId::Redis) {
-        results.placed = Some(
-            benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
-                bar.set_message(m.to_owned());
-            })
-            .await?,
-        );
-    }
-    bar.inc(1);
-    for &id in &backends {
-        bar.set_message(format!(
-            "{}: {} tasks, a waiter on every key and none, alternating",
-            id.slug(),
-            capacity::waited::TASKS
-        ));
-        if let Some(w) = waited_releases(id, &servers, &plan).await? {
-            results.waited.push(w);
-        }
-        bar.set_message(format!(
-            "{}: semaphore permits at 1 and 64 tasks, against lock cycles",
-            id.slug()
-        ));
-        results
-            .permits
-            .extend(permit_cycles(id, &servers, &plan).await?);
-    }
-    let redis_cost = if subjects.contains(&SubjectId::Redis) {
-        bar.set_message("redis: server-side cost per command");
-        let redis = subjects::open(SubjectId::Redis, &servers).await?;
-        let raw = subjects::open(SubjectId::RedisSetNx, &servers).await?;
-        let rslock = subjects::open(SubjectId::Rslock, &servers).await?;
-        let calls = if args.quick { 200 } else { 5_000 };
-        let mut cost =
-            benchmarks::server_cost::redis_server_cost(&servers, &redis, &raw, &rslock, calls)
-                .await?;
-        let keys = if args.quick { 10_000 } else { 1_000_000 };
-        bar.set_message(format!(
-            "redis: {keys} one-off keys, then their counters' retention"
-        ));
-        bar.set_message("redis: server CPU per cycle at 64 tasks, beside rslock");
-        cost.loaded = benchmarks::server_cost::loaded_cycle_costs(
-            &servers,
-            &redis,
-            &rslock,
-            64,
-            plan.pair_rounds.min(5),
-            plan.duration / 3,
-        )
-        .await?;
-        cost.retention =
-            Some(benchmarks::server_cost::fence_retention_memory(&servers, keys).await?);
-        Some(cost)
-    } else {
-        None
-    };
-    drop(servers);
+    Ok(paired)
+}
 
-    bar.set_message(format!("memory: holding {} guards", plan.guards));
-    bar.inc(1);
-    results.memory = Some(measure_guard_memory(&plan).await?);
-    bar.inc(1);
-    bar.finish_with_message("done");
+/// The releases with a waiter on every key, and the semaphore permit cycles, of the
+/// backend `id`.
+async fn measure_waiters_and_permits(
+    id: SubjectId,
+    servers: &Servers,
+    plan: &Plan,
+    bar: &ProgressBar,
+    results: &mut Results,
+) -> Result<(), BenchError> {
+    bar.set_message(format!(
+        "{}: {} tasks, a waiter on every key and none, alternating",
+        id.slug(),
+        capacity::waited::TASKS
+    ));
+    if let Some(w) = waited_releases(id, servers, plan).await? {
+        results.waited.push(w);
+    }
+    bar.set_message(format!(
+        "{}: semaphore permits at 1 and 64 tasks, against lock cycles",
+        id.slug()
+    ));
+    results
+        .permits
+        .extend(permit_cycles(id, servers, plan).await?);
+    Ok(())
+}
 
-    let report = Report {
-        machine,
-        mode: if args.quick { "quick" } else { "full" }.into(),
-        plan,
-        results,
-        contended,
-        handoffs,
-        renew,
-        redis_cost,
-        absent,
-    };
+/// What the Redis server spends: per command of a fresh-key cycle, per cycle at 64 tasks
+/// beside rslock, and the memory the fence counters of one-off keys keep.
+async fn redis_cost(
+    args: &Args,
+    servers: &Servers,
+    plan: &Plan,
+    bar: &ProgressBar,
+) -> Result<RedisServerCost, BenchError> {
+    bar.set_message("redis: server-side cost per command");
+    let redis = subjects::open(SubjectId::Redis, servers).await?;
+    let raw = subjects::open(SubjectId::RedisSetNx, servers).await?;
+    let rslock = subjects::open(SubjectId::Rslock, servers).await?;
+    let calls = if args.quick { 200 } else { 5_000 };
+    let mut cost =
+        benchmarks::server_cost::redis_server_cost(servers, &redis, &raw, &rslock, calls).await?;
+    let keys = if args.quick { 10_000 } else { 1_000_000 };
+    bar.set_message(format!(
+        "redis: {keys} one-off keys, then their counters' retention"
+    ));
+    bar.set_message("redis: server CPU per cycle at 64 tasks, beside rslock");
+    cost.loaded = benchmarks::server_cost::loaded_cycle_costs(
+        servers,
+        &redis,
+        &rslock,
+        64,
+        plan.pair_rounds.min(5),
+        plan.duration / 3,
+    )
+    .await?;
+    cost.retention = Some(benchmarks::server_cost::fence_retention_memory(servers, keys).await?);
+    Ok(cost)
+}
+
+/// Writes the report and prints its targets and the files written.
+fn write_report(args: &Args, report: Report) -> Result<(), BenchError> {
     let written = report.write_all(&args.out)?;
     println!("\ntargets:");
     for t in report.targets() {
@@ -800,7 +924,7 @@ async fn profile(args: &Args) -> Result<(), BenchError> {
 }
 
 /// Prints one target with its verdict.
-fn print_target(t: &scenarios::Target) {
+fn print_target(t: &Target) {
     let verdict = match t.met {
         Some(true) => "met",
         Some(false) => "MISSED",
