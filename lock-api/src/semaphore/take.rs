@@ -42,6 +42,8 @@ type Call = Pin<Box<dyn Future<Output = Result<Taken, LockError>> + Send>>;
 pub(super) struct Taking {
     call: Option<Call>,
     backend: Arc<dyn LockBackend>,
+    /// Polled at least once: before that, nothing was sent, and a drop sends nothing.
+    started: bool,
 }
 
 impl Taking {
@@ -57,6 +59,7 @@ impl Taking {
         Self {
             call: Some(call),
             backend,
+            started: false,
         }
     }
 }
@@ -65,14 +68,16 @@ impl Future for Taking {
     type Output = Result<Taken, LockError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(call) = self.call.as_mut() else {
+        let this = &mut *self;
+        let Some(call) = this.call.as_mut() else {
             return Poll::Ready(Err(LockError::Config(
                 "a permit attempt was polled after it completed".into(),
             )));
         };
+        this.started = true;
         let taken = ready!(call.as_mut().poll(cx));
         // Handed over: from here the caller owns the leases.
-        self.call = None;
+        this.call = None;
         Poll::Ready(taken)
     }
 }
@@ -82,6 +87,9 @@ impl Drop for Taking {
         let Some(call) = self.call.take() else {
             return;
         };
+        if !self.started {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
