@@ -5,8 +5,8 @@
 //! The instance's clock can be set behind by [`CLOCK_OFFSET_ENV`] milliseconds: its
 //! scheduler then hands each tick, with its nominal fire time, that much later to the
 //! layers, which is what a clock behind changes for a cron scheduler (its own time is not
-//! otherwise read in the run). On SIGTERM it gives the role up ([`LeaderLayer::resign`])
-//! and exits, as an instance of a rolling deploy does.
+//! otherwise read in the run). On SIGTERM it lets the tick in flight end, gives the role
+//! up ([`LeaderLayer::resign`]) and exits, as an instance of a rolling deploy does.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -71,8 +71,10 @@ pub async fn run(args: InstanceArgs) -> Result<(), BoxError> {
     })
     .build()?;
     let schedule = cron::Schedule::from_str(EVERY_SECOND)?;
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     let service = Behind {
         by: behind,
+        stopping,
         inner: once.layer(RunTick {
             ticks,
             instance: args.name.clone().into(),
@@ -82,17 +84,27 @@ pub async fn run(args: InstanceArgs) -> Result<(), BoxError> {
         .backend(CronScheduler::new(schedule))
         .build(service);
     println!("{READY}");
-    tokio::select! {
-        ran = worker.run() => ran?,
-        _ = terminate.recv() => leader.resign().await,
-    }
+    // On SIGTERM the worker stops taking ticks and lets the one in flight end (one this
+    // instance's clock has not reached yet is dropped); then the role is given up, and a
+    // standby leads at once.
+    worker
+        .run_until(async move {
+            terminate.recv().await;
+            stop.send_replace(true);
+            Ok::<(), std::io::Error>(())
+        })
+        .await?;
+    leader.resign().await;
     Ok(())
 }
 
 /// Hands each tick to `inner` `by` late: an instance whose clock is behind by that much.
+/// A tick still waiting when the instance stops has not fired by this clock: it answers
+/// `None` without `inner`.
 #[derive(Clone)]
 struct Behind<S> {
     by: Duration,
+    stopping: tokio::sync::watch::Receiver<bool>,
     inner: S,
 }
 
@@ -102,9 +114,9 @@ where
     S::Future: Send,
     R: Send + 'static,
 {
-    type Response = S::Response;
+    type Response = Option<S::Response>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -112,13 +124,19 @@ where
 
     fn call(&mut self, request: R) -> Self::Future {
         let by = self.by;
+        let mut stopping = self.stopping.clone();
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
-            tokio::time::sleep(by).await;
+            if !by.is_zero() {
+                tokio::select! {
+                    () = tokio::time::sleep(by) => {}
+                    _ = stopping.wait_for(|stopping| *stopping) => return Ok(None),
+                }
+            }
             // Asked again after the wait: the layers decide at the moment this clock fires.
             std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
-            inner.call(request).await
+            inner.call(request).await.map(Some)
         })
     }
 }

@@ -47,6 +47,8 @@ pub struct HandOver {
     pub last_tick: i64,
     /// From SIGTERM to the stopped instance's exit, its resignation included.
     pub exit_took: Duration,
+    /// When SIGTERM was sent (PostgreSQL's clock, seconds since the epoch).
+    pub stopped_at: f64,
 }
 
 /// What the tick table shows after a run.
@@ -78,7 +80,7 @@ impl fmt::Display for Report {
             self.written.len()
         )?;
         for h in &self.hand_overs {
-            writeln!(
+            write!(
                 f,
                 "  {} -> {} (successor's clock {} by {} ms) after tick {}; SIGTERM to exit {:.1} ms",
                 h.from,
@@ -92,6 +94,15 @@ impl fmt::Display for Report {
                 h.last_tick,
                 h.exit_took.as_secs_f64() * 1e3
             )?;
+            match self.written.iter().find(|w| w.instance == h.to) {
+                Some(w) => writeln!(
+                    f,
+                    "; its first tick {} written {:.3} s after SIGTERM",
+                    w.tick,
+                    w.at - h.stopped_at
+                )?,
+                None => writeln!(f, "; it wrote no tick")?,
+            }
         }
         writeln!(f, "  ticks run twice: {:?}", self.run_twice)?;
         write!(f, "  ticks lost:      {:?}", self.missing)
@@ -203,6 +214,7 @@ where
             tokio::time::sleep(AHEAD_PHASE).await;
         }
         let pid = leader.child.id().ok_or("the leader has exited")?;
+        let stopped_at = ticks.now().await?;
         let stopped = Instant::now();
         kill(Pid::from_raw(pid as i32), Signal::SIGTERM)?;
         let exit = timeout(Duration::from_secs(10), leader.child.wait())
@@ -221,6 +233,7 @@ where
             successor_behind,
             last_tick: last.tick,
             exit_took,
+            stopped_at,
         });
     }
     let seen = ticks.written().await?.len();
