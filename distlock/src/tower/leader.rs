@@ -238,6 +238,9 @@ where
     /// Dropping the future stops the tick; the leadership stays.
     fn call(&mut self, request: R) -> Self::Future {
         let Some((token, status)) = self.leading.now() else {
+            // The clone `poll_ready` may have made ready (while this process led) is
+            // dropped: a standby holds none of the inner service's capacity.
+            self.inner = self.inner.clone();
             skipped(&self.leading.role);
             return Box::pin(std::future::ready(Ok(None)));
         };
@@ -286,6 +289,7 @@ where
 {
     let locked = Locked {
         request,
+        key: key.clone(),
         token,
         status: status.clone(),
     };

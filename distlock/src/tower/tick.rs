@@ -453,10 +453,12 @@ where
         let fire = (self.layer.shared.fire_time)(&request);
         let ticks = self.layer.shared.ticks.clone();
         let key = self.layer.leading.key.clone();
-        // The clone that was made ready is the one called (tower's usual swap).
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let Some((token, status)) = self.layer.leading.now() else {
+            // A fresh clone is kept, made ready when it runs, and the one `poll_ready` may
+            // have made ready (while this process led) is dropped: a standby holds none of
+            // the inner service's capacity.
+            let inner = self.inner.clone();
+            self.inner = inner.clone();
             ticks.keep(Pending {
                 fire,
                 run: Box::new(move |token, status| {
@@ -483,6 +485,9 @@ where
             skipped(&self.layer.leading.role);
             return Box::pin(std::future::ready(Ok(None)));
         };
+        // The clone that was made ready is the one called (tower's usual swap).
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             match ticks.claim(fire).await.map_err(JobError::Lock)? {
                 Claim::Taken => run_tick(inner, request, token, status, key).await.map(Some),

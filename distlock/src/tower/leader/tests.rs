@@ -117,3 +117,34 @@ async fn a_resigned_leader_hands_the_role_to_a_standby_before_its_ttl() {
     println!("standby led {took:?} after the resignation");
     second.resign().await;
 }
+
+/// Made ready while it led (the inner service's only permit taken), then called after it
+/// gave the role up: the call answers `Ok(None)` and the permit is given back, so that a
+/// standby holds none of the inner service's capacity.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_after_the_leadership_went_gives_the_readiness_back() {
+    let redis = harness::require(harness::redis::RedisServer::start().await);
+    let role = format!("readiness-{:x}", rand::random::<u64>());
+    let leading = leader(&redis.url(), &role).await;
+    until_leading(&leading).await;
+    let limited = ConcurrencyLimit::new(Gated(Arc::new(tokio::sync::Semaphore::new(1))), 1);
+    // Another clone shares the limit's one permit.
+    let mut probe = limited.clone();
+    let mut service = leading.layer(limited);
+    poll_fn(|cx| service.poll_ready(cx)).await.unwrap();
+    assert!(
+        ready_now_on(&mut probe).is_pending(),
+        "the leader's readiness holds the permit"
+    );
+    leading.resign().await;
+    assert_eq!(service.call(1).await.unwrap(), None);
+    assert!(
+        matches!(ready_now_on(&mut probe), Poll::Ready(Ok(()))),
+        "the standby kept the inner service's permit after its call"
+    );
+}
+
+/// Polls an inner service for readiness once.
+fn ready_now_on<S: Service<Locked<u32>>>(service: &mut S) -> Poll<Result<(), S::Error>> {
+    service.poll_ready(&mut Context::from_waker(std::task::Waker::noop()))
+}

@@ -11,6 +11,7 @@ use std::time::{Duration, SystemTime};
 
 use distlock_core::{Election, LockError, Locker};
 use tokio::time::Instant;
+use tower::limit::ConcurrencyLimit;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -180,4 +181,44 @@ async fn bad_settings_fail_before_anything_is_sent() {
         "{finer_than_the_store:?}"
     );
     leader.resign().await;
+}
+
+/// Made ready while it led (the inner service's only permit taken), then handed a tick
+/// after it gave the role up: the tick is kept to catch up and the permit is given back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tick_kept_by_a_standby_holds_none_of_the_inner_capacity() {
+    let redis = harness::require(harness::redis::RedisServer::start().await);
+    let locker = Locker::builder(crate::connect(&redis.url()).await.unwrap())
+        .ttl(Duration::from_secs(10))
+        .build()
+        .unwrap();
+    let role = format!("ticks-{:x}", rand::random::<u64>());
+    let leader = LeaderLayer::new(Election::new(locker.clone(), &role).unwrap()).unwrap();
+    until("the election", || leader.is_leading()).await;
+    let layer = TickLayer::builder(&leader, locker, "every-second", |tick: &Tick| tick.0)
+        .build()
+        .unwrap();
+    let limited = ConcurrencyLimit::new(
+        Record {
+            instance: "a",
+            runs: Runs::default(),
+        },
+        1,
+    );
+    let mut probe = limited.clone();
+    let mut service = layer.layer(limited);
+    let noop = &mut Context::from_waker(std::task::Waker::noop());
+    std::future::poll_fn(|cx| service.poll_ready(cx))
+        .await
+        .unwrap();
+    assert!(
+        probe.poll_ready(noop).is_pending(),
+        "the leader's readiness holds the permit"
+    );
+    leader.resign().await;
+    assert_eq!(service.call(Tick(SystemTime::now())).await.unwrap(), None);
+    assert!(
+        matches!(probe.poll_ready(noop), Poll::Ready(Ok(()))),
+        "the standby kept the inner service's permit after its call"
+    );
 }
