@@ -175,8 +175,8 @@ pub use distlock_core::{
     Admission, Capabilities, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode, Fence,
     FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend, LockError,
     LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MAX_PERMITS,
-    MemoryFencedResource, OwnerId, Permit, Release, Renewal, RetryPolicy, Semaphore, election_key,
-    memory, redact_url, telemetry, url_userinfo_is_ambiguous,
+    MemoryFencedResource, OwnerId, Permit, Permits, Release, Renewal, RetryPolicy, Semaphore,
+    election_key, memory, redact_url, telemetry, url_userinfo_is_ambiguous,
 };
 
 /// What implementing a store, or a layer around one, needs beyond the user's surface:
