@@ -52,6 +52,9 @@ pub const MAX_PERMITS: u32 = 1024;
 /// let second = exports.try_acquire().await?.expect("a free permit");
 /// assert!(exports.try_acquire().await?.is_none()); // full: the job goes back to the queue
 /// first.release().await?;
+/// assert_eq!(exports.available().await?, 1); // a snapshot, for dashboards
+/// // Two at once, all or none: one is free, so none (and none left held).
+/// assert!(exports.try_acquire_many(2).await?.is_none());
 /// let rows = exports.with_permit(|permit| {
 ///     // Fence the export's writes under the permit's slot, not the semaphore's name:
 ///     // tokens rise per slot, and those of different slots are not ordered.
