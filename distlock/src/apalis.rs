@@ -80,11 +80,18 @@ const RETRY_GROWTH_CAP: u32 = 64;
 /// apalis handler (`async fn pay(job: Payout, lease: JobLease)`).
 #[derive(Clone, Debug)]
 pub struct JobLease {
+    key: LockKey,
     token: FencingToken,
     status: LeaseStatus,
 }
 
 impl JobLease {
+    /// The key the lease holds, which its token fences (see
+    /// [`Locked::key`](crate::tower::Locked::key)).
+    pub fn key(&self) -> &LockKey {
+        &self.key
+    }
+
     /// The lease's fencing token: attach it to every write the job makes.
     pub fn token(&self) -> FencingToken {
         self.token
@@ -167,6 +174,12 @@ impl<Args: 'static> ApalisLockLayer<Args> {
     pub fn on_miss(mut self, on_miss: OnMiss) -> Self {
         self.layer = self.layer.on_miss(on_miss);
         self
+    }
+
+    /// Lets up to `permits` jobs of one key run at once; see [`LockLayer::permits`].
+    pub fn permits(mut self, permits: u32) -> Result<Self, LockError> {
+        self.layer = self.layer.permits(permits)?;
+        Ok(self)
     }
 
     /// Dead-letters ([`AbortError`]) a job whose key has been found held on `misses`
@@ -325,11 +338,12 @@ where
     fn call(&mut self, locked: Locked<Task<Args>>) -> S::Future {
         let Locked {
             mut request,
+            key,
             token,
             status,
             ..
         } = locked;
-        request.inject_data(JobLease { token, status });
+        request.inject_data(JobLease { key, token, status });
         self.inner.call(request)
     }
 }

@@ -423,3 +423,78 @@ async fn each_tick_runs_once_across_instances_and_a_standby_takes_over() {
         "{runs:?}"
     );
 }
+
+#[tokio::test]
+async fn with_permits_n_jobs_of_one_key_run_at_once_and_the_next_is_a_miss() {
+    let backend = MemoryBackend::new();
+    let layer = LockLayer::new(locker(backend.client(), Duration::from_secs(30)), key_of)
+        .permits(2)
+        .unwrap();
+    // Each job waits until it is let go, so that the jobs overlap.
+    let (go, _) = tokio::sync::broadcast::channel::<()>(1);
+    let running = Arc::new(AtomicU32::new(0));
+    let most = Arc::new(AtomicU32::new(0));
+    let service = |go: tokio::sync::broadcast::Sender<()>| {
+        let (running, most) = (running.clone(), most.clone());
+        layer.layer(Handler(move |job: Locked<Job>| {
+            let mut go = go.subscribe();
+            let (running, most) = (running.clone(), most.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                let _ = go.recv().await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, Infallible>((job.key, job.token))
+            }
+        }))
+    };
+    let job = Job { id: 4, delivery: 1 };
+    let mut first = service(go.clone());
+    let mut second = service(go.clone());
+    let a = tokio::spawn(first.call(job.clone()));
+    let b = tokio::spawn(second.call(job.clone()));
+    until_running(
+        &running,
+        2,
+        "the second job of the key to run beside the first",
+    )
+    .await;
+    // Both permits are taken: a third job of the key is a miss, and runs nothing.
+    let third = service(go.clone()).call(job.clone()).await;
+    assert!(matches!(third, Err(JobError::Busy { .. })), "{third:?}");
+    // Another key is not limited by this one's permits.
+    let other = tokio::spawn(service(go.clone()).call(Job { id: 5, delivery: 1 }));
+    until_running(&running, 3, "a job of another key to run").await;
+    go.send(()).unwrap();
+    let (a, b) = (a.await.unwrap().unwrap(), b.await.unwrap().unwrap());
+    other.await.unwrap().unwrap();
+    assert_eq!(most.load(Ordering::SeqCst), 3);
+    // Each ran under a permit slot of the job's semaphore, and fences on that slot.
+    let mut slots = vec![a.0.to_string(), b.0.to_string()];
+    slots.sort();
+    assert_eq!(slots, ["job:4:permit:0", "job:4:permit:1"]);
+    // Given back when the jobs ended: two more run.
+    let c = tokio::spawn(service(go.clone()).call(job.clone()));
+    let d = tokio::spawn(service(go.clone()).call(job.clone()));
+    until_running(&running, 2, "two jobs of the key to run again").await;
+    go.send(()).unwrap();
+    let (c, d) = (c.await.unwrap(), d.await.unwrap());
+    assert!(c.is_ok() && d.is_ok(), "{c:?} {d:?}");
+    assert!(matches!(
+        LockLayer::new(locker(backend.client(), Duration::from_secs(30)), key_of).permits(0),
+        Err(LockError::Config(_))
+    ));
+}
+
+/// Waits until `n` jobs run at once; in-memory jobs start within a few polls, so 10 s
+/// without it means they never will.
+async fn until_running(running: &AtomicU32, n: u32, what: &str) {
+    let wait = async {
+        while running.load(Ordering::SeqCst) < n {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), wait)
+        .await
+        .unwrap_or_else(|_| panic!("waited 10 s for {what}"));
+}

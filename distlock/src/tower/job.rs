@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
+use distlock_core::{
+    FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit, Release,
+    RetryPolicy,
+};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -110,7 +113,12 @@ impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
 pub struct Locked<R> {
     /// The job's request.
     pub request: R,
-    /// The lease's fencing token: attach it to every write the job makes.
+    /// The key the lease holds, which its token fences: the job's lock key, or under
+    /// [`LockLayer::permits`] the permit's slot of the job's semaphore (tokens rise per
+    /// slot; those of different slots are not ordered).
+    pub key: LockKey,
+    /// The lease's fencing token: attach it to every write the job makes, fenced on
+    /// [`Locked::key`].
     pub token: FencingToken,
     /// The lease's status, to check [`LeaseStatus::is_held`] inside the job.
     pub status: LeaseStatus,
@@ -144,6 +152,8 @@ pub struct LockLayer<R> {
     key_of: KeyOf<R>,
     on_miss: OnMiss,
     dead_letter: Option<DeadLetter<R>>,
+    /// Under [`LockLayer::permits`]: the key names a semaphore of that many permits.
+    permits: Option<u32>,
 }
 
 impl<R> Clone for LockLayer<R> {
@@ -153,6 +163,7 @@ impl<R> Clone for LockLayer<R> {
             key_of: self.key_of.clone(),
             on_miss: self.on_miss,
             dead_letter: self.dead_letter.clone(),
+            permits: self.permits,
         }
     }
 }
@@ -162,6 +173,7 @@ impl<R> fmt::Debug for LockLayer<R> {
         f.debug_struct("LockLayer")
             .field("locker", &self.locker)
             .field("on_miss", &self.on_miss)
+            .field("permits", &self.permits)
             .field(
                 "dead_letter_after",
                 &self.dead_letter.as_ref().map(|d| d.after),
@@ -184,7 +196,29 @@ impl<R> LockLayer<R> {
             key_of: Arc::new(key_of),
             on_miss: OnMiss::Requeue,
             dead_letter: None,
+            permits: None,
         }
+    }
+
+    /// Lets up to `permits` jobs of one key run at once instead of one (per-key
+    /// concurrency, as a queue's "concurrency per group" setting): the key names a
+    /// [`Semaphore`](distlock_core::Semaphore) of that many permits, and each job takes one
+    /// of them, renewed while it runs and given back when it ends, as a lock would be. A
+    /// job that finds every permit taken is a miss, handled as [`OnMiss`] and
+    /// [`LockLayer::dead_letter_after`] say; [`OnMiss::Retry`] waits its delay between
+    /// tries (a permit's release is not announced on the semaphore's name). The job's
+    /// token fences writes on its permit's slot ([`Locked::key`]). Every process must name
+    /// the same number for a key: see [`Locker::semaphore`].
+    ///
+    /// A number outside 1 to [`MAX_PERMITS`] is a [`LockError::Config`].
+    pub fn permits(mut self, permits: u32) -> Result<Self, LockError> {
+        if permits == 0 || permits > MAX_PERMITS {
+            return Err(LockError::Config(format!(
+                "a job's key takes 1 to {MAX_PERMITS} permits, not {permits}"
+            )));
+        }
+        self.permits = Some(permits);
+        Ok(self)
     }
 
     /// What a job does when its key is held by another worker.
@@ -309,16 +343,17 @@ where
         OnMiss::Requeue => (1, Duration::ZERO),
     };
     // Watching before the first try, so that a release between a refused try and the wait
-    // after it still wakes this job, as in `Locker::lock`.
-    let mut releases = if attempts > 1 {
+    // after it still wakes this job, as in `Locker::lock`. (A permit's release is announced
+    // on its slot, not on the semaphore's name.)
+    let mut releases = if attempts > 1 && layer.permits.is_none() {
         layer.locker.backend().watch_releases(&key)
     } else {
         None
     };
     let mut tried = 0;
-    let guard = loop {
-        if let Some(guard) = layer.locker.try_lock(&key).await.map_err(JobError::Lock)? {
-            break guard;
+    let held = loop {
+        if let Some(held) = Held::try_take(&layer, &key).await.map_err(JobError::Lock)? {
+            break held;
         }
         tried += 1;
         if tried < attempts {
@@ -354,10 +389,11 @@ where
     if let Some(dead_letter) = &layer.dead_letter {
         dead_letter.misses.forget(&key);
     }
-    let status = guard.status();
+    let status = held.guard().status();
     let locked = Locked {
         request,
-        token: guard.token(),
+        key: held.guard().key().clone(),
+        token: held.guard().token(),
         status: status.clone(),
     };
     // `inner` is the clone `poll_ready` made ready: it runs the job at once.
@@ -366,13 +402,48 @@ where
         Ok(done) => {
             // The job is over either way; a release that fails leaves the lease to end
             // with its TTL, which takes nothing from the job's result.
-            let _ = guard.release().await;
+            let _ = held.release().await;
             done.map_err(JobError::Job)
         }
         Err(_) => {
             metrics::counter!(JOB_LOST_TOTAL).increment(1);
-            drop(guard);
+            drop(held);
             Err(JobError::Lost { key })
+        }
+    }
+}
+
+/// What a job runs under: its key's lock, or a permit of its key's semaphore.
+enum Held {
+    Lock(LockGuard),
+    Permit(Permit),
+}
+
+impl Held {
+    /// One try at what the layer takes for `key`; `None` when it is all taken.
+    async fn try_take<R>(layer: &LockLayer<R>, key: &LockKey) -> Result<Option<Held>, LockError> {
+        Ok(match layer.permits {
+            None => layer.locker.try_lock(key).await?.map(Held::Lock),
+            Some(permits) => layer
+                .locker
+                .semaphore(key, permits)?
+                .try_acquire()
+                .await?
+                .map(Held::Permit),
+        })
+    }
+
+    fn guard(&self) -> &LockGuard {
+        match self {
+            Held::Lock(guard) => guard,
+            Held::Permit(permit) => permit.guard(),
+        }
+    }
+
+    async fn release(self) -> Result<Release, LockError> {
+        match self {
+            Held::Lock(guard) => guard.release().await,
+            Held::Permit(permit) => permit.release().await,
         }
     }
 }
