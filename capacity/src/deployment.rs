@@ -11,10 +11,9 @@ use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use async_trait::async_trait;
-use distlock_core::{LockBackend, LockError, LockKey, Release};
+use distlock_core::{LockBackend, LockError, LockKey};
 
 use crate::BenchError;
 use crate::load::Sample;
@@ -177,34 +176,7 @@ impl Subject for PrefixedBackend {
 
     async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
         let key = self.store_key(key)?;
-        let start = Instant::now();
-        let lease = self
-            .backend
-            .acquire(&key, TTL)
-            .await
-            .map_err(|e| self.lock_err(e))?;
-        let acquire = start.elapsed();
-        let Some(lease) = lease else {
-            return Ok(Cycle {
-                acquire,
-                acquired: false,
-            });
-        };
-        match self
-            .backend
-            .release(&lease)
-            .await
-            .map_err(|e| self.lock_err(e))?
-        {
-            Release::Released => Ok(Cycle {
-                acquire,
-                acquired: true,
-            }),
-            other => Err(BenchError::Unexpected {
-                subject: self.id.slug(),
-                detail: format!("releasing a lease just taken answered {other:?}"),
-            }),
-        }
+        Cycle::of_backend(self.id, self.backend.as_ref(), &key).await
     }
 
     fn backend(&self) -> Option<Arc<dyn LockBackend>> {

@@ -4,10 +4,10 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use distlock_core::{LockBackend, LockKey};
+use distlock_core::{LockBackend, LockKey, Release};
 
 use crate::BenchError;
 
@@ -243,6 +243,41 @@ pub struct Cycle {
     pub acquire: Duration,
     /// Whether the key was taken (and so released again).
     pub acquired: bool,
+}
+
+impl Cycle {
+    /// One cycle of the distlock backend `id` through [`LockBackend`], as an application
+    /// calls it: `key` acquired with [`TTL`] (timed), and released at once when taken,
+    /// which must answer `Released`.
+    pub async fn of_backend(
+        id: SubjectId,
+        backend: &dyn LockBackend,
+        key: &LockKey,
+    ) -> Result<Cycle, BenchError> {
+        let lock_err = |source| BenchError::Lock {
+            subject: id.slug(),
+            source,
+        };
+        let start = Instant::now();
+        let lease = backend.acquire(key, TTL).await.map_err(lock_err)?;
+        let acquire = start.elapsed();
+        let Some(lease) = lease else {
+            return Ok(Cycle {
+                acquire,
+                acquired: false,
+            });
+        };
+        match backend.release(&lease).await.map_err(lock_err)? {
+            Release::Released => Ok(Cycle {
+                acquire,
+                acquired: true,
+            }),
+            other => Err(BenchError::Unexpected {
+                subject: id.slug(),
+                detail: format!("releasing a lease just taken answered {other:?}"),
+            }),
+        }
+    }
 }
 
 /// One measured thing: a backend or a baseline, ready to run cycles from many tasks.

@@ -1,13 +1,12 @@
 //! A distlock backend as a subject: one acquire and release through [`LockBackend`].
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use async_trait::async_trait;
-use distlock_core::{LockBackend, Release};
+use distlock_core::LockBackend;
 use sqlx::PgPool;
 
-use super::{BenchKey, Cycle, Subject, SubjectId, TTL};
+use super::{BenchKey, Cycle, Subject, SubjectId};
 use crate::BenchError;
 
 /// A distlock backend measured through the `LockBackend` trait, as an application calls it.
@@ -34,33 +33,7 @@ impl Subject for Backend {
     }
 
     async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
-        let lock_err = |source| BenchError::Lock {
-            subject: self.id.slug(),
-            source,
-        };
-        let start = Instant::now();
-        let lease = self
-            .backend
-            .acquire(key.lock_key(), TTL)
-            .await
-            .map_err(lock_err)?;
-        let acquire = start.elapsed();
-        let Some(lease) = lease else {
-            return Ok(Cycle {
-                acquire,
-                acquired: false,
-            });
-        };
-        match self.backend.release(&lease).await.map_err(lock_err)? {
-            Release::Released => Ok(Cycle {
-                acquire,
-                acquired: true,
-            }),
-            other => Err(BenchError::Unexpected {
-                subject: self.id.slug(),
-                detail: format!("releasing a lease just taken answered {other:?}"),
-            }),
-        }
+        Cycle::of_backend(self.id, self.backend.as_ref(), key.lock_key()).await
     }
 
     fn backend(&self) -> Option<Arc<dyn LockBackend>> {

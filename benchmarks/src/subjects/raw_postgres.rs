@@ -88,6 +88,11 @@ const RAW_ADVISORY_TOKEN_ACQUIRE: &str = concat!(
 
 /// The advisory backend's release: the unlock in the session that took the lock, whether
 /// a waiter's shared lock is held on the key's waiter id, and the settings reset.
+///
+/// A copy of lock-postgres's `UNLOCK` (advisory.rs), kept word for word on purpose: the
+/// baseline sends the backend's statement without the backend's code around it (pool,
+/// pinned session, error mapping), and the backend keeps its SQL private. A change to that
+/// statement is made here too, or the pair compares two different statements.
 const RAW_ADVISORY_TOKEN_RELEASE: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
                 WHERE pg_backend_pid() = $2) \
      SELECT u.released, \
