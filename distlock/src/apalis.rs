@@ -182,6 +182,14 @@ impl<Args: 'static> ApalisLockLayer<Args> {
         Ok(self)
     }
 
+    /// Keeps a job's key taken after the job succeeds, until the lease's TTL runs out;
+    /// see [`LockLayer::until_expired`]. With [`Self::dead_letter_after`]`(1)` a duplicate
+    /// within the TTL is dropped (`AbortError`) instead of retried after it.
+    pub fn until_expired(mut self) -> Result<Self, LockError> {
+        self.layer = self.layer.until_expired()?;
+        Ok(self)
+    }
+
     /// Dead-letters ([`AbortError`]) a job whose key has been found held on `misses`
     /// deliveries in a row, counted from apalis's attempt counter as
     /// [`LockLayer::dead_letter_after`] says (deliveries on which the job ran and failed

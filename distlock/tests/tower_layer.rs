@@ -498,3 +498,61 @@ async fn until_running(running: &AtomicU32, n: u32, what: &str) {
         .await
         .unwrap_or_else(|_| panic!("waited 10 s for {what}"));
 }
+
+#[tokio::test]
+async fn until_expired_keeps_a_succeeded_jobs_key_for_its_ttl_and_a_failed_one_releases_it() {
+    let store = MemoryBackend::new();
+    let ttl = Duration::from_millis(500);
+    let locker = locker(store.client(), ttl);
+    let ran = Arc::new(AtomicU32::new(0));
+    let counted = ran.clone();
+    let mut service = LockLayer::new(locker.clone(), key_of)
+        .until_expired()
+        .unwrap()
+        .layer(Handler(move |locked: Locked<Job>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            // Job 2 fails; the others succeed.
+            let failed = locked.request.id == 2;
+            async move { if failed { Err(()) } else { Ok(()) } }
+        }));
+    let job = Job { id: 1, delivery: 1 };
+    let done_at = Instant::now();
+    service.call(job.clone()).await.unwrap();
+    // The key stays taken: a duplicate within the TTL is a miss and runs nothing.
+    let again = service.call(job.clone()).await;
+    assert!(matches!(again, Err(JobError::Busy { .. })), "{again:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 1);
+    assert!(locker.held() == 0, "the kept lease is still renewed");
+    // Once the TTL has run out the store frees the key, and the job runs again.
+    let key = key_of(&job).unwrap();
+    while store.inspect(&key).await.unwrap().owner.is_some() {
+        assert!(
+            done_at.elapsed() < ttl * 4,
+            "the kept key is still held {:?} after a {ttl:?} TTL",
+            done_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        done_at.elapsed() >= ttl / 2,
+        "freed after {:?}",
+        done_at.elapsed()
+    );
+    service.call(job).await.unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    // A job that failed releases its key: its retry runs at once.
+    let failing = Job { id: 2, delivery: 1 };
+    let first = service.call(failing.clone()).await;
+    assert!(matches!(first, Err(JobError::Job(()))), "{first:?}");
+    let retry = service.call(failing).await;
+    assert!(matches!(retry, Err(JobError::Job(()))), "{retry:?}");
+    assert_eq!(ran.load(Ordering::SeqCst), 4);
+    // Not with permits.
+    assert!(matches!(
+        LockLayer::new(locker.clone(), key_of)
+            .permits(2)
+            .unwrap()
+            .until_expired(),
+        Err(LockError::Config(_))
+    ));
+}

@@ -125,6 +125,17 @@ impl LockGuard {
         self.status.state.mark_released();
         self.watchdog.backend().release(&self.lease).await
     }
+
+    /// Stops renewal and leaves the lease held in the store until its TTL runs out (from
+    /// its last grant or renewal), instead of releasing it: for a key that must stay
+    /// taken for a while after its job, such as one run per key per TTL. The lease counts
+    /// as released here from now on ([`LockGuard::is_held`] is false): nothing of this
+    /// process renews, releases or uses it again, and the store frees the key on its own.
+    pub fn leave_to_expire(mut self) {
+        self.released = true;
+        self.watchdog.unregister(self.id);
+        self.status.state.mark_released();
+    }
 }
 
 impl Drop for LockGuard {

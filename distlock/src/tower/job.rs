@@ -154,6 +154,8 @@ pub struct LockLayer<R> {
     dead_letter: Option<DeadLetter<R>>,
     /// Under [`LockLayer::permits`]: the key names a semaphore of that many permits.
     permits: Option<u32>,
+    /// Under [`LockLayer::until_expired`]: a job that succeeded leaves its lease to expire.
+    until_expired: bool,
 }
 
 impl<R> Clone for LockLayer<R> {
@@ -164,6 +166,7 @@ impl<R> Clone for LockLayer<R> {
             on_miss: self.on_miss,
             dead_letter: self.dead_letter.clone(),
             permits: self.permits,
+            until_expired: self.until_expired,
         }
     }
 }
@@ -174,6 +177,7 @@ impl<R> fmt::Debug for LockLayer<R> {
             .field("locker", &self.locker)
             .field("on_miss", &self.on_miss)
             .field("permits", &self.permits)
+            .field("until_expired", &self.until_expired)
             .field(
                 "dead_letter_after",
                 &self.dead_letter.as_ref().map(|d| d.after),
@@ -197,7 +201,27 @@ impl<R> LockLayer<R> {
             on_miss: OnMiss::Requeue,
             dead_letter: None,
             permits: None,
+            until_expired: false,
         }
+    }
+
+    /// Keeps a job's key taken after the job succeeds, until its lease's TTL (the
+    /// locker's) runs out from the last renewal, instead of releasing it: at most one run
+    /// of a key per TTL, what sidekiq-unique-jobs calls `until_expired` and BullMQ a
+    /// throttle (deduplication with a TTL). A delivery within that time is a miss,
+    /// handled as [`OnMiss`] and [`LockLayer::dead_letter_after`] say: requeued, it runs
+    /// once the TTL has passed; to drop it instead, dead-letter it on its first miss
+    /// (`dead_letter_after(1, ..)`). A job that failed, or lost its lease, releases its
+    /// key as usual, so that its retry can run. Not with [`LockLayer::permits`] (a
+    /// [`LockError::Config`]).
+    pub fn until_expired(mut self) -> Result<Self, LockError> {
+        if self.permits.is_some() {
+            return Err(LockError::Config(
+                "until_expired keeps a lock, not a permit: not with permits".into(),
+            ));
+        }
+        self.until_expired = true;
+        Ok(self)
     }
 
     /// Lets up to `permits` jobs of one key run at once instead of one (per-key
@@ -212,6 +236,11 @@ impl<R> LockLayer<R> {
     ///
     /// A number outside 1 to [`MAX_PERMITS`] is a [`LockError::Config`].
     pub fn permits(mut self, permits: u32) -> Result<Self, LockError> {
+        if self.until_expired {
+            return Err(LockError::Config(
+                "until_expired keeps a lock, not a permit: not with permits".into(),
+            ));
+        }
         if permits == 0 || permits > MAX_PERMITS {
             return Err(LockError::Config(format!(
                 "a job's key takes 1 to {MAX_PERMITS} permits, not {permits}"
@@ -402,7 +431,14 @@ where
         Ok(done) => {
             // The job is over either way; a release that fails leaves the lease to end
             // with its TTL, which takes nothing from the job's result.
-            let _ = held.release().await;
+            match held {
+                Held::Lock(guard) if layer.until_expired && done.is_ok() => {
+                    guard.leave_to_expire();
+                }
+                held => {
+                    let _ = held.release().await;
+                }
+            }
             done.map_err(JobError::Job)
         }
         Err(_) => {
