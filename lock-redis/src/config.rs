@@ -339,7 +339,8 @@ impl RedisBackendBuilder {
             // would then wait until the replicas answer, however long they are away.
             if wait.as_millis() == 0 {
                 return Err(LockError::Config(format!(
-                    "the replica acknowledgement timeout {wait:?} is less than 1 ms, which                      `WAIT` takes as no limit; give it 1 ms or more"
+                    "the replica acknowledgement timeout {wait:?} is less than 1 ms, which \
+                     `WAIT` takes as no limit; give it 1 ms or more"
                 )));
             }
             // WAIT holds the reply for up to its timeout; a shorter response timeout would
@@ -582,6 +583,26 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
                 panic!("replica_acks(1, {wait:?}) was not refused: {built:?}");
             };
             assert!(message.contains("1 ms"), "{message}");
+        }
+    }
+
+    /// A message continued over source lines reads as one sentence: no run of spaces
+    /// where a line break was.
+    #[test]
+    fn option_errors_read_without_runs_of_spaces() {
+        let node = || RedisBackendBuilder::default().url("redis://127.0.0.1:1");
+        for refused in [
+            node().replica_acks(1, Duration::ZERO),
+            node().replica_acks(1, DEFAULT_RESPONSE_TIMEOUT),
+            node().min_ttl(Duration::ZERO),
+            node().key_prefix(""),
+            node().url("redis://127.0.0.1:1/?x=1"),
+            node().url("redis://u:1/2@127.0.0.1:1"),
+        ] {
+            let Err(LockError::Config(message)) = refused.validate() else {
+                panic!("{refused:?} was accepted");
+            };
+            assert!(!message.contains("  "), "{message:?}");
         }
     }
 
