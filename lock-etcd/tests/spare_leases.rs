@@ -46,9 +46,11 @@ async fn keys_on(raw: &Client, lease: i64) -> Option<usize> {
 
 const ONE_WAY: Duration = Duration::from_millis(150);
 
-/// The longest a two-round-trip call may take: two round trips and half of another, for a
-/// busy machine; three round trips take at least six one-way delays.
-const TWO_ROUND_TRIPS: Duration = Duration::from_millis(150 * 5);
+/// What a call of fewer than three round trips takes less than: three round trips take at
+/// least six one-way delays (917 ms was measured before leases were granted ahead). Two
+/// take four, and the two left are the room a busy machine has (at load 16 one took
+/// 818 ms).
+const FEWER_THAN_THREE_ROUND_TRIPS: Duration = Duration::from_millis(150 * 6);
 
 /// After a first lock (untimed: a process's first acquire reads before it grants), the
 /// next acquire finds no spare and grants beside its read; it takes the lock soon after
@@ -83,8 +85,8 @@ async fn an_acquire_of_a_free_key_is_two_round_trips() {
     factory.proxies()[0].heal();
     for (i, took) in took.iter().enumerate() {
         assert!(
-            *took < TWO_ROUND_TRIPS,
-            "acquire {i} took {took:?}: more than two round trips of {:?}",
+            *took < FEWER_THAN_THREE_ROUND_TRIPS,
+            "acquire {i} took {took:?}: three round trips of {:?} or more",
             ONE_WAY * 2
         );
     }
