@@ -240,6 +240,78 @@ async fn open_node(
     })
 }
 
+/// A cluster client that sends a request at most `retries` more times after an error.
+fn cluster_client(
+    b: &RedisBackendBuilder,
+    nodes: Vec<redis::ConnectionInfo>,
+    certificates: Option<redis::TlsCertificates>,
+    retries: u32,
+    shown_urls: &str,
+) -> Result<ClusterClient, LockError> {
+    let mut client = ClusterClientBuilder::new(nodes)
+        .connection_timeout(b.connect_timeout)
+        .response_timeout(b.response_timeout)
+        .tcp_settings(tcp_settings())
+        .retries(retries);
+    if let Some(certificates) = certificates {
+        client = client.certs(certificates);
+    }
+    client.build().map_err(|e| config_error(shown_urls, &e))
+}
+
+async fn connect_cluster(
+    client: &ClusterClient,
+    connect_timeout: Duration,
+    shown_urls: &str,
+) -> Result<ClusterConnection, LockError> {
+    with_timeout(connect_timeout, client.get_async_connection())
+        .await
+        .map_err(|e| connect_error(shown_urls, e))
+}
+
+/// The Sentinels of a `redis+sentinel://` URL, each reached with the URL's TLS and the
+/// [`RedisBackendBuilder::sentinel_auth`] credentials, and the master's settings.
+fn sentinel_target(
+    b: &RedisBackendBuilder,
+    sentinel: SentinelUrl,
+    certificates: Option<redis::TlsCertificates>,
+    shown_url: &str,
+) -> Result<Arc<Sentinels>, LockError> {
+    let master = parse_url(&sentinel.master_url)?;
+    let mut clients = Vec::new();
+    for (host, port) in sentinel.sentinels {
+        let addr = addr_at(&master, host, port);
+        let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
+        if let Some((user, password)) = &b.sentinel_auth {
+            settings = settings.set_password(password);
+            if !user.is_empty() {
+                settings = settings.set_username(user);
+            }
+        }
+        let info = master.clone().set_addr(addr).set_redis_settings(settings);
+        clients.push(client(info, certificates.clone()).map_err(|e| config_error(shown_url, &e))?);
+    }
+    Ok(Arc::new(Sentinels::new(
+        clients,
+        sentinel.master_name,
+        master,
+        certificates,
+        b.connect_timeout,
+    )))
+}
+
+/// The connection settings of `url`, with [`tcp_settings`]. A connection sends no
+/// `CLIENT SETINFO` (the client library's name): a user limited to the commands README
+/// names may not run it, and Redis 7.2 and later log every refusal.
+fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
+    let info = redis::IntoConnectionInfo::into_connection_info(url)
+        .map_err(|e| config_error(&redact_url(url), &e))?;
+    let settings = info.redis_settings().clone().set_skip_set_lib_name();
+    Ok(info
+        .set_redis_settings(settings)
+        .set_tcp_settings(tcp_settings()))
+}
+
 /// Checks the servers before anything is loaded or locked: the credentials (`PING`), the
 /// version (`INFO server`) and that no node may evict lock keys (`INFO memory`); reads
 /// whether hash slots divide the keys and whether every master has shard channels.
@@ -281,6 +353,23 @@ async fn check_server(
 
 /// The first Redis with shard channels (`SPUBLISH`, `SSUBSCRIBE`).
 const SHARD_CHANNELS: (u32, u32) = (7, 0);
+
+/// The `INFO memory` reply of each node the backend talks to (every master of a cluster),
+/// with the node's name: its shown URL, or `host:port` in a cluster. A node's error reply
+/// (a user without `+info`, a renamed `INFO`) is kept as that node's reply.
+///
+/// `INFO` rather than `CONFIG GET maxmemory-policy`: README's ACL user may run it, and
+/// managed services that rename or block `CONFIG` still answer it.
+async fn memory_infos(conn: &Conn, shown_url: &str) -> RedisResult<Vec<(String, Value)>> {
+    let mut nodes: Vec<(String, Value)> = conn
+        .infos("memory")
+        .await?
+        .into_iter()
+        .map(|(node, info)| (node.unwrap_or_else(|| shown_url.to_owned()), info))
+        .collect();
+    nodes.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(nodes)
+}
 
 /// One step of `build` against the servers: bounded by the connect timeout, its error
 /// naming the servers as the user gave them.
@@ -491,95 +580,6 @@ fn assemble(
         shown_urls: shown.0,
         cluster: b.cluster,
     }
-}
-
-/// A cluster client that sends a request at most `retries` more times after an error.
-fn cluster_client(
-    b: &RedisBackendBuilder,
-    nodes: Vec<redis::ConnectionInfo>,
-    certificates: Option<redis::TlsCertificates>,
-    retries: u32,
-    shown_urls: &str,
-) -> Result<ClusterClient, LockError> {
-    let mut client = ClusterClientBuilder::new(nodes)
-        .connection_timeout(b.connect_timeout)
-        .response_timeout(b.response_timeout)
-        .tcp_settings(tcp_settings())
-        .retries(retries);
-    if let Some(certificates) = certificates {
-        client = client.certs(certificates);
-    }
-    client.build().map_err(|e| config_error(shown_urls, &e))
-}
-
-async fn connect_cluster(
-    client: &ClusterClient,
-    connect_timeout: Duration,
-    shown_urls: &str,
-) -> Result<ClusterConnection, LockError> {
-    with_timeout(connect_timeout, client.get_async_connection())
-        .await
-        .map_err(|e| connect_error(shown_urls, e))
-}
-
-/// The Sentinels of a `redis+sentinel://` URL, each reached with the URL's TLS and the
-/// [`RedisBackendBuilder::sentinel_auth`] credentials, and the master's settings.
-fn sentinel_target(
-    b: &RedisBackendBuilder,
-    sentinel: SentinelUrl,
-    certificates: Option<redis::TlsCertificates>,
-    shown_url: &str,
-) -> Result<Arc<Sentinels>, LockError> {
-    let master = parse_url(&sentinel.master_url)?;
-    let mut clients = Vec::new();
-    for (host, port) in sentinel.sentinels {
-        let addr = addr_at(&master, host, port);
-        let mut settings = redis::RedisConnectionInfo::default().set_skip_set_lib_name();
-        if let Some((user, password)) = &b.sentinel_auth {
-            settings = settings.set_password(password);
-            if !user.is_empty() {
-                settings = settings.set_username(user);
-            }
-        }
-        let info = master.clone().set_addr(addr).set_redis_settings(settings);
-        clients.push(client(info, certificates.clone()).map_err(|e| config_error(shown_url, &e))?);
-    }
-    Ok(Arc::new(Sentinels::new(
-        clients,
-        sentinel.master_name,
-        master,
-        certificates,
-        b.connect_timeout,
-    )))
-}
-
-/// The connection settings of `url`, with [`tcp_settings`]. A connection sends no
-/// `CLIENT SETINFO` (the client library's name): a user limited to the commands README
-/// names may not run it, and Redis 7.2 and later log every refusal.
-fn parse_url(url: &str) -> Result<redis::ConnectionInfo, LockError> {
-    let info = redis::IntoConnectionInfo::into_connection_info(url)
-        .map_err(|e| config_error(&redact_url(url), &e))?;
-    let settings = info.redis_settings().clone().set_skip_set_lib_name();
-    Ok(info
-        .set_redis_settings(settings)
-        .set_tcp_settings(tcp_settings()))
-}
-
-/// The `INFO memory` reply of each node the backend talks to (every master of a cluster),
-/// with the node's name: its shown URL, or `host:port` in a cluster. A node's error reply
-/// (a user without `+info`, a renamed `INFO`) is kept as that node's reply.
-///
-/// `INFO` rather than `CONFIG GET maxmemory-policy`: README's ACL user may run it, and
-/// managed services that rename or block `CONFIG` still answer it.
-async fn memory_infos(conn: &Conn, shown_url: &str) -> RedisResult<Vec<(String, Value)>> {
-    let mut nodes: Vec<(String, Value)> = conn
-        .infos("memory")
-        .await?
-        .into_iter()
-        .map(|(node, info)| (node.unwrap_or_else(|| shown_url.to_owned()), info))
-        .collect();
-    nodes.sort_by(|a, b| a.0.cmp(&b.0));
-    Ok(nodes)
 }
 
 #[cfg(test)]
