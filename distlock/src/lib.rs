@@ -172,9 +172,9 @@ pub use fenced::fenced_resource;
 // The user's surface: taking, keeping and giving back locks and permits; elections; fencing the
 // downstream store; the in-memory store; the errors and the metric names.
 pub use distlock_core::{
-    Admission, Capabilities, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode, Fence,
-    FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend, LockError,
-    LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MAX_PERMITS,
+    Admission, Capabilities, Claim, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode,
+    Fence, FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend,
+    LockError, LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MAX_PERMITS,
     MemoryFencedResource, OwnerId, Permit, Permits, Release, Renewal, RetryPolicy, Semaphore,
     election_key, memory, redact_url, telemetry, url_userinfo_is_ambiguous,
 };

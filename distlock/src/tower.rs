@@ -78,7 +78,7 @@ mod misses;
 mod tick;
 
 pub use job::{
-    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss,
+    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss, Until,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
 pub use tick::{

@@ -33,9 +33,9 @@ fn key_of(job: &Job) -> Result<LockKey, LockError> {
 #[derive(Clone)]
 struct Handler<F>(F);
 
-impl<F, Fut, T, E> Service<Locked<Job>> for Handler<F>
+impl<F, Fut, T, E, Q> Service<Locked<Q>> for Handler<F>
 where
-    F: FnMut(Locked<Job>) -> Fut,
+    F: FnMut(Locked<Q>) -> Fut,
     Fut: Future<Output = Result<T, E>>,
 {
     type Response = T;
@@ -44,7 +44,7 @@ where
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), E>> {
         Poll::Ready(Ok(()))
     }
-    fn call(&mut self, locked: Locked<Job>) -> Fut {
+    fn call(&mut self, locked: Locked<Q>) -> Fut {
         (self.0)(locked)
     }
 }
@@ -555,4 +555,135 @@ async fn until_expired_keeps_a_succeeded_jobs_key_for_its_ttl_and_a_failed_one_r
             .until_expired(),
         Err(LockError::Config(_))
     ));
+}
+
+/// A job carrying the claim its producer took when it enqueued it.
+#[derive(Clone, Debug)]
+struct Enqueued {
+    job: Job,
+    claim: Option<distlock::Claim>,
+}
+
+fn claimed_layer(locker: Locker, until: distlock::tower::Until) -> LockLayer<Enqueued> {
+    LockLayer::new(locker, |e: &Enqueued| key_of(&e.job))
+        .claimed(|e: &Enqueued| e.claim.clone(), until)
+}
+
+#[tokio::test]
+async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_is_done() {
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), Duration::from_secs(30));
+    let job = Job { id: 6, delivery: 1 };
+    let key = key_of(&job).unwrap();
+    // The producer claims the key and enqueues; a duplicate finds it claimed.
+    let claim = locker.claim(&key, Duration::from_secs(60)).await.unwrap();
+    let claim = claim.expect("a free key");
+    assert!(
+        locker
+            .claim(&key, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let probe = locker.clone();
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
+        Handler(move |locked: Locked<Enqueued>| {
+            let probe = probe.clone();
+            async move {
+                // While it runs, the key is still claimed: no duplicate is enqueued.
+                let duplicate = probe.claim(&locked.key, Duration::from_secs(60)).await;
+                Ok::<_, Infallible>((locked.token, duplicate.unwrap().is_none()))
+            }
+        }),
+    );
+    let (token, kept_out) = service
+        .call(Enqueued {
+            job,
+            claim: Some(claim.clone()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(token, claim.token(), "the job did not run under its claim");
+    assert!(kept_out, "a duplicate was claimed while the job ran");
+    // Done: the key is free for the next job.
+    assert!(
+        locker
+            .claim(&key, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .is_some()
+    );
+}
+
+#[tokio::test]
+async fn until_executing_the_claim_ends_when_the_job_starts() {
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), Duration::from_secs(30));
+    let job = Job { id: 7, delivery: 1 };
+    let queued = LockKey::new("queued:job:7").unwrap();
+    let claim = locker
+        .claim(&queued, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let probe = locker.clone();
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executing).layer(
+        Handler(move |locked: Locked<Enqueued>| {
+            let probe = probe.clone();
+            let queued = LockKey::new("queued:job:7").unwrap();
+            async move {
+                // Started: the next one may be enqueued, while this one holds its key.
+                let next = probe.claim(&queued, Duration::from_secs(60)).await.unwrap();
+                Ok::<_, Infallible>((locked.key, next.is_some()))
+            }
+        }),
+    );
+    let (ran_under, next_enqueued) = service.call(Enqueued { job, claim }).await.unwrap();
+    assert_eq!(ran_under.to_string(), "job:7");
+    assert!(
+        next_enqueued,
+        "the claim still held the queue key once the job ran"
+    );
+}
+
+#[tokio::test]
+async fn a_claim_that_ran_out_in_the_queue_leaves_the_job_to_take_its_key() {
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), Duration::from_secs(30));
+    let job = Job { id: 8, delivery: 1 };
+    let key = key_of(&job).unwrap();
+    let ttl = Duration::from_millis(200);
+    let claim = locker.claim(&key, ttl).await.unwrap().unwrap();
+    let claimed_at = Instant::now();
+    while store.inspect(&key).await.unwrap().owner.is_some() {
+        assert!(claimed_at.elapsed() < ttl * 10, "the claim never ran out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
+        Handler(|locked: Locked<Enqueued>| async move { Ok::<_, Infallible>(locked.token) }),
+    );
+    let token = service
+        .call(Enqueued {
+            job: job.clone(),
+            claim: Some(claim.clone()),
+        })
+        .await
+        .unwrap();
+    assert!(
+        token > claim.token(),
+        "{token:?} after the claim's {:?}",
+        claim.token()
+    );
+    // Until executed, a claim on another key than the job's is refused before it runs.
+    let other = locker
+        .claim(
+            &LockKey::new("queued:job:8").unwrap(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let refused = service.call(Enqueued { job, claim: other }).await;
+    assert!(
+        matches!(refused, Err(JobError::Lock(LockError::Config(_)))),
+        "{refused:?}"
+    );
 }

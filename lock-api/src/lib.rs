@@ -2,6 +2,7 @@
 
 mod backend;
 pub mod chore;
+mod claim;
 mod election;
 mod env;
 mod error;
@@ -23,6 +24,7 @@ pub mod wake;
 mod watchdog;
 
 pub use backend::LockBackend;
+pub use claim::Claim;
 pub use election::{ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key};
 pub use env::url_from_env;
 pub use error::{BoxError, LockError};

@@ -454,7 +454,7 @@ fn wait_deadline(start: Instant, wait: Option<Duration>) -> Result<Option<Instan
 
 /// Refuses a lock named like a semaphore's permit slot (`<name>:permit:<n>`): it would
 /// silently take a permit of semaphore `<name>` from every process that names it.
-fn refuse_permit_slot(key: &LockKey) -> Result<(), LockError> {
+pub(crate) fn refuse_permit_slot(key: &LockKey) -> Result<(), LockError> {
     if key.is_permit_slot() {
         return Err(LockError::InvalidKey {
             reason: format!(

@@ -8,8 +8,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use distlock_core::{
-    FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit, Release,
-    RetryPolicy,
+    Claim, FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit,
+    Release, RetryPolicy,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -125,6 +125,26 @@ pub struct Locked<R> {
 }
 
 type KeyOf<R> = Arc<dyn Fn(&R) -> Result<LockKey, LockError> + Send + Sync>;
+type ClaimOf<R> = Arc<dyn Fn(&R) -> Option<Claim> + Send + Sync>;
+
+/// How long the [`Claim`] a job's producer took when it enqueued the job keeps its key;
+/// see [`LockLayer::claimed`].
+///
+/// More may come: a `match` on it needs a wildcard arm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Until {
+    /// Until the job starts (sidekiq-unique-jobs' `until_executing`): no duplicate is
+    /// enqueued while the job waits in the queue; once it starts, the claim is released
+    /// and the job runs under its own key, so a duplicate may be enqueued meanwhile. The
+    /// claim should be on a key of its own (`queued:<job key>`).
+    Executing,
+    /// Until the job has run (`until_executed`): the claim is the job's lock, resumed by
+    /// the worker and released when the job ends, so no duplicate is enqueued from the
+    /// moment the producer claims the key until the job is done. The claim must be on
+    /// the job's key.
+    Executed,
+}
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
 
 /// [`LockLayer::dead_letter_after`]'s settings and what it has seen.
@@ -156,6 +176,8 @@ pub struct LockLayer<R> {
     permits: Option<u32>,
     /// Under [`LockLayer::until_expired`]: a job that succeeded leaves its lease to expire.
     until_expired: bool,
+    /// Under [`LockLayer::claimed`]: the request's claim and how long it holds.
+    claimed: Option<(ClaimOf<R>, Until)>,
 }
 
 impl<R> Clone for LockLayer<R> {
@@ -167,6 +189,7 @@ impl<R> Clone for LockLayer<R> {
             dead_letter: self.dead_letter.clone(),
             permits: self.permits,
             until_expired: self.until_expired,
+            claimed: self.claimed.clone(),
         }
     }
 }
@@ -178,6 +201,7 @@ impl<R> fmt::Debug for LockLayer<R> {
             .field("on_miss", &self.on_miss)
             .field("permits", &self.permits)
             .field("until_expired", &self.until_expired)
+            .field("claimed", &self.claimed.as_ref().map(|c| c.1))
             .field(
                 "dead_letter_after",
                 &self.dead_letter.as_ref().map(|d| d.after),
@@ -202,7 +226,27 @@ impl<R> LockLayer<R> {
             dead_letter: None,
             permits: None,
             until_expired: false,
+            claimed: None,
         }
+    }
+
+    /// Unique from enqueue: a job's producer takes the job's [`Claim`] with
+    /// [`Locker::claim`] before it enqueues the job (and does not enqueue it when the key
+    /// is claimed already), and puts the claim into the job; `claim_of` reads it back
+    /// here. The worker resumes it ([`Locker::resume`]) and holds it as `until` says:
+    /// until the job starts ([`Until::Executing`]) or until it has run
+    /// ([`Until::Executed`]). A job without a claim, or whose claim ran out before a
+    /// worker took the job, runs under its key as without this option. Not on a backend
+    /// that cannot [`adopt`](distlock_core::LockBackend::adopt) leases (PostgreSQL
+    /// advisory locks: the call fails with [`JobError::Lock`]).
+    #[must_use]
+    pub fn claimed(
+        mut self,
+        claim_of: impl Fn(&R) -> Option<Claim> + Send + Sync + 'static,
+        until: Until,
+    ) -> Self {
+        self.claimed = Some((Arc::new(claim_of), until));
+        self
     }
 
     /// Keeps a job's key taken after the job succeeds, until its lease's TTL (the
@@ -380,7 +424,17 @@ where
         None
     };
     let mut tried = 0;
+    let resumed = match &layer.claimed {
+        Some((claim_of, until)) => match claim_of(&request) {
+            Some(claim) => resume(&layer.locker, &claim, *until, &key).await?,
+            None => None,
+        },
+        None => None,
+    };
     let held = loop {
+        if let Some(guard) = resumed {
+            break Held::Lock(guard);
+        }
         if let Some(held) = Held::try_take(&layer, &key).await.map_err(JobError::Lock)? {
             break held;
         }
@@ -447,6 +501,33 @@ where
             Err(JobError::Lost { key })
         }
     }
+}
+
+/// Resumes a job's claim: the guard to run the job under (until executed), or nothing
+/// (until executing: the claim is released, and the job takes its key as usual; or the
+/// claim ran out).
+async fn resume<E>(
+    locker: &Locker,
+    claim: &Claim,
+    until: Until,
+    key: &LockKey,
+) -> Result<Option<LockGuard>, JobError<E>> {
+    if until == Until::Executed && claim.key() != key {
+        return Err(JobError::Lock(LockError::Config(format!(
+            "the job's claim is on {}, but the job runs under {key}: until executed, the \
+             producer claims the job's own key",
+            claim.key()
+        ))));
+    }
+    let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? else {
+        return Ok(None);
+    };
+    if until == Until::Executed {
+        return Ok(Some(guard));
+    }
+    // A release that fails leaves the claim to run out at its TTL.
+    let _ = guard.release().await;
+    Ok(None)
 }
 
 /// What a job runs under: its key's lock, or a permit of its key's semaphore.
