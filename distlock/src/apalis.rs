@@ -36,7 +36,7 @@
 //! ```
 //!
 //! [`ApalisLockLayer`] is [`LockLayer`](crate::tower::LockLayer) in apalis's terms: the key
-//! comes from the job's arguments, the delivery count from apalis's attempt counter, and
+//! comes from the job's arguments, and
 //! the handler is an ordinary apalis handler that takes a [`JobLease`] argument for the
 //! token and the lease's status (or none, if it does not need them). The layer's outcomes
 //! become the errors apalis acts on:
@@ -44,13 +44,23 @@
 //! | the layer finds | apalis gets | apalis does |
 //! |---|---|---|
 //! | the job ran and failed | the handler's error, unchanged | what its own retry policy says |
-//! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay | retries the job later |
-//! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`] | stops retrying (killed) |
+//! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay; the task marked pending | retries the job later |
+//! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`]; the task marked killed | stops retrying (killed) |
 //! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`] | a failed attempt, retried by its policy |
 //! | the key invalid, or the lock store failing | the [`JobError`] | a failed attempt |
 //!
 //! Each error the layer makes has a `JobError<Infallible>` saying why: [`job_error`] finds
 //! it in an error apalis reports.
+//!
+//! apalis 1.0 counts an attempt, and sets a task's status, only where it calls the
+//! handler, inside every layer; a delivery this layer sends back without running it
+//! leaves both as they were. So the layer sets the status itself (storages acknowledge
+//! a task by it: apalis-redis 1.0 puts a killed task in its dead set and schedules a
+//! pending one again), and counts the misses toward
+//! [`dead_letter_after`](ApalisLockLayer::dead_letter_after) itself. apalis-redis 1.0
+//! schedules a task sent back by its own rule (now plus the attempts it has run, in
+//! seconds) and does not read [`RetryAfterError`]'s delay; a storage that does gets the
+//! jittered one.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -63,6 +73,7 @@ use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
 use apalis_core::task::Task;
 use apalis_core::task::data::MissingDataError;
 use apalis_core::task::from_request::FromRequest;
+use apalis_core::task::status::Status;
 use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -190,15 +201,15 @@ impl<Args: 'static> ApalisLockLayer<Args> {
         Ok(self)
     }
 
-    /// Dead-letters ([`AbortError`]) a job whose key has been found held on `misses`
-    /// deliveries in a row, counted from apalis's attempt counter as
-    /// [`LockLayer::dead_letter_after`] says (deliveries on which the job ran and failed
-    /// for its own reasons do not count).
+    /// Dead-letters a job whose key this process has found held on `misses` deliveries
+    /// in a row (deliveries on which the job ran, whatever its outcome, start the count
+    /// again): the job is marked killed and fails with [`AbortError`], and apalis does
+    /// not deliver it again. The layer counts the misses itself: apalis counts an
+    /// attempt only when its handler runs, so a delivery the layer sends back does not
+    /// move the task's attempt counter.
     #[must_use]
     pub fn dead_letter_after(mut self, misses: u32) -> Self {
-        self.layer = self.layer.dead_letter_after(misses, |task: &Task<Args>| {
-            u32::try_from(task.ctx().attempt()).unwrap_or(u32::MAX)
-        });
+        self.layer = self.layer.dead_letter_after_misses(misses);
         self
     }
 
@@ -277,13 +288,19 @@ where
     /// # Cancel safety
     /// As [`LockService`]'s: dropping the future stops the job and releases its lock.
     fn call(&mut self, task: Task<Args>) -> Self::Future {
-        // Read when the job is over: apalis counts this delivery once it starts it.
-        let attempt = task.ctx().raw_attempt().clone();
+        // The task's context is shared with apalis's own layers: its storage acknowledges
+        // a task by the status set there, whatever the error says.
+        let ctx = task.ctx().clone();
         let outcomes = self.outcomes;
         let run = self.inner.call(task);
         Box::pin(async move {
             run.await.map_err(|e| {
-                let delivery = u32::try_from(attempt.current()).unwrap_or(u32::MAX);
+                match &e {
+                    JobError::Busy { .. } => ctx.raw_status().store(Status::Pending),
+                    JobError::DeadLetter { .. } => ctx.raw_status().store(Status::Killed),
+                    _ => {}
+                }
+                let delivery = u32::try_from(ctx.attempt()).unwrap_or(u32::MAX);
                 outcomes.into_apalis(e, delivery)
             })
         })

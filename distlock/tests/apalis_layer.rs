@@ -6,6 +6,7 @@ use std::time::Duration;
 use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
 use apalis_core::task::Task;
 use apalis_core::task::builder::TaskBuilder;
+use apalis_core::task::status::Status;
 use apalis_core::task::task_fn::task_fn;
 use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
 use distlock::tower::JobError;
@@ -137,7 +138,7 @@ async fn a_held_key_sends_the_job_back_after_a_jittered_growing_delay() {
 }
 
 #[tokio::test]
-async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_by_its_attempt_count() {
+async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_and_marked_killed() {
     let locker = locker().await;
     let _other = locker
         .try_lock(&key(&Payout { id: 5 }).unwrap())
@@ -149,26 +150,29 @@ async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_by_its_attempt_c
         .dead_letter_after(3)
         .layer(task_fn(handler));
     let mut outcomes = Vec::new();
-    for attempt in 1..=3 {
-        let e = worker
-            .ready()
-            .await
-            .unwrap()
-            .call(delivery(5, attempt))
-            .await
-            .unwrap_err();
+    // apalis counts an attempt only when its handler runs: every delivery the layer
+    // sends back comes again with the same attempt count, and the layer counts itself.
+    for _ in 1..=3 {
+        let task = delivery(5, 1);
+        let ctx = task.ctx().clone();
+        let e = worker.ready().await.unwrap().call(task).await.unwrap_err();
         outcomes.push((
             e.downcast_ref::<RetryAfterError>().is_some(),
             e.downcast_ref::<AbortError>().is_some(),
             format!("{:?}", job_error(&*e)),
+            ctx.status(),
         ));
     }
     assert!(outcomes[0].0 && outcomes[1].0, "{outcomes:#?}");
+    // apalis's storage acknowledges by the task's status: pending goes back to the
+    // queue, killed to the dead letters.
+    assert_eq!(outcomes[0].3, Status::Pending, "{outcomes:#?}");
     assert!(outcomes[2].1, "{outcomes:#?}");
     assert!(
         outcomes[2].2.contains("DeadLetter") && outcomes[2].2.contains("misses: 3"),
         "{outcomes:#?}"
     );
+    assert_eq!(outcomes[2].3, Status::Killed, "{outcomes:#?}");
 }
 
 #[tokio::test]

@@ -151,7 +151,8 @@ type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
 struct DeadLetter<R> {
     /// Misses that dead-letter a job.
     after: u32,
-    deliveries: DeliveriesOf<R>,
+    /// The request's delivery count; `None` to count the misses this process sees.
+    deliveries: Option<DeliveriesOf<R>>,
     misses: Arc<Misses>,
 }
 
@@ -324,7 +325,20 @@ impl<R> LockLayer<R> {
     ) -> Self {
         self.dead_letter = Some(DeadLetter {
             after: misses,
-            deliveries: Arc::new(deliveries),
+            deliveries: Some(Arc::new(deliveries)),
+            misses: Arc::default(),
+        });
+        self
+    }
+
+    /// Dead-letters a job whose key this process has found held on `misses` deliveries
+    /// in a row, counting the misses itself: for a queue whose delivery count does not
+    /// move when the layer sends a job back without running it (apalis counts an attempt
+    /// only when its handler runs).
+    pub(crate) fn dead_letter_after_misses(mut self, misses: u32) -> Self {
+        self.dead_letter = Some(DeadLetter {
+            after: misses,
+            deliveries: None,
             misses: Arc::default(),
         });
         self
@@ -456,9 +470,10 @@ where
             continue;
         }
         if let Some(dead_letter) = &layer.dead_letter {
-            let misses = dead_letter
-                .misses
-                .missed(&key, (dead_letter.deliveries)(&request));
+            let misses = match &dead_letter.deliveries {
+                Some(deliveries) => dead_letter.misses.missed(&key, deliveries(&request)),
+                None => dead_letter.misses.counted(&key),
+            };
             if misses >= dead_letter.after {
                 dead_letter.misses.forget(&key);
                 metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "dead_lettered").increment(1);

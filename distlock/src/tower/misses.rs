@@ -43,6 +43,21 @@ impl Misses {
         1
     }
 
+    /// Records a miss of `key` where no delivery count is known; returns the misses
+    /// counted since the key was last taken, this one included (at least 1).
+    pub(super) fn counted(&self, key: &LockKey) -> u32 {
+        let mut first = self.first.lock().unwrap_or_else(PoisonError::into_inner);
+        if !first.contains_key(key) && first.len() >= MAX_KEYS {
+            let any = first.keys().next().cloned();
+            if let Some(any) = any {
+                first.remove(&any);
+            }
+        }
+        let count = first.entry(key.clone()).or_insert(0);
+        *count = count.saturating_add(1);
+        *count
+    }
+
     /// Forgets `key`'s misses: it was taken, or its job dead-lettered.
     pub(super) fn forget(&self, key: &LockKey) {
         self.first
@@ -67,6 +82,17 @@ mod tests {
         assert_eq!(misses.missed(&key("job:1"), 21), 2);
         assert_eq!(misses.missed(&key("job:1"), 24), 5);
         assert_eq!(misses.missed(&key("job:2"), 7), 1);
+    }
+
+    #[test]
+    fn misses_counted_without_deliveries_start_again_once_forgotten() {
+        let misses = Misses::default();
+        assert_eq!(misses.counted(&key("job:1")), 1);
+        assert_eq!(misses.counted(&key("job:1")), 2);
+        assert_eq!(misses.counted(&key("job:2")), 1);
+        assert_eq!(misses.counted(&key("job:1")), 3);
+        misses.forget(&key("job:1"));
+        assert_eq!(misses.counted(&key("job:1")), 1);
     }
 
     #[test]
