@@ -9,7 +9,7 @@ use benchmarks::subjects::{self, Servers, Store, SubjectId};
 
 use crate::args::{Args, start_selected};
 use crate::measure;
-use crate::print::{print_target, rounds, us};
+use crate::print::{cpu, print_target, ratio, rounds, sides};
 
 /// The handoff measurement alone, for every selected backend, notified and polling.
 pub(crate) async fn handoff(args: &Args) -> Result<(), BenchError> {
@@ -197,24 +197,16 @@ pub(crate) async fn waited_releases(args: &Args) -> Result<(), BenchError> {
             continue;
         };
         println!(
-            "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {})\n  \
-             waited {:.0} cycles/s (rounds {})\n  unwaited {:.0} cycles/s (rounds {})\n  \
-             {} wake-ups for {} waited releases; CPU µs per cycle waited / unwaited: \
-             client {} / {}, server {} / {}",
+            "{} at {} tasks, a waiter on every key / none: cycles/s {} (rounds {})\n{}  \
+             {} wake-ups for {} waited releases; CPU µs per cycle waited / unwaited: {}",
             id.slug(),
             w.concurrency,
-            w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            ratio(w.ratio()),
             rounds(&w.ratios(), 2),
-            w.waited.rate(),
-            rounds(&w.waited.per_sec, 0),
-            w.unwaited.rate(),
-            rounds(&w.unwaited.per_sec, 0),
+            sides(("waited", &w.waited), ("unwaited", &w.unwaited)),
             w.wakes,
             w.waited_releases,
-            us(w.waited.client()),
-            us(w.unwaited.client()),
-            us(w.waited.server()),
-            us(w.unwaited.server()),
+            cpu(&w.waited, &w.unwaited),
         );
         // The target of this backend, judged as in the full report.
         let results = Results {
@@ -236,22 +228,15 @@ pub(crate) async fn permits(args: &Args) -> Result<(), BenchError> {
     for id in backends {
         for p in measure::permit_cycles(id, &servers, &plan).await? {
             println!(
-                "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n  \
-                 permit {:.0} cycles/s (rounds {})\n  lock {:.0} cycles/s (rounds {})\n  \
-                 CPU µs per cycle permit / lock: client {} / {}, server {} / {}",
+                "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n{}  \
+                 CPU µs per cycle permit / lock: {}",
                 id.slug(),
                 p.tasks,
                 p.tasks,
-                p.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+                ratio(p.ratio()),
                 rounds(&p.ratios(), 2),
-                p.permit.rate(),
-                rounds(&p.permit.per_sec, 0),
-                p.lock.rate(),
-                rounds(&p.lock.per_sec, 0),
-                us(p.permit.client()),
-                us(p.lock.client()),
-                us(p.permit.server()),
-                us(p.lock.server()),
+                sides(("permit", &p.permit), ("lock", &p.lock)),
+                cpu(&p.permit, &p.lock),
             );
         }
     }

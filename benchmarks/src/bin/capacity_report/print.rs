@@ -1,6 +1,7 @@
 //! How the modes print a target and the values of their rounds.
 
 use benchmarks::target::Target;
+use capacity::waited::Side;
 
 /// Prints one target with its verdict.
 pub(crate) fn print_target(t: &Target) {
@@ -27,4 +28,32 @@ pub(crate) fn rounds(values: &[f64], decimals: usize) -> String {
 /// CPU µs per cycle, or `-` where it could not be read.
 pub(crate) fn us(value: Option<f64>) -> String {
     value.map_or("-".into(), |v| format!("{v:.1}"))
+}
+
+/// A median ratio of alternating rounds, or `-` where a side measured nothing.
+pub(crate) fn ratio(value: Option<f64>) -> String {
+    value.map_or("-".into(), |r| format!("{r:.2}x"))
+}
+
+/// Two sides of alternating rounds, each named, with its cycles/s and its rounds on a line
+/// of its own.
+pub(crate) fn sides((a_name, a): (&str, &Side), (b_name, b): (&str, &Side)) -> String {
+    format!(
+        "  {a_name} {:.0} cycles/s (rounds {})\n  {b_name} {:.0} cycles/s (rounds {})\n",
+        a.rate(),
+        rounds(&a.per_sec, 0),
+        b.rate(),
+        rounds(&b.per_sec, 0)
+    )
+}
+
+/// The CPU µs per cycle of two sides, the client's and the server's.
+pub(crate) fn cpu(a: &Side, b: &Side) -> String {
+    format!(
+        "client {} / {}, server {} / {}",
+        us(a.client()),
+        us(b.client()),
+        us(a.server()),
+        us(b.server())
+    )
 }
