@@ -120,7 +120,9 @@ impl LeaderLayer {
     ///
     /// # Cancel safety
     /// Cancel safe: the campaign task resigns whether or not this future is polled to the
-    /// end; dropping it only stops waiting for the release.
+    /// end; dropping it only stops waiting for the release. Dropping the layer (its last
+    /// service too) before the release is done stops the campaign task with it, and the
+    /// role then runs out at its TTL: await this call before dropping the layer.
     pub async fn resign(&self) {
         self.leading.stop.send_replace(true);
         let task = self
