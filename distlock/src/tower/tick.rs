@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
-use distlock_core::{FencingToken, LeaseStatus, LockBackend, LockError, LockKey, Locker};
+use distlock_core::{FencingToken, Lease, LeaseStatus, LockBackend, LockError, LockKey, Locker};
 use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{debug, warn};
@@ -285,7 +285,8 @@ struct Ticks {
 
 /// Whether a tick may run now: within the catch-up window, and claimed by this call.
 enum Claim {
-    Taken,
+    /// Claimed by this call: the claim's lease, to give back if the tick cannot run.
+    Taken(Lease),
     Elsewhere,
     Misfired,
 }
@@ -308,13 +309,27 @@ impl Ticks {
         let key = LockKey::new(format!("{}{millis}", self.prefix))?;
         // The lease is dropped, never released: the claim stays until its TTL runs out.
         Ok(match self.backend.acquire(&key, self.retention).await? {
-            Some(_) => Claim::Taken,
+            Some(lease) => Claim::Taken(lease),
             None => {
                 metrics::counter!(TICKS_CLAIMED_ELSEWHERE_TOTAL, "role" => self.role.clone())
                     .increment(1);
                 Claim::Elsewhere
             }
         })
+    }
+
+    /// Whether a tick this call claimed may run under the leadership `status`: not when the
+    /// leadership was lost while the claim was on its way, and its claim then goes back,
+    /// so that the next leader catches the tick up instead of finding it claimed by a tick
+    /// that never ran.
+    async fn still_leading(&self, claim: &Lease, status: &LeaseStatus) -> bool {
+        if status.is_held() {
+            return true;
+        }
+        if let Err(error) = self.backend.release(claim).await {
+            warn!(role = %self.role, %error, "giving back the claim of a tick not run failed");
+        }
+        false
     }
 
     /// Keeps `pending` as the tick to catch up, unless a later one is kept already.
@@ -338,7 +353,10 @@ impl Ticks {
             return;
         };
         match self.claim(pending.fire).await {
-            Ok(Claim::Taken) => {
+            Ok(Claim::Taken(claim)) => {
+                if !self.still_leading(&claim, &status).await {
+                    return;
+                }
                 metrics::counter!(TICKS_CAUGHT_UP_TOTAL, "role" => self.role.clone()).increment(1);
                 (pending.run)(token, status).await;
             }
@@ -476,11 +494,20 @@ where
             // Elected between the check and the keep: the election's catch-up may have
             // looked before the tick was kept, so it is caught up here.
             if let Some((token, status)) = self.layer.leading.now() {
+                // In a task of its own, as the election's: the tick does not depend on
+                // the caller polling this call to its end.
                 let ticks = ticks.clone();
-                return Box::pin(async move {
-                    ticks.catch_up(token, status).await;
-                    Ok(None)
-                });
+                let catch_up = async move { ticks.catch_up(token, status).await };
+                return match tokio::runtime::Handle::try_current() {
+                    Ok(runtime) => {
+                        runtime.spawn(catch_up);
+                        Box::pin(std::future::ready(Ok(None)))
+                    }
+                    Err(_) => Box::pin(async move {
+                        catch_up.await;
+                        Ok(None)
+                    }),
+                };
             }
             skipped(&self.layer.leading.role);
             return Box::pin(std::future::ready(Ok(None)));
@@ -490,7 +517,12 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         Box::pin(async move {
             match ticks.claim(fire).await.map_err(JobError::Lock)? {
-                Claim::Taken => run_tick(inner, request, token, status, key).await.map(Some),
+                Claim::Taken(claim) => {
+                    if !ticks.still_leading(&claim, &status).await {
+                        return Err(JobError::Lost { key });
+                    }
+                    run_tick(inner, request, token, status, key).await.map(Some)
+                }
                 Claim::Elsewhere | Claim::Misfired => {
                     debug!(role = %ticks.role, "tick claimed elsewhere or too old; not run");
                     skipped(&ticks.role);
