@@ -290,14 +290,17 @@ impl PgBuilder {
             // request time limit (see `PgPooling::Session`). Session settings only where
             // the session is the connection's own: behind a transaction pooler they would
             // stay on a server session other clients are given.
-            let bounds: Arc<str> = session_bounds(self.request_timeout).into();
-            pool = pool.after_connect(move |conn, _meta| {
-                let bounds = Arc::clone(&bounds);
-                Box::pin(async move {
-                    sqlx::raw_sql(AssertSqlSafe(bounds)).execute(conn).await?;
-                    Ok(())
-                })
-            });
+            let bounds: Arc<str> =
+                session_bounds(self.request_timeout, options.get_options()).into();
+            if !bounds.is_empty() {
+                pool = pool.after_connect(move |conn, _meta| {
+                    let bounds = Arc::clone(&bounds);
+                    Box::pin(async move {
+                        sqlx::raw_sql(AssertSqlSafe(bounds)).execute(conn).await?;
+                        Ok(())
+                    })
+                });
+            }
         }
         let pool = pool.connect_lazy_with(options);
         Ok(PgClient {

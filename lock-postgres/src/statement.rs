@@ -70,9 +70,17 @@ pub(crate) fn bounded_begin(limit: Duration) -> String {
 
 /// The same limits for a whole session, as one simple-protocol message: what a pool in
 /// [`PgPooling::Session`] sets on each connection it opens (see `PgPooling::Session`).
-pub(crate) fn session_bounds(limit: Duration) -> String {
+///
+/// A setting the connection's startup `options` already give (the URL's
+/// `options[statement_timeout]=…`) is left as the user set it.
+pub(crate) fn session_bounds(limit: Duration, startup_options: Option<&str>) -> String {
     let ms = whole_ms(limit);
-    format!("SET idle_in_transaction_session_timeout = {ms}; SET statement_timeout = {ms}")
+    ["idle_in_transaction_session_timeout", "statement_timeout"]
+        .into_iter()
+        .filter(|name| startup_options.is_none_or(|given| !given.contains(&format!("{name}="))))
+        .map(|name| format!("SET {name} = {ms}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A time limit as PostgreSQL's settings take it: whole milliseconds, at least 1 (0 would

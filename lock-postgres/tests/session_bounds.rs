@@ -175,3 +175,32 @@ async fn a_transaction_on_the_pool_whose_client_stalls_does_not_keep_its_row_loc
     drop(tx);
     drop(proxy);
 }
+
+/// A limit the URL gives the session (`options[statement_timeout]=…`) is the user's: the
+/// pool sets the request time limit only for what the URL leaves unset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_the_url_sets_is_kept_and_the_others_are_bounded() {
+    let server = start_server().await;
+    let url = format!("{}?options[statement_timeout]=45s", server.url());
+    let backend = backend_at(&url, 1).await;
+    let mut conn = backend.pool().acquire().await.unwrap();
+    let show = |name: &'static str| format!("SHOW {name}");
+    let statement: (String,) = sqlx::query_as(sqlx::AssertSqlSafe(show("statement_timeout")))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let idle: (String,) = sqlx::query_as(sqlx::AssertSqlSafe(show(
+        "idle_in_transaction_session_timeout",
+    )))
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        statement.0, "45s",
+        "the URL's statement_timeout was replaced"
+    );
+    assert_eq!(
+        idle.0, "2s",
+        "the limit the URL leaves unset is the request time limit"
+    );
+}
