@@ -38,6 +38,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo clippy -p lockctl --all-targets --features etcd --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --locked -- -D warnings
 cargo clippy -p distlock --all-targets --no-default-features --features tower --locked -- -D warnings
+cargo clippy -p distlock --all-targets --no-default-features --features apalis --locked -- -D warnings
 cargo clippy "${own_backend[@]}" --all-targets --locked -- -D warnings
 # Packaging builds each published crate from its .crate file, the crates it depends on
 # again with its own features, in a target directory of its own. It runs after the tests:

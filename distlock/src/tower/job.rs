@@ -335,6 +335,7 @@ impl<R> LockLayer<R> {
     /// in a row, counting the misses itself: for a queue whose delivery count does not
     /// move when the layer sends a job back without running it (apalis counts an attempt
     /// only when its handler runs).
+    #[cfg(feature = "apalis")]
     pub(crate) fn dead_letter_after_misses(mut self, misses: u32) -> Self {
         self.dead_letter = Some(DeadLetter {
             after: misses,
