@@ -35,7 +35,7 @@
 //! # Ok(()) }
 //! ```
 //!
-//! [`ApalisLockLayer`] is [`LockLayer`](crate::tower::LockLayer) in apalis's terms: the key
+//! [`ApalisLockLayer`] is [`LockLayer`] in apalis's terms: the key
 //! comes from the job's arguments, and
 //! the handler is an ordinary apalis handler that takes a [`JobLease`] argument for the
 //! token and the lease's status (or none, if it does not need them). The layer's outcomes

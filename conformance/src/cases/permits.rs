@@ -120,7 +120,7 @@ async fn nothing_left_held(
 
 /// A waiter in `Semaphore::acquire` on a full semaphore; one permit is released, and the
 /// wait is dropped after 1, 2, 3 … more polls, until a run completes: whatever its
-/// attempt in flight took is given back at once (by [`given_back_within`], not by its
+/// attempt in flight took is given back at once (by `given_back_within`, not by its
 /// long TTL), and its watchdog renews nothing.
 pub async fn dropped_permit_acquire_mid_wait_leaves_no_permit_held(
     factory: &dyn Factory,
@@ -177,7 +177,7 @@ pub async fn dropped_permit_acquire_mid_wait_leaves_no_permit_held(
 /// `Semaphore::acquire_timeout` on a full semaphore times out with `Timeout` naming it
 /// after its own wait (the locker's is 60 s); then, with one permit free, waits of 1, 2,
 /// 3 … ms time out with their attempt in flight until one is granted: each that timed
-/// out gives back what it took (by [`given_back_within`], not by its long TTL).
+/// out gives back what it took (by `given_back_within`, not by its long TTL).
 pub async fn timed_out_permit_acquire_leaves_no_permit_held(
     factory: &dyn Factory,
 ) -> Result<Outcome, Failure> {
