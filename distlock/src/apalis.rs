@@ -74,11 +74,11 @@ use apalis_core::task::Task;
 use apalis_core::task::data::MissingDataError;
 use apalis_core::task::from_request::FromRequest;
 use apalis_core::task::status::Status;
-use distlock_core::{FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
+use distlock_core::{Claim, FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::tower::{JobError, LockLayer, LockService, Locked, OnMiss};
+use crate::tower::{JobError, LockLayer, LockService, Locked, OnMiss, Until};
 
 /// The default of [`ApalisLockLayer::retry_after`].
 pub const DEFAULT_RETRY_AFTER: Duration = Duration::from_secs(1);
@@ -191,6 +191,22 @@ impl<Args: 'static> ApalisLockLayer<Args> {
     pub fn permits(mut self, permits: u32) -> Result<Self, LockError> {
         self.layer = self.layer.permits(permits)?;
         Ok(self)
+    }
+
+    /// Unique from enqueue: the producer [claims](Locker::claim) the job's key before it
+    /// pushes the job (and pushes nothing when the key is claimed), and puts the
+    /// [`Claim`] into the job's arguments, where `claim_of` finds it; see
+    /// [`LockLayer::claimed`] and [`Until`].
+    #[must_use]
+    pub fn claimed(
+        mut self,
+        claim_of: impl Fn(&Args) -> Option<Claim> + Send + Sync + 'static,
+        until: Until,
+    ) -> Self {
+        self.layer = self
+            .layer
+            .claimed(move |task: &Task<Args>| claim_of(&task.args), until);
+        self
     }
 
     /// Keeps a job's key taken after the job succeeds, until the lease's TTL runs out;
