@@ -27,18 +27,12 @@ impl Misses {
     /// this one included (at least 1).
     pub(super) fn missed(&self, key: &LockKey, delivery: u32) -> u32 {
         let mut first = self.first.lock().unwrap_or_else(PoisonError::into_inner);
-        match first.get(key) {
-            Some(&since) if since <= delivery => return (delivery - since).saturating_add(1),
-            Some(_) => {}
-            None => {
-                if first.len() >= MAX_KEYS {
-                    let any = first.keys().next().cloned();
-                    if let Some(any) = any {
-                        first.remove(&any);
-                    }
-                }
-            }
+        if let Some(&since) = first.get(key)
+            && since <= delivery
+        {
+            return (delivery - since).saturating_add(1);
         }
+        make_room(&mut first, key);
         first.insert(key.clone(), delivery);
         1
     }
@@ -47,12 +41,7 @@ impl Misses {
     /// counted since the key was last taken, this one included (at least 1).
     pub(super) fn counted(&self, key: &LockKey) -> u32 {
         let mut first = self.first.lock().unwrap_or_else(PoisonError::into_inner);
-        if !first.contains_key(key) && first.len() >= MAX_KEYS {
-            let any = first.keys().next().cloned();
-            if let Some(any) = any {
-                first.remove(&any);
-            }
-        }
+        make_room(&mut first, key);
         let count = first.entry(key.clone()).or_insert(0);
         *count = count.saturating_add(1);
         *count
@@ -64,6 +53,17 @@ impl Misses {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key);
+    }
+}
+
+/// Forgets one key when `key` is new and the record is full.
+fn make_room(first: &mut HashMap<LockKey, u32>, key: &LockKey) {
+    if first.contains_key(key) || first.len() < MAX_KEYS {
+        return;
+    }
+    let any = first.keys().next().cloned();
+    if let Some(any) = any {
+        first.remove(&any);
     }
 }
 
