@@ -1,4 +1,4 @@
-//! Reading a store's URL from the environment, for the builders' `from_env()`.
+//! Reading a store's URL from the environment: the one body of the builders' `from_env()`.
 
 use std::env::VarError;
 
@@ -29,6 +29,23 @@ pub fn url_from_env(
             "the environment variable {name} is not valid UTF-8"
         ))),
     }
+}
+
+/// The builder `from_url` makes of the URL in the environment variable `name`: what every
+/// backend's `from_env()` does, with its variable, `wanted` (see [`url_from_env`]) and its
+/// own `from_url`. `lookup` reads the variable: `std::env::var` in `from_env()`, a closure
+/// in tests.
+///
+/// # Errors
+///
+/// Those of [`url_from_env`], then those of `from_url`.
+pub fn builder_from_env<B>(
+    name: &str,
+    wanted: &str,
+    lookup: impl FnOnce(&str) -> Result<String, VarError>,
+    from_url: impl FnOnce(&str) -> Result<B, LockError>,
+) -> Result<B, LockError> {
+    from_url(&url_from_env(name, wanted, lookup)?)
 }
 
 #[cfg(test)]
@@ -71,5 +88,23 @@ mod tests {
         })
         .unwrap();
         assert_eq!(url, "redis://u:pw@h:1/");
+    }
+
+    #[test]
+    fn a_builder_is_made_from_the_url_found_and_not_without_one() {
+        let built = builder_from_env(
+            "SOME_URL",
+            "a URL",
+            |_| Ok("redis://h:1/".into()),
+            |url| Ok(format!("built from {url}")),
+        );
+        assert_eq!(built.unwrap(), "built from redis://h:1/");
+        let unset = builder_from_env(
+            "SOME_URL",
+            "a URL",
+            |_| Err(VarError::NotPresent),
+            |_| -> Result<(), LockError> { panic!("from_url called without a URL") },
+        );
+        assert!(matches!(unset, Err(LockError::Config(m)) if m.contains("SOME_URL")));
     }
 }

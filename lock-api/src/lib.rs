@@ -26,7 +26,7 @@ mod watchdog;
 pub use backend::LockBackend;
 pub use claim::Claim;
 pub use election::{ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key};
-pub use env::url_from_env;
+pub use env::{builder_from_env, url_from_env};
 pub use error::{BoxError, LockError};
 pub use failure::{DriverFailure, Effect, FailureKind};
 pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};
