@@ -11,6 +11,9 @@
 //! [`EtcdServer::start_with_auth`] and [`EtcdCluster::start_with_auth`] start members with
 //! authentication enabled ([`EtcdAuth`]): a `root` user and simple tokens with a short TTL.
 //!
+//! [`EtcdServer::start_with_space`] starts a single member with a space quota and periodic
+//! automatic compaction ([`EtcdSpace`]), as operators run it.
+//!
 //! [`EtcdServer::save_snapshot`] and [`EtcdServer::restore_snapshot`] back a member up and
 //! bring it back with `etcdctl`, as operators do.
 
@@ -21,4 +24,4 @@ mod snapshot;
 
 pub use cluster::EtcdCluster;
 pub use member::{Etcd, EtcdServer};
-pub use options::{EtcdAuth, EtcdTls};
+pub use options::{EtcdAuth, EtcdSpace, EtcdTls};

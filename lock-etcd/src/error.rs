@@ -141,6 +141,18 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
             format!("etcd is overloaded and refused the request: {message}"),
         );
     }
+    if code == RESOURCE_EXHAUSTED && message.contains(NO_SPACE) {
+        // etcd checks its quota before proposing: nothing was applied. It stays refused
+        // until an operator frees space and disarms the alarm, so this is final.
+        return DriverFailure::new(
+            FailureKind::Other,
+            format!(
+                "etcd's database reached its space quota (--quota-backend-bytes) and etcd \
+                 refuses every write until an operator compacts, defragments and disarms the \
+                 NOSPACE alarm: {message}"
+            ),
+        );
+    }
     let lost_reply = match code {
         CANCELLED | DEADLINE_EXCEEDED => true,
         UNAVAILABLE => !never_sent_status(code, message, link),
@@ -166,6 +178,9 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
 
 /// What an overloaded etcd member answers (`ErrTooManyRequests`), before proposing.
 const TOO_MANY_REQUESTS: &str = "too many requests";
+
+/// What etcd answers to a write once its database reached its quota (`ErrNoSpace`).
+const NO_SPACE: &str = "database space exceeded";
 
 /// What etcd answers to a request whose auth token it does not know (expired, or issued
 /// before the member restarted).
@@ -376,6 +391,7 @@ mod tests {
         );
         assert!(matches!(full, LockError::Backend { .. }), "{full:?}");
         assert!(!full.is_retryable());
+        assert!(full.to_string().contains("--quota-backend-bytes"), "{full}");
     }
 
     #[test]

@@ -2,13 +2,16 @@
 //! one or more cluster members, optional credentials and key prefix, and for TLS the CA
 //! to trust.
 //!
-//! - `etcd://[user:password@]host:port[,host:port…][?prefix=NAME]`: plain HTTP/2.
-//! - `etcds://[user:password@]host:port[,host:port…]?ca=/path/to/ca.pem[&prefix=NAME]`:
+//! - `etcd://[user:password@]host:port[,host:port…][?key_prefix=NAME]`: plain HTTP/2.
+//! - `etcds://[user:password@]host:port[,host:port…]?ca=/path/to/ca.pem[&key_prefix=NAME]`:
 //!   TLS to every member. `ca` is required: the PEM file of the CA that signed the
 //!   members' certificates (no system roots are trusted). The file is read by
 //!   `from_url`; a file that is missing, unreadable or holds no PEM certificate is a
 //!   [`LockError::Config`] naming the `ca` parameter and the path, never the contents.
 //!   The members' certificates must be valid for the host names written in the URL.
+//!
+//! `key_prefix` is named as the builder's [`EtcdBuilder::key_prefix`] is; `prefix`, its
+//! spelling before 0.1.0, is still read (giving both is giving it twice).
 //!
 //! The members are a comma-separated list, which a generic URL parser cannot read as one
 //! authority, so the authority is split here and each member checked on its own. A member
@@ -85,13 +88,14 @@ impl EtcdUrl {
             .map_err(|e| LockError::Config(format!("malformed etcd URL: {e}")))?;
         if !matches!(tail.path(), "" | "/") || tail.fragment().is_some() {
             return Err(LockError::Config(
-                "an etcd URL takes no path: set the key prefix with ?prefix=NAME".into(),
+                "an etcd URL takes no path: set the key prefix with ?key_prefix=NAME".into(),
             ));
         }
         let (mut prefix, mut ca) = (None, None);
         for (name, value) in tail.query_pairs() {
             let slot = match &*name {
-                "prefix" => &mut prefix,
+                // `prefix`: the spelling before 0.1.0.
+                "key_prefix" | "prefix" => &mut prefix,
                 "ca" if tls => &mut ca,
                 "ca" => {
                     return Err(LockError::Config(
@@ -100,7 +104,7 @@ impl EtcdUrl {
                 }
                 other => {
                     return Err(LockError::Config(format!(
-                        "unknown parameter `{other}` in the etcd URL: distlock reads prefix{}",
+                        "unknown parameter `{other}` in the etcd URL: distlock reads key_prefix{}",
                         if tls { " and ca" } else { "" }
                     )));
                 }
@@ -147,9 +151,9 @@ impl EtcdBuilder {
     /// for TLS, the CA file, which is read here. Other settings keep their defaults and
     /// can be changed before [`build`](Self::build).
     ///
-    /// - `etcd://[user:password@]host[:port][,host[:port]…][?prefix=NAME]`: plain HTTP/2;
+    /// - `etcd://[user:password@]host[:port][,host[:port]…][?key_prefix=NAME]`: plain HTTP/2;
     ///   a member without a port gets 2379.
-    /// - `etcds://…?ca=/path/to/ca.pem[&prefix=NAME]`: TLS to every member, trusting only
+    /// - `etcds://…?ca=/path/to/ca.pem[&key_prefix=NAME]`: TLS to every member, trusting only
     ///   the CA in that PEM file (required); the members' certificates must be valid for
     ///   the host names written in the URL.
     ///
@@ -157,7 +161,7 @@ impl EtcdBuilder {
     /// `%40`); a `,` or `:` in the password needs no escape.
     ///
     /// ```
-    /// let builder = distlock::etcd::EtcdBuilder::from_url("etcd://root:s3cret@h1:2379,h2?prefix=jobs")?;
+    /// let builder = distlock::etcd::EtcdBuilder::from_url("etcd://root:s3cret@h1:2379,h2?key_prefix=jobs")?;
     /// assert!(!format!("{builder:?}").contains("s3cret"));
     /// # Ok::<(), distlock::LockError>(())
     /// ```
@@ -179,19 +183,12 @@ impl EtcdBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
-        Self::from_env_var(ETCD_URL_ENV, |name| std::env::var(name))
-    }
-
-    /// [`from_url`](Self::from_url) with the URL `lookup` finds under `name`.
-    fn from_env_var(
-        name: &str,
-        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
-    ) -> Result<Self, LockError> {
-        Self::from_url(&distlock_core::url_from_env(
-            name,
+        distlock_core::builder_from_env(
+            ETCD_URL_ENV,
             "an etcd:// URL",
-            lookup,
-        )?)
+            |name| std::env::var(name),
+            Self::from_url,
+        )
     }
 }
 
@@ -378,6 +375,18 @@ mod tests {
         assert_eq!(parsed.prefix.as_deref(), Some("jobs"));
     }
 
+    #[test]
+    fn the_key_prefix_is_read_under_the_builders_name_and_the_old_one() {
+        for url in ["etcd://h1?key_prefix=jobs", "etcd://h1?prefix=jobs"] {
+            let parsed = EtcdUrl::parse(url).unwrap();
+            assert_eq!(parsed.prefix.as_deref(), Some("jobs"), "{url}");
+        }
+        let message = config_error("etcd://h1?prefix=a&key_prefix=b");
+        assert!(message.contains("more than once"), "{message}");
+        let message = config_error("etcd://h1?key_prfix=a");
+        assert!(message.contains("distlock reads key_prefix"), "{message}");
+    }
+
     /// A file of this test's own in the temp dir, removed on drop.
     struct TempFile(std::path::PathBuf);
 
@@ -424,7 +433,14 @@ mod tests {
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        let builder = EtcdBuilder::from_env_var("ETCD_TEST_URL", |name| {
+        /// What `from_env` does, with the variable read by `lookup`.
+        fn from_env_var(
+            name: &str,
+            lookup: impl FnOnce(&str) -> Result<String, VarError>,
+        ) -> Result<EtcdBuilder, LockError> {
+            distlock_core::builder_from_env(name, "an etcd:// URL", lookup, EtcdBuilder::from_url)
+        }
+        let builder = from_env_var("ETCD_TEST_URL", |name| {
             assert_eq!(name, "ETCD_TEST_URL");
             Ok("etcd://root:hunter2@h1:2379?prefix=jobs".into())
         })
@@ -438,15 +454,13 @@ mod tests {
             Err(VarError::NotUnicode("x".into())),
             Ok(" ".to_owned()),
         ] {
-            let Err(LockError::Config(message)) =
-                EtcdBuilder::from_env_var(ETCD_URL_ENV, |_| found)
-            else {
+            let Err(LockError::Config(message)) = from_env_var(ETCD_URL_ENV, |_| found) else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_ETCD_URL"), "{message}");
         }
         let Err(LockError::Config(message)) =
-            EtcdBuilder::from_env_var(ETCD_URL_ENV, |_| Ok("etcd://u:hunter2@h1?x=1".into()))
+            from_env_var(ETCD_URL_ENV, |_| Ok("etcd://u:hunter2@h1?x=1".into()))
         else {
             panic!("a bad URL was accepted");
         };

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use distlock_core::{Fence, FencingToken, Lease, LockBackend, LockKey, OwnerId, Release};
 use etcd_client::{Client, CompactionOptions, GetOptions};
-use harness::etcd::EtcdServer;
+use harness::etcd::{EtcdServer, EtcdSpace};
 use harness::require;
 use lock_etcd::EtcdBackend;
 use tokio::time::{Instant, sleep};
@@ -339,5 +339,54 @@ async fn one_off_names_keep_the_token_keys_flat() {
         start_db.raft_used_db_size(),
         end_db.db_size(),
         end_db.raft_used_db_size()
+    );
+}
+
+/// An etcd run as operators run it, with a small space quota and periodic automatic
+/// compaction: one-off names far beyond what the quota could hold as token keys are taken
+/// and released without a write refused. Without retention every name's token key stays
+/// live, compaction cannot reclaim it, and etcd refuses writes (`NOSPACE`) part way
+/// through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_off_names_fit_an_etcd_with_a_small_quota() {
+    const QUOTA: u64 = 2 << 20;
+    const NAMES: usize = 20_000;
+    const BATCH: usize = 500;
+    let space = EtcdSpace {
+        quota_bytes: QUOTA,
+        compaction_retention: Duration::from_secs(1),
+    };
+    let server = require(EtcdServer::start_with_space(space).await);
+    let mut client = raw(&server).await;
+    let backend = backend(&server, PREFIX, Duration::from_secs(1)).await;
+    let started = Instant::now();
+    let mut sizes = Vec::new();
+    for batch in 0..NAMES / BATCH {
+        let keys: Vec<LockKey> = (batch * BATCH..(batch + 1) * BATCH)
+            .map(|i| key(&format!("job:{i}")))
+            .collect();
+        let leases: Vec<Lease> = match backend.acquire_many(&keys, TTL).await {
+            Ok(leases) => leases
+                .into_iter()
+                .map(|lease| lease.expect("a one-off name is free"))
+                .collect(),
+            Err(e) => panic!(
+                "batch {batch} of {BATCH} names refused after {:?}, database sizes {sizes:?}: {e}",
+                started.elapsed()
+            ),
+        };
+        let released = backend.release_many(&leases).await.unwrap();
+        assert!(released.iter().all(|r| *r == Release::Released));
+        sizes.push(client.status().await.unwrap().db_size());
+    }
+    println!(
+        "{NAMES} one-off names in {:?} under a {QUOTA}-byte quota; database size after each \
+         batch of {BATCH}: {sizes:?}",
+        started.elapsed()
+    );
+    assert!(
+        sizes
+            .iter()
+            .all(|size| u64::try_from(*size).unwrap() <= QUOTA)
     );
 }

@@ -39,6 +39,7 @@ impl EtcdCluster {
                 peer_port: free_port()?,
                 tls: None,
                 auth_token_ttl,
+                space: None,
             });
         }
         let initial_cluster = plans

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use etcd_client::{Certificate, Client, ConnectOptions, TlsOptions};
 
-use super::options::{EtcdAuth, EtcdTls};
+use super::options::{EtcdAuth, EtcdSpace, EtcdTls};
 use crate::process::Spec;
 use crate::{
     HarnessError, Server, ServerKind, find_binary, free_port, start_on_free_ports, temp_dir,
@@ -30,6 +30,8 @@ pub struct Etcd {
     pub(super) tls: Option<EtcdTls>,
     /// `--auth-token-ttl` in seconds, for a member that will run with authentication.
     pub(super) auth_token_ttl: Option<u64>,
+    /// A space quota and automatic compaction.
+    pub(super) space: Option<EtcdSpace>,
 }
 
 impl Etcd {
@@ -96,25 +98,32 @@ fn data_dir(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
 impl EtcdServer {
     /// Starts a single-member cluster and waits until it is [healthy](Self::health).
     pub async fn start() -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once_with(None, None)).await
+        start_on_free_ports(|| Self::start_once_with(None, None, None)).await
+    }
+
+    /// Starts a single-member cluster with `space`'s quota and automatic compaction.
+    pub async fn start_with_space(space: EtcdSpace) -> Result<Self, HarnessError> {
+        space.args()?;
+        start_on_free_ports(|| Self::start_once_with(None, None, Some(space))).await
     }
 
     /// Starts a single-member cluster whose client URL is `https://127.0.0.1:PORT`, served
     /// with `tls`'s certificate (clients are not asked for one). The harness's own requests
     /// go over TLS too, trusting [`EtcdTls::ca_pem`].
     pub async fn start_tls(tls: EtcdTls) -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once_with(Some(tls.clone()), None)).await
+        start_on_free_ports(|| Self::start_once_with(Some(tls.clone()), None, None)).await
     }
 
     /// Starts a single-member cluster with authentication enabled as `auth` says; returns
     /// once it is healthy and clients must authenticate.
     pub async fn start_with_auth(auth: &EtcdAuth) -> Result<Self, HarnessError> {
-        start_on_free_ports(|| Self::start_once_with(None, Some(auth))).await
+        start_on_free_ports(|| Self::start_once_with(None, Some(auth), None)).await
     }
 
     async fn start_once_with(
         tls: Option<EtcdTls>,
         auth: Option<&EtcdAuth>,
+        space: Option<EtcdSpace>,
     ) -> Result<Self, HarnessError> {
         let plan = Etcd {
             name: "single".into(),
@@ -122,6 +131,7 @@ impl EtcdServer {
             peer_port: free_port()?,
             tls,
             auth_token_ttl: auth.map(EtcdAuth::token_ttl_seconds).transpose()?,
+            space,
         };
         let initial_cluster = format!("{}={}", plan.name, plan.peer_url());
         let server = Self::spawn_member(plan, &initial_cluster, &unique_token())?;
@@ -176,6 +186,9 @@ impl EtcdServer {
                 "--auth-token=simple".to_owned(),
                 format!("--auth-token-ttl={ttl}"),
             ]);
+        }
+        if let Some(space) = &plan.space {
+            args.extend(space.args()?);
         }
         let mut envs = Vec::new();
         // etcd refuses to start on architectures other than amd64/ppc64le/s390x unless told.

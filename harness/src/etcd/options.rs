@@ -1,5 +1,6 @@
 //! What a test can ask of an etcd member beyond a plain one: TLS on its client URL
-//! ([`EtcdTls`]) and authentication ([`EtcdAuth`]).
+//! ([`EtcdTls`]), authentication ([`EtcdAuth`]) and a small database with automatic
+//! compaction ([`EtcdSpace`]).
 
 use std::time::Duration;
 
@@ -70,5 +71,34 @@ impl std::fmt::Debug for EtcdAuth {
             .field("password", &"<redacted>")
             .field("token_ttl", &self.token_ttl)
             .finish()
+    }
+}
+
+/// A space quota and automatic compaction, as operators run etcd: `--quota-backend-bytes`
+/// (etcd refuses every write with `NOSPACE` once its database file reaches it) and
+/// `--auto-compaction-mode=periodic --auto-compaction-retention` (history older than the
+/// retention is compacted away, so its pages are reused; the live keys stay).
+#[derive(Debug, Clone, Copy)]
+pub struct EtcdSpace {
+    /// The database quota in bytes.
+    pub quota_bytes: u64,
+    /// How much history automatic compaction keeps (whole seconds, at least 1 s).
+    pub compaction_retention: Duration,
+}
+
+impl EtcdSpace {
+    pub(super) fn args(&self) -> Result<[String; 3], HarnessError> {
+        let retention = self.compaction_retention;
+        if retention.subsec_nanos() != 0 || retention.is_zero() || self.quota_bytes == 0 {
+            return Err(HarnessError::Setup(format!(
+                "{self:?}: the quota must be positive and the retention a positive whole \
+                 number of seconds"
+            )));
+        }
+        Ok([
+            format!("--quota-backend-bytes={}", self.quota_bytes),
+            "--auto-compaction-mode=periodic".to_owned(),
+            format!("--auto-compaction-retention={}s", retention.as_secs()),
+        ])
     }
 }
