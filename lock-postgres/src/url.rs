@@ -133,19 +133,12 @@ impl PgBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
-        Self::from_env_var(POSTGRES_URL_ENV, |name| std::env::var(name))
-    }
-
-    /// [`from_url`](Self::from_url) with the URL `lookup` finds under `name`.
-    fn from_env_var(
-        name: &str,
-        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
-    ) -> Result<Self, LockError> {
-        Self::from_url(&distlock_core::url_from_env(
-            name,
+        distlock_core::builder_from_env(
+            POSTGRES_URL_ENV,
             "a postgres:// URL",
-            lookup,
-        )?)
+            |name| std::env::var(name),
+            Self::from_url,
+        )
     }
 }
 
@@ -308,7 +301,14 @@ mod tests {
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        let builder = PgBuilder::from_env_var("PG_TEST_URL", |name| {
+        /// What `from_env` does, with the variable read by `lookup`.
+        fn from_env_var(
+            name: &str,
+            lookup: impl FnOnce(&str) -> Result<String, VarError>,
+        ) -> Result<PgBuilder, LockError> {
+            distlock_core::builder_from_env(name, "a postgres:// URL", lookup, PgBuilder::from_url)
+        }
+        let builder = from_env_var("PG_TEST_URL", |name| {
             assert_eq!(name, "PG_TEST_URL");
             Ok("postgres://app:hunter2@h/db?mode=advisory".into())
         })
@@ -319,14 +319,12 @@ mod tests {
             Err(VarError::NotUnicode("x".into())),
             Ok(String::new()),
         ] {
-            let Err(LockError::Config(message)) =
-                PgBuilder::from_env_var(POSTGRES_URL_ENV, |_| found)
-            else {
+            let Err(LockError::Config(message)) = from_env_var(POSTGRES_URL_ENV, |_| found) else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_POSTGRES_URL"), "{message}");
         }
-        let Err(LockError::Config(message)) = PgBuilder::from_env_var(POSTGRES_URL_ENV, |_| {
+        let Err(LockError::Config(message)) = from_env_var(POSTGRES_URL_ENV, |_| {
             Ok("postgres://app:hunter2@h/db?mdoe=x".into())
         }) else {
             panic!("a bad URL was accepted");
