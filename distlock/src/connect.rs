@@ -105,8 +105,8 @@ impl fmt::Display for Scheme {
 /// | `redis://[:password@]host[:port][/db]`, `rediss://…` | `redis` | one Redis server |
 /// | `redis+cluster://[:password@]host:port` | `redis` | a Redis Cluster, from one seed node |
 /// | `redis+sentinel://[:password@]host:port[,host:port…]/master_name[/db]`, `rediss+sentinel://…` | `redis` | the master Redis Sentinel monitors, found by asking the Sentinels |
-/// | `etcd://[user:password@]host:port[,host:port…][?prefix=…]` | `etcd` | an etcd v3 cluster |
-/// | `etcds://host:port[,host:port…]?ca=/path/ca.pem[&prefix=…]` | `etcd` | an etcd v3 cluster over TLS |
+/// | `etcd://[user:password@]host:port[,host:port…][?key_prefix=…]` | `etcd` | an etcd v3 cluster |
+/// | `etcds://host:port[,host:port…]?ca=/path/ca.pem[&key_prefix=…]` | `etcd` | an etcd v3 cluster over TLS |
 /// | `postgres://user[:password]@host[:port]/db[?mode=…&schema=…&pool_size=…&pooling=…]` | `postgres` | PostgreSQL |
 ///
 /// # PostgreSQL

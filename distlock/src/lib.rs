@@ -18,7 +18,7 @@
 //! |---|---|---|---|
 //! | (none) | always | [`memory`]: the in-process reference backend | `memory://` (a new store per call) |
 //! | `redis` | yes | `distlock::redis` (`lock-redis`): Lua-script leases, one round trip per acquire, Redis Cluster, `RedisFencedResource` | `redis://[:password@]host[:port][/db]`, `rediss://…` (TLS), `redis+cluster://[:password@]host:port` (one seed node) |
-//! | `etcd` | no | `distlock::etcd` (`lock-etcd`): etcd v3 leases and transactions, client-clock tokens that survive a snapshot restore, `EtcdFencedResource` | `etcd://[user:password@]host:port[,host:port…][?prefix=NAME]`, `etcds://host:port[,…]?ca=/path/ca.pem` (TLS) |
+//! | `etcd` | no | `distlock::etcd` (`lock-etcd`): etcd v3 leases and transactions, client-clock tokens that survive a snapshot restore, `EtcdFencedResource` | `etcd://[user:password@]host:port[,host:port…][?key_prefix=NAME]`, `etcds://host:port[,…]?ca=/path/ca.pem` (TLS) |
 //! | `postgres` | no | `distlock::postgres` (`lock-postgres`): lease-table and advisory-lock backends, `PgFencedResource`, `IdempotencyKeys` | `postgres://user[:password]@host[:port]/db[?mode=lease\|advisory&schema=NAME&pool_size=N&pooling=session\|transaction]` (also `postgresql://`) |
 //!
 //! A URL whose feature is off fails with a [`LockError::Config`] that names the feature.
