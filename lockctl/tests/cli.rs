@@ -809,7 +809,7 @@ mod on_etcd {
     async fn check_passes_on_an_etcd_server_the_test_starts() {
         let server = require(EtcdServer::start().await);
         let url = server.endpoint().replace("http://", "etcd://");
-        let stdout = check_passes(&format!("{url}?prefix=lockctl-check"));
+        let stdout = check_passes(&format!("{url}?key_prefix=lockctl-check"));
         assert!(stdout.contains("cleanup: "), "{stdout}");
     }
 
