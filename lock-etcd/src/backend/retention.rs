@@ -57,8 +57,10 @@
 //! 188 s reading to the end each time.
 //!
 //! One request at a time, so a sweep adds at most one request to the cluster's load; it
-//! stops after the page under way when the backend is dropped, and after the first error
-//! (the next interval's sweep starts over).
+//! stops after the page under way when the backend is dropped, and at the first error. A
+//! sweep that stops at an error leaves the range it reached, and the process's next sweep
+//! goes on from there: started over each time, sweeps that a flaky connection cuts off
+//! would only ever go over the first names. One that reached the end leaves the start.
 //!
 //! # Why not a lease on the token key
 //!
@@ -104,10 +106,12 @@ const GROUP: usize = 64;
 /// and the deletion; the names left go at the next sweep.
 const TRANSACTIONS_PER_GROUP: usize = 3;
 
-/// The retention, and when this process may next sweep.
+/// The retention, when this process may next sweep, and where its next sweep starts.
 pub(crate) struct Sweeper {
     retention: Duration,
     sweeps: Periodic,
+    /// Where the previous sweep stopped at an error; none: the start of the token keys.
+    resume: std::sync::Mutex<Option<Cursor>>,
 }
 
 impl Sweeper {
@@ -115,12 +119,29 @@ impl Sweeper {
         Self {
             retention,
             sweeps: Periodic::new(sweep_interval(retention)),
+            resume: std::sync::Mutex::new(None),
         }
     }
 
     pub(crate) fn retention(&self) -> Duration {
         self.retention
     }
+
+    fn resume(&self) -> std::sync::MutexGuard<'_, Option<Cursor>> {
+        self.resume
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// Where a sweep's next range starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Cursor {
+    /// The first key of the next range.
+    from: Vec<u8>,
+    /// The length of the prefix of `from` whose end ends the next range; none: the end
+    /// of the token keys.
+    prefix: Option<usize>,
 }
 
 /// The expired token key of one name, as a page read it.
@@ -316,7 +337,8 @@ fn upgrade(inner: &Weak<Inner>) -> Option<EtcdBackend> {
 }
 
 /// One sweep, if this process's claim on it lands: range after range of token keys (see
-/// "Ranges of about a page" above) until their end, or until the backend is dropped.
+/// "Ranges of about a page" above) from where the previous sweep stopped until their end,
+/// or until the backend is dropped.
 async fn sweep(inner: &Weak<Inner>) -> Result<Option<Swept>, LockError> {
     let Some(backend) = upgrade(inner) else {
         return Ok(None);
@@ -324,43 +346,67 @@ async fn sweep(inner: &Weak<Inner>) -> Result<Option<Swept>, LockError> {
     if !backend.claim_sweep().await? {
         return Ok(None);
     }
-    let dir = etcd_key(&backend.inner.prefix, "tokens", "").into_bytes();
-    let end = tokens_end(&backend.inner.prefix).into_bytes();
     drop(backend);
     let mut swept = Swept::default();
-    let mut from = dir.clone();
-    // The length of the prefix of `from` whose end ends the next range; none: the end of
-    // the token keys.
-    let mut prefix: Option<usize> = None;
-    while from < end {
-        let Some(backend) = upgrade(inner) else {
+    while let Some(backend) = upgrade(inner) {
+        if backend.sweep_range(&mut swept).await? {
             break;
-        };
-        let upper = prefix
-            .and_then(|len| prefix_end(&from[..len.min(from.len())]))
-            .map_or_else(|| end.clone(), |upper| upper.min(end.clone()));
-        let (page, more) = backend.token_page(&from, &upper).await?;
-        for group in backend.expired(&page).chunks(GROUP) {
-            swept.deleted += backend.delete_expired(group).await?;
-        }
-        swept.scanned += page.len();
-        swept.ranges += 1;
-        match (page.first(), page.last()) {
-            (Some(first), Some(last)) if more => {
-                let shared = shared_prefix(first.key(), last.key());
-                prefix = Some(shared.max(dir.len() + 1));
-                from = last.key().to_vec();
-                from.push(0);
-            }
-            _ => {
-                if page.len() < PAGE / 4 {
-                    prefix = prefix.filter(|&len| len > dir.len() + 1).map(|len| len - 1);
-                }
-                from = upper;
-            }
         }
     }
     Ok(Some(swept))
+}
+
+impl EtcdBackend {
+    /// Sweeps the range at the sweeper's cursor and moves the cursor past it, or back to
+    /// the start once the range reached the end of the token keys (then true). An error
+    /// leaves the cursor where it was.
+    async fn sweep_range(&self, swept: &mut Swept) -> Result<bool, LockError> {
+        let dir = etcd_key(&self.inner.prefix, "tokens", "").into_bytes();
+        let end = tokens_end(&self.inner.prefix).into_bytes();
+        let Cursor { mut from, prefix } =
+            self.inner
+                .sweeper
+                .resume()
+                .clone()
+                .unwrap_or_else(|| Cursor {
+                    from: dir.clone(),
+                    prefix: None,
+                });
+        let upper = prefix
+            .and_then(|len| prefix_end(&from[..len.min(from.len())]))
+            .map_or_else(|| end.clone(), |upper| upper.min(end.clone()));
+        let (page, more) = self.token_page(&from, &upper).await?;
+        for group in self.expired(&page).chunks(GROUP) {
+            swept.deleted += self.delete_expired(group).await?;
+        }
+        swept.scanned += page.len();
+        swept.ranges += 1;
+        let next = match (page.first(), page.last()) {
+            (Some(first), Some(last)) if more => {
+                let shared = shared_prefix(first.key(), last.key());
+                from = last.key().to_vec();
+                from.push(0);
+                Cursor {
+                    from,
+                    prefix: Some(shared.max(dir.len() + 1)),
+                }
+            }
+            _ => {
+                let shorter = if page.len() < PAGE / 4 {
+                    prefix.filter(|&len| len > dir.len() + 1).map(|len| len - 1)
+                } else {
+                    prefix
+                };
+                Cursor {
+                    from: upper,
+                    prefix: shorter,
+                }
+            }
+        };
+        let done = next.from >= end;
+        *self.inner.sweeper.resume() = (!done).then_some(next);
+        Ok(done)
+    }
 }
 
 /// The first key after every key that starts with `prefix` (etcd's prefix range end);
@@ -523,6 +569,61 @@ mod tests {
             .collect();
         kept.extend(nested_keys);
         assert_eq!(left, kept);
+    }
+
+    /// A sweep cut off by an error after its first range, a page of names whose tokens
+    /// are kept: the next sweep goes on from the range it reached instead of reading those
+    /// names again, and deletes every expired token key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweep_cut_off_by_an_error_is_taken_up_where_it_stopped() {
+        let server = require(EtcdServer::start().await);
+        let backend = EtcdBackend::builder()
+            .endpoint(server.endpoint())
+            .token_retention(Duration::from_secs(1))
+            .request_timeout(Duration::from_secs(1))
+            .build()
+            .await
+            .unwrap();
+        // A page of names whose tokens are kept, then two of expired ones.
+        let names = 3 * PAGE;
+        let now = clock_us();
+        let (long_ago, ahead) = (now - 60_000_000, now + 3_600_000_000);
+        let kvs = (0..names)
+            .map(|i| {
+                let name = format!("job:{i:05}");
+                let key = etcd_key(&backend.inner.prefix, "tokens", &name);
+                let token = if i < PAGE { ahead } else { long_ago };
+                (key, format!("{token:020}"))
+            })
+            .collect();
+        put_all(&backend, kvs).await;
+
+        let mut first = Swept::default();
+        assert!(!backend.sweep_range(&mut first).await.unwrap());
+        assert_eq!((first.scanned, first.deleted), (PAGE, 0), "the kept page");
+        server.pause().unwrap();
+        let failed = backend.sweep_range(&mut Swept::default()).await;
+        server.resume().unwrap();
+        assert!(
+            failed.is_err(),
+            "a paused member answers nothing: {failed:?}"
+        );
+
+        let next = sweep(&Arc::downgrade(&backend.inner))
+            .await
+            .unwrap()
+            .expect("the first claimed sweep");
+        assert_eq!(
+            next.scanned,
+            names - first.scanned,
+            "the next sweep reads the names after those the cut-off one read"
+        );
+        assert_eq!(next.deleted, names - PAGE, "every expired token key");
+        assert_eq!(
+            *backend.inner.sweeper.resume(),
+            None,
+            "a full sweep starts over"
+        );
     }
 
     #[test]
