@@ -83,7 +83,7 @@ impl fmt::Debug for RedisBackend {
             .field("urls", &core.shown_urls)
             .field("cluster", &core.cluster)
             .field("prefix", &core.calls.prefix)
-            .field("response_timeout", &core.response_timeout)
+            .field("request_timeout", &core.request_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -108,8 +108,8 @@ impl RedisBackend {
     /// Connects as `b` says (see [`crate::connect`]), with the coalescers of single calls.
     pub(crate) async fn connect(b: RedisBackendBuilder) -> Result<Self, LockError> {
         // A queued call waits for the call in flight ahead of it and then its own batch,
-        // each bounded by the response timeout; the third one is slack.
-        let coalesced_patience = b.response_timeout * 3;
+        // each bounded by the request timeout; the third one is slack.
+        let coalesced_patience = b.request_timeout * 3;
         let core = crate::connect::connect(b).await?;
         Ok(Self {
             inner: Arc::new(Inner {

@@ -1,5 +1,9 @@
 //! The builder for [`crate::RedisBackend`]: where the servers are, how keys are named,
 //! which TTLs are accepted and how long a reply may take. Its `Debug` never shows a password.
+//!
+//! The options carry the names the other backends' builders give the same ideas
+//! (`key_prefix`, `ttl_bounds`, `request_timeout`, `connect_timeout`, `tls_ca_pem`); the
+//! names this builder had before 0.1.0 forward to them, deprecated.
 
 use std::fmt;
 use std::time::Duration;
@@ -9,7 +13,13 @@ use distlock_core::{LockError, redact_url, trusted_for};
 use crate::url::SentinelUrl;
 
 /// The key prefix used when none is set.
-pub const DEFAULT_PREFIX: &str = "distlock";
+pub const DEFAULT_KEY_PREFIX: &str = "distlock";
+/// The key prefix used when none is set.
+#[deprecated(
+    since = "0.1.0",
+    note = "use `DEFAULT_KEY_PREFIX`, as lock-etcd names it"
+)]
+pub const DEFAULT_PREFIX: &str = DEFAULT_KEY_PREFIX;
 /// The shortest TTL accepted by default: Redis keeps expiries in whole milliseconds, and
 /// 3 ms is the shortest whole number of them a lease is trusted for at all
 /// ([`distlock_core::trusted_for`]).
@@ -18,7 +28,10 @@ pub const DEFAULT_MIN_TTL: Duration = Duration::from_millis(3);
 /// since a crashed holder keeps the key for the whole TTL.
 pub const DEFAULT_MAX_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How long a request may wait for its reply by default before its outcome is unknown.
-pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(1);
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a request may wait for its reply by default before its outcome is unknown.
+#[deprecated(since = "0.1.0", note = "use `DEFAULT_REQUEST_TIMEOUT`")]
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = DEFAULT_REQUEST_TIMEOUT;
 /// How long establishing a connection may take by default.
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// The environment variable [`RedisBackendBuilder::from_env`] reads the URL from.
@@ -32,7 +45,7 @@ pub const REDIS_URL_ENV: &str = "DISTLOCK_REDIS_URL";
 /// * `redis://[[user]:password@]host[:port][/db]` — one node (plain TCP);
 /// * `rediss://...` — one node over TLS (rustls with the `ring` crypto provider). The
 ///   server certificate is checked against the Mozilla roots bundled with the client
-///   (`webpki-roots`), or only against [`RedisBackendBuilder::tls_root_ca_pem`] when set
+///   (`webpki-roots`), or only against [`RedisBackendBuilder::tls_ca_pem`] when set
 ///   (a private CA). `rediss://host:port/#insecure` turns certificate checks off entirely:
 ///   anyone on the path can then read and forge replies; use it only against a test server;
 ///
@@ -66,10 +79,10 @@ pub struct RedisBackendBuilder {
     pub(crate) prefix: String,
     pub(crate) min_ttl: Duration,
     pub(crate) max_ttl: Duration,
-    pub(crate) response_timeout: Duration,
+    pub(crate) request_timeout: Duration,
     pub(crate) connect_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
-    pub(crate) tls_root_ca: Option<Vec<u8>>,
+    pub(crate) tls_ca: Option<Vec<u8>>,
     /// The user (empty: the default one) and password the Sentinels take.
     pub(crate) sentinel_auth: Option<(String, String)>,
 }
@@ -79,13 +92,13 @@ impl Default for RedisBackendBuilder {
         Self {
             urls: Vec::new(),
             cluster: false,
-            prefix: DEFAULT_PREFIX.to_owned(),
+            prefix: DEFAULT_KEY_PREFIX.to_owned(),
             min_ttl: DEFAULT_MIN_TTL,
             max_ttl: DEFAULT_MAX_TTL,
-            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             replica_acks: None,
-            tls_root_ca: None,
+            tls_ca: None,
             sentinel_auth: None,
         }
     }
@@ -124,19 +137,12 @@ impl RedisBackendBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
-        Self::from_env_var(REDIS_URL_ENV, |name| std::env::var(name))
-    }
-
-    /// [`from_url`](Self::from_url) with the URL `lookup` finds under `name`.
-    fn from_env_var(
-        name: &str,
-        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
-    ) -> Result<Self, LockError> {
-        Self::from_url(&distlock_core::url_from_env(
-            name,
+        distlock_core::builder_from_env(
+            REDIS_URL_ENV,
             "a redis:// URL",
-            lookup,
-        )?)
+            |name| std::env::var(name),
+            Self::from_url,
+        )
     }
 
     /// One node, a cluster seed with the `redis+cluster://` scheme, or the Sentinels of a
@@ -203,25 +209,52 @@ impl RedisBackendBuilder {
         self
     }
 
-    /// The shortest TTL to accept (default 3 ms). A minimum a lease would be trusted for
-    /// no time at all ([`distlock_core::trusted_for`]) is refused by `build`.
-    pub fn min_ttl(mut self, ttl: Duration) -> Self {
-        self.min_ttl = ttl;
+    /// The shortest and longest TTL to accept, in whole milliseconds (default 3 ms
+    /// ([`DEFAULT_MIN_TTL`]) to one week ([`DEFAULT_MAX_TTL`])). `build` refuses a minimum
+    /// a lease would be trusted for no time at all ([`distlock_core::trusted_for`]), a
+    /// minimum above the maximum, and a maximum longer than Redis keeps an expiry
+    /// ([`LONGEST_TTL`](crate::LONGEST_TTL)).
+    pub fn ttl_bounds(mut self, min: Duration, max: Duration) -> Self {
+        self.min_ttl = min;
+        self.max_ttl = max;
         self
     }
 
-    /// The longest TTL to accept (default one week).
-    pub fn max_ttl(mut self, ttl: Duration) -> Self {
-        self.max_ttl = ttl;
-        self
+    /// The shortest TTL to accept; the longest stays as it was.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `ttl_bounds(min, max)`, as lock-etcd and lock-postgres name it"
+    )]
+    pub fn min_ttl(self, ttl: Duration) -> Self {
+        let max = self.max_ttl;
+        self.ttl_bounds(ttl, max)
+    }
+
+    /// The longest TTL to accept; the shortest stays as it was.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `ttl_bounds(min, max)`, as lock-etcd and lock-postgres name it"
+    )]
+    pub fn max_ttl(self, ttl: Duration) -> Self {
+        let min = self.min_ttl;
+        self.ttl_bounds(min, ttl)
     }
 
     /// How long a request may wait for its reply (default 1 s). A request that got no
     /// reply in time fails with [`LockError::OutcomeUnknown`]. Keep it well below the
     /// renewal interval (a third of the TTL).
-    pub fn response_timeout(mut self, timeout: Duration) -> Self {
-        self.response_timeout = timeout;
+    pub fn request_timeout(mut self, timeout: Duration) -> Self {
+        self.request_timeout = timeout;
         self
+    }
+
+    /// How long a request may wait for its reply.
+    #[deprecated(
+        since = "0.1.0",
+        note = "use `request_timeout`, as lock-etcd and lock-postgres name it"
+    )]
+    pub fn response_timeout(self, timeout: Duration) -> Self {
+        self.request_timeout(timeout)
     }
 
     /// How long opening a connection may take (default 2 s).
@@ -234,7 +267,7 @@ impl RedisBackendBuilder {
     /// `replicas` replicas have the write. When fewer acknowledge, the lock is released
     /// and the acquire fails with [`LockError::Unavailable`] saying how many did.
     /// `timeout` must be 1 ms or more (`WAIT` counts whole milliseconds and takes 0 as no
-    /// limit) and shorter than the [response timeout](Self::response_timeout), which the
+    /// limit) and shorter than the [request timeout](Self::request_timeout), which the
     /// acquire's reply (after `WAIT`) has to meet; otherwise `build` fails with
     /// [`LockError::Config`] before connecting. Batches of acquires then run one key at a time.
     ///
@@ -257,14 +290,20 @@ impl RedisBackendBuilder {
     /// let ca = std::fs::read("/etc/redis/tls/ca.crt").map_err(|e| distlock::LockError::Config(e.to_string()))?;
     /// let redis = distlock::redis::RedisBackend::builder()
     ///     .url("rediss://redis.internal:6380/")
-    ///     .tls_root_ca_pem(ca)
+    ///     .tls_ca_pem(ca)
     ///     .build()
     ///     .await?;
     /// # Ok(()) }
     /// ```
-    pub fn tls_root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
-        self.tls_root_ca = Some(pem.into());
+    pub fn tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_ca = Some(pem.into());
         self
+    }
+
+    /// Trusts only the CA certificates in `pem` for `rediss://` servers.
+    #[deprecated(since = "0.1.0", note = "use `tls_ca_pem`, as lock-etcd names it")]
+    pub fn tls_root_ca_pem(self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls_ca_pem(pem)
     }
 
     /// True when any URL uses TLS.
@@ -281,7 +320,7 @@ impl RedisBackendBuilder {
     }
 
     /// Checks the options before anything is sent: the URLs, the prefix, the TTL bounds,
-    /// the timeouts, `replica_acks` and the TLS root CA. [`build`](Self::build) (in
+    /// the timeouts, `replica_acks` and the TLS CA. [`build`](Self::build) (in
     /// lib.rs, above this module and the backend's) calls it first.
     pub(crate) fn validate(&self) -> Result<(), LockError> {
         if self.urls.is_empty() {
@@ -329,7 +368,7 @@ impl RedisBackendBuilder {
                 "TTL bounds must be whole milliseconds".into(),
             ));
         }
-        if self.response_timeout.is_zero() || self.connect_timeout.is_zero() {
+        if self.request_timeout.is_zero() || self.connect_timeout.is_zero() {
             return Err(LockError::Config(
                 "timeouts must be greater than zero".into(),
             ));
@@ -343,17 +382,17 @@ impl RedisBackendBuilder {
                      `WAIT` takes as no limit; give it 1 ms or more"
                 )));
             }
-            // WAIT holds the reply for up to its timeout; a shorter response timeout would
+            // WAIT holds the reply for up to its timeout; a shorter request timeout would
             // turn every slow acknowledgement into an unknown outcome.
-            if wait >= self.response_timeout {
+            if wait >= self.request_timeout {
                 return Err(LockError::Config(format!(
                     "the replica acknowledgement timeout {wait:?} must be shorter than the \
-                     response timeout {:?}",
-                    self.response_timeout
+                     request timeout {:?}",
+                    self.request_timeout
                 )));
             }
         }
-        if let Some(pem) = &self.tls_root_ca {
+        if let Some(pem) = &self.tls_ca {
             if let Some(url) = self.urls.iter().find(|u| !crate::url::is_tls(u)) {
                 return Err(LockError::Config(format!(
                     "a TLS root CA was given but {} is not a rediss:// URL",
@@ -373,9 +412,8 @@ impl fmt::Debug for RedisBackendBuilder {
             .field("urls", &urls)
             .field("cluster", &self.cluster)
             .field("prefix", &self.prefix)
-            .field("min_ttl", &self.min_ttl)
-            .field("max_ttl", &self.max_ttl)
-            .field("response_timeout", &self.response_timeout)
+            .field("ttl_bounds", &(self.min_ttl, self.max_ttl))
+            .field("request_timeout", &self.request_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("replica_acks", &self.replica_acks)
             .field(
@@ -386,9 +424,9 @@ impl fmt::Debug for RedisBackendBuilder {
                     .map(|(user, _)| format!("{user}:***")),
             )
             .field(
-                "tls_root_ca",
+                "tls_ca",
                 &self
-                    .tls_root_ca
+                    .tls_ca
                     .as_ref()
                     .map(|pem| format!("<{} bytes of PEM>", pem.len())),
             )
@@ -451,9 +489,7 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
                 format!("redis://{password}@127.0.0.1:1/"),
             ] {
                 // A root CA with a redis:// URL: the message names the URL.
-                let b = RedisBackendBuilder::default()
-                    .url(&url)
-                    .tls_root_ca_pem(CA_PEM);
+                let b = RedisBackendBuilder::default().url(&url).tls_ca_pem(CA_PEM);
                 let Err(LockError::Config(message)) = b.validate() else {
                     panic!("{url} was accepted");
                 };
@@ -530,27 +566,28 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
         for bad in [
             base.clone().key_prefix(""),
             base.clone().key_prefix("a{b"),
-            base.clone().min_ttl(Duration::ZERO),
-            base.clone().min_ttl(Duration::from_millis(2)),
+            base.clone().ttl_bounds(Duration::ZERO, DEFAULT_MAX_TTL),
             base.clone()
-                .min_ttl(Duration::from_secs(10))
-                .max_ttl(Duration::from_secs(1)),
-            base.clone().max_ttl(Duration::from_micros(1500)),
-            base.clone().response_timeout(Duration::ZERO),
+                .ttl_bounds(Duration::from_millis(2), DEFAULT_MAX_TTL),
             base.clone()
-                .response_timeout(Duration::from_secs(1))
+                .ttl_bounds(Duration::from_secs(10), Duration::from_secs(1)),
+            base.clone()
+                .ttl_bounds(DEFAULT_MIN_TTL, Duration::from_micros(1500)),
+            base.clone().request_timeout(Duration::ZERO),
+            base.clone()
+                .request_timeout(Duration::from_secs(1))
                 .replica_acks(1, Duration::from_secs(1)),
             // `WAIT 1 0` would wait forever.
             base.clone().replica_acks(1, Duration::ZERO),
             base.clone().replica_acks(1, Duration::from_micros(999)),
             // A root CA only makes sense with TLS URLs, and must hold a certificate.
-            base.clone().tls_root_ca_pem(CA_PEM),
+            base.clone().tls_ca_pem(CA_PEM),
             RedisBackendBuilder::default()
                 .url("rediss://127.0.0.1:1")
-                .tls_root_ca_pem("not a certificate"),
+                .tls_ca_pem("not a certificate"),
             RedisBackendBuilder::default()
                 .url("rediss://127.0.0.1:1")
-                .tls_root_ca_pem(CA_PEM.replace("MII", "@@@")),
+                .tls_ca_pem(CA_PEM.replace("MII", "@@@")),
             RedisBackendBuilder::default(),
         ] {
             assert!(
@@ -562,7 +599,7 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
         assert!(
             RedisBackendBuilder::default()
                 .url("rediss://127.0.0.1:1")
-                .tls_root_ca_pem(CA_PEM)
+                .tls_ca_pem(CA_PEM)
                 .validate()
                 .is_ok()
         );
@@ -593,8 +630,8 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
         let node = || RedisBackendBuilder::default().url("redis://127.0.0.1:1");
         for refused in [
             node().replica_acks(1, Duration::ZERO),
-            node().replica_acks(1, DEFAULT_RESPONSE_TIMEOUT),
-            node().min_ttl(Duration::ZERO),
+            node().replica_acks(1, DEFAULT_REQUEST_TIMEOUT),
+            node().ttl_bounds(Duration::ZERO, DEFAULT_MAX_TTL),
             node().key_prefix(""),
             node().url("redis://127.0.0.1:1/?x=1"),
             node().url("redis://u:1/2@127.0.0.1:1"),
@@ -679,10 +716,47 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
         );
     }
 
+    /// The names the builder had before 0.1.0 set what the new ones set, and leave the
+    /// rest as it was.
+    #[test]
+    #[allow(deprecated)]
+    fn the_deprecated_names_set_what_the_new_ones_do() {
+        let new = RedisBackendBuilder::new()
+            .url("rediss://127.0.0.1:1")
+            .ttl_bounds(Duration::from_millis(5), Duration::from_secs(60))
+            .request_timeout(Duration::from_millis(700))
+            .tls_ca_pem(CA_PEM);
+        let old = RedisBackendBuilder::new()
+            .url("rediss://127.0.0.1:1")
+            .max_ttl(Duration::from_secs(60))
+            .min_ttl(Duration::from_millis(5))
+            .response_timeout(Duration::from_millis(700))
+            .tls_root_ca_pem(CA_PEM);
+        assert_eq!(format!("{old:?}"), format!("{new:?}"));
+        assert_eq!(
+            (old.min_ttl, old.max_ttl, old.request_timeout, old.tls_ca),
+            (new.min_ttl, new.max_ttl, new.request_timeout, new.tls_ca)
+        );
+        assert_eq!(DEFAULT_PREFIX, DEFAULT_KEY_PREFIX);
+        assert_eq!(DEFAULT_RESPONSE_TIMEOUT, DEFAULT_REQUEST_TIMEOUT);
+    }
+
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        let b = RedisBackendBuilder::from_env_var("REDIS_TEST_URL", |name| {
+        /// What `from_env` does, with the variable read by `lookup`.
+        fn from_env_var(
+            name: &str,
+            lookup: impl FnOnce(&str) -> Result<String, VarError>,
+        ) -> Result<RedisBackendBuilder, LockError> {
+            distlock_core::builder_from_env(
+                name,
+                "a redis:// URL",
+                lookup,
+                RedisBackendBuilder::from_url,
+            )
+        }
+        let b = from_env_var("REDIS_TEST_URL", |name| {
             assert_eq!(name, "REDIS_TEST_URL");
             Ok("rediss://:hunter2@127.0.0.1:6380".into())
         })
@@ -693,9 +767,7 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
             Err(VarError::NotUnicode("x".into())),
             Ok("  ".to_owned()),
         ] {
-            let Err(LockError::Config(message)) =
-                RedisBackendBuilder::from_env_var(REDIS_URL_ENV, |_| found)
-            else {
+            let Err(LockError::Config(message)) = from_env_var(REDIS_URL_ENV, |_| found) else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_REDIS_URL"), "{message}");

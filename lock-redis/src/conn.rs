@@ -551,7 +551,7 @@ fn parse_cluster_slots(reply: Value) -> SlotOwners {
     SlotOwners::new(ranges)
 }
 
-/// `f` within `limit`, or a timed-out I/O error: for connecting, which has no response
+/// `f` within `limit`, or a timed-out I/O error: for connecting, which has no request
 /// timeout of its own.
 pub(crate) async fn with_timeout<T>(
     limit: Duration,

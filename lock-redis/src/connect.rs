@@ -22,9 +22,9 @@ use crate::tcp::tcp_settings;
 use crate::url::SentinelUrl;
 
 /// The longest TTL a [`RedisBackend`](crate::RedisBackend) accepts, whatever
-/// [`max_ttl`](RedisBackendBuilder::max_ttl) says: Redis keeps an expiry as a signed 64-bit
-/// count of milliseconds since 1970, so `PX` must leave room for the current time.
-/// 2^62 ms (about 146 million years) leaves plenty; a longer `max_ttl` fails `build` with
+/// [`ttl_bounds`](RedisBackendBuilder::ttl_bounds) says: Redis keeps an expiry as a signed
+/// 64-bit count of milliseconds since 1970, so `PX` must leave room for the current time.
+/// 2^62 ms (about 146 million years) leaves plenty; a longer maximum fails `build` with
 /// [`LockError::Config`].
 pub const LONGEST_TTL: Duration = Duration::from_millis(1 << 62);
 
@@ -112,7 +112,8 @@ fn validate(b: &RedisBackendBuilder) -> Result<Shown, LockError> {
     let shown = Shown(b.urls.iter().map(|u| redact_url(u)).collect());
     if b.max_ttl > LONGEST_TTL {
         return Err(LockError::Config(format!(
-            "max_ttl {:?} is longer than Redis can keep an expiry; at most {LONGEST_TTL:?}",
+            "the longest TTL {:?} (ttl_bounds) is longer than Redis can keep an expiry; at most \
+             {LONGEST_TTL:?}",
             b.max_ttl
         )));
     }
@@ -125,7 +126,7 @@ fn validate(b: &RedisBackendBuilder) -> Result<Shown, LockError> {
 /// Opens the connection: to a cluster, or to one node (named by its URL or by
 /// Sentinels).
 async fn open(b: &RedisBackendBuilder, shown: &Shown) -> Result<Opened, LockError> {
-    let certificates = b.tls_root_ca.clone().map(|pem| redis::TlsCertificates {
+    let certificates = b.tls_ca.clone().map(|pem| redis::TlsCertificates {
         client_tls: None,
         root_cert: Some(pem),
     });
@@ -209,7 +210,7 @@ async fn open_node(
             Target::Fixed(Box::new(client))
         }
     };
-    // The backend applies its own response timeout to every request (to tell an
+    // The backend applies its own request timeout to every request (to tell an
     // unknown outcome from an unreachable server), and the node's connection is
     // made again when a request it gave up on met silence (see `Node`); the
     // manager only bounds connecting.
@@ -220,14 +221,14 @@ async fn open_node(
         .set_max_delay(Duration::from_millis(500));
     let c = with_timeout(
         b.connect_timeout * 2,
-        Node::open(target.clone(), config.clone(), b.response_timeout),
+        Node::open(target.clone(), config.clone(), b.request_timeout),
     )
     .await
     .map_err(|e| connect_error(shown.first(), e))?;
     let acked = b.replica_acks.is_some().then(|| Connector::Single {
         target,
         config,
-        response_timeout: b.response_timeout,
+        request_timeout: b.request_timeout,
         limit: b.connect_timeout * 2,
     });
     Ok(Opened {
@@ -250,7 +251,7 @@ fn cluster_client(
 ) -> Result<ClusterClient, LockError> {
     let mut client = ClusterClientBuilder::new(nodes)
         .connection_timeout(b.connect_timeout)
-        .response_timeout(b.response_timeout)
+        .response_timeout(b.request_timeout)
         .tcp_settings(tcp_settings())
         .retries(retries);
     if let Some(certificates) = certificates {
@@ -564,7 +565,7 @@ fn assemble(
             heard.servers,
             b.prefix.clone(),
             b.connect_timeout,
-            b.response_timeout,
+            b.request_timeout,
         ),
         calls: Calls {
             prefix: b.prefix,
@@ -573,7 +574,7 @@ fn assemble(
             announces: announced.refused.is_none(),
         },
         caps,
-        response_timeout: b.response_timeout,
+        request_timeout: b.request_timeout,
         replica_acks: b.replica_acks,
         acked,
         id: BackendId::next(),

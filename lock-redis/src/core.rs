@@ -47,7 +47,7 @@ pub(crate) struct Core {
     /// The keys and the calls of its scripts.
     pub(crate) calls: Calls,
     pub(crate) caps: Capabilities,
-    pub(crate) response_timeout: Duration,
+    pub(crate) request_timeout: Duration,
     pub(crate) replica_acks: Option<(usize, Duration)>,
     /// The connections acquires with `WAIT` go over (with `replica_acks` only).
     pub(crate) acked: Option<Arc<AckedConns>>,
@@ -119,7 +119,7 @@ impl Core {
         }
     }
 
-    /// Waits for a reply at most the response timeout. No reply in time means the request
+    /// Waits for a reply at most the request timeout. No reply in time means the request
     /// may have run: `OutcomeUnknown` for an operation that changes state.
     ///
     /// Not an `async fn`, nor an `async` block: either would keep `request` twice in its
@@ -130,7 +130,7 @@ impl Core {
         effect: Effect,
         request: impl Future<Output = Result<T, RedisError>>,
     ) -> impl Future<Output = Result<T, LockError>> {
-        self.timed_within(self.response_timeout, operation, effect, request)
+        self.timed_within(self.request_timeout, operation, effect, request)
     }
 
     /// [`Self::timed`] with a limit of its own (a cluster's batch waits longer).
@@ -164,10 +164,10 @@ impl Core {
 
     /// After an acquire whose outcome is unknown: deletes the keys the attempts may have
     /// taken, in the background, checked against their owner ids. Best effort: the keys
-    /// expire on their own anyway. Bounded: each try waits at most the response timeout,
+    /// expire on their own anyway. Bounded: each try waits at most the request timeout,
     /// a try whose connection dropped is made again, and so are the keys a server refused
     /// for now (a replica, a dataset loading, a busy script); the cleanup gives up after
-    /// two response timeouts (or the TTL, if shorter), so a hung server
+    /// two request timeouts (or the TTL, if shorter), so a hung server
     /// does not keep a task per attempt alive for the lease's TTL.
     pub(crate) fn abandon(&self, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) {
         self.abandon_over(None, attempts, ttl);
@@ -187,7 +187,7 @@ impl Core {
         let conn = over
             .as_ref()
             .map_or_else(|| self.conn.clone(), |c| c.conn().clone());
-        let node_timeout = self.response_timeout;
+        let node_timeout = self.request_timeout;
         let calls = attempts
             .into_iter()
             .map(|(keys, owner)| self.calls.abandon_call(keys, owner))
@@ -322,7 +322,7 @@ impl Core {
     /// refused for now (a failover or restart under way: CLUSTERDOWN, TRYAGAIN, LOADING,
     /// no connection to the node yet) did not run either, and is sent again.
     ///
-    /// Both are tried again after a short pause, for half the response timeout at most:
+    /// Both are tried again after a short pause, for half the request timeout at most:
     /// a connection made again after a restart or a failover is not always ready for the
     /// very next request.
     pub(crate) async fn release_one(&self, lease: &Lease) -> Result<Release, LockError> {
@@ -346,7 +346,7 @@ impl Core {
         let call = self
             .calls
             .lease_call(&RELEASE_SCRIPT, lease, Extra::Release);
-        let give_up = Instant::now() + self.response_timeout / 2;
+        let give_up = Instant::now() + self.request_timeout / 2;
         let mut pause = RESEND_PAUSE;
         // The error of the last send when it may have run: ask before sending again.
         let mut unsure: Option<RedisError> = None;
@@ -455,14 +455,14 @@ impl Core {
     }
 
     /// Runs a batch under [`Self::timed_within`]. In a cluster each node's pipeline has the
-    /// response timeout of its own (a silent node makes only its items unreachable), so
+    /// request timeout of its own (a silent node makes only its items unreachable), so
     /// the whole batch gets twice that, room for the redirected calls sent again after.
     pub(crate) async fn timed_batch(
         &self,
         operation: &'static str,
         calls: &[Call],
     ) -> Result<Vec<redis::RedisResult<Value>>, LockError> {
-        let node_timeout = self.response_timeout;
+        let node_timeout = self.request_timeout;
         let limit = if self.cluster {
             node_timeout * 2
         } else {
@@ -614,7 +614,7 @@ impl Core {
         let Some(pool) = &self.acked else {
             return Err(LockError::backend(NAME, "no connections for replica_acks"));
         };
-        // Nothing is sent yet: no connection free within the response timeout is a plain
+        // Nothing is sent yet: no connection free within the request timeout is a plain
         // failure.
         let acked = self.timed("acquire", Effect::None, pool.take()).await?;
         let keys = self.acquire_keys(key);

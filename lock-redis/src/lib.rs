@@ -17,7 +17,7 @@
 //!   node of multi-key script calls (one per hash slot in a cluster, at most 128 locks
 //!   each), so a watchdog renews thousands of leases in one round trip and a few script
 //!   calls. In a cluster, the
-//!   items of a node that does not answer (dead, or silent past the response timeout)
+//!   items of a node that does not answer (dead, or silent past the request timeout)
 //!   while another node does are `None` / [`distlock_core::Renewal::Unreachable`] /
 //!   [`distlock_core::Release::Unreachable`]; when no node answers, the call fails.
 //! * **Coalescing.** A script call costs the server a few microseconds whatever it does,
@@ -34,7 +34,7 @@
 //!   are safe to run twice (an acquire sent again with its owner id returns its token),
 //!   except release, which goes over a second connection that never resends (a second
 //!   run would say `NotHeld`): a lost reply is then an unknown outcome.
-//! * **Unknown outcomes.** A request without a reply within the response timeout fails with
+//! * **Unknown outcomes.** A request without a reply within the request timeout fails with
 //!   [`distlock_core::LockError::OutcomeUnknown`]; an acquire then deletes, in the background and
 //!   checked against its owner id, whatever it may have taken.
 //! * **Connections made again.** On a single node, a reply that says the node is a replica
@@ -42,7 +42,7 @@
 //!   that died without a reset) make the backend connect again, so an address that
 //!   follows the master (a virtual IP, a DNS name, a proxy) leads the next calls to it;
 //!   a call a replica refused is sent once more over the new connection. The release
-//!   listener pings when it has heard nothing for a response timeout. Every connection
+//!   listener pings when it has heard nothing for a request timeout. Every connection
 //!   has `TCP_NODELAY` and TCP keepalive.
 //!
 //! * **Tools.** `adopt` rebuilds a lease from an owner id and token (the scripts check
@@ -67,7 +67,7 @@
 //! `rediss://` URLs connect over TLS with rustls and its `ring` crypto provider, which
 //! [`RedisBackendBuilder::build`] installs as rustls's process-wide default when the
 //! application has not chosen one. A private CA is trusted with
-//! [`RedisBackendBuilder::tls_root_ca_pem`]; see [`RedisBackendBuilder`] for `#insecure`.
+//! [`RedisBackendBuilder::tls_ca_pem`]; see [`RedisBackendBuilder`] for `#insecure`.
 
 mod backend;
 mod coalesce;
@@ -90,9 +90,12 @@ pub use self::core::ACKED_CONNECTIONS;
 pub use self::url::DEFAULT_SENTINEL_PORT;
 pub use backend::{RedisBackend, SENT_AT_ONCE};
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL, DEFAULT_PREFIX,
-    DEFAULT_RESPONSE_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEY_PREFIX, DEFAULT_MAX_TTL, DEFAULT_MIN_TTL,
+    DEFAULT_REQUEST_TIMEOUT, REDIS_URL_ENV, RedisBackendBuilder,
 };
+// The names before 0.1.0, kept for those who used them.
+#[allow(deprecated)]
+pub use config::{DEFAULT_PREFIX, DEFAULT_RESPONSE_TIMEOUT};
 pub use connect::LONGEST_TTL;
 pub use fenced::RedisFencedResource;
 

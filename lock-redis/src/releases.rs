@@ -47,10 +47,10 @@
 //! The listener's lifecycle (started by the first watch, followed again with a growing
 //! pause whenever the connection drops or falls silent, ended with the backend) is the
 //! core's [`distlock_core::wake::ReleaseListener`]; [`Follower`] is how it follows Redis.
-//! A subscription is quiet by nature, so the listener pings after a response timeout
+//! A subscription is quiet by nature, so the listener pings after a request timeout
 //! without a word and gives the connection up when a ping (or a subscription change)
 //! goes unanswered for another: a connection that died without a reset is replaced within
-//! two response timeouts. After each reconnect it subscribes to every watched key (on the
+//! two request timeouts. After each reconnect it subscribes to every watched key (on the
 //! next node, on a cluster) and wakes one waiter of each, since releases while it was
 //! away were not heard. A cluster connection with shard channels subscribes again by
 //! itself; each confirmation it hears wakes a waiter of that key, for the same reason.
@@ -86,7 +86,7 @@ pub(crate) struct Follower {
     connect_timeout: Duration,
     /// How long a subscription change or a ping may wait for its answer, and how long the
     /// connection may stay quiet before it is pinged.
-    response_timeout: Duration,
+    request_timeout: Duration,
 }
 
 /// Where the listener subscribes.
@@ -117,14 +117,14 @@ impl ReleaseListener {
         servers: Option<Servers>,
         prefix: String,
         connect_timeout: Duration,
-        response_timeout: Duration,
+        request_timeout: Duration,
     ) -> Self {
         Self(servers.map(|servers| {
             distlock_core::wake::ReleaseListener::new(Follower {
                 servers,
                 prefix,
                 connect_timeout,
-                response_timeout,
+                request_timeout,
             })
         }))
     }
@@ -241,10 +241,10 @@ impl Follower {
     /// set once the watched keys are subscribed.
     ///
     /// A subscription is quiet by nature, and a connection that died without a reset (a
-    /// NAT or balancer that dropped its flow) stays quiet for ever: after a response
+    /// NAT or balancer that dropped its flow) stays quiet for ever: after a request
     /// timeout with nothing heard the listener pings, and a ping or a subscription change
-    /// not answered within the response timeout ends the connection. A dead one is thus
-    /// given up within two response timeouts.
+    /// not answered within the request timeout ends the connection. A dead one is thus
+    /// given up within two request timeouts.
     async fn deliver(
         &self,
         mut sink: Subscriber<'_>,
@@ -276,7 +276,7 @@ impl Follower {
                         releases.wake(key);
                     }
                 }
-                () = tokio::time::sleep_until(heard_at + self.response_timeout) => {
+                () = tokio::time::sleep_until(heard_at + self.request_timeout) => {
                     self.answered(sink.ping()).await?;
                     heard_at = Instant::now();
                 }
@@ -284,17 +284,17 @@ impl Follower {
         }
     }
 
-    /// `request`, given at most the response timeout: a connection that does not answer
+    /// `request`, given at most the request timeout: a connection that does not answer
     /// in time is taken for dead.
     async fn answered<T>(&self, request: impl Future<Output = RedisResult<T>>) -> RedisResult<T> {
-        tokio::time::timeout(self.response_timeout, request)
+        tokio::time::timeout(self.request_timeout, request)
             .await
             .map_err(|_| {
                 RedisError::from(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!(
                         "the release subscription's connection did not answer within {:?}",
-                        self.response_timeout
+                        self.request_timeout
                     ),
                 ))
             })?

@@ -6,8 +6,8 @@ use std::time::Duration;
 /// listener's, those of `replica_acks`): `TCP_NODELAY`, since a request is one small write
 /// whose reply the caller waits for (Nagle's algorithm would hold it back behind an
 /// unacknowledged one), and keepalive. The backend finds a dead connection itself where
-/// a caller waits (the response timeout on every request, the listener's ping after a
-/// quiet response timeout); keepalive keeps a connection that carries nothing for long
+/// a caller waits (the request timeout on every request, the listener's ping after a
+/// quiet request timeout); keepalive keeps a connection that carries nothing for long
 /// in the tables of NATs and firewalls, and has the kernel close one whose peer is gone,
 /// within 30 s (15 s idle, then 3 probes 5 s apart).
 pub(crate) fn tcp_settings() -> redis::io::tcp::TcpSettings {

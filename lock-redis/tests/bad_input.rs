@@ -124,7 +124,7 @@ async fn a_max_ttl_longer_than_redis_keeps_is_refused_and_the_longest_ttl_works(
     let too_long = Duration::from_millis(u64::MAX);
     let err = RedisBackend::builder()
         .url(f.url())
-        .max_ttl(too_long)
+        .ttl_bounds(lock_redis::DEFAULT_MIN_TTL, too_long)
         .build()
         .await
         .expect_err("PX cannot hold this TTL");
@@ -132,7 +132,7 @@ async fn a_max_ttl_longer_than_redis_keeps_is_refused_and_the_longest_ttl_works(
 
     let redis = RedisBackend::builder()
         .url(f.url())
-        .max_ttl(lock_redis::LONGEST_TTL)
+        .ttl_bounds(lock_redis::DEFAULT_MIN_TTL, lock_redis::LONGEST_TTL)
         .build()
         .await
         .expect("the longest TTL is accepted");

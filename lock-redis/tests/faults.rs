@@ -343,7 +343,7 @@ async fn the_cleanup_after_an_acquire_to_a_hung_server_ends_long_before_the_ttl(
     let server = harness::require(harness::redis::RedisServer::start().await);
     let redis = RedisBackend::builder()
         .url(server.url())
-        .response_timeout(Duration::from_millis(300))
+        .request_timeout(Duration::from_millis(300))
         .build()
         .await
         .unwrap();

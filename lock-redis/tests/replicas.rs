@@ -59,7 +59,7 @@ async fn an_acquire_holds_only_when_the_replica_acknowledges() {
 async fn a_wait_as_long_as_the_response_timeout_is_a_config_error() {
     let err = RedisBackend::builder()
         .url("redis://127.0.0.1:1/")
-        .response_timeout(Duration::from_millis(500))
+        .request_timeout(Duration::from_millis(500))
         .replica_acks(1, Duration::from_millis(500))
         .build()
         .await
@@ -82,7 +82,7 @@ async fn replicated_with(
     let (master, replica) = common::master_and_replica().await;
     let redis = RedisBackend::builder()
         .url(master.url())
-        .response_timeout(response_timeout)
+        .request_timeout(response_timeout)
         .replica_acks(1, wait)
         .build()
         .await

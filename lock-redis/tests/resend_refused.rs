@@ -59,7 +59,7 @@ async fn acquire_whose_resend_is_refused() -> Refused {
     let proxy = harness::require(FaultProxy::start(server.addr()).await);
     let redis = RedisBackend::builder()
         .url(format!("redis://{}/", proxy.addr()))
-        .response_timeout(RESPONSE_TIMEOUT)
+        .request_timeout(RESPONSE_TIMEOUT)
         .build()
         .await
         .unwrap();

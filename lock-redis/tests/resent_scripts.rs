@@ -162,7 +162,7 @@ async fn cluster_behind_a_proxy(key: &LockKey) -> (RedisClusterFactory, FaultPro
     }
     let redis = RedisBackend::builder()
         .cluster_urls(f.cluster.urls())
-        .response_timeout(Duration::from_secs(5))
+        .request_timeout(Duration::from_secs(5))
         .build()
         .await
         .expect("connect to the test cluster");

@@ -28,7 +28,7 @@ fn key(name: &str) -> LockKey {
 async fn backend(deployment: &SentinelDeployment) -> RedisBackend {
     RedisBackendBuilder::from_url(&deployment.url())
         .expect("a valid Sentinel URL")
-        .response_timeout(RESPONSE_TIMEOUT)
+        .request_timeout(RESPONSE_TIMEOUT)
         .build()
         .await
         .expect("connect through the Sentinels")

@@ -14,7 +14,7 @@ const TTL: Duration = Duration::from_secs(10);
 async fn connect(url: String) -> RedisBackend {
     RedisBackend::builder()
         .url(url)
-        .response_timeout(Duration::from_secs(2))
+        .request_timeout(Duration::from_secs(2))
         .build()
         .await
         .expect("connect")

@@ -171,7 +171,7 @@ async fn every_connection_has_tcp_keepalive() {
     // A response timeout long enough that the listener does not ping while it is looked at.
     let redis = RedisBackend::builder()
         .url(server.url())
-        .response_timeout(Duration::from_secs(10))
+        .request_timeout(Duration::from_secs(10))
         .build()
         .await
         .unwrap();

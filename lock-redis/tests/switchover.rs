@@ -27,7 +27,7 @@ fn key(name: &str) -> LockKey {
 async fn through(proxy: &FaultProxy) -> RedisBackend {
     RedisBackend::builder()
         .url(format!("redis://{}/", proxy.addr()))
-        .response_timeout(RESPONSE_TIMEOUT)
+        .request_timeout(RESPONSE_TIMEOUT)
         .build()
         .await
         .expect("connect through the proxy")

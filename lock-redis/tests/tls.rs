@@ -1,5 +1,5 @@
 //! `rediss://` end to end against a TLS `redis-server` whose certificate a test CA signed
-//! (made here with rcgen): the CA given with `tls_root_ca_pem` is trusted, a missing or
+//! (made here with rcgen): the CA given with `tls_ca_pem` is trusted, a missing or
 //! different CA is refused with a typed error (never a panic), and `#insecure` skips the
 //! check only when asked.
 
@@ -53,9 +53,9 @@ async fn build(url: &str, ca_pem: Option<&str>) -> Result<RedisBackend, LockErro
     let mut builder = RedisBackend::builder()
         .url(url)
         .connect_timeout(Duration::from_secs(2))
-        .response_timeout(Duration::from_secs(2));
+        .request_timeout(Duration::from_secs(2));
     if let Some(pem) = ca_pem {
-        builder = builder.tls_root_ca_pem(pem);
+        builder = builder.tls_ca_pem(pem);
     }
     builder.build().await
 }

@@ -109,7 +109,7 @@ fn release_orphans(core: &Arc<Core>, orphans: Vec<Lease>) {
 
 /// Coalesced releases go as one release batch. When the batch's connection drops, each
 /// release is settled as a direct one is ([`Core::release_until_settled`]): asked
-/// on the new connection and sent again if it did not run, all within the response
+/// on the new connection and sent again if it did not run, all within the request
 /// timeout.
 impl SendBatch<Lease, Release> for Arc<Core> {
     const BACKEND: &'static str = NAME;
@@ -121,7 +121,7 @@ impl SendBatch<Lease, Release> for Arc<Core> {
             .calls
             .lease_calls(&RELEASE_MANY_SCRIPT, &leases, Extra::Release);
         let request = async {
-            let mut replies = match self.conn.batch(&calls, self.response_timeout).await {
+            let mut replies = match self.conn.batch(&calls, self.request_timeout).await {
                 Ok(replies) => spread(&groups, replies, leases.len()),
                 Err(e) if is_resendable(&e) => leases.iter().map(|_| Err(e.clone())).collect(),
                 Err(e) => return Err(e),

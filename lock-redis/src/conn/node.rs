@@ -10,7 +10,7 @@
 //!   (so it did not run) is sent once more, over the new one.
 //! * **A connection that died silently** (a NAT or balancer that dropped its flow, a host
 //!   gone without a reset) holds every request behind the first one for ever. Every
-//!   request on it runs under the backend's response timeout; one given up after waiting
+//!   request on it runs under the backend's request timeout; one given up after waiting
 //!   half of that or more, with nothing heard over its connection since it was sent,
 //!   replaces the connection, so the requests after it go over a new one.
 //!
@@ -58,7 +58,7 @@ struct Shared {
     config: ConnectionManagerConfig,
     /// A request given up after half of this, its connection silent meanwhile, replaces
     /// the connection.
-    response_timeout: Duration,
+    request_timeout: Duration,
     /// The instant [`Connection::heard`] counts from.
     epoch: Instant,
     current: Mutex<Arc<Connection>>,
@@ -98,12 +98,12 @@ impl Node {
     pub(crate) async fn open(
         target: Target,
         config: ConnectionManagerConfig,
-        response_timeout: Duration,
+        request_timeout: Duration,
     ) -> RedisResult<Self> {
         let node = Self(Arc::new(Shared {
             target,
             config,
-            response_timeout,
+            request_timeout,
             epoch: Instant::now(),
             current: Mutex::new(Connection::new(None)),
             follower: Mutex::new(None),
@@ -297,7 +297,7 @@ impl ConnectionLike for Node {
 }
 
 /// A request on its way. Dropped before its reply came (its caller's timeout, or its
-/// caller gone) after half the response timeout or more, with nothing heard over its
+/// caller gone) after half the request timeout or more, with nothing heard over its
 /// connection since it was sent, it replaces the connection: a server that answers at all
 /// answers a script in microseconds, so such silence is a connection that died.
 struct Waiting<'a> {
@@ -310,7 +310,7 @@ struct Waiting<'a> {
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         let shared = &self.node.0;
-        if self.answered || self.sent.elapsed() < shared.response_timeout / 2 {
+        if self.answered || self.sent.elapsed() < shared.request_timeout / 2 {
             return;
         }
         let heard = Duration::from_nanos(self.conn.heard.load(Ordering::Relaxed));

@@ -23,18 +23,18 @@ use crate::conn::{ClusterState, Conn, Node, Target, with_timeout};
 /// How many connections of its own a backend with
 /// [`replica_acks`](crate::RedisBackendBuilder::replica_acks) opens for its acquires: each
 /// acquire and its `WAIT` take one for themselves, so this many run at once and later ones
-/// wait (within the response timeout) for one to be free. The first is opened by
+/// wait (within the request timeout) for one to be free. The first is opened by
 /// `build()`, the others when first needed; all are kept.
 pub const ACKED_CONNECTIONS: usize = 4;
 
 /// How to open one more connection for [`AckedConns`].
 pub(crate) enum Connector {
-    /// Where the node is, its settings, the response timeout, and how long connecting
+    /// Where the node is, its settings, the request timeout, and how long connecting
     /// may take.
     Single {
         target: Target,
         config: ConnectionManagerConfig,
-        response_timeout: Duration,
+        request_timeout: Duration,
         limit: Duration,
     },
     /// A client of the cluster that never sends a request twice, and how long connecting
@@ -48,12 +48,12 @@ impl Connector {
             Connector::Single {
                 target,
                 config,
-                response_timeout,
+                request_timeout,
                 limit,
             } => {
                 let c = with_timeout(
                     *limit,
-                    Node::open(target.clone(), config.clone(), *response_timeout),
+                    Node::open(target.clone(), config.clone(), *request_timeout),
                 )
                 .await?;
                 Ok(Conn::Single(c))

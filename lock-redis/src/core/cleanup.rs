@@ -11,12 +11,12 @@ use crate::error::is_resendable;
 /// The first pause before a call that did not run is sent again; it doubles each time.
 pub(crate) const RESEND_PAUSE: Duration = Duration::from_millis(5);
 
-/// How many response timeouts the cleanup after an acquire with an unknown outcome may
+/// How many request timeouts the cleanup after an acquire with an unknown outcome may
 /// take in all.
 const CLEANUP_TIMEOUTS: u32 = 2;
 
 /// Sends the abandon `calls` over `conn` until each ran, a try finds the server silent or
-/// refusing for good, or [`CLEANUP_TIMEOUTS`] response timeouts (or `ttl`, if shorter)
+/// refusing for good, or [`CLEANUP_TIMEOUTS`] request timeouts (or `ttl`, if shorter)
 /// have gone by. Best effort: the keys expire on their own anyway.
 pub(crate) async fn give_back(
     conn: &Conn,
@@ -28,7 +28,7 @@ pub(crate) async fn give_back(
     let keys = calls.len();
     // Requests on the same connection run in order, so this runs after the
     // acquire if that ever reached the server. A hung server gets one try: the
-    // cleanup must not outlive its caller by more than a few response timeouts.
+    // cleanup must not outlive its caller by more than a few request timeouts.
     let give_up = Instant::now() + ttl.min(node_timeout * CLEANUP_TIMEOUTS);
     let mut pause = RESEND_PAUSE;
     let done = loop {

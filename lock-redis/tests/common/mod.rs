@@ -81,7 +81,7 @@ impl RedisFactory {
     pub async fn redis_with(&self, response_timeout: Duration) -> RedisBackend {
         RedisBackend::builder()
             .url(self.url())
-            .response_timeout(response_timeout)
+            .request_timeout(response_timeout)
             .build()
             .await
             .expect("connect to the test server")
@@ -196,7 +196,7 @@ impl RedisClusterFactory {
     pub async fn redis(&self) -> RedisBackend {
         RedisBackend::builder()
             .cluster_urls(self.seeds())
-            .response_timeout(Duration::from_secs(1))
+            .request_timeout(Duration::from_secs(1))
             .build()
             .await
             .expect("connect to the test cluster")
@@ -518,7 +518,7 @@ impl SentinelFactory {
             .expect("a valid Sentinel URL")
             // As for the single node: the suite delays the link by a fifth of a 250 ms TTL
             // each way, and a script's first call also loads it.
-            .response_timeout(Duration::from_secs(1))
+            .request_timeout(Duration::from_secs(1))
             .build()
             .await
             .expect("connect through the Sentinels")
