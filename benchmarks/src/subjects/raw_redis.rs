@@ -30,7 +30,7 @@ impl RawRedis {
         // redis-rs's 500 ms, which a raw baseline's reply outlasted in a quick run on a
         // loaded two-core machine: both sides of a ratio wait as long for a reply.
         let config = redis::AsyncConnectionConfig::new()
-            .set_response_timeout(Some(lock_redis::DEFAULT_RESPONSE_TIMEOUT));
+            .set_response_timeout(Some(lock_redis::DEFAULT_REQUEST_TIMEOUT));
         let conn = client
             .get_multiplexed_async_connection_with_config(&config)
             .await
