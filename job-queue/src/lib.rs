@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 pub mod cron;
 pub mod ledger;
 pub mod scenario;
+pub mod storage;
 pub mod worker;
 
 /// Any error of the example, boxed: every error ends the run.

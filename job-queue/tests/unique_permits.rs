@@ -1,4 +1,4 @@
-//! Per-key concurrency on apalis's Redis storage, in process: under `permits(2)` at most
+//! Per-key concurrency on apalis's Redis and PostgreSQL storages, in process: under `permits(2)` at most
 //! two exports of one tenant run at once, though the worker runs four jobs at a time; the
 //! third is sent back and runs once a permit is free, and another tenant's export is not
 //! held back by the first tenant's permits.
@@ -7,15 +7,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use apalis::layers::WorkerBuilderExt;
-use apalis_core::backend::TaskSink;
 use apalis_core::error::BoxDynError;
-use apalis_core::worker::builder::WorkerBuilder;
-use apalis_redis::RedisStorage;
-use distlock::apalis::ApalisLockLayer;
-use distlock::{LockKey, Locker};
-use harness::redis::RedisServer;
-use harness::require;
+use distlock::LockKey;
+use distlock::apalis::{ApalisLockLayer, JobLease};
+use job_queue::on_each_storage;
+use job_queue::storage::{Server, Storage};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -28,19 +24,15 @@ struct Export {
 /// Per tenant: exports running now, the most at once, and exports done.
 type Seen = Arc<Mutex<HashMap<u32, (u32, u32, u32)>>>;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn permits_run_at_most_n_jobs_of_a_key_at_once_and_the_rest_later() {
-    let redis = require(RedisServer::start().await);
-    let conn = apalis_redis::connect(redis.url().as_str()).await.unwrap();
-    let mut storage =
-        RedisStorage::<Export>::new(conn).with_config(job_queue::queue_config("permits"));
-    let locker = Locker::builder(distlock::connect(&redis.url()).await.unwrap())
-        .ttl(Duration::from_secs(10))
-        .build()
-        .unwrap();
+on_each_storage!(permits_run_at_most_n_jobs_of_a_key_at_once_and_the_rest_later);
+
+async fn permits_run_at_most_n_jobs_of_a_key_at_once_and_the_rest_later(storage: Storage) {
+    let server = Server::start(storage).await.unwrap();
+    let mut queue = server.queue::<Export>("permits").await.unwrap();
+    let locker = server.locker(Duration::from_secs(10)).await.unwrap();
     let seen: Seen = Arc::default();
     let counted = seen.clone();
-    let handler = move |export: Export| {
+    let handler = move |export: Export, _: JobLease| {
         let counted = counted.clone();
         async move {
             {
@@ -63,16 +55,11 @@ async fn permits_run_at_most_n_jobs_of_a_key_at_once_and_the_rest_later() {
     })
     .permits(2)
     .unwrap();
-    let worker = WorkerBuilder::new("exports")
-        .backend(storage.clone())
-        .concurrency(4)
-        .layer(lock)
-        .build(handler);
-    let running = tokio::spawn(worker.run());
+    let running = queue.work("exports", 4, lock, handler);
     for part in 0..3 {
-        storage.push(Export { tenant: 1, part }).await.unwrap();
+        queue.push(Export { tenant: 1, part }).await.unwrap();
     }
-    storage.push(Export { tenant: 2, part: 0 }).await.unwrap();
+    queue.push(Export { tenant: 2, part: 0 }).await.unwrap();
 
     let started = Instant::now();
     loop {
@@ -85,12 +72,15 @@ async fn permits_run_at_most_n_jobs_of_a_key_at_once_and_the_rest_later() {
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
-            "not every export ran in 30 s: {:?}",
+            "{storage}: not every export ran in 30 s: {:?}",
             seen.lock().unwrap()
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     running.abort();
     let seen = seen.lock().unwrap();
-    assert_eq!(seen[&1].1, 2, "tenant 1's exports at once: {seen:?}");
+    assert_eq!(
+        seen[&1].1, 2,
+        "{storage}: tenant 1's exports at once: {seen:?}"
+    );
 }

@@ -1,4 +1,4 @@
-//! Unique from enqueue on apalis's Redis storage, in process: the producer claims each
+//! Unique from enqueue on apalis's Redis and PostgreSQL storages, in process: the producer claims each
 //! job's key before it pushes the job, so a duplicate pushed while the first waits or
 //! runs is refused at the door, and the worker runs the job under the claim
 //! (`Until::Executed`), releasing it when the job ends; a job of another key, and the same
@@ -7,15 +7,12 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use apalis_core::backend::TaskSink;
 use apalis_core::error::BoxDynError;
-use apalis_core::worker::builder::WorkerBuilder;
-use apalis_redis::RedisStorage;
 use distlock::apalis::{ApalisLockLayer, JobLease};
 use distlock::tower::Until;
 use distlock::{Claim, LockError, LockKey, Locker};
-use harness::redis::RedisServer;
-use harness::require;
+use job_queue::on_each_storage;
+use job_queue::storage::{Queue, Server, Storage};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -32,7 +29,7 @@ fn key(id: u32) -> Result<LockKey, LockError> {
 
 /// What a producer does: claims the report's key for as long as it may wait and run,
 /// and pushes it only when the claim was taken.
-async fn enqueue(locker: &Locker, storage: &mut RedisStorage<Report>, id: u32) -> bool {
+async fn enqueue(locker: &Locker, queue: &mut Queue<Report>, id: u32) -> bool {
     let claim = locker
         .claim(&key(id).unwrap(), Duration::from_secs(60))
         .await
@@ -40,7 +37,7 @@ async fn enqueue(locker: &Locker, storage: &mut RedisStorage<Report>, id: u32) -
     let Some(claim) = claim else {
         return false;
     };
-    storage
+    queue
         .push(Report {
             id,
             claim: Some(claim),
@@ -50,25 +47,21 @@ async fn enqueue(locker: &Locker, storage: &mut RedisStorage<Report>, id: u32) -
     true
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run() {
-    let redis = require(RedisServer::start().await);
-    let conn = apalis_redis::connect(redis.url().as_str()).await.unwrap();
-    let mut storage =
-        RedisStorage::<Report>::new(conn).with_config(job_queue::queue_config("unique"));
-    let locker = Locker::builder(distlock::connect(&redis.url()).await.unwrap())
-        .ttl(Duration::from_secs(10))
-        .build()
-        .unwrap();
+on_each_storage!(until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run);
+
+async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(storage: Storage) {
+    let server = Server::start(storage).await.unwrap();
+    let mut queue = server.queue::<Report>("unique").await.unwrap();
+    let locker = server.locker(Duration::from_secs(10)).await.unwrap();
 
     // Pushed before any worker runs: the duplicate waits nowhere, it is never pushed.
-    assert!(enqueue(&locker, &mut storage, 1).await);
+    assert!(enqueue(&locker, &mut queue, 1).await);
     assert!(
-        !enqueue(&locker, &mut storage, 1).await,
+        !enqueue(&locker, &mut queue, 1).await,
         "a duplicate was pushed"
     );
     assert!(
-        enqueue(&locker, &mut storage, 2).await,
+        enqueue(&locker, &mut queue, 2).await,
         "another report was refused"
     );
 
@@ -97,11 +90,7 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run() 
     };
     let lock = ApalisLockLayer::new(locker.clone(), |report: &Report| key(report.id))
         .claimed(|report: &Report| report.claim.clone(), Until::Executed);
-    let worker = WorkerBuilder::new("unique")
-        .backend(storage.clone())
-        .layer(lock)
-        .build(handler);
-    let running = tokio::spawn(worker.run());
+    let running = queue.work("unique", 2, lock, handler);
 
     let until_runs = |n: usize| {
         let runs = runs.clone();
@@ -120,7 +109,7 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run() 
     until_runs(2).await;
     // Done: the key is free again, and the same report is pushed and run once more.
     let pushed_again = Instant::now();
-    while !enqueue(&locker, &mut storage, 1).await {
+    while !enqueue(&locker, &mut queue, 1).await {
         assert!(
             pushed_again.elapsed() < Duration::from_secs(10),
             "report 1's key was not released when its run ended"

@@ -1,19 +1,17 @@
-//! A throttle on apalis's Redis storage, in process: under `until_expired` with
-//! `dead_letter_after(1)`, a report runs at most once per lock TTL; a duplicate pushed
-//! within the TTL is dropped (the storage's dead set, never run), a report of another key
-//! is not stopped, and the same report pushed once the TTL has passed runs again.
+//! A throttle on apalis's Redis and PostgreSQL storages, in process: under
+//! `until_expired` with `dead_letter_after(1)`, a report runs at most once per lock TTL; a
+//! duplicate pushed within the TTL is dropped (killed by the storage, never run), a
+//! report of another key is not stopped, and the same report pushed once the TTL has
+//! passed runs again.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use apalis_core::backend::TaskSink;
 use apalis_core::error::BoxDynError;
-use apalis_core::worker::builder::WorkerBuilder;
-use apalis_redis::RedisStorage;
-use distlock::apalis::ApalisLockLayer;
-use distlock::{LockKey, Locker};
-use harness::redis::{RedisServer, RespValue};
-use harness::require;
+use distlock::LockKey;
+use distlock::apalis::{ApalisLockLayer, JobLease};
+use job_queue::on_each_storage;
+use job_queue::storage::{Server, Storage};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -33,20 +31,17 @@ async fn until(what: &str, within: Duration, mut done: impl AsyncFnMut() -> bool
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn until_expired_runs_a_report_once_per_ttl_and_drops_the_duplicates_between() {
-    let redis = require(RedisServer::start().await);
-    let config = job_queue::queue_config("throttle");
-    let dead_set = config.dead_jobs_set();
-    let conn = apalis_redis::connect(redis.url().as_str()).await.unwrap();
-    let mut storage = RedisStorage::<Report>::new(conn).with_config(config);
-    let locker = Locker::builder(distlock::connect(&redis.url()).await.unwrap())
-        .ttl(WINDOW)
-        .build()
-        .unwrap();
+on_each_storage!(until_expired_runs_a_report_once_per_ttl_and_drops_the_duplicates_between);
+
+async fn until_expired_runs_a_report_once_per_ttl_and_drops_the_duplicates_between(
+    storage: Storage,
+) {
+    let server = Server::start(storage).await.unwrap();
+    let mut queue = server.queue::<Report>("throttle").await.unwrap();
+    let locker = server.locker(WINDOW).await.unwrap();
     let runs: Arc<Mutex<Vec<(u32, Instant)>>> = Arc::default();
     let seen = runs.clone();
-    let handler = move |report: Report| {
+    let handler = move |report: Report, _: JobLease| {
         seen.lock().unwrap().push((report.id, Instant::now()));
         async { Ok::<_, BoxDynError>(()) }
     };
@@ -56,41 +51,36 @@ async fn until_expired_runs_a_report_once_per_ttl_and_drops_the_duplicates_betwe
     .until_expired()
     .unwrap()
     .dead_letter_after(1);
-    let worker = WorkerBuilder::new("throttle")
-        .backend(storage.clone())
-        .layer(lock)
-        .build(handler);
-    let running = tokio::spawn(worker.run());
+    let running = queue.work("throttle", 2, lock, handler);
     let count = |id: u32| runs.lock().unwrap().iter().filter(|r| r.0 == id).count();
 
-    storage.push(Report { id: 1 }).await.unwrap();
+    queue.push(Report { id: 1 }).await.unwrap();
     until("report 1 ran", Duration::from_secs(10), async || {
         count(1) == 1
     })
     .await;
     // Within the window: the duplicate is dropped, another report runs.
-    storage.push(Report { id: 1 }).await.unwrap();
-    storage.push(Report { id: 2 }).await.unwrap();
-    let dead = || {
-        let redis = &redis;
-        let dead_set = dead_set.clone();
-        async move { require(redis.command(&["SCARD", &dead_set]).await) }
-    };
+    queue.push(Report { id: 1 }).await.unwrap();
+    queue.push(Report { id: 2 }).await.unwrap();
     until(
         "the duplicate dropped",
         Duration::from_secs(10),
-        async || dead().await == RespValue::Integer(1),
+        async || queue.dead(&server).await.unwrap() == 1,
     )
     .await;
     until("report 2 ran", Duration::from_secs(10), async || {
         count(2) == 1
     })
     .await;
-    assert_eq!(count(1), 1, "the duplicate ran within the window");
+    assert_eq!(
+        count(1),
+        1,
+        "{storage}: the duplicate ran within the window"
+    );
     // After the window the same report runs again.
     let first = runs.lock().unwrap()[0].1;
     tokio::time::sleep_until(first + WINDOW + Duration::from_millis(200)).await;
-    storage.push(Report { id: 1 }).await.unwrap();
+    queue.push(Report { id: 1 }).await.unwrap();
     until("report 1 ran again", Duration::from_secs(10), async || {
         count(1) == 2
     })

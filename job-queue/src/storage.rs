@@ -1,0 +1,233 @@
+//! The two apalis storages the strategy tests run on, behind one face, so that each
+//! scenario is written once and run on both: apalis-redis with distlock's locks on the
+//! same redis-server, and apalis-postgres (its migrations run) with the locks in the same
+//! PostgreSQL's lease table, each server started on a free loopback port.
+//!
+//! Both storages acknowledge a task by the status its context carries, which
+//! [`ApalisLockLayer`] sets on a delivery it sends back; they differ in when a task sent
+//! back comes again (apalis-redis by its own schedule, apalis-postgres at its next
+//! fetch) and in where the tasks it will not deliver again are kept (a dead set, rows
+//! marked `Killed`), which [`Queue::dead`] reads.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use apalis::layers::WorkerBuilderExt;
+use apalis_core::backend::TaskSink;
+use apalis_core::error::BoxDynError;
+use apalis_core::worker::builder::WorkerBuilder;
+use apalis_postgres::PostgresStorage;
+use apalis_redis::RedisStorage;
+use distlock::Locker;
+use distlock::apalis::{ApalisLockLayer, JobLease};
+use harness::postgres::PostgresServer;
+use harness::redis::{RedisServer, RespValue};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::PgPool;
+use tokio::task::JoinHandle;
+
+use crate::{BoxError, queue_config};
+
+/// Which apalis storage a scenario runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Storage {
+    /// apalis-redis; the locks on the same redis-server.
+    Redis,
+    /// apalis-postgres; the locks in the same PostgreSQL (the lease table).
+    Postgres,
+}
+
+impl fmt::Display for Storage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Storage::Redis => "apalis-redis",
+            Storage::Postgres => "apalis-postgres",
+        })
+    }
+}
+
+/// A server of one storage, started for a scenario; stopped when dropped.
+pub struct Server {
+    kind: Storage,
+    running: Running,
+}
+
+enum Running {
+    Redis(RedisServer),
+    Postgres {
+        server: PostgresServer,
+        pool: PgPool,
+    },
+}
+
+impl Server {
+    /// Starts the storage's server on a free loopback port; for PostgreSQL, runs
+    /// apalis-postgres's migrations (as the superuser: they create a schema and the
+    /// `hstore` extension) and creates distlock's lease table.
+    pub async fn start(kind: Storage) -> Result<Self, BoxError> {
+        let running = match kind {
+            Storage::Redis => Running::Redis(RedisServer::start().await?),
+            Storage::Postgres => {
+                let server = PostgresServer::start().await?;
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect(&server.superuser_url())
+                    .await?;
+                PostgresStorage::setup(&pool).await?;
+                distlock::setup(&server.superuser_url()).await?;
+                Running::Postgres { server, pool }
+            }
+        };
+        Ok(Self { kind, running })
+    }
+
+    /// Which storage this is.
+    pub fn kind(&self) -> Storage {
+        self.kind
+    }
+
+    /// The URL of the server, for [`distlock::connect`] and the storage's client.
+    pub fn url(&self) -> String {
+        match &self.running {
+            Running::Redis(server) => server.url(),
+            Running::Postgres { server, .. } => server.superuser_url(),
+        }
+    }
+
+    /// A locker on this server, with leases of `ttl`.
+    pub async fn locker(&self, ttl: Duration) -> Result<Locker, BoxError> {
+        Ok(Locker::builder(distlock::connect(&self.url()).await?)
+            .ttl(ttl)
+            .build()?)
+    }
+
+    /// The queue `name` on this server: heartbeats every second, a worker that missed
+    /// two taken for dead, tasks fetched two at a time.
+    pub async fn queue<Args>(&self, name: &str) -> Result<Queue<Args>, BoxError> {
+        let storage = match &self.running {
+            Running::Redis(server) => {
+                let conn = apalis_redis::connect(server.url().as_str()).await?;
+                Queues::Redis(RedisStorage::new(conn).with_config(queue_config(name)))
+            }
+            Running::Postgres { pool, .. } => {
+                let config = apalis_postgres::Config::default()
+                    .queue(format!("payouts-{name}"))
+                    .heartbeat_interval(Duration::from_secs(1))
+                    .missed_heartbeats(2)
+                    .batch_size(2);
+                Queues::Postgres(PostgresStorage::new(pool).with_config(config))
+            }
+        };
+        Ok(Queue { storage })
+    }
+}
+
+/// One apalis queue of jobs `Args`, on either storage.
+pub struct Queue<Args> {
+    storage: Queues<Args>,
+}
+
+enum Queues<Args> {
+    Redis(RedisStorage<Args>),
+    Postgres(PostgresStorage<Args>),
+}
+
+impl<Args> Queue<Args>
+where
+    Args: Serialize + DeserializeOwned + Send + Sync + Unpin + 'static,
+{
+    /// Pushes a job.
+    pub async fn push(&mut self, args: Args) -> Result<(), BoxError> {
+        match &mut self.storage {
+            Queues::Redis(storage) => storage.push(args).await?,
+            Queues::Postgres(storage) => storage.push(args).await?,
+        }
+        Ok(())
+    }
+
+    /// Tasks of this queue the storage will not deliver again (killed: dead-lettered).
+    pub async fn dead(&self, server: &Server) -> Result<u64, BoxError> {
+        match (&self.storage, &server.running) {
+            (Queues::Redis(storage), Running::Redis(redis)) => {
+                let dead_set = storage.get_config().dead_jobs_set();
+                match redis.command(&["SCARD", &dead_set]).await? {
+                    RespValue::Integer(n) => Ok(u64::try_from(n)?),
+                    other => Err(format!("SCARD {dead_set} answered {other:?}").into()),
+                }
+            }
+            (Queues::Postgres(storage), Running::Postgres { pool, .. }) => {
+                let killed: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM apalis.jobs WHERE job_type = $1 AND status = 'Killed'",
+                )
+                .bind(storage.config().queue.to_string())
+                .fetch_one(pool)
+                .await?;
+                Ok(u64::try_from(killed)?)
+            }
+            _ => Err("the queue is not on this server".into()),
+        }
+    }
+
+    /// Starts a worker `name` on this queue, in a task of its own: at most `concurrency`
+    /// jobs at a time, each under `lock`, run by `handler`. Abort the handle to stop it.
+    pub fn work<H, Fut>(
+        &self,
+        name: &str,
+        concurrency: usize,
+        lock: ApalisLockLayer<Args>,
+        handler: H,
+    ) -> JoinHandle<()>
+    where
+        H: Fn(Args, JobLease) -> Fut + Clone + Send + Sync + 'static,
+        Fut: Future<Output = Result<(), BoxDynError>> + Send + 'static,
+    {
+        let name = name.to_owned();
+        match &self.storage {
+            Queues::Redis(storage) => {
+                let worker = WorkerBuilder::new(name.as_str())
+                    .backend(storage.clone())
+                    .concurrency(concurrency)
+                    .layer(lock)
+                    .build(handler);
+                tokio::spawn(async move {
+                    if let Err(e) = worker.run().await {
+                        eprintln!("worker {name} stopped: {e}");
+                    }
+                })
+            }
+            Queues::Postgres(storage) => {
+                let worker = WorkerBuilder::new(name.as_str())
+                    .backend(storage.clone())
+                    .concurrency(concurrency)
+                    .layer(lock)
+                    .build(handler);
+                tokio::spawn(async move {
+                    if let Err(e) = worker.run().await {
+                        eprintln!("worker {name} stopped: {e}");
+                    }
+                })
+            }
+        }
+    }
+}
+
+/// Stamps one test per storage for a scenario `async fn name(storage: Storage)`: a
+/// module `name` with the tests `on_apalis_redis` and `on_apalis_postgres`.
+#[macro_export]
+macro_rules! on_each_storage {
+    ($($scenario:ident),+ $(,)?) => {$(
+        mod $scenario {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_apalis_redis() {
+                super::$scenario($crate::storage::Storage::Redis).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn on_apalis_postgres() {
+                super::$scenario($crate::storage::Storage::Postgres).await;
+            }
+        }
+    )+};
+}
