@@ -186,7 +186,8 @@ pub mod backend {
     pub use distlock_core::wake;
     pub use distlock_core::{
         BackendId, BackendLayer, BoxError, DRIFT_FACTOR, DriverFailure, Effect, FailureKind,
-        Instrumented, Layered, VALIDITY_MARGIN, async_trait, decide, url_from_env, valid_until,
+        Instrumented, Layered, VALIDITY_MARGIN, async_trait, builder_from_env, decide,
+        url_from_env, valid_until,
     };
 }
 #[cfg(feature = "etcd")]
