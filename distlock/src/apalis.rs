@@ -45,6 +45,7 @@
 //! |---|---|---|
 //! | the job ran and failed | the handler's error, unchanged | what its own retry policy says |
 //! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay; the task marked pending | retries the job later |
+//! | the key held, under [`OnMiss::Skip`] | [`AbortError`]; the task marked done | does not run it (the storage records it done) |
 //! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`]; the task marked killed | stops retrying (killed) |
 //! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`] | a failed attempt, retried by its policy |
 //! | the key invalid, or the lock store failing | the [`JobError`] | a failed attempt |
@@ -314,6 +315,7 @@ where
                 match &e {
                     JobError::Busy { .. } => ctx.raw_status().store(Status::Pending),
                     JobError::DeadLetter { .. } => ctx.raw_status().store(Status::Killed),
+                    JobError::Skipped { .. } => ctx.raw_status().store(Status::Done),
                     _ => {}
                 }
                 let delivery = u32::try_from(ctx.attempt()).unwrap_or(u32::MAX);
@@ -349,6 +351,9 @@ impl Outcomes {
                     key,
                     misses,
                 }));
+            }
+            JobError::Skipped { key } => {
+                return Box::new(AbortError::new(JobError::<Infallible>::Skipped { key }));
             }
             JobError::Lost { key } => JobError::<Infallible>::Lost { key },
             JobError::Lock(e) => JobError::Lock(e),

@@ -15,12 +15,13 @@
 //! the release where the store announces releases, after a short jittered delay
 //! otherwise), or hand the job back to the queue at once ([`OnMiss::Requeue`]: the call
 //! fails with [`JobError::Busy`], which a queue treats as a failed attempt to retry
-//! later). With
+//! later), or drop it as a duplicate without running it ([`OnMiss::Skip`]: the call fails
+//! with [`JobError::Skipped`], which a queue takes as done). With
 //! [`LockLayer::dead_letter_after`] a job that has missed its lock on that many deliveries
 //! in a row (deliveries on which it ran and failed for its own reasons do not count)
 //! fails with [`JobError::DeadLetter`] instead, which says why, for the queue to stop
 //! retrying. Each outcome of a miss is counted in `distlock_job_lock_misses_total` with the
-//! label `outcome` (`retried`, `requeued`, `dead_lettered`), and each job stopped by a lost
+//! label `outcome` (`retried`, `requeued`, `skipped`, `dead_lettered`), and each job stopped by a lost
 //! lease in `distlock_job_lost_total`.
 //!
 //! ```

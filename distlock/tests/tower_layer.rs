@@ -1,5 +1,5 @@
 //! The tower layer on the memory store: the job gets its token, a miss follows the policy
-//! (requeue, jittered retries, dead-letter with the reason), and a lost lease stops the
+//! (requeue, skip, jittered retries, dead-letter with the reason), and a lost lease stops the
 //! job before its next step.
 
 use std::convert::Infallible;
@@ -107,6 +107,28 @@ async fn a_miss_hands_the_job_back_and_runs_nothing() {
     let result = service.call(job).await;
     assert!(
         matches!(result, Err(JobError::Busy { ref key }) if key.as_str() == "job:2"),
+        "{result:?}"
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn skip_drops_a_duplicate_as_skipped_never_as_a_miss_to_dead_letter() {
+    let store = MemoryBackend::new();
+    let job = Job { id: 3, delivery: 1 };
+    let _holder = held_elsewhere(&store, &job).await;
+    let ran = Arc::new(AtomicU32::new(0));
+    let counted = ran.clone();
+    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
+        .on_miss(OnMiss::Skip)
+        .dead_letter_after(1, |job: &Job| job.delivery)
+        .layer(Handler(move |_: Locked<Job>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(()) }
+        }));
+    let result = service.call(job).await;
+    assert!(
+        matches!(result, Err(JobError::Skipped { ref key }) if key.as_str() == "job:3"),
         "{result:?}"
     );
     assert_eq!(ran.load(Ordering::SeqCst), 0);

@@ -124,6 +124,13 @@ impl Server {
     }
 }
 
+/// How a task the storage will not deliver again ended.
+#[derive(Clone, Copy)]
+enum Ended {
+    Done,
+    Killed,
+}
+
 /// One apalis queue of jobs `Args`, on either storage.
 pub struct Queue<Args> {
     storage: Queues<Args>,
@@ -147,24 +154,43 @@ where
         Ok(())
     }
 
-    /// Tasks of this queue the storage will not deliver again (killed: dead-lettered).
+    /// Tasks of this queue the storage will not deliver again as failed (killed:
+    /// dead-lettered).
     pub async fn dead(&self, server: &Server) -> Result<u64, BoxError> {
+        self.count(server, Ended::Killed).await
+    }
+
+    /// Tasks of this queue the storage has recorded done.
+    pub async fn done(&self, server: &Server) -> Result<u64, BoxError> {
+        self.count(server, Ended::Done).await
+    }
+
+    async fn count(&self, server: &Server, ended: Ended) -> Result<u64, BoxError> {
         match (&self.storage, &server.running) {
             (Queues::Redis(storage), Running::Redis(redis)) => {
-                let dead_set = storage.get_config().dead_jobs_set();
-                match redis.command(&["SCARD", &dead_set]).await? {
+                let config = storage.get_config();
+                let set = match ended {
+                    Ended::Done => config.done_jobs_set(),
+                    Ended::Killed => config.dead_jobs_set(),
+                };
+                match redis.command(&["SCARD", &set]).await? {
                     RespValue::Integer(n) => Ok(u64::try_from(n)?),
-                    other => Err(format!("SCARD {dead_set} answered {other:?}").into()),
+                    other => Err(format!("SCARD {set} answered {other:?}").into()),
                 }
             }
             (Queues::Postgres(storage), Running::Postgres { pool, .. }) => {
-                let killed: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM apalis.jobs WHERE job_type = $1 AND status = 'Killed'",
+                let status = match ended {
+                    Ended::Done => "Done",
+                    Ended::Killed => "Killed",
+                };
+                let count: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM apalis.jobs WHERE job_type = $1 AND status = $2",
                 )
                 .bind(storage.config().queue.to_string())
+                .bind(status)
                 .fetch_one(pool)
                 .await?;
-                Ok(u64::try_from(killed)?)
+                Ok(u64::try_from(count)?)
             }
             _ => Err("the queue is not on this server".into()),
         }

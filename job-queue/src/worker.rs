@@ -241,6 +241,7 @@ where
             let what = match job_error(&*e) {
                 Some(JobError::Busy { .. }) => "lock_busy",
                 Some(JobError::DeadLetter { .. }) => "dead_lettered",
+                Some(JobError::Skipped { .. }) => "skipped",
                 Some(JobError::Lost { .. }) => "lease_lost",
                 _ => "failed",
             };

@@ -16,7 +16,8 @@ use tower_service::Service;
 
 use super::misses::Misses;
 
-/// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `dead_lettered`.
+/// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `skipped`,
+/// `dead_lettered`.
 pub const JOB_LOCK_MISSES_TOTAL: &str = "distlock_job_lock_misses_total";
 /// The counter of jobs stopped because their lease was lost.
 pub const JOB_LOST_TOTAL: &str = "distlock_job_lost_total";
@@ -45,6 +46,13 @@ pub enum OnMiss {
     },
     /// Hand the job back to the queue at once ([`JobError::Busy`]). For batch systems.
     Requeue,
+    /// Drop the job as done without running it ([`JobError::Skipped`]): the key's holder
+    /// is doing the same work, so this delivery is a duplicate (sidekiq-unique-jobs'
+    /// `on_conflict: :log`, BullMQ's deduplication). The call fails, as the layer has no
+    /// response to make up for the job: the queue must take [`JobError::Skipped`] as
+    /// done, not retry it (the apalis layer marks the task done). Takes precedence over
+    /// [`LockLayer::dead_letter_after`]: a skipped job is never counted as a miss.
+    Skip,
 }
 
 /// Why a locked job's call failed.
@@ -70,6 +78,12 @@ pub enum JobError<E> {
         /// [`LockLayer::dead_letter_after`] says, this one included.
         misses: u32,
     },
+    /// The key was held and the layer's [`OnMiss::Skip`] dropped the job as a duplicate,
+    /// without running it: take it as done, not as a failure to retry.
+    Skipped {
+        /// The job's lock key.
+        key: LockKey,
+    },
     /// The lease was lost while the job ran; the job was stopped before its next step.
     Lost {
         /// The job's lock key.
@@ -87,6 +101,10 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             JobError::DeadLetter { key, misses } => write!(
                 f,
                 "{key} was held by another worker on {misses} deliveries in a row: dead-lettered"
+            ),
+            JobError::Skipped { key } => write!(
+                f,
+                "{key} is held by another worker: the job was dropped as a duplicate, not run"
             ),
             JobError::Lost { key } => {
                 write!(f, "the lease on {key} was lost; the job was stopped")
@@ -428,7 +446,7 @@ where
     let key = (layer.key_of)(&request).map_err(JobError::Lock)?;
     let (attempts, delay) = match layer.on_miss {
         OnMiss::Retry { attempts, delay } => (attempts.max(1), delay),
-        OnMiss::Requeue => (1, Duration::ZERO),
+        OnMiss::Requeue | OnMiss::Skip => (1, Duration::ZERO),
     };
     // Watching before the first try, so that a release between a refused try and the wait
     // after it still wakes this job, as in `Locker::lock`. (A permit's release is announced
@@ -469,6 +487,10 @@ where
                 None => tokio::time::sleep(fallback).await,
             }
             continue;
+        }
+        if layer.on_miss == OnMiss::Skip {
+            metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "skipped").increment(1);
+            return Err(JobError::Skipped { key });
         }
         if let Some(dead_letter) = &layer.dead_letter {
             let misses = match &dead_letter.deliveries {
