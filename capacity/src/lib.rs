@@ -15,6 +15,8 @@
 //! * [`waited`]: releases with a waiter on every key against releases nobody waits for,
 //!   in alternating rounds;
 //! * [`permits`]: semaphore permit cycles against lock cycles, in alternating rounds;
+//! * [`full_semaphore`]: a full semaphore at N = 1, 64 and 1024, its waits and refusals
+//!   against a lock's, in alternating rounds;
 //! * [`report`]: the markdown report, the CSV and the SVG charts;
 //! * [`cpu`]: CPU time of this process and of a server's processes;
 //! * [`affinity`]: pinning a server and this process to CPUs of their own;
@@ -29,6 +31,7 @@
 pub mod affinity;
 pub mod cpu;
 pub mod deployment;
+pub mod full_semaphore;
 pub mod handoff;
 pub mod load;
 pub mod machine;

@@ -23,6 +23,7 @@ use crate::BenchError;
 use crate::load::{self, Keys};
 use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};
+use crate::target::Target;
 use crate::waited::{Side, measure};
 
 /// The task counts measured: one worker, and a busy pool.
@@ -59,6 +60,25 @@ impl PermitCycles {
         ratios.sort_by(f64::total_cmp);
         ratios.get(ratios.len() / 2).copied()
     }
+}
+
+/// The targets on `rows`: with 64 tasks on 64 permits, a permit cycle at 0.7× a lock
+/// cycle or more, on every backend measured.
+pub fn targets(rows: &[PermitCycles]) -> Vec<Target> {
+    rows.iter()
+        .filter(|p| p.tasks == 64)
+        .map(|p| {
+            Target::ratio(
+                &format!(
+                    "{} permit cycles/s / lock cycles/s (64 tasks, 64 permits)",
+                    p.subject.slug()
+                ),
+                0.7,
+                true,
+                p.ratio(),
+            )
+        })
+        .collect()
 }
 
 /// Measures `worker`'s permit cycles against its lock cycles at `tasks`, alternating the

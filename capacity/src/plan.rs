@@ -23,6 +23,11 @@ pub struct Plan {
     /// Alternating rounds of each target pair and of the Redis pairs shared and pinned
     /// (each round measures every side for a third of `duration`).
     pub pair_rounds: usize,
+    /// The sizes of the full semaphore measured, in permits
+    /// ([`crate::full_semaphore`]).
+    pub full_permits: Vec<u32>,
+    /// The tasks that wait on the full semaphore, or are refused.
+    pub full_tasks: usize,
     /// Guards held for the memory measurement.
     pub guards: usize,
     /// The TTL of those guards (the watchdog renews at a third of it).
@@ -41,6 +46,8 @@ impl Plan {
             batch_sizes: vec![100, 1_000],
             batch_reps: 5,
             pair_rounds: 9,
+            full_permits: vec![1, 64, 1024],
+            full_tasks: 64,
             guards: 100_000,
             guard_ttl: Duration::from_secs(3),
         }
@@ -57,6 +64,10 @@ impl Plan {
             batch_sizes: vec![100],
             batch_reps: 1,
             pair_rounds: 2,
+            // A full semaphore of 1024 is 1024 round trips per refusal where the store is
+            // asked slot by slot: the quick run only checks that the rows are written.
+            full_permits: vec![1, 4, 16],
+            full_tasks: 8,
             guards: 10_000,
             guard_ttl: Duration::from_millis(300),
         }

@@ -1,6 +1,7 @@
 //! Writes a run's results: `report.md` (machine, targets, tables), `capacity.csv` (one row
 //! per subject and concurrency) and SVG charts drawn with `plotters`.
 
+mod full;
 mod sections;
 
 use std::fmt::Write as _;

@@ -513,6 +513,8 @@ pub struct Results {
     pub waited: Vec<crate::waited::WaitedReleases>,
     /// Semaphore permit cycles against lock cycles, per backend and task count.
     pub permits: Vec<crate::permits::PermitCycles>,
+    /// A full semaphore at each size against a lock in the same state, per backend.
+    pub full: Vec<crate::full_semaphore::FullSemaphore>,
     /// The Redis pairs at 16 and 64 tasks, shared and pinned, when Redis ran.
     pub placed: Option<crate::placement::PlacedPairs>,
 }
@@ -548,23 +550,7 @@ impl Results {
 
     /// The targets, each with this run's value.
     pub fn targets(&self) -> Vec<Target> {
-        let ratio = |what: &str, goal: f64, at_least: bool, value: Option<f64>| {
-            let goal_text = format!("{} {goal:.2}x", if at_least { ">=" } else { "<=" });
-            match value {
-                Some(v) => Target {
-                    what: what.to_owned(),
-                    goal: goal_text,
-                    measured: format!("{v:.3}x"),
-                    met: Some(if at_least { v >= goal } else { v <= goal }),
-                },
-                None => Target {
-                    what: what.to_owned(),
-                    goal: goal_text,
-                    measured: "not measured in this run".into(),
-                    met: None,
-                },
-            }
-        };
+        let ratio = Target::ratio;
         let acquire_p50 = |s: SubjectId| self.sample(s, 1).map(|s| s.acquire_us(0.5));
         let acquire_ratio = self
             .pair(SubjectId::Redis, SubjectId::RedisSetNx, 1)
@@ -641,6 +627,11 @@ impl Results {
                 true,
                 measured.and_then(crate::waited::WaitedReleases::ratio),
             ));
+        }
+        // Semaphores: a free permit near a lock's cost, a full one's not growing with N.
+        out.extend(crate::permits::targets(&self.permits));
+        for full in &self.full {
+            out.extend(full.targets());
         }
         if let Some(placed) = &self.placed {
             out.extend(placed.targets());

@@ -13,3 +13,25 @@ pub struct Target {
     /// Met, missed, or not measured in this run.
     pub met: Option<bool>,
 }
+
+impl Target {
+    /// A target on a ratio: `value` at least (`at_least`) or at most `goal`, or not
+    /// measured in this run when `value` is `None`.
+    pub fn ratio(what: &str, goal: f64, at_least: bool, value: Option<f64>) -> Target {
+        let goal_text = format!("{} {goal:.2}x", if at_least { ">=" } else { "<=" });
+        match value {
+            Some(v) => Target {
+                what: what.to_owned(),
+                goal: goal_text,
+                measured: format!("{v:.3}x"),
+                met: Some(if at_least { v >= goal } else { v <= goal }),
+            },
+            None => Target {
+                what: what.to_owned(),
+                goal: goal_text,
+                measured: "not measured in this run".into(),
+                met: None,
+            },
+        }
+    }
+}

@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use super::full::write_full_semaphore;
 use super::{Report, write_header, write_permits, write_waited};
 use crate::subject::SubjectId;
 
@@ -96,10 +97,12 @@ impl Report {
         }
     }
 
-    /// Releases with a waiter on every key, and a semaphore's permit cycles.
+    /// Releases with a waiter on every key, a semaphore's permit cycles, and a full
+    /// semaphore.
     pub(super) fn waited(&self, md: &mut String) {
         write_waited(md, &self.plan, &self.results.waited);
         write_permits(md, &self.plan, &self.results.permits);
+        write_full_semaphore(md, &self.plan, &self.results.full);
     }
 
     /// Throughput and latency of every subject at every concurrency.
