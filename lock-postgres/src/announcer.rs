@@ -30,6 +30,14 @@
 //! again for the next one, and a batch that failed on a connection kept from before is
 //! sent once more on a new one) leaves the key's waiters unwoken: they find it free at their
 //! next backoff step, as after a lease that ran out.
+//!
+//! # The server bounds it
+//!
+//! With [`PgPooling::Session`] the announcer's connection gets the pool's session limits
+//! and `lock_timeout`, all the request time limit: its commit waits for the notify lock
+//! after `statement_timeout` stopped counting, and a notifying commit that never ends
+//! (one waiting for a synchronous standby that is gone) would otherwise keep a backend of
+//! the announcer's waiting behind it for ever, one more each time it gives up.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -41,7 +49,7 @@ use tokio::sync::{Notify, watch};
 use tracing::debug;
 
 use crate::PgPooling;
-use crate::statement::{Sending, Statement, Value};
+use crate::statement::{SESSION_LIMITS, Sending, Statement, Value, bound_session};
 
 /// The `application_name` of the announcer's session.
 pub const ANNOUNCER_APPLICATION_NAME: &str = "distlock-announcer";
@@ -161,13 +169,27 @@ impl Shared {
         let c = match conn {
             Some(c) => c,
             None => {
-                let opened = tokio::time::timeout(
+                let mut opened = tokio::time::timeout(
                     self.connect_timeout,
                     PgConnection::connect_with(&self.options),
                 )
                 .await
                 .map_err(|_| "connect timed out".to_owned())?
                 .map_err(|e| e.to_string())?;
+                if self.pooling == PgPooling::Session {
+                    // As on the pool's connections, and `lock_timeout` too: the statement
+                    // waits for the notify lock at its commit, after `statement_timeout`
+                    // stopped counting, and ends when the client gives up on it instead of
+                    // keeping a backend waiting for nobody.
+                    let startup = self.options.get_options();
+                    let limits = [SESSION_LIMITS, &["lock_timeout"]].concat();
+                    let bounded =
+                        bound_session(&mut opened, self.request_timeout, startup, &limits);
+                    tokio::time::timeout(self.request_timeout, bounded)
+                        .await
+                        .map_err(|_| "no reply in time".to_owned())?
+                        .map_err(|e| e.to_string())?;
+                }
                 conn.insert(opened)
             }
         };

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use distlock_core::{LockBackend, LockError, redact_url, trusted_for};
+use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection};
 
 use crate::advisory::PgAdvisoryBackend;
 use crate::client::PgClient;
@@ -15,7 +15,7 @@ use crate::lease_table::PgLeaseBackend;
 use crate::pooling::PgPooling;
 use crate::retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETENTION};
 use crate::schema::{DEFAULT_SCHEMA, Schema};
-use crate::statement::session_bounds;
+use crate::statement::{SESSION_LIMITS, bound_session};
 
 /// A pooled connection idle for longer than this is pinged before a call uses it.
 const PING_IF_IDLE_FOR: Duration = Duration::from_secs(1);
@@ -290,17 +290,14 @@ impl PgBuilder {
             // request time limit (see `PgPooling::Session`). Session settings only where
             // the session is the connection's own: behind a transaction pooler they would
             // stay on a server session other clients are given.
-            let bounds: Arc<str> =
-                session_bounds(self.request_timeout, options.get_options()).into();
-            if !bounds.is_empty() {
-                pool = pool.after_connect(move |conn, _meta| {
-                    let bounds = Arc::clone(&bounds);
-                    Box::pin(async move {
-                        sqlx::raw_sql(AssertSqlSafe(bounds)).execute(conn).await?;
-                        Ok(())
-                    })
-                });
-            }
+            let limit = self.request_timeout;
+            let startup: Option<Arc<str>> = options.get_options().map(Into::into);
+            pool = pool.after_connect(move |conn, _meta| {
+                let startup = startup.clone();
+                Box::pin(async move {
+                    bound_session(conn, limit, startup.as_deref(), SESSION_LIMITS).await
+                })
+            });
         }
         let pool = pool.connect_lazy_with(options);
         Ok(PgClient {

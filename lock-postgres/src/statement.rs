@@ -68,19 +68,41 @@ pub(crate) fn bounded_begin(limit: Duration) -> String {
     )
 }
 
-/// The same limits for a whole session, as one simple-protocol message: what a pool in
-/// [`PgPooling::Session`] sets on each connection it opens (see `PgPooling::Session`).
-///
-/// A setting the connection's startup `options` already give (the URL's
+/// The limits a pool in [`PgPooling::Session`] sets on each connection it opens (see
+/// `PgPooling::Session`): the same as [`bounded_begin`]'s, for the whole session.
+pub(crate) const SESSION_LIMITS: &[&str] =
+    &["idle_in_transaction_session_timeout", "statement_timeout"];
+
+/// `settings` (time limits) set to `limit` for a whole session, as one simple-protocol
+/// message. A setting the connection's startup `options` already give (the URL's
 /// `options[statement_timeout]=…`) is left as the user set it.
-pub(crate) fn session_bounds(limit: Duration, startup_options: Option<&str>) -> String {
+pub(crate) fn session_bounds(
+    limit: Duration,
+    startup_options: Option<&str>,
+    settings: &[&str],
+) -> String {
     let ms = whole_ms(limit);
-    ["idle_in_transaction_session_timeout", "statement_timeout"]
-        .into_iter()
+    settings
+        .iter()
         .filter(|name| startup_options.is_none_or(|given| !given.contains(&format!("{name}="))))
         .map(|name| format!("SET {name} = {ms}"))
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// Sets [`session_bounds`] on `conn`, a connection of its own to the server (pooling
+/// [`PgPooling::Session`]): the pool's connections and the announcer's.
+pub(crate) async fn bound_session(
+    conn: &mut PgConnection,
+    limit: Duration,
+    startup_options: Option<&str>,
+    settings: &[&str],
+) -> Result<(), sqlx::Error> {
+    let bounds = session_bounds(limit, startup_options, settings);
+    if !bounds.is_empty() {
+        sqlx::raw_sql(AssertSqlSafe(bounds)).execute(conn).await?;
+    }
+    Ok(())
 }
 
 /// A time limit as PostgreSQL's settings take it: whole milliseconds, at least 1 (0 would

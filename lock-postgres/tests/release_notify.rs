@@ -278,3 +278,106 @@ async fn a_release_after_the_announcers_session_ended_is_announced() {
         "the first release after the announcer's session ended was not announced"
     );
 }
+
+/// A synchronous standby that went away (`synchronous_standby_names` naming a server that
+/// is gone): a transaction that ran `NOTIFY` waits in its commit for the standby, holding
+/// PostgreSQL's cluster-wide notify lock, and every later notifying commit waits behind
+/// it. The announcer's statement is one of them; once the announcer gives up on it, the
+/// server ends it too (its session's `statement_timeout`) instead of keeping a backend
+/// waiting on the lock for nobody, and so does the statement it sends again on a new
+/// connection. The application's sessions commit with `synchronous_commit = local`, so
+/// their own writes do not wait for the standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_the_server() {
+    const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+    /// Scheduling on a loaded machine, past the server's limit.
+    const MARGIN: Duration = Duration::from_secs(5);
+    let stuck_announcer = format!(
+        "application_name = '{}' AND wait_event_type = 'Lock'",
+        lock_postgres::ANNOUNCER_APPLICATION_NAME
+    );
+    let server = start_server().await;
+    // The application's own writes do not wait for the standby that is gone.
+    let url = format!("{}?options[synchronous_commit]=local", server.url());
+    let lease_backend = || {
+        common::builder_at(&url)
+            .request_timeout(REQUEST_TIMEOUT)
+            .build_lease_backend()
+            .unwrap()
+    };
+    let (holder, waiter) = (lease_backend(), lease_backend());
+    let mut listener = eavesdrop(&server, "lease").await;
+    let k = key("announce:stuck");
+    let _watch = waiter.watch_releases(&k).expect("in a runtime");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
+        holder.release(&lease).await.unwrap();
+        if heard(&mut listener, k.as_str()).await {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never announced");
+    }
+
+    server
+        .psql("ALTER SYSTEM SET synchronous_standby_names = 'gone'")
+        .await
+        .unwrap();
+    server.psql("SELECT pg_reload_conf()").await.unwrap();
+    // The reload is a signal, and commits wait for standbys only once the checkpointer
+    // took the setting in: until then a notifying commit goes through, and another is
+    // started.
+    let mut observer = common::observer(&server).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let stalled = loop {
+        let mut notifier = sqlx::PgConnection::connect(&server.url()).await.unwrap();
+        let notifying = tokio::spawn(async move {
+            // A write, so that the commit waits for the standby.
+            sqlx::raw_sql("BEGIN; CREATE TEMP TABLE stall (); NOTIFY distlock_test_stall; COMMIT")
+                .execute(&mut notifier)
+                .await
+        });
+        while !notifying.is_finished()
+            && common::sessions(&mut observer, "wait_event = 'SyncRep'").await == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !notifying.is_finished() {
+            break notifying;
+        }
+        notifying.await.unwrap().unwrap();
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "commits never waited for the standby"
+        );
+    };
+
+    let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
+    assert_eq!(holder.release(&lease).await.unwrap(), Release::Released);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while common::sessions(&mut observer, &stuck_announcer).await == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the announcement never waited on the notify lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The first statement, then the one sent again on a new connection.
+    let left = common::until_no_session(
+        &mut observer,
+        &stuck_announcer,
+        tokio::time::Instant::now() + 2 * REQUEST_TIMEOUT + MARGIN,
+    )
+    .await;
+
+    server
+        .psql("ALTER SYSTEM RESET synchronous_standby_names")
+        .await
+        .unwrap();
+    server.psql("SELECT pg_reload_conf()").await.unwrap();
+    stalled.await.unwrap().unwrap();
+    assert_eq!(
+        left, 0,
+        "announcer statements still waiting on the notify lock after the server's limit"
+    );
+}
