@@ -4,6 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use capacity::full_semaphore::CommandStats;
 use capacity::load::{self, Keys};
 use capacity::scenarios::{
     FenceRetentionMemory, LoadedCycleCost, RedisServerCost, calls_of_all, usec_of, usec_per_call,
@@ -14,6 +16,23 @@ use tokio::time::Instant;
 
 use crate::BenchError;
 use crate::subjects::{BenchKey, Servers, Subject, TTL};
+
+/// The command statistics of the Redis server a run started.
+pub struct RedisCommandStats<'a>(pub &'a Servers);
+
+#[async_trait]
+impl CommandStats for RedisCommandStats<'_> {
+    async fn reset(&self) -> Result<(), BenchError> {
+        self.0
+            .redis_command(&["CONFIG", "RESETSTAT"])
+            .await
+            .map(drop)
+    }
+
+    async fn read(&self) -> Result<String, BenchError> {
+        self.0.redis_command(&["INFO", "commandstats"]).await
+    }
+}
 
 /// Rounds of the fresh-key cycle measurement, the subjects alternating within each.
 const CYCLE_ROUNDS: usize = 5;

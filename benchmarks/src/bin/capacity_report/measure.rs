@@ -1,9 +1,11 @@
 //! The measurements the full report and the single-measurement modes both run: the
-//! semaphore permit cycles, and the releases with a waiter on every key.
+//! semaphore permit cycles, a full semaphore, and the releases with a waiter on every key.
 
 use benchmarks::BenchError;
 use benchmarks::plan::Plan;
-use benchmarks::subjects::{self, Servers, SubjectId};
+use benchmarks::server_cost::RedisCommandStats;
+use benchmarks::subjects::{self, Servers, Store, SubjectId};
+use capacity::full_semaphore::{CommandStats, FullSemaphore};
 
 /// Measures `id`'s permit cycles against its lock cycles at each of
 /// `capacity::permits::TASKS`.
@@ -28,6 +30,43 @@ pub(crate) async fn permit_cycles(
     }
     worker.close().await;
     Ok(out)
+}
+
+/// Measures a full semaphore of `id` at each size against its lock
+/// (`capacity::full_semaphore`). Another instance of the backend holds the ballast, as
+/// other processes would, but on the in-memory backend, whose store is its instance.
+pub(crate) async fn full_semaphore(
+    id: SubjectId,
+    servers: &Servers,
+    plan: &Plan,
+) -> Result<FullSemaphore, BenchError> {
+    let worker = subjects::open(id, servers).await?;
+    let other = if id == SubjectId::Memory {
+        None
+    } else {
+        Some(subjects::open(id, servers).await?)
+    };
+    let stats = RedisCommandStats(servers);
+    let stats = (id.store() == Store::Redis).then_some(&stats as &dyn CommandStats);
+    let backends = worker
+        .backend()
+        .zip(other.as_ref().unwrap_or(&worker).backend());
+    let measured = match backends {
+        Some((backend, ballast)) => {
+            let server = servers.pid(id.store());
+            capacity::full_semaphore::full_semaphore(id, backend, ballast, plan, server, stats)
+                .await
+        }
+        None => Err(BenchError::Unexpected {
+            subject: id.slug(),
+            detail: "not a distlock backend: it has no semaphore".into(),
+        }),
+    };
+    worker.close().await;
+    if let Some(other) = other {
+        other.close().await;
+    }
+    measured
 }
 
 /// Measures releases with a waiter on every key against releases nobody waits for, on

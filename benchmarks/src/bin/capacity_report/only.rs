@@ -6,10 +6,11 @@ use benchmarks::BenchError;
 use benchmarks::plan::Plan;
 use benchmarks::scenarios::{self, Results};
 use benchmarks::subjects::{self, Servers, Store, SubjectId};
+use capacity::full_semaphore::{Full, FullSemaphore};
 
 use crate::args::{Args, start_selected};
 use crate::measure;
-use crate::print::{cpu, print_target, ratio, rounds, sides};
+use crate::print::{cpu, full_rows, print_target, ratio, rounds, sides};
 
 /// The handoff measurement alone, for every selected backend, notified and polling.
 pub(crate) async fn handoff(args: &Args) -> Result<(), BenchError> {
@@ -222,11 +223,13 @@ pub(crate) async fn waited_releases(args: &Args) -> Result<(), BenchError> {
     Ok(())
 }
 
-/// The semaphore permit cycles alone, for every selected backend.
+/// The semaphore permit cycles alone, and a full semaphore, for every selected backend,
+/// with their targets.
 pub(crate) async fn permits(args: &Args) -> Result<(), BenchError> {
     let (plan, backends, servers) = start_selected(args).await?;
     for id in backends {
-        for p in measure::permit_cycles(id, &servers, &plan).await? {
+        let rows = measure::permit_cycles(id, &servers, &plan).await?;
+        for p in &rows {
             println!(
                 "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n{}  \
                  CPU µs per cycle permit / lock: {}",
@@ -239,6 +242,42 @@ pub(crate) async fn permits(args: &Args) -> Result<(), BenchError> {
                 cpu(&p.permit, &p.lock),
             );
         }
+        let full = measure::full_semaphore(id, &servers, &plan).await?;
+        print_full(&full);
+        for t in capacity::permits::targets(&rows)
+            .into_iter()
+            .chain(full.targets())
+        {
+            print_target(&t);
+        }
+        println!();
     }
     Ok(())
+}
+
+/// A full semaphore's rows, round by round, and N = 1024 against N = 64.
+fn print_full(full: &FullSemaphore) {
+    println!(
+        "{} full semaphore, {} tasks: waits (N - 1 permits held elsewhere, grants/s) and \
+         refusals (all N held, refusals/s); CPU µs per grant / refusal, client / server",
+        full.subject.slug(),
+        full.tasks
+    );
+    println!("{}", full_rows("lock", &full.lock));
+    for (n, f) in &full.sizes {
+        println!("{}", full_rows(&format!("N={n}"), f));
+    }
+    for (n, why) in &full.left_out {
+        println!("  N={n}: not measured: {why}");
+    }
+    if full.at(1024).is_none() || full.at(64).is_none() {
+        return;
+    }
+    let of = |of: fn(&Full) -> &Vec<f64>| ratio(full.ratio(1024, 64, of));
+    println!(
+        "  N=1024 / N=64: grants/s {}, refusals/s {}, server µs per refusal {}",
+        of(|f| &f.waits.side.per_sec),
+        of(|f| &f.refusals.side.per_sec),
+        of(|f| &f.refusals.command_us),
+    );
 }

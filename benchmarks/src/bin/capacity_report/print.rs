@@ -1,6 +1,7 @@
 //! How the modes print a target and the values of their rounds.
 
 use benchmarks::target::Target;
+use capacity::full_semaphore::Full;
 use capacity::waited::Side;
 
 /// Prints one target with its verdict.
@@ -55,5 +56,29 @@ pub(crate) fn cpu(a: &Side, b: &Side) -> String {
         us(b.client()),
         us(a.server()),
         us(b.server())
+    )
+}
+
+/// One case of a full semaphore (`name`: the lock, or N): the median and the rounds of
+/// its waits and its refusals, their CPU, and the Redis server's µs per refusal.
+pub(crate) fn full_rows(name: &str, full: &Full) -> String {
+    let (w, r) = (&full.waits.side, &full.refusals.side);
+    let server = full.refusals.command().map_or(String::new(), |us| {
+        format!(
+            ", server {us:.1} µs per refusal (rounds {})",
+            rounds(&full.refusals.command_us, 1)
+        )
+    });
+    format!(
+        "  {name:>6}: waits {:.0} grants/s (rounds {}), CPU {} / {}; refusals {:.0}/s \
+         (rounds {}), CPU {} / {}{server}",
+        w.rate(),
+        rounds(&w.per_sec, 0),
+        us(w.client()),
+        us(w.server()),
+        r.rate(),
+        rounds(&r.per_sec, 0),
+        us(r.client()),
+        us(r.server()),
     )
 }

@@ -15,7 +15,7 @@ use distlock_core::LockBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{Args, plan, selected_backends, stores_of};
-use crate::measure::{permit_cycles, waited_releases};
+use crate::measure::{full_semaphore, permit_cycles, waited_releases};
 use crate::print::print_target;
 
 /// The full report: every selected backend and its stores' baselines, measured in turn
@@ -287,8 +287,8 @@ async fn target_pairs(
     Ok(paired)
 }
 
-/// The releases with a waiter on every key, and the semaphore permit cycles, of the
-/// backend `id`.
+/// The releases with a waiter on every key, the semaphore permit cycles and a full
+/// semaphore, of the backend `id`.
 async fn measure_waiters_and_permits(
     id: SubjectId,
     servers: &Servers,
@@ -311,6 +311,12 @@ async fn measure_waiters_and_permits(
     results
         .permits
         .extend(permit_cycles(id, servers, plan).await?);
+    bar.set_message(format!(
+        "{}: a full semaphore of {:?} permits, against a lock",
+        id.slug(),
+        plan.full_permits
+    ));
+    results.full.push(full_semaphore(id, servers, plan).await?);
     Ok(())
 }
 
