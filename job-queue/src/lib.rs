@@ -22,6 +22,7 @@ pub mod cron;
 pub mod ledger;
 pub mod scenario;
 pub mod storage;
+pub mod strategy_worker;
 pub mod worker;
 
 /// Any error of the example, boxed: every error ends the run.

@@ -9,8 +9,9 @@
 //! (and stops them at exit). It runs the payout scenario twice, without the lock layer
 //! and then under it, and the cron scenario once, prints what the tables show, and exits
 //! non-zero unless the run under the layer made every payout exactly once and no tick
-//! ran twice. `job-queue worker …` is one payout worker and `job-queue cron …` one
-//! scheduler instance; the runs start their own.
+//! ran twice. `job-queue worker …` is one payout worker, `job-queue cron …` one
+//! scheduler instance and `job-queue strategy-worker …` one report worker of the
+//! strategy tests; the runs and the tests start their own.
 
 use std::process::ExitCode;
 
@@ -20,6 +21,8 @@ use harness::redis::RedisServer;
 use job_queue::BoxError;
 use job_queue::cron::{self, instance::InstanceArgs};
 use job_queue::scenario::{self, Options};
+use job_queue::storage::Storage;
+use job_queue::strategy_worker;
 use job_queue::worker::{self, Fault, WorkerArgs};
 
 #[derive(Parser)]
@@ -53,6 +56,19 @@ enum Command {
     Cron {
         #[command(flatten)]
         at: At,
+    },
+    /// One report worker under until_executed, on either apalis storage (the strategy
+    /// tests start their own).
+    StrategyWorker {
+        /// The apalis storage.
+        #[arg(long, value_enum)]
+        storage: Storage,
+        /// Its server's URL (the locks' too).
+        #[arg(long)]
+        url: String,
+        /// The worker's name, unique on the queue.
+        #[arg(long)]
+        name: String,
     },
 }
 
@@ -101,6 +117,10 @@ async fn main() -> ExitCode {
             };
             ("job-queue cron", cron::instance::run(args).await)
         }
+        Some(Command::StrategyWorker { storage, url, name }) => (
+            "job-queue strategy-worker",
+            strategy_worker::run(storage, &url, &name).await,
+        ),
         None => match demo(cli.redis, cli.postgres).await {
             Ok(true) => return ExitCode::SUCCESS,
             Ok(false) => return ExitCode::FAILURE,

@@ -25,13 +25,12 @@ use harness::postgres::PostgresServer;
 use harness::redis::{RedisServer, RespValue};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use sqlx::PgPool;
 use tokio::task::JoinHandle;
 
 use crate::{BoxError, queue_config};
 
 /// Which apalis storage a scenario runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Storage {
     /// apalis-redis; the locks on the same redis-server.
     Redis,
@@ -56,10 +55,7 @@ pub struct Server {
 
 enum Running {
     Redis(RedisServer),
-    Postgres {
-        server: PostgresServer,
-        pool: PgPool,
-    },
+    Postgres(PostgresServer),
 }
 
 impl Server {
@@ -76,8 +72,9 @@ impl Server {
                     .connect(&server.superuser_url())
                     .await?;
                 PostgresStorage::setup(&pool).await?;
+                pool.close().await;
                 distlock::setup(&server.superuser_url()).await?;
-                Running::Postgres { server, pool }
+                Running::Postgres(server)
             }
         };
         Ok(Self { kind, running })
@@ -92,7 +89,7 @@ impl Server {
     pub fn url(&self) -> String {
         match &self.running {
             Running::Redis(server) => server.url(),
-            Running::Postgres { server, .. } => server.superuser_url(),
+            Running::Postgres(server) => server.superuser_url(),
         }
     }
 
@@ -103,24 +100,9 @@ impl Server {
             .build()?)
     }
 
-    /// The queue `name` on this server: heartbeats every second, a worker that missed
-    /// two taken for dead, tasks fetched two at a time.
+    /// The queue `name` on this server; see [`Queue::open`].
     pub async fn queue<Args>(&self, name: &str) -> Result<Queue<Args>, BoxError> {
-        let storage = match &self.running {
-            Running::Redis(server) => {
-                let conn = apalis_redis::connect(server.url().as_str()).await?;
-                Queues::Redis(RedisStorage::new(conn).with_config(queue_config(name)))
-            }
-            Running::Postgres { pool, .. } => {
-                let config = apalis_postgres::Config::default()
-                    .queue(format!("payouts-{name}"))
-                    .heartbeat_interval(Duration::from_secs(1))
-                    .missed_heartbeats(2)
-                    .batch_size(2);
-                Queues::Postgres(PostgresStorage::new(pool).with_config(config))
-            }
-        };
-        Ok(Queue { storage })
+        Queue::open(self.kind, &self.url(), name).await
     }
 }
 
@@ -139,6 +121,33 @@ pub struct Queue<Args> {
 enum Queues<Args> {
     Redis(RedisStorage<Args>),
     Postgres(PostgresStorage<Args>),
+}
+
+impl<Args> Queue<Args> {
+    /// The queue `name` of the `storage` at `url` (set up already: see [`Server::start`]):
+    /// heartbeats every second, a worker that missed two taken for dead and its tasks
+    /// given to the others, tasks fetched two at a time.
+    pub async fn open(storage: Storage, url: &str, name: &str) -> Result<Self, BoxError> {
+        let storage = match storage {
+            Storage::Redis => {
+                let conn = apalis_redis::connect(url).await?;
+                Queues::Redis(RedisStorage::new(conn).with_config(queue_config(name)))
+            }
+            Storage::Postgres => {
+                let pool = sqlx::postgres::PgPoolOptions::new()
+                    .max_connections(4)
+                    .connect(url)
+                    .await?;
+                let config = apalis_postgres::Config::default()
+                    .queue(format!("payouts-{name}"))
+                    .heartbeat_interval(Duration::from_secs(1))
+                    .missed_heartbeats(2)
+                    .batch_size(2);
+                Queues::Postgres(PostgresStorage::new(&pool).with_config(config))
+            }
+        };
+        Ok(Queue { storage })
+    }
 }
 
 impl<Args> Queue<Args>
@@ -178,7 +187,7 @@ where
                     other => Err(format!("SCARD {set} answered {other:?}").into()),
                 }
             }
-            (Queues::Postgres(storage), Running::Postgres { pool, .. }) => {
+            (Queues::Postgres(storage), Running::Postgres(_)) => {
                 let status = match ended {
                     Ended::Done => "Done",
                     Ended::Killed => "Killed",
@@ -188,7 +197,7 @@ where
                 )
                 .bind(storage.config().queue.to_string())
                 .bind(status)
-                .fetch_one(pool)
+                .fetch_one(storage.pool())
                 .await?;
                 Ok(u64::try_from(count)?)
             }

@@ -1,0 +1,219 @@
+//! Until executed with worker processes of the `job-queue` binary, on apalis's Redis and
+//! PostgreSQL storages: the worker running a report is stopped (SIGSTOP) past its lock
+//! TTL. The queue gives the report to another worker, which runs it to the end under a
+//! newer token while a duplicate is refused at the producer; the stopped worker, resumed,
+//! does not finish its stale run (the layer drops it on the lost lease). The report is
+//! built once, recorded done, and its key is free again afterwards.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use distlock::Locker;
+use job_queue::on_each_storage;
+use job_queue::storage::{Server, Storage};
+use job_queue::strategy_worker::{QUEUE, Report, TTL, key};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::Child;
+use tokio::time::Instant;
+
+/// A worker process and the lines it has printed.
+struct Worker {
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+}
+
+impl Worker {
+    fn spawn(storage: Storage, url: &str, name: &str) -> Worker {
+        let storage = match storage {
+            Storage::Redis => "redis",
+            Storage::Postgres => "postgres",
+        };
+        let mut child = tokio::process::Command::new(Path::new(env!("CARGO_BIN_EXE_job-queue")))
+            .args(["strategy-worker", "--storage", storage, "--url", url])
+            .args(["--name", name])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let lines: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (printed, stdout) = (lines.clone(), child.stdout.take().unwrap());
+        tokio::spawn(async move {
+            let mut stdout = BufReader::new(stdout).lines();
+            while let Ok(Some(line)) = stdout.next_line().await {
+                printed.lock().unwrap().push(line);
+            }
+        });
+        Worker { child, lines }
+    }
+
+    /// The token of this worker's line `<what> <id> <token>` for report `id`, if printed.
+    fn token(&self, what: &str, id: u32) -> Option<u64> {
+        let prefix = format!("{what} {id} ");
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .find_map(|line| line.strip_prefix(&prefix)?.parse().ok())
+    }
+
+    fn signal(&self, signal: Signal) {
+        let pid = self.child.id().expect("a running worker");
+        kill(Pid::from_raw(pid as i32), signal).unwrap();
+    }
+}
+
+/// What every worker printed, for a failure's message.
+fn transcript(workers: &[Worker]) -> String {
+    let mut all = String::new();
+    for (i, worker) in workers.iter().enumerate() {
+        let lines = worker.lines.lock().unwrap();
+        all.push_str(&format!("\n  worker-{i}: {}", lines.join(" | ")));
+    }
+    all
+}
+
+async fn until<T>(what: &str, within: Duration, mut found: impl AsyncFnMut() -> Option<T>) -> T {
+    let started = Instant::now();
+    loop {
+        if let Some(found) = found().await {
+            return found;
+        }
+        assert!(started.elapsed() < within, "{what}: not after {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Whether a producer can claim report 1's key now (and so would enqueue a duplicate);
+/// the claim taken, if any, is released at once.
+async fn duplicate_claimed(producer: &Locker) -> bool {
+    let claim = producer
+        .claim(&key(1).unwrap(), Duration::from_secs(60))
+        .await
+        .unwrap();
+    let Some(claim) = claim else {
+        return false;
+    };
+    if let Some(guard) = producer.resume(&claim).await.unwrap() {
+        guard.release().await.unwrap();
+    }
+    true
+}
+
+on_each_storage!(until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job);
+
+async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job(
+    storage: Storage,
+) {
+    let server = Server::start(storage).await.unwrap();
+    let mut queue = server.queue::<Report>(QUEUE).await.unwrap();
+    let producer = server.locker(TTL).await.unwrap();
+    let claim = producer
+        .claim(&key(1).unwrap(), Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    queue
+        .push(Report {
+            id: 1,
+            claim: Some(claim),
+            work_ms: 2_000,
+        })
+        .await
+        .unwrap();
+    let workers: Vec<Worker> = (0..3)
+        .map(|i| Worker::spawn(storage, &server.url(), &format!("worker-{i}")))
+        .collect();
+
+    // The first run is stopped as soon as it starts, its lease left to run out.
+    let (first, first_token) = until("report 1 started", Duration::from_secs(30), async || {
+        workers
+            .iter()
+            .enumerate()
+            .find_map(|(i, w)| Some((i, w.token("started", 1)?)))
+    })
+    .await;
+    workers[first].signal(Signal::SIGSTOP);
+    let stopped = Instant::now();
+
+    // The queue takes the stopped worker for dead and gives the report to another.
+    let (second, second_token) = until(
+        "report 1 given to another worker",
+        Duration::from_secs(30),
+        async || {
+            workers
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != first)
+                .find_map(|(i, w)| Some((i, w.token("started", 1)?)))
+        },
+    )
+    .await;
+    assert!(
+        stopped.elapsed() > TTL,
+        "{storage}: report 1 ran again within the stopped worker's lease:{}",
+        transcript(&workers)
+    );
+    assert!(
+        second_token > first_token,
+        "{storage}: the second run's token {second_token} is not newer than {first_token}:{}",
+        transcript(&workers)
+    );
+
+    // While it runs, a duplicate is refused at the producer.
+    let mut probes = 0;
+    while workers[second].token("finished", 1).is_none() {
+        assert!(
+            !duplicate_claimed(&producer).await,
+            "{storage}: a duplicate of report 1 was claimed while it ran:{}",
+            transcript(&workers)
+        );
+        probes += 1;
+        assert!(
+            stopped.elapsed() < Duration::from_secs(60),
+            "{storage}: the second run did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(probes > 0, "{storage}: no duplicate was tried while it ran");
+
+    // The stopped worker, resumed, drops its stale run instead of finishing it.
+    workers[first].signal(Signal::SIGCONT);
+    let stale = &workers[first];
+    let ended = until("the stale run ended", Duration::from_secs(10), async || {
+        let finished = stale.token("finished", 1).map(|_| "finished");
+        finished.or_else(|| stale.token("dropped", 1).map(|_| "dropped"))
+    })
+    .await;
+    assert_eq!(
+        ended,
+        "dropped",
+        "{storage}: the stopped worker, resumed, finished its stale run:{}",
+        transcript(&workers)
+    );
+    for (i, worker) in workers.iter().enumerate() {
+        assert_eq!(
+            worker.token("finished", 1),
+            (i == second).then_some(second_token),
+            "{storage}: worker-{i}: report 1 finished elsewhere than in its second run:{}",
+            transcript(&workers)
+        );
+    }
+    // Recorded done once, and the key free again: the next report 1 may be enqueued.
+    until(
+        "report 1 recorded done",
+        Duration::from_secs(10),
+        async || (queue.done(&server).await.unwrap() == 1).then_some(()),
+    )
+    .await;
+    until("report 1's key free", Duration::from_secs(10), async || {
+        duplicate_claimed(&producer).await.then_some(())
+    })
+    .await;
+    for mut worker in workers {
+        let _ = worker.child.kill().await;
+    }
+}
