@@ -134,9 +134,16 @@ impl<Args> Queue<Args> {
                 Queues::Redis(RedisStorage::new(conn).with_config(queue_config(name)))
             }
             Storage::Postgres => {
+                // A worker stopped inside one of apalis-postgres's transactions keeps the
+                // rows it locked, and the others' search for orphaned tasks skips locked
+                // rows: its tasks would wait for its resume. The server ends such a
+                // session once idle that long in its transaction, as a deployment would.
+                let options = url
+                    .parse::<sqlx::postgres::PgConnectOptions>()?
+                    .options([("idle_in_transaction_session_timeout", "2s")]);
                 let pool = sqlx::postgres::PgPoolOptions::new()
                     .max_connections(4)
-                    .connect(url)
+                    .connect_with(options)
                     .await?;
                 let config = apalis_postgres::Config::default()
                     .queue(format!("payouts-{name}"))

@@ -3,9 +3,10 @@
 //! ([`Until::Executed`]), the locks on the storage's own server.
 //!
 //! The process says what its runs do on stdout, a line each, for the test that pauses
-//! and kills it: `started <id> <token>` when a run begins, `finished <id> <token>` when it
-//! has done its work, and `dropped <id> <token>` when a run is stopped before its end (the
-//! layer dropped it on a lost lease, or the worker stopped).
+//! and kills it: `started <id> <token>` when a run begins; `probed <id> refused|claimed`
+//! once it has tried, as a producer would, to claim the report's key for a duplicate;
+//! `finished <id> <token>` when it has done its work; and `dropped <id> <token>` when a run
+//! is stopped before its end (the layer dropped it on a lost lease, or the worker stopped).
 
 use std::time::Duration;
 
@@ -47,22 +48,35 @@ pub async fn run(storage: Storage, url: &str, name: &str) -> Result<(), BoxError
     let locker = Locker::builder(distlock::connect(url).await?)
         .ttl(TTL)
         .build()?;
-    let lock = ApalisLockLayer::new(locker, |report: &Report| key(report.id))
+    let lock = ApalisLockLayer::new(locker.clone(), |report: &Report| key(report.id))
         .claimed(|report: &Report| report.claim.clone(), Until::Executed);
+    let build = move |report: Report, lease: JobLease| build(locker.clone(), report, lease);
     loop {
-        let _ = queue.work(name, 2, lock.clone(), build).await;
+        let _ = queue.work(name, 2, lock.clone(), build.clone()).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 /// The handler: builds the report, saying so on stdout.
-async fn build(report: Report, lease: JobLease) -> Result<(), BoxDynError> {
+async fn build(producer: Locker, report: Report, lease: JobLease) -> Result<(), BoxDynError> {
     let mut run = Run {
         id: report.id,
         token: lease.token().get(),
         finished: false,
     };
     println!("started {} {}", run.id, run.token);
+    let duplicate = producer
+        .claim(&key(report.id)?, Duration::from_secs(60))
+        .await?;
+    match duplicate {
+        None => println!("probed {} refused", run.id),
+        Some(claim) => {
+            println!("probed {} claimed", run.id);
+            if let Some(guard) = producer.resume(&claim).await? {
+                guard.release().await?;
+            }
+        }
+    }
     tokio::time::sleep(Duration::from_millis(report.work_ms)).await;
     println!("finished {} {}", run.id, run.token);
     run.finished = true;
