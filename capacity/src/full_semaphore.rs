@@ -185,23 +185,22 @@ pub async fn full_semaphore(
         key("lock").map_err(lock_err)?,
         key("held").map_err(lock_err)?,
     );
-    ballast.hold(std::slice::from_ref(&held)).await?;
     let mut cases = vec![(Attempted::Lock { free, held }, 0)];
     let mut left_out = Vec::new();
     for &n in &plan.full_permits {
-        if let Some(why) = ballast.cannot_hold(n) {
-            left_out.push((n, why));
-            continue;
+        match ballast.cannot_hold(n) {
+            Some(why) => left_out.push((n, why)),
+            None => {
+                let name = key(&n.to_string()).map_err(lock_err)?;
+                let semaphore = locker.semaphore(&name, n).map_err(lock_err)?;
+                cases.push((Attempted::Permits(semaphore), n));
+            }
         }
-        let name = key(&n.to_string()).map_err(lock_err)?;
-        let semaphore = locker.semaphore(&name, n).map_err(lock_err)?;
-        // All but the first slot, for the whole run: the waits' one free permit.
-        if let Err(e) = ballast.hold(&semaphore.slots()[1..]).await {
-            // The first error is the one to report; the leases' TTL frees what stays.
-            let _ = ballast.release().await;
-            return Err(e);
-        }
-        cases.push((Attempted::Permits(semaphore), n));
+    }
+    if let Err(e) = ballast.hold_throughout(&cases).await {
+        // The first error is the one to report; the leases' TTL frees what stays.
+        let _ = ballast.release().await;
+        return Err(e);
     }
     let mut measured = vec![Full::default(); cases.len()];
     let meter = Meter {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use distlock_core::{Lease, LockBackend, LockKey};
 use tokio::time::Instant;
 
+use super::attempts::Attempted;
 use crate::BenchError;
 use crate::subject::SubjectId;
 
@@ -55,8 +56,23 @@ impl Ballast {
         })
     }
 
+    /// Takes what it holds for the whole run: the lock key the tasks are refused, and
+    /// every slot of each semaphore but the first, the one the waits have free.
+    pub(super) async fn hold_throughout(
+        &mut self,
+        cases: &[(Attempted, u32)],
+    ) -> Result<(), BenchError> {
+        for (attempted, _) in cases {
+            match attempted {
+                Attempted::Lock { held, .. } => self.hold(std::slice::from_ref(held)).await?,
+                Attempted::Permits(semaphore) => self.hold(&semaphore.slots()[1..]).await?,
+            }
+        }
+        Ok(())
+    }
+
     /// Takes every key of `keys`, all free.
-    pub(super) async fn hold(&mut self, keys: &[LockKey]) -> Result<(), BenchError> {
+    async fn hold(&mut self, keys: &[LockKey]) -> Result<(), BenchError> {
         let granted = self
             .backend
             .acquire_many(keys, BALLAST_TTL)
