@@ -39,7 +39,9 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) waited_releases_only: bool,
     /// Only the semaphore permit cycles against lock cycles (1 and 64 tasks, as many
-    /// permits, alternating rounds), printed round by round; no report is written.
+    /// permits, alternating rounds), then a full semaphore of 1, 64 and 1024 permits
+    /// (64 tasks waiting, and refused) beside a lock, printed round by round with their
+    /// targets; no report is written.
     #[arg(long)]
     pub(crate) permits_only: bool,
     /// Alternating rounds of the pairs (the Redis pairs shared and pinned included) and of
