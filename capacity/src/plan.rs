@@ -66,8 +66,8 @@ impl Plan {
             pair_rounds: 2,
             // A full semaphore of 1024 is 1024 round trips per refusal where the store is
             // asked slot by slot: the quick run only checks that the rows are written.
-            full_permits: vec![1, 4, 16],
-            full_tasks: 8,
+            full_permits: vec![1, 16],
+            full_tasks: 4,
             guards: 10_000,
             guard_ttl: Duration::from_millis(300),
         }

@@ -228,7 +228,7 @@ pub(crate) async fn waited_releases(args: &Args) -> Result<(), BenchError> {
 pub(crate) async fn permits(args: &Args) -> Result<(), BenchError> {
     let (plan, backends, servers) = start_selected(args).await?;
     for id in backends {
-        let rows = measure::permit_cycles(id, &servers, &plan).await?;
+        let (rows, full) = measure::permits(id, &servers, &plan).await?;
         for p in &rows {
             println!(
                 "{} at {} tasks, {} permits: permit / lock cycles/s {} (rounds {})\n{}  \
@@ -242,7 +242,6 @@ pub(crate) async fn permits(args: &Args) -> Result<(), BenchError> {
                 cpu(&p.permit, &p.lock),
             );
         }
-        let full = measure::full_semaphore(id, &servers, &plan).await?;
         print_full(&full);
         for t in capacity::permits::targets(&rows)
             .into_iter()

@@ -15,7 +15,7 @@ use distlock_core::LockBackend;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::args::{Args, plan, selected_backends, stores_of};
-use crate::measure::{full_semaphore, permit_cycles, waited_releases};
+use crate::measure::{permits, waited_releases};
 use crate::print::print_target;
 
 /// The full report: every selected backend and its stores' baselines, measured in turn
@@ -305,18 +305,14 @@ async fn measure_waiters_and_permits(
         results.waited.push(w);
     }
     bar.set_message(format!(
-        "{}: semaphore permits at 1 and 64 tasks, against lock cycles",
-        id.slug()
-    ));
-    results
-        .permits
-        .extend(permit_cycles(id, servers, plan).await?);
-    bar.set_message(format!(
-        "{}: a full semaphore of {:?} permits, against a lock",
+        "{}: semaphore permits at 1 and 64 tasks, and a full semaphore of {:?} permits, \
+         against lock cycles",
         id.slug(),
         plan.full_permits
     ));
-    results.full.push(full_semaphore(id, servers, plan).await?);
+    let (rows, full) = permits(id, servers, plan).await?;
+    results.permits.extend(rows);
+    results.full.push(full);
     Ok(())
 }
 
