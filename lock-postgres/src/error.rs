@@ -146,8 +146,9 @@ fn classify(name: &str, schema: &Schema, e: sqlx::Error) -> DriverFailure {
                     format!("{name}: PgBouncer: {}", db.message()),
                 ),
                 // too_many_connections, admin_shutdown, crash_shutdown, cannot_connect_now,
-                // serialization_failure, deadlock_detected, query_canceled
-                "53300" | "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "57014" => {
+                // serialization_failure, deadlock_detected, query_canceled,
+                // lock_not_available (`lock_timeout`: the transaction rolled back)
+                "53300" | "57P01" | "57P02" | "57P03" | "40001" | "40P01" | "57014" | "55P03" => {
                     DriverFailure::new(FailureKind::NotApplied, format!("{name}: {}", db.message()))
                 }
                 _ => {

@@ -43,7 +43,7 @@
 //! [`FencedResource::check_only`], [`FencedResource::read`], [`PgFencedResource::latest`])
 //! wait on the client between round trips, and from the admission to the `COMMIT` hold the
 //! resource's row locked. Their `BEGIN` sets, for that transaction only,
-//! `idle_in_transaction_session_timeout` and `statement_timeout` to the resource's
+//! `idle_in_transaction_session_timeout`, `statement_timeout` and `lock_timeout` to the resource's
 //! [time limit](PgFencedResource::time_limit) (5 s by default), whatever the pool: a
 //! client that stalls there loses the transaction, and the row, after the limit, and a
 //! statement waiting on a row another transaction keeps locked fails after it instead of

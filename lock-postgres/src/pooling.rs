@@ -46,8 +46,8 @@ pub enum PgPooling {
     /// Every lease-table statement runs unnamed (prepared for that call only), its values
     /// bind parameters as always, inside an explicit transaction of its own, so the
     /// pooler keeps one server session for it from `BEGIN` to `COMMIT`: four round trips
-    /// per call instead of one. The `BEGIN` sets `idle_in_transaction_session_timeout` and
-    /// `statement_timeout` to the request time limit for that transaction, so a client
+    /// per call instead of one. The `BEGIN` sets `idle_in_transaction_session_timeout`,
+    /// `statement_timeout` and `lock_timeout` to the request time limit for that transaction, so a client
     /// that stalls mid-transaction, or a statement waiting on another's row lock, holds
     /// nothing on the server for longer than the call waits for its reply. Releases do not wake waiters in this process (`LISTEN`
     /// needs a session): [`Capabilities::wakes_waiters`](distlock_core::Capabilities) is

@@ -22,11 +22,13 @@
 //! connection still open) would keep them locked until something noticed, on a default
 //! server never (and every later statement on those rows would wait behind it). So the
 //! `BEGIN` sets, for its transaction only (`SET LOCAL`, in the same message),
-//! `idle_in_transaction_session_timeout` and `statement_timeout` to the request time
-//! limit: the server ends a session that waits on its client in the transaction for
-//! longer than the client itself waits for the reply, and cancels a statement (one
-//! waiting on another's row lock, say) the client has given up on, instead of keeping a
-//! backend waiting for nobody. Past that limit the call has failed on the client anyway.
+//! `idle_in_transaction_session_timeout`, `statement_timeout` and `lock_timeout` to the
+//! request time limit: the server ends a session that waits on its client in the
+//! transaction for longer than the client itself waits for the reply, and cancels a
+//! statement (one waiting on another's row lock, say) the client has given up on, instead
+//! of keeping a backend waiting for nobody. `lock_timeout` also bounds what the commit
+//! waits for after `statement_timeout` stopped counting (the notify lock of the
+//! announcer's `pg_notify`). Past that limit the call has failed on the client anyway.
 //!
 //! # Cancel safety
 //! A call dropped inside its transaction leaves it to be rolled back: sqlx queues the
@@ -64,7 +66,7 @@ pub(crate) fn bounded_begin(limit: Duration) -> String {
     let ms = whole_ms(limit);
     format!(
         "BEGIN; SET LOCAL idle_in_transaction_session_timeout = {ms}; \
-         SET LOCAL statement_timeout = {ms}"
+         SET LOCAL statement_timeout = {ms}; SET LOCAL lock_timeout = {ms}"
     )
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 use common::{builder, start_server, wal_insert_lsn};
 use distlock_core::{LockBackend, LockKey, Locker, Release, RetryPolicy};
 use harness::postgres::PostgresServer;
+use lock_postgres::PgPooling;
 use sha2::{Digest, Sha256};
 use sqlx::Connection;
 use sqlx::postgres::PgListener;
@@ -283,12 +284,14 @@ async fn a_release_after_the_announcers_session_ended_is_announced() {
 /// is gone): a transaction that ran `NOTIFY` waits in its commit for the standby, holding
 /// PostgreSQL's cluster-wide notify lock, and every later notifying commit waits behind
 /// it. The announcer's statement is one of them; once the announcer gives up on it, the
-/// server ends it too (its session's `statement_timeout`) instead of keeping a backend
-/// waiting on the lock for nobody, and so does the statement it sends again on a new
-/// connection. The application's sessions commit with `synchronous_commit = local`, so
-/// their own writes do not wait for the standby.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_the_server() {
+/// server ends it too instead of keeping a backend waiting on the lock for nobody, and so
+/// does the statement it sends again on a new connection. The application's role commits
+/// with `synchronous_commit = local`, so its own writes do not wait for the standby.
+async fn an_announcement_stuck_behind_the_notify_lock(
+    server: &PostgresServer,
+    url: &str,
+    pooling: PgPooling,
+) {
     const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
     /// Scheduling on a loaded machine, past the server's limit.
     const MARGIN: Duration = Duration::from_secs(5);
@@ -296,17 +299,25 @@ async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_t
         "application_name = '{}' AND wait_event_type = 'Lock'",
         lock_postgres::ANNOUNCER_APPLICATION_NAME
     );
-    let server = start_server().await;
-    // The application's own writes do not wait for the standby that is gone.
-    let url = format!("{}?options[synchronous_commit]=local", server.url());
-    let lease_backend = || {
-        common::builder_at(&url)
+    server
+        .psql(&format!(
+            "ALTER ROLE {} SET synchronous_commit = local",
+            harness::postgres::USER
+        ))
+        .await
+        .unwrap();
+    let lease_backend = |url: &str, pooling| {
+        common::builder_at(url)
+            .pooling(pooling)
             .request_timeout(REQUEST_TIMEOUT)
             .build_lease_backend()
             .unwrap()
     };
-    let (holder, waiter) = (lease_backend(), lease_backend());
-    let mut listener = eavesdrop(&server, "lease").await;
+    // The holder's announcer sends as `url` and `pooling` say; the waiter listens on a
+    // session of its own (`LISTEN` needs one).
+    let holder = lease_backend(url, pooling);
+    let waiter = lease_backend(&server.url(), PgPooling::Session);
+    let mut listener = eavesdrop(server, "lease").await;
     let k = key("announce:stuck");
     let _watch = waiter.watch_releases(&k).expect("in a runtime");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -327,15 +338,19 @@ async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_t
     // The reload is a signal, and commits wait for standbys only once the checkpointer
     // took the setting in: until then a notifying commit goes through, and another is
     // started.
-    let mut observer = common::observer(&server).await;
+    let mut observer = common::observer(server).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let stalled = loop {
         let mut notifier = sqlx::PgConnection::connect(&server.url()).await.unwrap();
         let notifying = tokio::spawn(async move {
-            // A write, so that the commit waits for the standby.
-            sqlx::raw_sql("BEGIN; CREATE TEMP TABLE stall (); NOTIFY distlock_test_stall; COMMIT")
-                .execute(&mut notifier)
-                .await
+            // A write, so that the commit waits for the standby, as the role's sessions
+            // do not.
+            sqlx::raw_sql(
+                "BEGIN; SET LOCAL synchronous_commit = on; CREATE TEMP TABLE stall (); \
+                 NOTIFY distlock_test_stall; COMMIT",
+            )
+            .execute(&mut notifier)
+            .await
         });
         while !notifying.is_finished()
             && common::sessions(&mut observer, "wait_event = 'SyncRep'").await == 0
@@ -380,4 +395,19 @@ async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_t
         left, 0,
         "announcer statements still waiting on the notify lock after the server's limit"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_announcement_stuck_behind_the_notify_lock_does_not_stay_waiting_on_the_server() {
+    let server = start_server().await;
+    an_announcement_stuck_behind_the_notify_lock(&server, &server.url(), PgPooling::Session).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_transaction_pooling_a_stuck_announcement_does_not_stay_waiting_either() {
+    use harness::pgbouncer::{PgBouncerServer, PoolMode};
+    let server = start_server().await;
+    let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
+    an_announcement_stuck_behind_the_notify_lock(&server, &bouncer.url(), PgPooling::Transaction)
+        .await;
 }
