@@ -136,6 +136,33 @@ impl ServerKind for Postgres {
     async fn probe(server: &PostgresServer) -> Result<(), String> {
         probe_select_one(server.addr(), server.psql("select 1")).await
     }
+
+    /// A postmaster killed with `SIGKILL` leaves its System V shared memory segment (the
+    /// small one PostgreSQL keeps to tell whether old processes still use a data
+    /// directory): only a restart on the same data directory takes it back. Left behind by
+    /// every server a test run kills, they reach the kernel's limit (`kernel.shmmni`, 4096)
+    /// and no PostgreSQL can start on the machine. The segment's id is on the seventh line
+    /// of `postmaster.pid`.
+    fn clean_up_after_kill(&self, dir: &Path) {
+        let Ok(pid_file) = std::fs::read_to_string(dir.join("data").join("postmaster.pid")) else {
+            return;
+        };
+        let Some(id) = pid_file
+            .lines()
+            .nth(6)
+            .and_then(|line| line.split_whitespace().nth(1))
+            .filter(|id| id.parse::<u64>().is_ok())
+        else {
+            return;
+        };
+        // Removed once its last process detached; `ipcrm` is in util-linux, on every host
+        // that runs PostgreSQL.
+        let _ = std::process::Command::new("ipcrm")
+            .args(["-m", id])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status();
+    }
 }
 
 /// The options every test cluster is made with.
@@ -481,6 +508,37 @@ where
 mod tests {
     use super::*;
     use crate::require;
+
+    /// The System V shared memory segments of the machine, by id.
+    fn shm_ids() -> Vec<String> {
+        std::fs::read_to_string("/proc/sysvipc/shm")
+            .expect("Linux lists its segments")
+            .lines()
+            .skip(1)
+            .filter_map(|line| line.split_whitespace().nth(1).map(str::to_owned))
+            .collect()
+    }
+
+    /// Killed (on drop, as every test server ends) and after a kill and a restart: the
+    /// server leaves no shared memory segment behind.
+    #[tokio::test]
+    async fn a_dropped_server_leaves_no_shared_memory_segment() {
+        let pg = require(PostgresServer::start().await);
+        pg.kill().unwrap();
+        pg.restart().await.unwrap();
+        let pid_file = std::fs::read_to_string(pg.dir().join("data/postmaster.pid")).unwrap();
+        let id = pid_file.lines().nth(6).unwrap().split_whitespace().nth(1);
+        let id = id.expect("a segment id").to_owned();
+        assert!(
+            shm_ids().contains(&id),
+            "segment {id} of the running server"
+        );
+        drop(pg);
+        assert!(
+            !shm_ids().contains(&id),
+            "segment {id} of the dropped server is still there"
+        );
+    }
 
     #[tokio::test]
     async fn a_durable_server_flushes_every_commit_and_keeps_it_across_a_restart() {

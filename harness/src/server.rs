@@ -30,15 +30,28 @@ pub trait ServerKind: fmt::Debug + Send + Sync + Sized + 'static {
     /// One readiness probe of the running process: `Ok` once it serves (and is the process
     /// the harness started, not another that took its port), else why not yet.
     fn probe(server: &Server<Self>) -> impl Future<Output = Result<(), String>> + Send;
+
+    /// What the killed server left outside its directory, removed before the directory
+    /// is (on drop). Nothing by default.
+    fn clean_up_after_kill(&self, _dir: &Path) {}
 }
 
 /// A test server process on 127.0.0.1 with its own temp dir; killed and removed on drop.
 #[derive(Debug)]
-pub struct Server<K> {
+pub struct Server<K: ServerKind> {
     // Field order matters: the process is killed before the directory is removed.
     process: ManagedProcess,
     kind: K,
     dir: tempfile::TempDir,
+}
+
+impl<K: ServerKind> Drop for Server<K> {
+    fn drop(&mut self) {
+        // The process first (the field's own drop would kill it next, after this), then
+        // what it left outside its directory; the directory goes with the field.
+        let _ = self.process.kill();
+        self.kind.clean_up_after_kill(self.dir.path());
+    }
 }
 
 impl<K: ServerKind> Server<K> {
