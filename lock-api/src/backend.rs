@@ -1,14 +1,21 @@
 //! The [`LockBackend`] trait every store implements, and its contract.
 
+pub mod chore;
+pub(crate) mod env;
+pub(crate) mod failure;
+pub(crate) mod lease;
+pub(crate) mod redact;
+pub mod wake;
+
 use std::fmt::Debug;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::backend::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+use crate::backend::wake::ReleaseWatch;
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
-use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
-use crate::wake::ReleaseWatch;
 
 /// A store that grants leases with fencing tokens.
 ///
@@ -90,7 +97,7 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// only the releases of keys an `acquire` found held while the lease was granted (Redis
     /// does, so a release nobody waits for costs nothing): a waiter watches, then tries,
     /// and waits only after a refused attempt, as [`crate::Locker::lock`] does. Watches of one key
-    /// share one subscription per backend instance (see [`crate::wake::ReleaseHub`]);
+    /// share one subscription per backend instance (see [`crate::backend::wake::ReleaseHub`]);
     /// dropping the last one unsubscribes.
     ///
     /// A backend whose capabilities say it wakes waiters returns `Some`; the default,

@@ -6,6 +6,9 @@
 //! layer and a backend into a backend, and is the one place that forwards every
 //! [`LockBackend`] method, so a new method cannot be forgotten by one wrapper.
 
+pub(crate) mod faults;
+pub(crate) mod instrumented;
+
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,10 +16,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::backend::LockBackend;
+use crate::backend::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+use crate::backend::wake::ReleaseWatch;
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
-use crate::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
-use crate::wake::ReleaseWatch;
 
 /// Middleware around a [`LockBackend`]: each method mirrors the backend method of the
 /// same name and gets the wrapped backend as `next`. Wrap a backend in a layer with

@@ -1,5 +1,12 @@
 //! [`Locker`]: waiting, retrying and renewing on top of any [`LockBackend`].
 
+pub(crate) mod claim;
+pub(crate) mod election;
+pub(crate) mod guard;
+pub(crate) mod semaphore;
+pub(crate) mod waiting;
+pub(crate) mod watchdog;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,14 +16,14 @@ use tokio::time::{Instant, timeout_at};
 use tracing::debug;
 
 use crate::backend::LockBackend;
+use crate::backend::lease::Lease;
 use crate::error::LockError;
-use crate::guard::LockGuard;
-use crate::instrumented::Instrumented;
 use crate::key::LockKey;
-use crate::lease::Lease;
+use crate::layer::instrumented::Instrumented;
+use crate::locker::guard::LockGuard;
+use crate::locker::waiting::Waiting;
+use crate::locker::watchdog::{LeaseState, Watchdog, check_schedule};
 use crate::telemetry::{Kind, WAIT_SECONDS};
-use crate::waiting::Waiting;
-use crate::watchdog::{LeaseState, Watchdog, check_schedule};
 
 /// How [`Locker::lock`] waits between attempts: exponential backoff with jitter.
 ///

@@ -16,14 +16,14 @@ use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use crate::backend::LockBackend;
-use crate::error::LockError;
-use crate::key::{FencingToken, LockKey, OwnerId};
-use crate::lease::{
+use crate::backend::lease::{
     BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal, valid_until,
 };
-use crate::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use crate::backend::wake::{AllKeys, ReleaseHub, ReleaseWatch};
+use crate::error::LockError;
+use crate::key::{FencingToken, LockKey, OwnerId};
 
-pub use crate::faults::Faults;
+pub use crate::layer::faults::Faults;
 
 const NAME: &str = "memory";
 

@@ -9,11 +9,11 @@ use async_trait::async_trait;
 use tokio::time::Instant;
 
 use crate::backend::LockBackend;
+use crate::backend::lease::{Fence, Lease, LockInfo, Release, Renewal, valid_until};
+use crate::backend::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use crate::error::LockError;
 use crate::key::LockKey;
 use crate::layer::BackendLayer;
-use crate::lease::{Fence, Lease, LockInfo, Release, Renewal, valid_until};
-use crate::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 
 /// Fault knobs around any backend, as a [`BackendLayer`]: wrap a backend with
 /// [`Layered::new`](crate::Layered::new) and turn the knobs. Every knob applies to every

@@ -8,10 +8,10 @@ use async_trait::async_trait;
 use tracing::Instrument;
 
 use crate::backend::LockBackend;
+use crate::backend::lease::{Fence, Lease, LockInfo, Release, Renewal};
 use crate::error::LockError;
 use crate::key::LockKey;
 use crate::layer::{BackendLayer, Layered};
-use crate::lease::{Fence, Lease, LockInfo, Release, Renewal};
 use crate::telemetry::{ACQUIRE_SECONDS, ACQUIRE_TOTAL, RENEW_TOTAL};
 
 /// Tracing spans and metrics around a backend; answers exactly as the backend does.

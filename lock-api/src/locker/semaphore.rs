@@ -22,12 +22,12 @@ use std::time::Duration;
 
 use tokio::time::{Instant, sleep};
 
+use crate::backend::lease::LockInfo;
 use crate::error::LockError;
 use crate::key::LockKey;
-use crate::lease::LockInfo;
+use crate::locker::waiting::Waiting;
 use crate::locker::{Locker, run_while_held};
 use crate::telemetry::Kind;
-use crate::waiting::Waiting;
 use take::{Taken, Taking};
 
 /// The most permits a semaphore may have: each is a key the store keeps while held, and a

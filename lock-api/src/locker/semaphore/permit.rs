@@ -3,10 +3,10 @@
 
 use std::fmt;
 
+use crate::backend::lease::Release;
 use crate::error::LockError;
-use crate::guard::{LeaseStatus, LockGuard};
 use crate::key::{FencingToken, LockKey};
-use crate::lease::Release;
+use crate::locker::guard::{LeaseStatus, LockGuard};
 
 #[cfg(doc)]
 use super::Semaphore;

@@ -17,9 +17,9 @@ use std::time::Duration;
 use tracing::debug;
 
 use crate::backend::LockBackend;
+use crate::backend::lease::Lease;
 use crate::error::LockError;
 use crate::key::LockKey;
-use crate::lease::Lease;
 
 /// What an attempt got.
 pub(super) enum Taken {

@@ -12,13 +12,13 @@ use tokio::sync::oneshot;
 use tokio::time::{Instant, sleep};
 use tracing::debug;
 
+use crate::backend::lease::Release;
 use crate::error::LockError;
-use crate::guard::{LeaseStatus, LockGuard};
 use crate::key::{FencingToken, LockKey, OwnerId};
-use crate::lease::Release;
+use crate::locker::guard::{LeaseStatus, LockGuard};
+use crate::locker::waiting::Waiting;
 use crate::locker::{Locker, RetryPolicy};
 use crate::telemetry::Kind;
-use crate::waiting::Waiting;
 
 /// The prefix of the lock key of every role: role `scheduler` is the key
 /// `election:scheduler`.

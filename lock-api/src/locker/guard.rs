@@ -7,10 +7,10 @@ use std::task::Poll;
 use tokio::time::Instant;
 use tracing::debug;
 
+use crate::backend::lease::{Lease, Release};
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey};
-use crate::lease::{Lease, Release};
-use crate::watchdog::{LeaseState, Watchdog};
+use crate::locker::watchdog::{LeaseState, Watchdog};
 
 /// A held lock. Its lease is renewed in the background until [`LockGuard::release`].
 ///

@@ -8,10 +8,10 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::backend::lease::Renewal;
 use crate::error::LockError;
-use crate::guard::LockGuard;
 use crate::key::{FencingToken, LockKey, OwnerId};
-use crate::lease::Renewal;
+use crate::locker::guard::LockGuard;
 use crate::locker::{Locker, refuse_permit_slot};
 use crate::telemetry::Kind;
 

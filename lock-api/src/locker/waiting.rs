@@ -13,9 +13,9 @@ use futures::future::select_all;
 use tokio::time::sleep;
 
 use crate::backend::LockBackend;
+use crate::backend::wake::ReleaseWatch;
 use crate::key::LockKey;
 use crate::locker::RetryPolicy;
-use crate::wake::ReleaseWatch;
 
 /// One waiter's state between attempts: its release watches and how many attempts it made.
 pub(crate) struct Waiting {

@@ -29,8 +29,8 @@ use tokio::time::{Instant, sleep_until, timeout_at};
 use tracing::{debug, warn};
 
 use crate::backend::LockBackend;
+use crate::backend::lease::{Lease, Renewal, trusted_for};
 use crate::error::LockError;
-use crate::lease::{Lease, Renewal, trusted_for};
 use crate::telemetry::{HELD, HELD_SECONDS, Kind, LOST_TOTAL};
 
 const HELD_STATE: u8 = 0;
