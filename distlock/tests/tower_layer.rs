@@ -638,6 +638,57 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
 }
 
 #[tokio::test]
+async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_a_miss() {
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), Duration::from_secs(30));
+    let job = Job { id: 8, delivery: 1 };
+    let claim = locker
+        .claim(&key_of(&job).unwrap(), Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let enqueued = Enqueued {
+        job,
+        claim: Some(claim.clone()),
+    };
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runs = Arc::new(AtomicU32::new(0));
+    let (waiting, counted) = (gate.clone(), runs.clone());
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
+        Handler(move |locked: Locked<Enqueued>| {
+            let (waiting, counted) = (waiting.clone(), counted.clone());
+            async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let _pass = waiting.acquire().await.unwrap();
+                Ok::<_, Infallible>(locked.token)
+            }
+        }),
+    );
+    let first = tokio::spawn(service.call(enqueued.clone()));
+    let started = Instant::now();
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(started.elapsed() < Duration::from_secs(5), "the job never ran");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The queue delivers the job again while the first run goes on (it took that worker
+    // for dead): the delivery carries the same claim, whose lease is alive.
+    let again = tokio::spawn(service.call(enqueued));
+    while !again.is_finished() {
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "a second run went on beside the first under the same claim"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "no answer");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let again = again.await.unwrap();
+    assert!(matches!(again, Err(JobError::Busy { .. })), "{again:?}");
+    gate.add_permits(1);
+    assert_eq!(first.await.unwrap().unwrap(), claim.token());
+}
+
+#[tokio::test]
 async fn until_executing_the_claim_ends_when_the_job_starts() {
     let store = MemoryBackend::new();
     let locker = locker(store.client(), Duration::from_secs(30));

@@ -69,6 +69,9 @@ enum Command {
         /// The worker's name, unique on the queue.
         #[arg(long)]
         name: String,
+        /// The lock TTL, in milliseconds.
+        #[arg(long, default_value_t = 1000)]
+        ttl_ms: u64,
     },
 }
 
@@ -117,10 +120,18 @@ async fn main() -> ExitCode {
             };
             ("job-queue cron", cron::instance::run(args).await)
         }
-        Some(Command::StrategyWorker { storage, url, name }) => (
-            "job-queue strategy-worker",
-            strategy_worker::run(storage, &url, &name).await,
-        ),
+        Some(Command::StrategyWorker {
+            storage,
+            url,
+            name,
+            ttl_ms,
+        }) => {
+            let ttl = std::time::Duration::from_millis(ttl_ms);
+            (
+                "job-queue strategy-worker",
+                strategy_worker::run(storage, &url, &name, ttl).await,
+            )
+        }
         None => match demo(cli.redis, cli.postgres).await {
             Ok(true) => return ExitCode::SUCCESS,
             Ok(false) => return ExitCode::FAILURE,

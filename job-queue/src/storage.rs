@@ -17,10 +17,14 @@ use apalis::layers::WorkerBuilderExt;
 use apalis_core::backend::TaskSink;
 use apalis_core::error::BoxDynError;
 use apalis_core::worker::builder::WorkerBuilder;
+use apalis_core::worker::context::WorkerContext;
+use apalis_core::worker::event::Event;
+use apalis_core::worker::ext::event_listener::EventListenerExt;
 use apalis_postgres::PostgresStorage;
 use apalis_redis::RedisStorage;
 use distlock::Locker;
-use distlock::apalis::{ApalisLockLayer, JobLease};
+use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
+use distlock::tower::JobError;
 use harness::postgres::PostgresServer;
 use harness::redis::{RedisServer, RespValue};
 use serde::Serialize;
@@ -213,7 +217,8 @@ where
     }
 
     /// Starts a worker `name` on this queue, in a task of its own: at most `concurrency`
-    /// jobs at a time, each under `lock`, run by `handler`. Abort the handle to stop it.
+    /// jobs at a time, each under `lock`, run by `handler`; each delivery that found its
+    /// key held printed as `missed <key>`. Abort the handle to stop it.
     pub fn work<H, Fut>(
         &self,
         name: &str,
@@ -230,6 +235,7 @@ where
             Queues::Redis(storage) => {
                 let worker = WorkerBuilder::new(name.as_str())
                     .backend(storage.clone())
+                    .on_event(say_misses)
                     .concurrency(concurrency)
                     .layer(lock)
                     .build(handler);
@@ -242,6 +248,7 @@ where
             Queues::Postgres(storage) => {
                 let worker = WorkerBuilder::new(name.as_str())
                     .backend(storage.clone())
+                    .on_event(say_misses)
                     .concurrency(concurrency)
                     .layer(lock)
                     .build(handler);
@@ -252,6 +259,15 @@ where
                 })
             }
         }
+    }
+}
+
+/// Prints `missed <key>` for a delivery the lock layer sent back because its key was held.
+fn say_misses(_: &WorkerContext, event: &Event) {
+    if let Event::Error(e) = event
+        && let Some(JobError::Busy { key }) = job_error(&***e)
+    {
+        println!("missed {}", key.as_str());
     }
 }
 

@@ -21,7 +21,7 @@ use crate::storage::{Queue, Storage};
 
 /// The queue's name.
 pub const QUEUE: &str = "reports";
-/// The lock TTL: short, so a paused worker's lease ends soon.
+/// The default lock TTL: short, so a paused worker's lease ends soon.
 pub const TTL: Duration = Duration::from_secs(1);
 
 /// A report to build, with the claim its producer took.
@@ -40,13 +40,13 @@ pub fn key(id: u32) -> Result<LockKey, LockError> {
     LockKey::new(format!("report:{id}"))
 }
 
-/// Runs a worker named `name` on the queue of `storage` at `url` until the process is
-/// stopped. A worker the queue has given up on (a paused process that missed its
+/// Runs a worker named `name` on the queue of `storage` at `url`, with leases of `ttl`,
+/// until the process is stopped. A worker the queue has given up on (a paused process that missed its
 /// heartbeats) stops with an error; it is started again, as apalis's monitor would.
-pub async fn run(storage: Storage, url: &str, name: &str) -> Result<(), BoxError> {
+pub async fn run(storage: Storage, url: &str, name: &str, ttl: Duration) -> Result<(), BoxError> {
     let queue = Queue::<Report>::open(storage, url, QUEUE).await?;
     let locker = Locker::builder(distlock::connect(url).await?)
-        .ttl(TTL)
+        .ttl(ttl)
         .build()?;
     let lock = ApalisLockLayer::new(locker.clone(), |report: &Report| key(report.id))
         .claimed(|report: &Report| report.claim.clone(), Until::Executed);

@@ -1,9 +1,15 @@
 //! Until executed with worker processes of the `job-queue` binary, on apalis's Redis and
-//! PostgreSQL storages: the worker running a report is stopped (SIGSTOP) past its lock
-//! TTL. The queue gives the report to another worker, which runs it to the end under a
-//! newer token while a duplicate is refused at the producer; the stopped worker, resumed,
-//! does not finish its stale run (the layer drops it on the lost lease). The report is
-//! built once, recorded done, and its key is free again afterwards.
+//! PostgreSQL storages, the worker running a report stopped (SIGSTOP) mid-run.
+//!
+//! Past its lock TTL: the queue gives the report to another worker, which runs it to the
+//! end under a newer token while a duplicate is refused at the producer; the stopped
+//! worker, resumed, does not finish its stale run (the layer drops it on the lost lease).
+//! The report is built once, recorded done, and its key is free again afterwards.
+//!
+//! Within its lock TTL, but past the queue's heartbeat timeout: the queue delivers the
+//! report again, carrying the same claim, while the stopped run still holds it; that
+//! delivery is a miss, not a second run under the same token. The report runs again only
+//! once the first run has ended, under a newer token, and is recorded done.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -12,7 +18,7 @@ use std::time::Duration;
 
 use distlock::Locker;
 use job_queue::on_each_storage;
-use job_queue::storage::{Server, Storage};
+use job_queue::storage::{Queue, Server, Storage};
 use job_queue::strategy_worker::{QUEUE, Report, TTL, key};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
@@ -27,7 +33,7 @@ struct Worker {
 }
 
 impl Worker {
-    fn spawn(storage: Storage, url: &str, name: &str) -> Worker {
+    fn spawn(storage: Storage, url: &str, name: &str, ttl: Duration) -> Worker {
         let storage = match storage {
             Storage::Redis => "redis",
             Storage::Postgres => "postgres",
@@ -35,6 +41,7 @@ impl Worker {
         let mut child = tokio::process::Command::new(Path::new(env!("CARGO_BIN_EXE_job-queue")))
             .args(["strategy-worker", "--storage", storage, "--url", url])
             .args(["--name", name])
+            .args(["--ttl-ms", &ttl.as_millis().to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .kill_on_drop(true)
@@ -58,6 +65,20 @@ impl Worker {
         lines
             .iter()
             .find_map(|line| line.strip_prefix(&prefix)?.parse().ok())
+    }
+
+    /// The tokens of every line `<what> <id> <token>` this worker printed for report `id`.
+    fn tokens(&self, what: &str, id: u32) -> Vec<u64> {
+        let prefix = format!("{what} {id} ");
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .filter_map(|line| line.strip_prefix(&prefix)?.parse().ok())
+            .collect()
+    }
+
+    fn printed(&self, line: &str) -> bool {
+        self.lines.lock().unwrap().iter().any(|l| l == line)
     }
 
     fn signal(&self, signal: Signal) {
@@ -103,11 +124,9 @@ async fn duplicate_claimed(producer: &Locker) -> bool {
     true
 }
 
-on_each_storage!(until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job);
-
-async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job(
-    storage: Storage,
-) {
+/// The server, report 1 pushed under its producer's claim (2 s of work), a producer's
+/// locker, and three workers with leases of `ttl`.
+async fn start(storage: Storage, ttl: Duration) -> (Server, Queue<Report>, Locker, Vec<Worker>) {
     let server = Server::start(storage).await.unwrap();
     let mut queue = server.queue::<Report>(QUEUE).await.unwrap();
     let producer = server.locker(TTL).await.unwrap();
@@ -125,17 +144,35 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
         .await
         .unwrap();
     let workers: Vec<Worker> = (0..3)
-        .map(|i| Worker::spawn(storage, &server.url(), &format!("worker-{i}")))
+        .map(|i| Worker::spawn(storage, &server.url(), &format!("worker-{i}"), ttl))
         .collect();
 
-    // The first run is stopped as soon as it starts, its lease left to run out.
-    let (first, first_token) = until("report 1 started", Duration::from_secs(30), async || {
+    (server, queue, producer, workers)
+}
+
+/// The worker that started report 1 first, and its run's token.
+async fn first_run(workers: &[Worker]) -> (usize, u64) {
+    until("report 1 started", Duration::from_secs(30), async || {
         workers
             .iter()
             .enumerate()
             .find_map(|(i, w)| Some((i, w.token("started", 1)?)))
     })
-    .await;
+    .await
+}
+
+on_each_storage!(
+    until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job,
+    until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_for_its_run
+);
+
+async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job(
+    storage: Storage,
+) {
+    let (server, queue, producer, workers) = start(storage, TTL).await;
+
+    // The first run is stopped as soon as it starts, its lease left to run out.
+    let (first, first_token) = first_run(&workers).await;
     workers[first].signal(Signal::SIGSTOP);
     let stopped = Instant::now();
 
@@ -221,6 +258,77 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
     until("report 1's key free", Duration::from_secs(10), async || {
         duplicate_claimed(&producer).await.then_some(())
     })
+    .await;
+    for mut worker in workers {
+        let _ = worker.child.kill().await;
+    }
+}
+
+async fn until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_for_its_run(
+    storage: Storage,
+) {
+    // Longer than the queue takes to give a stopped worker's tasks to the others.
+    const LONG_TTL: Duration = Duration::from_secs(8);
+    let (server, queue, _producer, workers) = start(storage, LONG_TTL).await;
+    let (first, first_token) = first_run(&workers).await;
+    workers[first].signal(Signal::SIGSTOP);
+    let stopped = Instant::now();
+
+    // The queue takes the stopped worker for dead and delivers the report again.
+    until(
+        "report 1 delivered again",
+        Duration::from_secs(30),
+        async || {
+            let again = workers.iter().enumerate().any(|(i, w)| {
+                i != first && (w.printed("missed report:1") || w.token("started", 1).is_some())
+            });
+            again.then_some(())
+        },
+    )
+    .await;
+    workers[first].signal(Signal::SIGCONT);
+    assert!(
+        stopped.elapsed() < LONG_TTL / 2,
+        "{storage}: the report was delivered again {:?} after the stop, too late for this \
+         case (the stopped run's lease must still be valid):{}",
+        stopped.elapsed(),
+        transcript(&workers)
+    );
+
+    // The stopped run ends; the report runs again only after it, under a newer token.
+    until(
+        "the stopped run ended",
+        Duration::from_secs(30),
+        async || {
+            let stale = &workers[first];
+            (stale.token("finished", 1).is_some() || stale.token("dropped", 1).is_some())
+                .then_some(())
+        },
+    )
+    .await;
+    until("report 1 run again", Duration::from_secs(30), async || {
+        workers
+            .iter()
+            .enumerate()
+            .any(|(i, w)| i != first && w.token("finished", 1).is_some())
+            .then_some(())
+    })
+    .await;
+    for (i, worker) in workers.iter().enumerate().filter(|&(i, _)| i != first) {
+        for token in worker.tokens("started", 1) {
+            assert!(
+                token > first_token,
+                "{storage}: worker-{i} ran report 1 under token {token} beside the stopped \
+                 run's {first_token}:{}",
+                transcript(&workers)
+            );
+        }
+    }
+    until(
+        "report 1 recorded done",
+        Duration::from_secs(10),
+        async || (queue.done(&server).await.unwrap() == 1).then_some(()),
+    )
     .await;
     for mut worker in workers {
         let _ = worker.child.kill().await;

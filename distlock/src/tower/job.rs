@@ -258,6 +258,12 @@ impl<R> LockLayer<R> {
     /// worker took the job, runs under its key as without this option. Not on a backend
     /// that cannot [`adopt`](distlock_core::LockBackend::adopt) leases (PostgreSQL
     /// advisory locks: the call fails with [`JobError::Lock`]).
+    ///
+    /// Until executed, a run also holds the lock `running:<key>` (so the job's key may
+    /// be at most 504 bytes): every delivery of a job carries the same claim, and a
+    /// delivery made while an earlier one still runs (a queue that took a paused worker
+    /// for dead) finds it held and is a miss, instead of running beside the earlier one
+    /// under the same token.
     #[must_use]
     pub fn claimed(
         mut self,
@@ -465,8 +471,8 @@ where
         None => None,
     };
     let held = loop {
-        if let Some(guard) = resumed {
-            break Held::Lock(guard);
+        if let Some(held) = resumed {
+            break held;
         }
         if let Some(held) = Held::try_take(&layer, &key).await.map_err(JobError::Lock)? {
             break held;
@@ -527,6 +533,10 @@ where
                 Held::Lock(guard) if layer.until_expired && done.is_ok() => {
                     guard.leave_to_expire();
                 }
+                Held::Claimed { claim, run } if layer.until_expired && done.is_ok() => {
+                    claim.leave_to_expire();
+                    let _ = run.release().await;
+                }
                 held => {
                     let _ = held.release().await;
                 }
@@ -541,37 +551,65 @@ where
     }
 }
 
-/// Resumes a job's claim: the guard to run the job under (until executed), or nothing
-/// (until executing: the claim is released, and the job takes its key as usual; or the
-/// claim ran out).
+/// Resumes a job's claim: what to run the job under (until executed: the claim, with its
+/// run key), or nothing (until executing: the claim is released, and the job takes its
+/// key as usual; the claim ran out; or another delivery of the job runs under it, and
+/// the job's key, still claimed, makes this one a miss).
 async fn resume<E>(
     locker: &Locker,
     claim: &Claim,
     until: Until,
     key: &LockKey,
-) -> Result<Option<LockGuard>, JobError<E>> {
-    if until == Until::Executed && claim.key() != key {
-        return Err(JobError::Lock(LockError::Config(format!(
-            "the job's claim is on {}, but the job runs under {key}: until executed, the \
-             producer claims the job's own key",
-            claim.key()
-        ))));
-    }
+) -> Result<Option<Held>, JobError<E>> {
+    let run_key = if until == Until::Executed {
+        if claim.key() != key {
+            return Err(JobError::Lock(LockError::Config(format!(
+                "the job's claim is on {}, but the job runs under {key}: until executed, \
+                 the producer claims the job's own key",
+                claim.key()
+            ))));
+        }
+        Some(run_key(key).map_err(JobError::Lock)?)
+    } else {
+        None
+    };
     let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? else {
         return Ok(None);
     };
-    if until == Until::Executed {
-        return Ok(Some(guard));
+    let Some(run_key) = run_key else {
+        // A release that fails leaves the claim to run out at its TTL.
+        let _ = guard.release().await;
+        return Ok(None);
+    };
+    // Every delivery of the job carries the claim, and resuming it renews the same lease:
+    // a delivery made while an earlier one still runs (its worker taken for dead by the
+    // queue, but only paused) would run beside it under the same token. The run key,
+    // a lock of its own, tells them apart; the later delivery leaves the claim to the
+    // earlier one's renewals.
+    match locker.try_lock(&run_key).await {
+        Ok(Some(run)) => Ok(Some(Held::Claimed { claim: guard, run })),
+        Ok(None) => {
+            guard.leave_to_expire();
+            Ok(None)
+        }
+        Err(e) => {
+            guard.leave_to_expire();
+            Err(JobError::Lock(e))
+        }
     }
-    // A release that fails leaves the claim to run out at its TTL.
-    let _ = guard.release().await;
-    Ok(None)
 }
 
-/// What a job runs under: its key's lock, or a permit of its key's semaphore.
+/// The key a run under a resumed claim holds beside it: `running:<key>`.
+fn run_key(key: &LockKey) -> Result<LockKey, LockError> {
+    LockKey::new(format!("running:{}", key.as_str()))
+}
+
+/// What a job runs under: its key's lock, a permit of its key's semaphore, or its
+/// producer's claim with the run key that keeps other deliveries of the job from it.
 enum Held {
     Lock(LockGuard),
     Permit(Permit),
+    Claimed { claim: LockGuard, run: LockGuard },
 }
 
 impl Held {
@@ -590,7 +628,7 @@ impl Held {
 
     fn guard(&self) -> &LockGuard {
         match self {
-            Held::Lock(guard) => guard,
+            Held::Lock(guard) | Held::Claimed { claim: guard, .. } => guard,
             Held::Permit(permit) => permit.guard(),
         }
     }
@@ -599,6 +637,12 @@ impl Held {
         match self {
             Held::Lock(guard) => guard.release().await,
             Held::Permit(permit) => permit.release().await,
+            Held::Claimed { claim, run } => {
+                // The claim first: a duplicate may be enqueued from then on.
+                let released = claim.release().await;
+                let _ = run.release().await;
+                released
+            }
         }
     }
 }
