@@ -667,7 +667,10 @@ async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_
     let first = tokio::spawn(service.call(enqueued.clone()));
     let started = Instant::now();
     while runs.load(Ordering::SeqCst) == 0 {
-        assert!(started.elapsed() < Duration::from_secs(5), "the job never ran");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the job never ran"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     // The queue delivers the job again while the first run goes on (it took that worker
