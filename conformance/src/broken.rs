@@ -619,10 +619,10 @@ impl LockBackend for BrokenBackend {
         ttl: Duration,
     ) -> Result<Option<Lease>, LockError> {
         self.store.permits.lock().extend(keys.iter().cloned());
-        for key in keys {
-            if let Some(lease) = self.acquire(key, ttl).await? {
-                return Ok(Some(lease));
-            }
+        if let Some(lease) =
+            distlock_core::acquire_first_free(keys, |key| self.acquire(key, ttl)).await?
+        {
+            return Ok(Some(lease));
         }
         let Some(last) = keys.last() else {
             return Ok(None);

@@ -8,6 +8,7 @@ pub(crate) mod redact;
 pub mod wake;
 
 use std::fmt::Debug;
+use std::future::Future;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -169,12 +170,7 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         keys: &[LockKey],
         ttl: Duration,
     ) -> Result<Option<Lease>, LockError> {
-        for key in keys {
-            if let Some(lease) = self.acquire(key, ttl).await? {
-                return Ok(Some(lease));
-            }
-        }
-        Ok(None)
+        acquire_first_free(keys, |key| self.acquire(key, ttl)).await
     }
 
     /// [`LockBackend::acquire`] for many keys; one result per key, in order.
@@ -186,19 +182,7 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         keys: &[LockKey],
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
-        let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
-        for key in keys {
-            match self.acquire(key, ttl).await {
-                Ok(lease) => out.push(lease),
-                Err(e) => {
-                    // Give back what this call took so a failed batch holds nothing.
-                    let taken: Vec<Lease> = out.into_iter().flatten().collect();
-                    let _ = self.release_many(&taken).await;
-                    return Err(e);
-                }
-            }
-        }
-        Ok(out)
+        acquire_each(self, keys, |key| self.acquire(key, ttl)).await
     }
 
     /// [`LockBackend::renew`] for many leases; one result per lease, in order.
@@ -230,6 +214,57 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         }
         Ok(out)
     }
+}
+
+/// The first key of `keys` that `acquire` (one key's acquire) finds free, asked key by
+/// key in order; `Ok(None)` when every key is held, the first error otherwise. The
+/// default of [`LockBackend::acquire_any`], and what a backend that overrides it calls
+/// where its own one-request form cannot serve (a cluster whose keys live on several
+/// nodes, say).
+pub async fn acquire_first_free<'k, F, Fut>(
+    keys: &'k [LockKey],
+    mut acquire: F,
+) -> Result<Option<Lease>, LockError>
+where
+    F: FnMut(&'k LockKey) -> Fut,
+    Fut: Future<Output = Result<Option<Lease>, LockError>>,
+{
+    for key in keys {
+        if let Some(lease) = acquire(key).await? {
+            return Ok(Some(lease));
+        }
+    }
+    Ok(None)
+}
+
+/// `acquire` (one key's acquire) for each of `keys` in turn; one result per key, in
+/// order. If one fails, the keys already taken are given back with `backend`'s
+/// [`release_many`](LockBackend::release_many) (best effort: one it cannot give back frees
+/// itself when its TTL runs out) before the error is returned, so a failed batch holds
+/// nothing. The default of [`LockBackend::acquire_many`], and what a backend calls whose
+/// batch is one acquire after another.
+pub async fn acquire_each<'k, B, F, Fut>(
+    backend: &B,
+    keys: &'k [LockKey],
+    mut acquire: F,
+) -> Result<Vec<Option<Lease>>, LockError>
+where
+    B: LockBackend + ?Sized,
+    F: FnMut(&'k LockKey) -> Fut,
+    Fut: Future<Output = Result<Option<Lease>, LockError>>,
+{
+    let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
+    for key in keys {
+        match acquire(key).await {
+            Ok(lease) => out.push(lease),
+            Err(e) => {
+                let taken: Vec<Lease> = out.into_iter().flatten().collect();
+                let _ = backend.release_many(&taken).await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// What lets the default batch forms keep "a batch with a foreign lease changes nothing"

@@ -14,7 +14,6 @@ mod fencing;
 mod key;
 pub mod telemetry;
 
-pub use backend::LockBackend;
 pub use backend::env::{builder_from_env, url_from_env};
 pub use backend::failure::{DriverFailure, Effect, FailureKind};
 pub use backend::lease::{
@@ -22,6 +21,7 @@ pub use backend::lease::{
     VALIDITY_MARGIN, trusted_for, valid_until,
 };
 pub use backend::redact::{redact_url, url_userinfo_is_ambiguous};
+pub use backend::{LockBackend, acquire_each, acquire_first_free};
 pub use backend::{chore, wake};
 pub use error::{BoxError, LockError};
 pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};

@@ -389,19 +389,8 @@ impl LockBackend for PgAdvisoryBackend {
         self.capabilities().check_ttl(ttl)?;
         self.sweeper.poke(&self.client);
         let sent = Instant::now();
-        let mut out: Vec<Option<Lease>> = Vec::with_capacity(keys.len());
-        for key in keys {
-            match self.acquire_sent(key, ttl, sent).await {
-                Ok(lease) => out.push(lease),
-                Err(e) => {
-                    let taken: Vec<Lease> = out.into_iter().flatten().collect();
-                    // Best effort: a lease that cannot be released frees with its session.
-                    let _ = self.release_many(&taken).await;
-                    return Err(e);
-                }
-            }
-        }
-        Ok(out)
+        // A lease that cannot be given back after an error frees with its session.
+        distlock_core::acquire_each(self, keys, |key| self.acquire_sent(key, ttl, sent)).await
     }
 
     /// Every lease's check at once, each on its own session, so a session that stops

@@ -328,12 +328,7 @@ impl LockBackend for RedisBackend {
             // Sent directly: a coalesced batch takes one key per caller.
             return core.acquire_any_one(keys, ttl, Instant::now()).await;
         }
-        for key in keys {
-            if let Some(lease) = self.acquire(key, ttl).await? {
-                return Ok(Some(lease));
-            }
-        }
-        Ok(None)
+        distlock_core::acquire_first_free(keys, |key| self.acquire(key, ttl)).await
     }
 
     async fn acquire_many(
