@@ -142,10 +142,12 @@ fn classify_status(code: i32, message: &str, link: Link) -> DriverFailure {
         );
     }
     if code == RESOURCE_EXHAUSTED && message.contains(NO_SPACE) {
-        // etcd checks its quota before proposing: nothing was applied. It stays refused
-        // until an operator frees space and disarms the alarm, so this is final.
+        // etcd checks its quota before proposing and again as it applies: a write that
+        // passed the first check while others filled the database is stored all the same
+        // and still answered this way. So a write's outcome is unknown. It stays refused
+        // until an operator frees space and disarms the alarm.
         return DriverFailure::new(
-            FailureKind::Other,
+            FailureKind::ReplyLost,
             format!(
                 "etcd's database reached its space quota (--quota-backend-bytes) and etcd \
                  refuses every write until an operator compacts, defragments and disarms the \
@@ -374,7 +376,7 @@ mod tests {
     }
 
     #[test]
-    fn an_overloaded_member_is_retryable_and_nothing_was_applied_but_a_full_database_is_final() {
+    fn an_overloaded_member_is_retryable_and_nothing_was_applied_but_a_full_database_leaves_a_write_unknown() {
         let e = from_status(
             RESOURCE_EXHAUSTED,
             "etcdserver: too many requests",
@@ -389,8 +391,8 @@ mod tests {
             Link::Answered,
             Effect::Write("acquire"),
         );
-        assert!(matches!(full, LockError::Backend { .. }), "{full:?}");
-        assert!(!full.is_retryable());
+        // A write applied as the database filled is answered this way too.
+        assert!(matches!(full, LockError::OutcomeUnknown { .. }), "{full:?}");
         assert!(full.to_string().contains("--quota-backend-bytes"), "{full}");
     }
 

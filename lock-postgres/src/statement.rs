@@ -71,7 +71,9 @@ pub(crate) fn bounded_begin(limit: Duration) -> String {
 }
 
 /// The limits a pool in [`PgPooling::Session`] sets on each connection it opens (see
-/// `PgPooling::Session`): the same as [`bounded_begin`]'s, for the whole session.
+/// `PgPooling::Session`), for the whole session: [`bounded_begin`]'s but `lock_timeout`
+/// (a statement waiting on a lock is bounded by `statement_timeout`; only the announcer,
+/// whose commit waits for the notify lock, adds it).
 pub(crate) const SESSION_LIMITS: &[&str] =
     &["idle_in_transaction_session_timeout", "statement_timeout"];
 
@@ -86,10 +88,23 @@ pub(crate) fn session_bounds(
     let ms = whole_ms(limit);
     settings
         .iter()
-        .filter(|name| startup_options.is_none_or(|given| !given.contains(&format!("{name}="))))
+        .filter(|name| !startup_setting_names(startup_options.unwrap_or("")).any(|n| n == **name))
         .map(|name| format!("SET {name} = {ms}"))
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The names of the settings startup `options` give (`-c name=value`, `-cname=value` or
+/// `--name=value`, separated by spaces), `-` in a name read as `_` as the server reads it.
+fn startup_setting_names(options: &str) -> impl Iterator<Item = String> + '_ {
+    options.split_whitespace().filter_map(|word| {
+        let (name, _) = word.split_once('=')?;
+        let name = name
+            .strip_prefix("--")
+            .or_else(|| name.strip_prefix("-c"))
+            .unwrap_or(name);
+        Some(name.replace('-', "_"))
+    })
 }
 
 /// Sets [`session_bounds`] on `conn`, a connection of its own to the server (pooling
@@ -216,5 +231,38 @@ impl<'a> Statement<'a> {
     /// The statement unnamed: prepared for this one call only.
     fn unnamed(self) -> sqlx::query::Query<'a, Postgres, sqlx::postgres::PgArguments> {
         self.prepared().persistent(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: &[&str] = &["statement_timeout", "lock_timeout"];
+
+    #[test]
+    fn a_limit_the_startup_options_give_is_kept_and_only_that_one() {
+        let limit = Duration::from_secs(2);
+        assert_eq!(
+            session_bounds(limit, None, LIMITS),
+            "SET statement_timeout = 2000; SET lock_timeout = 2000"
+        );
+        // `deadlock_timeout` ends in `lock_timeout=`, and is another setting.
+        assert_eq!(
+            session_bounds(limit, Some("-c deadlock_timeout=5s"), LIMITS),
+            "SET statement_timeout = 2000; SET lock_timeout = 2000"
+        );
+        for given in [
+            "-c lock_timeout=45s",
+            "-clock_timeout=45s",
+            "--lock-timeout=45s",
+            "-c search_path=x -c lock_timeout=45s",
+        ] {
+            assert_eq!(
+                session_bounds(limit, Some(given), LIMITS),
+                "SET statement_timeout = 2000",
+                "{given}"
+            );
+        }
     }
 }
