@@ -183,12 +183,14 @@ impl EtcdBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
-        distlock_core::builder_from_env(
-            ETCD_URL_ENV,
-            "an etcd:// URL",
-            |name| std::env::var(name),
-            Self::from_url,
-        )
+        Self::from_env_with(|name| std::env::var(name))
+    }
+
+    /// [`from_env`](Self::from_env) with the variable read by `lookup`.
+    pub(crate) fn from_env_with(
+        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Self, LockError> {
+        distlock_core::builder_from_env(ETCD_URL_ENV, "an etcd:// URL", lookup, Self::from_url)
     }
 }
 
@@ -433,15 +435,8 @@ mod tests {
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        /// What `from_env` does, with the variable read by `lookup`.
-        fn from_env_var(
-            name: &str,
-            lookup: impl FnOnce(&str) -> Result<String, VarError>,
-        ) -> Result<EtcdBuilder, LockError> {
-            distlock_core::builder_from_env(name, "an etcd:// URL", lookup, EtcdBuilder::from_url)
-        }
-        let builder = from_env_var("ETCD_TEST_URL", |name| {
-            assert_eq!(name, "ETCD_TEST_URL");
+        let builder = EtcdBuilder::from_env_with(|name| {
+            assert_eq!(name, ETCD_URL_ENV);
             Ok("etcd://root:hunter2@h1:2379?prefix=jobs".into())
         })
         .unwrap();
@@ -454,13 +449,13 @@ mod tests {
             Err(VarError::NotUnicode("x".into())),
             Ok(" ".to_owned()),
         ] {
-            let Err(LockError::Config(message)) = from_env_var(ETCD_URL_ENV, |_| found) else {
+            let Err(LockError::Config(message)) = EtcdBuilder::from_env_with(|_| found) else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_ETCD_URL"), "{message}");
         }
         let Err(LockError::Config(message)) =
-            from_env_var(ETCD_URL_ENV, |_| Ok("etcd://u:hunter2@h1?x=1".into()))
+            EtcdBuilder::from_env_with(|_| Ok("etcd://u:hunter2@h1?x=1".into()))
         else {
             panic!("a bad URL was accepted");
         };

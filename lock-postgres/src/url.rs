@@ -133,10 +133,17 @@ impl PgBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
+        Self::from_env_with(|name| std::env::var(name))
+    }
+
+    /// [`from_env`](Self::from_env) with the variable read by `lookup`.
+    pub(crate) fn from_env_with(
+        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Self, LockError> {
         distlock_core::builder_from_env(
             POSTGRES_URL_ENV,
             "a postgres:// URL",
-            |name| std::env::var(name),
+            lookup,
             Self::from_url,
         )
     }
@@ -301,15 +308,8 @@ mod tests {
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        /// What `from_env` does, with the variable read by `lookup`.
-        fn from_env_var(
-            name: &str,
-            lookup: impl FnOnce(&str) -> Result<String, VarError>,
-        ) -> Result<PgBuilder, LockError> {
-            distlock_core::builder_from_env(name, "a postgres:// URL", lookup, PgBuilder::from_url)
-        }
-        let builder = from_env_var("PG_TEST_URL", |name| {
-            assert_eq!(name, "PG_TEST_URL");
+        let builder = PgBuilder::from_env_with(|name| {
+            assert_eq!(name, POSTGRES_URL_ENV);
             Ok("postgres://app:hunter2@h/db?mode=advisory".into())
         })
         .unwrap();
@@ -319,14 +319,14 @@ mod tests {
             Err(VarError::NotUnicode("x".into())),
             Ok(String::new()),
         ] {
-            let Err(LockError::Config(message)) = from_env_var(POSTGRES_URL_ENV, |_| found) else {
+            let Err(LockError::Config(message)) = PgBuilder::from_env_with(|_| found) else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_POSTGRES_URL"), "{message}");
         }
-        let Err(LockError::Config(message)) = from_env_var(POSTGRES_URL_ENV, |_| {
-            Ok("postgres://app:hunter2@h/db?mdoe=x".into())
-        }) else {
+        let Err(LockError::Config(message)) =
+            PgBuilder::from_env_with(|_| Ok("postgres://app:hunter2@h/db?mdoe=x".into()))
+        else {
             panic!("a bad URL was accepted");
         };
         assert!(!message.contains("hunter2"), "{message}");

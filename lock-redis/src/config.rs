@@ -137,12 +137,14 @@ impl RedisBackendBuilder {
     /// [`LockError::Config`] naming the variable when it is unset, empty or not UTF-8;
     /// otherwise those of [`from_url`](Self::from_url).
     pub fn from_env() -> Result<Self, LockError> {
-        distlock_core::builder_from_env(
-            REDIS_URL_ENV,
-            "a redis:// URL",
-            |name| std::env::var(name),
-            Self::from_url,
-        )
+        Self::from_env_with(|name| std::env::var(name))
+    }
+
+    /// [`from_env`](Self::from_env) with the variable read by `lookup`.
+    pub(crate) fn from_env_with(
+        lookup: impl FnOnce(&str) -> Result<String, std::env::VarError>,
+    ) -> Result<Self, LockError> {
+        distlock_core::builder_from_env(REDIS_URL_ENV, "a redis:// URL", lookup, Self::from_url)
     }
 
     /// One node, a cluster seed with the `redis+cluster://` scheme, or the Sentinels of a
@@ -744,20 +746,8 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
     #[test]
     fn from_env_reads_the_url_and_names_a_missing_variable() {
         use std::env::VarError;
-        /// What `from_env` does, with the variable read by `lookup`.
-        fn from_env_var(
-            name: &str,
-            lookup: impl FnOnce(&str) -> Result<String, VarError>,
-        ) -> Result<RedisBackendBuilder, LockError> {
-            distlock_core::builder_from_env(
-                name,
-                "a redis:// URL",
-                lookup,
-                RedisBackendBuilder::from_url,
-            )
-        }
-        let b = from_env_var("REDIS_TEST_URL", |name| {
-            assert_eq!(name, "REDIS_TEST_URL");
+        let b = RedisBackendBuilder::from_env_with(|name| {
+            assert_eq!(name, REDIS_URL_ENV);
             Ok("rediss://:hunter2@127.0.0.1:6380".into())
         })
         .unwrap();
@@ -767,7 +757,8 @@ GcwyvloEA2NUbfSS64Q5fXUPAjOHpqyD7bC+6w==
             Err(VarError::NotUnicode("x".into())),
             Ok("  ".to_owned()),
         ] {
-            let Err(LockError::Config(message)) = from_env_var(REDIS_URL_ENV, |_| found) else {
+            let Err(LockError::Config(message)) = RedisBackendBuilder::from_env_with(|_| found)
+            else {
                 panic!("a missing URL was accepted");
             };
             assert!(message.contains("DISTLOCK_REDIS_URL"), "{message}");
