@@ -51,6 +51,21 @@ async fn heard(listener: &mut PgListener, name: &str) -> bool {
         .is_ok()
 }
 
+/// Takes and releases `k` on `holder` until `listener` hears its release announced: until
+/// a waiter's listener registered the key, a release is not announced, and the first
+/// announced one opens the holder's announcer connection.
+async fn until_announced(holder: &dyn LockBackend, listener: &mut PgListener, k: &LockKey) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let lease = holder.acquire(k, TTL).await.unwrap().expect("free");
+        holder.release(&lease).await.unwrap();
+        if heard(listener, k.as_str()).await {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never announced");
+    }
+}
+
 /// The holder releases a key nobody waits for: nothing is sent. Then a waiter of another
 /// instance waits for a second key: its release is sent (the eavesdropper works).
 async fn only_a_waited_for_key_is_announced(
@@ -251,17 +266,7 @@ async fn a_release_after_the_announcers_session_ended_is_announced() {
     let mut listener = eavesdrop(&server, "lease").await;
     let k = key("announce:after-drop");
     let _watch = waiter.watch_releases(&k).expect("in a runtime");
-    // Until the waiter's listener registered the key, a release is not announced; the
-    // first announced one opens the announcer's connection.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
-        holder.release(&lease).await.unwrap();
-        if heard(&mut listener, k.as_str()).await {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never announced");
-    }
+    until_announced(&holder, &mut listener, &k).await;
     let ended = server
         .psql(&format!(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
@@ -314,15 +319,7 @@ async fn an_announcement_stuck_behind_the_notify_lock(
     let mut listener = eavesdrop(server, "lease").await;
     let k = key("announce:stuck");
     let _watch = waiter.watch_releases(&k).expect("in a runtime");
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let lease = holder.acquire(&k, TTL).await.unwrap().expect("free");
-        holder.release(&lease).await.unwrap();
-        if heard(&mut listener, k.as_str()).await {
-            break;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "never announced");
-    }
+    until_announced(&holder, &mut listener, &k).await;
 
     server
         .psql("ALTER SYSTEM SET synchronous_standby_names = 'gone'")
