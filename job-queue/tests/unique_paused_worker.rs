@@ -6,10 +6,13 @@
 //! worker, resumed, does not finish its stale run (the layer drops it on the lost lease).
 //! The report is built once, recorded done, and its key is free again afterwards.
 //!
+//! Killed (SIGKILL) mid-run: the report is given to another worker likewise, built once
+//! and recorded done.
+//!
 //! Within its lock TTL, but past the queue's heartbeat timeout: the queue delivers the
 //! report again, carrying the same claim, while the stopped run still holds it; that
-//! delivery is a miss, not a second run under the same token. The report runs again only
-//! once the first run has ended, under a newer token, and is recorded done.
+//! delivery is a miss, not a second run under the same token. The report runs again, if
+//! at all, only once the first run has ended, under a newer token, and is recorded done.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -161,22 +164,17 @@ async fn first_run(workers: &[Worker]) -> (usize, u64) {
     .await
 }
 
-on_each_storage!(
-    until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job,
-    until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_for_its_run
-);
-
-async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job(
+/// Once worker `first`, whose run of report 1 under `first_token` was stopped or killed
+/// at `stopped`, is taken for dead by the queue: the worker that runs report 1 next, and
+/// its token, once that run has refused a duplicate and finished.
+async fn taken_over(
     storage: Storage,
-) {
-    let (server, queue, producer, workers) = start(storage, TTL).await;
-
-    // The first run is stopped as soon as it starts, its lease left to run out.
-    let (first, first_token) = first_run(&workers).await;
-    workers[first].signal(Signal::SIGSTOP);
-    let stopped = Instant::now();
-
-    // The queue takes the stopped worker for dead and gives the report to another.
+    workers: &[Worker],
+    first: usize,
+    first_token: u64,
+    stopped: Instant,
+) -> (usize, u64) {
+    // The queue takes the worker for dead and gives the report to another.
     let (second, second_token) = until(
         "report 1 given to another worker",
         Duration::from_secs(30),
@@ -192,12 +190,12 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
     assert!(
         stopped.elapsed() > TTL,
         "{storage}: report 1 ran again within the stopped worker's lease:{}",
-        transcript(&workers)
+        transcript(workers)
     );
     assert!(
         second_token > first_token,
         "{storage}: the second run's token {second_token} is not newer than {first_token}:{}",
-        transcript(&workers)
+        transcript(workers)
     );
 
     // While it runs, a duplicate is refused at the producer (the run tries one itself),
@@ -217,7 +215,7 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
         probed,
         "refused",
         "{storage}: a duplicate of report 1 was claimed while it ran:{}",
-        transcript(&workers)
+        transcript(workers)
     );
     until(
         "the second run finished",
@@ -225,6 +223,27 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
         async || workers[second].token("finished", 1),
     )
     .await;
+
+    (second, second_token)
+}
+
+on_each_storage!(
+    until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job,
+    until_executed_a_worker_killed_mid_run_does_not_lose_the_job,
+    until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_for_its_run
+);
+
+async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job(
+    storage: Storage,
+) {
+    let (server, queue, producer, workers) = start(storage, TTL).await;
+
+    // The first run is stopped as soon as it starts, its lease left to run out.
+    let (first, first_token) = first_run(&workers).await;
+    workers[first].signal(Signal::SIGSTOP);
+    let stopped = Instant::now();
+
+    let (second, second_token) = taken_over(storage, &workers, first, first_token, stopped).await;
 
     // The stopped worker, resumed, drops its stale run instead of finishing it.
     workers[first].signal(Signal::SIGCONT);
@@ -295,7 +314,8 @@ async fn until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_
         transcript(&workers)
     );
 
-    // The stopped run ends; the report runs again only after it, under a newer token.
+    // The stopped run ends; any other run of the report came after it, under a newer
+    // token.
     until(
         "the stopped run ended",
         Duration::from_secs(30),
@@ -306,13 +326,12 @@ async fn until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_
         },
     )
     .await;
-    until("report 1 run again", Duration::from_secs(30), async || {
-        workers
-            .iter()
-            .enumerate()
-            .any(|(i, w)| i != first && w.token("finished", 1).is_some())
-            .then_some(())
-    })
+    // Recorded done once: by the stopped run's worker, or by a later run of the report.
+    until(
+        "report 1 recorded done",
+        Duration::from_secs(30),
+        async || (queue.done(&server).await.unwrap() == 1).then_some(()),
+    )
     .await;
     for (i, worker) in workers.iter().enumerate().filter(|&(i, _)| i != first) {
         for token in worker.tokens("started", 1) {
@@ -324,11 +343,33 @@ async fn until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_
             );
         }
     }
+    for mut worker in workers {
+        let _ = worker.child.kill().await;
+    }
+}
+
+async fn until_executed_a_worker_killed_mid_run_does_not_lose_the_job(storage: Storage) {
+    let (server, queue, producer, workers) = start(storage, TTL).await;
+    let (first, first_token) = first_run(&workers).await;
+    workers[first].signal(Signal::SIGKILL);
+    let killed = Instant::now();
+    let (second, _) = taken_over(storage, &workers, first, first_token, killed).await;
+    assert_ne!(second, first);
+    assert_eq!(
+        workers[first].token("finished", 1),
+        None,
+        "{storage}: the killed run finished:{}",
+        transcript(&workers)
+    );
     until(
         "report 1 recorded done",
         Duration::from_secs(10),
         async || (queue.done(&server).await.unwrap() == 1).then_some(()),
     )
+    .await;
+    until("report 1's key free", Duration::from_secs(10), async || {
+        duplicate_claimed(&producer).await.then_some(())
+    })
     .await;
     for mut worker in workers {
         let _ = worker.child.kill().await;

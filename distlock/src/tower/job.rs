@@ -535,7 +535,7 @@ where
                 }
                 Held::Claimed { claim, run } if layer.until_expired && done.is_ok() => {
                     claim.leave_to_expire();
-                    let _ = run.release().await;
+                    run.release().await;
                 }
                 held => {
                     let _ = held.release().await;
@@ -573,27 +573,35 @@ async fn resume<E>(
     } else {
         None
     };
-    let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? else {
-        return Ok(None);
-    };
     let Some(run_key) = run_key else {
+        let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? else {
+            return Ok(None);
+        };
         // A release that fails leaves the claim to run out at its TTL.
         let _ = guard.release().await;
         return Ok(None);
     };
     // Every delivery of the job carries the claim, and resuming it renews the same lease:
     // a delivery made while an earlier one still runs (its worker taken for dead by the
-    // queue, but only paused) would run beside it under the same token. The run key,
-    // a lock of its own, tells them apart; the later delivery leaves the claim to the
-    // earlier one's renewals.
-    match locker.try_lock(&run_key).await {
-        Ok(Some(run)) => Ok(Some(Held::Claimed { claim: guard, run })),
+    // queue, but only paused) would run beside it under the same token, or keep the
+    // claim alive past that run's lease for the next delivery to run under. The run key,
+    // a lock of its own taken first, tells them apart: a later delivery that finds it
+    // held leaves the claim untouched, and is a miss on the job's key, still claimed.
+    let Some(run) = locker.try_lock(&run_key).await.map_err(JobError::Lock)? else {
+        return Ok(None);
+    };
+    match locker.resume(claim).await {
+        Ok(Some(guard)) => Ok(Some(Held::Claimed {
+            claim: guard,
+            run: RunKey(Some(run)),
+        })),
         Ok(None) => {
-            guard.leave_to_expire();
+            // The claim has ended: the job takes its key as usual.
+            let _ = run.release().await;
             Ok(None)
         }
         Err(e) => {
-            guard.leave_to_expire();
+            let _ = run.release().await;
             Err(JobError::Lock(e))
         }
     }
@@ -609,7 +617,30 @@ fn run_key(key: &LockKey) -> Result<LockKey, LockError> {
 enum Held {
     Lock(LockGuard),
     Permit(Permit),
-    Claimed { claim: LockGuard, run: LockGuard },
+    Claimed { claim: LockGuard, run: RunKey },
+}
+
+/// The run key of a run under its producer's claim (see [`resume`]). Dropped unreleased
+/// (the job's future dropped, or the claim's release failed), it is left to run out at
+/// its TTL: freed before the claim, it would let the job's next delivery resume the claim
+/// and run under its token again.
+struct RunKey(Option<LockGuard>);
+
+impl RunKey {
+    async fn release(mut self) {
+        if let Some(run) = self.0.take() {
+            // A release that fails leaves the key to run out at its TTL.
+            let _ = run.release().await;
+        }
+    }
+}
+
+impl Drop for RunKey {
+    fn drop(&mut self) {
+        if let Some(run) = self.0.take() {
+            run.leave_to_expire();
+        }
+    }
 }
 
 impl Held {
@@ -638,9 +669,12 @@ impl Held {
             Held::Lock(guard) => guard.release().await,
             Held::Permit(permit) => permit.release().await,
             Held::Claimed { claim, run } => {
-                // The claim first: a duplicate may be enqueued from then on.
+                // The claim first: a duplicate may be enqueued from then on, and the job's
+                // next delivery finds it ended once the run key is free.
                 let released = claim.release().await;
-                let _ = run.release().await;
+                if released.is_ok() {
+                    run.release().await;
+                }
                 released
             }
         }
