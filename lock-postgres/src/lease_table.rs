@@ -443,18 +443,17 @@ impl LockBackend for PgLeaseBackend {
         let owner = OwnerId::random();
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
-        let mut conn = self.client.conn(NAME).await?;
-        let row = on_conn!(
-            self.client,
-            NAME,
-            Operation::Acquire,
-            conn,
-            Statement::new(&self.sql.acquire)
-                .bind(Value::Text(key.as_str()))
-                .bind(Value::Uuid(owner_uuid(owner)))
-                .bind(Value::Int8(ttl_ms(ttl)))
-                .fetch_optional(self.client.sending(), &mut conn)
-        )?;
+        let row = self
+            .client
+            .fetch_optional(
+                NAME,
+                Operation::Acquire,
+                Statement::new(&self.sql.acquire)
+                    .bind(Value::Text(key.as_str()))
+                    .bind(Value::Uuid(owner_uuid(owner)))
+                    .bind(Value::Int8(ttl_ms(ttl))),
+            )
+            .await?;
         let token: Option<i64> = row
             .map(|row| row.try_get(0))
             .transpose()
@@ -489,18 +488,17 @@ impl LockBackend for PgLeaseBackend {
         for _ in 0..keys.len() {
             let owner = OwnerId::random();
             let sent = Instant::now();
-            let mut conn = self.client.conn(NAME).await?;
-            let row = on_conn!(
-                self.client,
-                NAME,
-                Operation::Acquire,
-                conn,
-                Statement::new(&self.sql.acquire_any)
-                    .bind(Value::Texts(names.clone()))
-                    .bind(Value::Uuid(owner_uuid(owner)))
-                    .bind(Value::Int8(ttl_ms(ttl)))
-                    .fetch_optional(self.client.sending(), &mut conn)
-            )?;
+            let row = self
+                .client
+                .fetch_optional(
+                    NAME,
+                    Operation::Acquire,
+                    Statement::new(&self.sql.acquire_any)
+                        .bind(Value::Texts(names.clone()))
+                        .bind(Value::Uuid(owner_uuid(owner)))
+                        .bind(Value::Int8(ttl_ms(ttl))),
+                )
+                .await?;
             let decode = |e| self.decode(Operation::Acquire, e);
             let Some(row) = row else {
                 return Err(self.decode(Operation::Acquire, sqlx::Error::RowNotFound));
@@ -546,20 +544,19 @@ impl LockBackend for PgLeaseBackend {
             .map(|k| (k.as_str(), OwnerId::random()))
             .collect();
         let sent = Instant::now();
-        let mut conn = self.client.conn(NAME).await?;
         let names: Vec<&str> = unique.keys().copied().collect();
         let owners: Vec<Uuid> = unique.values().map(|o| owner_uuid(*o)).collect();
-        let rows = on_conn!(
-            self.client,
-            NAME,
-            Operation::Acquire,
-            conn,
-            Statement::new(&self.sql.acquire_many)
-                .bind(Value::Texts(names))
-                .bind(Value::Uuids(owners))
-                .bind(Value::Int8(ttl_ms(ttl)))
-                .fetch_all(self.client.sending(), &mut conn)
-        )?;
+        let rows = self
+            .client
+            .fetch_all(
+                NAME,
+                Operation::Acquire,
+                Statement::new(&self.sql.acquire_many)
+                    .bind(Value::Texts(names))
+                    .bind(Value::Uuids(owners))
+                    .bind(Value::Int8(ttl_ms(ttl))),
+            )
+            .await?;
         let mut granted: HashMap<String, i64> = HashMap::with_capacity(rows.len());
         for row in rows {
             let decode = |e| self.decode(Operation::Acquire, e);
@@ -630,19 +627,18 @@ impl LockBackend for PgLeaseBackend {
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
         self.check_pooling().await?;
-        let mut conn = self.client.conn(NAME).await?;
-        let done = on_conn!(
-            self.client,
-            NAME,
-            Operation::Renew,
-            conn,
-            Statement::new(&self.sql.renew)
-                .bind(Value::Text(lease.key().as_str()))
-                .bind(Value::Uuid(owner_uuid(lease.owner())))
-                .bind(Value::Int8(token_i64(lease.token())))
-                .bind(Value::Int8(ttl_ms(lease.ttl())))
-                .execute(self.client.sending(), &mut conn)
-        )?;
+        let done = self
+            .client
+            .execute(
+                NAME,
+                Operation::Renew,
+                Statement::new(&self.sql.renew)
+                    .bind(Value::Text(lease.key().as_str()))
+                    .bind(Value::Uuid(owner_uuid(lease.owner())))
+                    .bind(Value::Int8(token_i64(lease.token())))
+                    .bind(Value::Int8(ttl_ms(lease.ttl()))),
+            )
+            .await?;
         Ok(if done.rows_affected() == 1 {
             Renewal::Renewed {
                 valid_until: valid_until(sent, lease.ttl()),
@@ -660,20 +656,19 @@ impl LockBackend for PgLeaseBackend {
         self.check(lease)?;
         let (class, obj) = self.releases.waiter_id(lease.key());
         self.check_pooling().await?;
-        let mut conn = self.client.conn(NAME).await?;
-        let row = on_conn!(
-            self.client,
-            NAME,
-            Operation::Release,
-            conn,
-            Statement::new(&self.sql.release)
-                .bind(Value::Text(lease.key().as_str()))
-                .bind(Value::Uuid(owner_uuid(lease.owner())))
-                .bind(Value::Int8(token_i64(lease.token())))
-                .bind(Value::Int4(class))
-                .bind(Value::Int4(obj))
-                .fetch_optional(self.client.sending(), &mut conn)
-        )?;
+        let row = self
+            .client
+            .fetch_optional(
+                NAME,
+                Operation::Release,
+                Statement::new(&self.sql.release)
+                    .bind(Value::Text(lease.key().as_str()))
+                    .bind(Value::Uuid(owner_uuid(lease.owner())))
+                    .bind(Value::Int8(token_i64(lease.token())))
+                    .bind(Value::Int4(class))
+                    .bind(Value::Int4(obj)),
+            )
+            .await?;
         let released: Option<bool> = row
             .map(|row| row.try_get(0))
             .transpose()
@@ -692,18 +687,17 @@ impl LockBackend for PgLeaseBackend {
     async fn fence(&self, lease: &Lease) -> Result<Fence, LockError> {
         self.check(lease)?;
         self.check_pooling().await?;
-        let mut conn = self.client.conn(NAME).await?;
-        let row = on_conn!(
-            self.client,
-            NAME,
-            Operation::Fence,
-            conn,
-            Statement::new(&self.sql.fence)
-                .bind(Value::Text(lease.key().as_str()))
-                .bind(Value::Uuid(owner_uuid(lease.owner())))
-                .bind(Value::Int8(token_i64(lease.token())))
-                .fetch_optional(self.client.sending(), &mut conn)
-        )?;
+        let row = self
+            .client
+            .fetch_optional(
+                NAME,
+                Operation::Fence,
+                Statement::new(&self.sql.fence)
+                    .bind(Value::Text(lease.key().as_str()))
+                    .bind(Value::Uuid(owner_uuid(lease.owner())))
+                    .bind(Value::Int8(token_i64(lease.token()))),
+            )
+            .await?;
         let Some(row) = row else {
             return Ok(Fence::Stale {
                 current: lease.token(),
