@@ -157,8 +157,10 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     /// outside `keys`; an empty list is `Ok(None)`. This is how a [`crate::Semaphore`]
     /// takes a permit: its keys are the permit slots.
     ///
-    /// The default asks [`LockBackend::acquire`] key by key, one round trip per held key;
-    /// a store that can look at several keys in one request overrides it. Every key it
+    /// The default asks [`LockBackend::acquire`] key by key, one round trip per held key
+    /// ([`acquire_first_free`]: a key it cannot reach is passed over, and its error
+    /// returned only when no other key was free); a store that can look at several keys
+    /// in one request overrides it. Every key it
     /// finds held counts as a refused acquire of that key (a store that announces only
     /// waited releases marks it).
     ///
@@ -217,10 +219,14 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
 }
 
 /// The first key of `keys` that `acquire` (one key's acquire) finds free, asked key by
-/// key in order; `Ok(None)` when every key is held, the first error otherwise. The
-/// default of [`LockBackend::acquire_any`], and what a backend that overrides it calls
-/// where its own one-request form cannot serve (a cluster whose keys live on several
-/// nodes, say).
+/// key in order; `Ok(None)` when every key is held. A key that cannot be asked
+/// ([`LockError::Unavailable`]: nothing was applied) is passed over, so one unreachable
+/// node of a cluster does not refuse a free key on another; its error is returned only
+/// when no other key was free. Any other error ends the call at once: after
+/// [`LockError::OutcomeUnknown`] the key may have been taken, and asking on could take a
+/// second one. The default of [`LockBackend::acquire_any`], and what a backend that
+/// overrides it calls where its own one-request form cannot serve (a cluster whose keys
+/// live on several nodes, say).
 pub async fn acquire_first_free<'k, F, Fut>(
     keys: &'k [LockKey],
     mut acquire: F,
@@ -229,12 +235,18 @@ where
     F: FnMut(&'k LockKey) -> Fut,
     Fut: Future<Output = Result<Option<Lease>, LockError>>,
 {
+    let mut unreachable = None;
     for key in keys {
-        if let Some(lease) = acquire(key).await? {
-            return Ok(Some(lease));
+        match acquire(key).await {
+            Ok(Some(lease)) => return Ok(Some(lease)),
+            Ok(None) => {}
+            Err(e @ LockError::Unavailable { .. }) => {
+                unreachable.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
         }
     }
-    Ok(None)
+    unreachable.map_or(Ok(None), Err)
 }
 
 /// `acquire` (one key's acquire) for each of `keys` in turn; one result per key, in
@@ -278,5 +290,80 @@ fn one_instance(backend: &'static str, leases: &[Lease]) -> Result<(), LockError
             Err(LockError::ForeignLease { backend })
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use super::*;
+    use crate::backend::lease::BackendId;
+
+    fn keys(n: usize) -> Vec<LockKey> {
+        (0..n)
+            .map(|i| LockKey::new(format!("k:{i}")).unwrap())
+            .collect()
+    }
+
+    /// `acquire_first_free` over keys whose acquires answer `answers` in turn; what it
+    /// returns (`Some(i)`: key i was granted) and how many keys it asked.
+    async fn first_free(
+        answers: Vec<Result<bool, LockError>>,
+    ) -> (Result<Option<String>, LockError>, usize) {
+        let keys = keys(answers.len());
+        let answers = Mutex::new(VecDeque::from(answers));
+        let asked = Mutex::new(0);
+        let id = BackendId::next();
+        let got = acquire_first_free(&keys, |key| {
+            *asked.lock().unwrap() += 1;
+            let answer = answers.lock().unwrap().pop_front().unwrap();
+            let lease = answer.map(|free| {
+                free.then(|| {
+                    let token = FencingToken(1);
+                    Lease::adopted(
+                        id,
+                        key.clone(),
+                        OwnerId::random(),
+                        token,
+                        Duration::from_secs(1),
+                    )
+                })
+            });
+            async move { lease }
+        })
+        .await;
+        let asked = *asked.lock().unwrap();
+        (got.map(|lease| lease.map(|l| l.key().to_string())), asked)
+    }
+
+    fn unreachable() -> LockError {
+        LockError::unavailable("test", "node down")
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_key_is_passed_over_and_its_error_kept_for_when_none_is_free() {
+        let (got, asked) = first_free(vec![Err(unreachable()), Ok(false), Ok(true)]).await;
+        assert_eq!(got.unwrap().as_deref(), Some("k:2"));
+        assert_eq!(asked, 3);
+
+        let (got, asked) = first_free(vec![Ok(false), Err(unreachable()), Ok(false)]).await;
+        assert!(matches!(got, Err(LockError::Unavailable { .. })), "{got:?}");
+        assert_eq!(asked, 3);
+
+        let (got, _) = first_free(vec![Ok(false), Ok(false)]).await;
+        assert_eq!(got.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_key_whose_outcome_is_unknown_ends_the_call() {
+        let unknown = LockError::outcome_unknown("test", "acquire", "reply lost");
+        let (got, asked) = first_free(vec![Err(unknown), Ok(true)]).await;
+        assert!(
+            matches!(got, Err(LockError::OutcomeUnknown { .. })),
+            "{got:?}"
+        );
+        assert_eq!(asked, 1, "a second key could be taken beside the first");
     }
 }
