@@ -376,7 +376,7 @@ mod tests {
     }
 
     #[test]
-    fn an_overloaded_member_is_retryable_and_nothing_was_applied_but_a_full_database_leaves_a_write_unknown() {
+    fn an_overloaded_member_applied_nothing_and_a_full_database_leaves_a_write_unknown() {
         let e = from_status(
             RESOURCE_EXHAUSTED,
             "etcdserver: too many requests",
