@@ -691,6 +691,47 @@ async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_
     assert_eq!(first.await.unwrap().unwrap(), claim.token());
 }
 
+/// Under a claim a run holds two leases, the claim and its run key: losing the run key
+/// (here its record deleted in the store) while the claim stays renewed stops the run, as
+/// another delivery of the job could now take the run key and run beside it.
+#[tokio::test]
+async fn until_executed_a_run_that_loses_its_run_key_stops() {
+    const TTL: Duration = Duration::from_millis(300);
+    let store = MemoryBackend::new();
+    let locker = locker(store.client(), TTL);
+    let job = Job { id: 9, delivery: 1 };
+    let claim = locker
+        .claim(&key_of(&job).unwrap(), Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let started = Arc::new(tokio::sync::Notify::new());
+    let running = started.clone();
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
+        Handler(move |_: Locked<Enqueued>| {
+            let running = running.clone();
+            async move {
+                running.notify_one();
+                std::future::pending::<()>().await;
+                Ok::<_, Infallible>(())
+            }
+        }),
+    );
+    let run = tokio::spawn(service.call(Enqueued {
+        job,
+        claim: Some(claim),
+    }));
+    started.notified().await;
+    let run_key = LockKey::new("running:job:9").unwrap();
+    store.client().purge(&run_key).await.unwrap();
+    // Its next renewal, a third of the TTL on, finds it gone; a hang guard, not a bound.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the run went on without its run key")
+        .unwrap();
+    assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
+}
+
 #[tokio::test]
 async fn until_executing_the_claim_ends_when_the_job_starts() {
     let store = MemoryBackend::new();

@@ -160,7 +160,9 @@ pub enum Until {
     /// Until the job has run (`until_executed`): the claim is the job's lock, resumed by
     /// the worker and released when the job ends, so no duplicate is enqueued from the
     /// moment the producer claims the key until the job is done. The claim must be on
-    /// the job's key.
+    /// the job's key. A run also holds `running:<job key>`, which keeps another delivery
+    /// of the same job from running beside it, and stops if it loses either lease: keep
+    /// job keys out of the `running:` names.
     Executed,
 }
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
@@ -523,9 +525,22 @@ where
         token: held.guard().token(),
         status: status.clone(),
     };
+    // Under a claim the run stops when either lease ends: the claim, or the run key that
+    // keeps the job's other deliveries from running beside it.
+    let run_status = match &held {
+        Held::Claimed { run, .. } => run.0.as_ref().map(LockGuard::status),
+        _ => None,
+    };
     // `inner` is the clone `poll_ready` made ready: it runs the job at once.
     let job = inner.call(locked);
-    match status.while_held(job).await {
+    let outcome = match run_status {
+        Some(run_status) => status
+            .while_held(run_status.while_held(job))
+            .await
+            .and_then(|inner| inner),
+        None => status.while_held(job).await,
+    };
+    match outcome {
         Ok(done) => {
             // The job is over either way; a release that fails leaves the lease to end
             // with its TTL, which takes nothing from the job's result.
