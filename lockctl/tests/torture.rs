@@ -85,6 +85,53 @@ mod on_redis {
         assert!(n(&report, "restarts") > 0, "{report:#}");
     }
 
+    /// A worker started while its store is down (as a replacement the nemesis starts
+    /// while it restarts its own store): it waits for the store instead of exiting, and
+    /// works once the store is back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_worker_started_while_its_store_is_down_waits_for_it() {
+        use std::io::{BufRead, BufReader};
+        use std::process::Stdio;
+
+        let server = require(RedisServer::start().await);
+        let url = server.url();
+        server.kill().unwrap();
+        let mut worker = std::process::Command::new(assert_cmd::cargo::cargo_bin("lockctl"))
+            .args(["torture-worker", "--url", &url, "--ledger", &url])
+            .args(["--prefix", "down", "--keys", "1", "--ttl", "400ms"])
+            .args(["--steps", "1", "--step-time", "10ms", "--seed", "1"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Several of its connects fail meanwhile (one every 100 ms).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let exited = worker.try_wait().unwrap();
+        if exited.is_some() {
+            let output = worker.wait_with_output().unwrap();
+            panic!(
+                "the worker exited ({exited:?}) while its store was down: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        server.restart().await.unwrap();
+        let lines = BufReader::new(worker.stdout.take().unwrap()).lines();
+        let granted = tokio::task::spawn_blocking(move || {
+            lines
+                .map_while(Result::ok)
+                .any(|line| line.contains(r#""event":"grant""#))
+        });
+        // A hang guard, not a bound: the store is back and the worker takes the lock.
+        let granted = tokio::time::timeout(Duration::from_secs(30), granted)
+            .await
+            .expect("no grant reported")
+            .unwrap();
+        assert!(granted, "the worker ended without a grant");
+        drop(worker.stdin.take());
+        assert!(worker.wait().unwrap().success());
+    }
+
     /// The checker at work: a store that loses held locks (as one evicting keys, or
     /// failing over to a replica that missed the grants, does) gives overlapping holders.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -55,14 +55,40 @@ pub fn name(prefix: &str, key: u32) -> String {
     format!("{prefix}:{key}")
 }
 
+/// How long a worker's setup waits for a store that cannot be reached: one started while
+/// the run restarts its store (or a replacement for a killed worker) waits for it to come
+/// back, as a deployed worker would; past this, the store is taken for misconfigured.
+const SETUP_PATIENCE: Duration = Duration::from_secs(30);
+
+/// `connect` again while it fails for want of the store ([`LockError::Unavailable`]: nothing
+/// was done), at most until [`SETUP_PATIENCE`] has passed since `started`.
+async fn patiently<T, F, Fut>(started: tokio::time::Instant, mut connect: F) -> Result<T, LockError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, LockError>>,
+{
+    loop {
+        match connect().await {
+            Err(LockError::Unavailable { .. }) if started.elapsed() < SETUP_PATIENCE => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Runs the worker until its standard input closes; errors are the setup's only.
 pub async fn run(args: &WorkerArgs) -> Result<(), LockError> {
-    let backend = distlock::connect(&args.url).await?;
+    let started = tokio::time::Instant::now();
+    let backend = patiently(started, || distlock::connect(&args.url)).await?;
     let backend: Arc<dyn LockBackend> = match args.r#break {
         Some(bug) => bug.into_backend(backend),
         None => backend,
     };
-    let ledger = distlock::fenced_resource(&args.ledger, EnforcementMode::Enforce).await?;
+    let ledger = patiently(started, || {
+        distlock::fenced_resource(&args.ledger, EnforcementMode::Enforce)
+    })
+    .await?;
     let locker = Locker::builder(backend)
         .ttl(args.ttl)
         .wait_timeout(Some(args.ttl * 4))
