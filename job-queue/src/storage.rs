@@ -231,33 +231,25 @@ where
         Fut: Future<Output = Result<(), BoxDynError>> + Send + 'static,
     {
         let name = name.to_owned();
+        // The same worker on either storage; the builder's type differs with it.
+        macro_rules! spawn_on {
+            ($storage:expr) => {{
+                let worker = WorkerBuilder::new(name.as_str())
+                    .backend($storage.clone())
+                    .on_event(say_misses)
+                    .concurrency(concurrency)
+                    .layer(lock)
+                    .build(handler);
+                tokio::spawn(async move {
+                    if let Err(e) = worker.run().await {
+                        eprintln!("worker {name} stopped: {e}");
+                    }
+                })
+            }};
+        }
         match &self.storage {
-            Queues::Redis(storage) => {
-                let worker = WorkerBuilder::new(name.as_str())
-                    .backend(storage.clone())
-                    .on_event(say_misses)
-                    .concurrency(concurrency)
-                    .layer(lock)
-                    .build(handler);
-                tokio::spawn(async move {
-                    if let Err(e) = worker.run().await {
-                        eprintln!("worker {name} stopped: {e}");
-                    }
-                })
-            }
-            Queues::Postgres(storage) => {
-                let worker = WorkerBuilder::new(name.as_str())
-                    .backend(storage.clone())
-                    .on_event(say_misses)
-                    .concurrency(concurrency)
-                    .layer(lock)
-                    .build(handler);
-                tokio::spawn(async move {
-                    if let Err(e) = worker.run().await {
-                        eprintln!("worker {name} stopped: {e}");
-                    }
-                })
-            }
+            Queues::Redis(storage) => spawn_on!(storage),
+            Queues::Postgres(storage) => spawn_on!(storage),
         }
     }
 }
