@@ -420,8 +420,16 @@ impl PostgresServer {
 
     /// Runs `sql` with `psql` as [`SUPERUSER`] over the Unix socket (trust) in database
     /// `postgres`, stopping at the first error, and returns the unaligned, tuples-only
-    /// output (`|`-separated columns, one row per line).
+    /// output (`|`-separated columns, one row per line). Gives up after 30 s; a statement
+    /// that may take longer (seeding a million rows on a busy machine) uses
+    /// [`psql_within`](Self::psql_within).
     pub async fn psql(&self, sql: &str) -> Result<String, HarnessError> {
+        self.psql_within(sql, PSQL_TIMEOUT).await
+    }
+
+    /// [`psql`](Self::psql) with its own time limit, a hang guard for statements whose
+    /// duration depends on the load of the machine rather than on the case.
+    pub async fn psql_within(&self, sql: &str, limit: Duration) -> Result<String, HarnessError> {
         let mut cmd = tokio::process::Command::new(&self.kind().psql);
         cmd.arg("-h")
             .arg(self.dir())
@@ -444,7 +452,7 @@ impl PostgresServer {
                 "-c",
                 sql,
             ]);
-        run(cmd, format!("psql (socket) -c {sql:?}"), PSQL_TIMEOUT)
+        run(cmd, format!("psql (socket) -c {sql:?}"), limit)
             .await
             .map(trim_output)
     }

@@ -17,6 +17,10 @@ const RETENTION: Duration = Duration::from_secs(1);
 /// Longer than any test here runs, on any load: the held name must stay held throughout
 /// (a million names took 171 s with seven other tests beside them).
 const HELD_TTL: Duration = Duration::from_secs(3600);
+/// A hang guard for work over a million rows (seeding, sweeping, vacuuming), not a speed
+/// bound: a million-row sweep took 52 s alone and more than 180 s beside seven other tests
+/// on a busy machine, and seeding a million rows took more than 30 s under CI's load.
+const BULK_GUARD: Duration = Duration::from_secs(480);
 
 fn table(kind: Kind) -> &'static str {
     match kind {
@@ -195,7 +199,10 @@ async fn advisory_free_rows_past_their_retention_go_and_held_ones_stay() {
 /// Heap size of the table, after a `VACUUM` that gives trailing empty pages back.
 async fn heap_bytes(server: &PostgresServer, kind: Kind, schema: &str) -> u64 {
     let t = format!("{schema}.{}", table(kind));
-    server.psql(&format!("VACUUM {t}")).await.unwrap();
+    server
+        .psql_within(&format!("VACUUM {t}"), BULK_GUARD)
+        .await
+        .unwrap();
     server
         .psql(&format!("SELECT pg_relation_size('{t}')"))
         .await
@@ -214,9 +221,7 @@ async fn swept_down_to(
     schema: &str,
     want: u64,
 ) {
-    // A hang guard, not a speed bound: a million rows took 52 s alone and more than 180 s
-    // beside seven other tests on a busy machine.
-    let deadline = Instant::now() + Duration::from_secs(480);
+    let deadline = Instant::now() + BULK_GUARD;
     loop {
         let n = count(server, kind, schema).await;
         if n == want {
@@ -295,13 +300,16 @@ async fn a_million_free_advisory_token_rows_are_swept_and_the_held_one_kept() {
     let held = take(&backend, "held", HELD_TTL).await;
     let start = heap_bytes(&server, Kind::Advisory, schema).await;
     server
-        .psql(&format!(
-            "INSERT INTO {schema}.distlock_advisory_tokens (name, token, owner, ttl_ms) \
+        .psql_within(
+            &format!(
+                "INSERT INTO {schema}.distlock_advisory_tokens (name, token, owner, ttl_ms) \
              SELECT 'job:' || g, \
                     (extract(epoch FROM clock_timestamp()) * 1000000)::bigint - 10000000 + g, \
                     gen_random_uuid(), 30000 \
                FROM generate_series(1, 1000000) AS g"
-        ))
+            ),
+            BULK_GUARD,
+        )
         .await
         .unwrap();
     let swept = Instant::now();
