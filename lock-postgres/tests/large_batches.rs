@@ -12,8 +12,8 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{builder, start_server};
-use distlock_core::{Lease, LockBackend, LockKey, Locker, Release, RetryPolicy};
+use common::{acquire_all, builder, start_server};
+use distlock_core::{LockBackend, LockKey, Locker, Release, RetryPolicy};
 use sqlx::Connection;
 use tokio::time::Instant;
 
@@ -53,13 +53,7 @@ async fn lease_release_many_of_20000_names_releases_them_all() {
     let keys: Vec<LockKey> = (0..NAMES)
         .map(|i| LockKey::new(format!("big:{i:05}")).unwrap())
         .collect();
-    let leases: Vec<Lease> = holder
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("free"))
-        .collect();
+    let leases = acquire_all(&holder, &keys, TTL).await;
 
     // A waiter of another instance on the name the batch releases last.
     let last = keys.last().unwrap().clone();

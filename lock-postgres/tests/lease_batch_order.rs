@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{builder, shared_server};
+use common::{acquire_all, builder, shared_server};
 use distlock_core::{Lease, LockBackend, LockKey, Renewal};
 
 const TTL: Duration = Duration::from_secs(60);
@@ -20,13 +20,7 @@ async fn lease_batches_in_opposite_orders_never_deadlock() {
     let keys: Vec<LockKey> = (0..KEYS)
         .map(|i| LockKey::new(format!("order:{i:04}")).unwrap())
         .collect();
-    let leases: Vec<Lease> = backend
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("free"))
-        .collect();
+    let leases = acquire_all(&*backend, &keys, TTL).await;
     let reversed: Vec<Lease> = leases.iter().rev().cloned().collect();
     for round in 0..ROUNDS {
         let (a, b) = tokio::join!(backend.renew_many(&leases), backend.renew_many(&reversed));

@@ -13,7 +13,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::start_server;
+use common::{acquire_all, start_server};
 use distlock_core::{
     Fence, LockBackend, LockError, LockKey, Locker, Release, Renewal, RetryPolicy,
 };
@@ -230,13 +230,7 @@ async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
         "'); DROP TABLE x; --",
     ];
     let keys: Vec<LockKey> = names.iter().map(|n| key(n)).collect();
-    let leases: Vec<_> = backend
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("free"))
-        .collect();
+    let leases = acquire_all(&backend, &keys, TTL).await;
     assert!(
         backend
             .acquire_many(&keys, TTL)

@@ -11,16 +11,16 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::{observer, sessions, start_server, until_no_session};
+use common::{
+    acquires_leave_no_backend_waiting, observer, sessions, start_server, until_no_session, url_at,
+};
 use distlock_core::{LockBackend, LockKey};
 use harness::pgbouncer::{PgBouncerServer, PoolMode};
-use harness::postgres::{PASSWORD, USER};
 use harness::proxy::FaultProxy;
 use lock_postgres::PgLeaseBackend;
-use lock_postgres::sqlx::{self, Connection, PgConnection};
+use lock_postgres::sqlx;
 use tokio::time::Instant;
 
 /// The request time limit of the backends here, and so the server's limit.
@@ -28,9 +28,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long past the server's limit a stalled transaction or a waiting statement may
 /// still be seen before the test calls it left behind (scheduling on a loaded machine).
 const MARGIN: Duration = Duration::from_secs(5);
-
-/// Sessions whose statement waits for a lock (a row of the lease table).
-const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
 
 /// Sessions in a transaction that waits on its client after it locked rows of the lease
 /// table.
@@ -52,69 +49,14 @@ async fn backend_at(url: &str, pool_size: u32) -> PgLeaseBackend {
     backend
 }
 
-fn url_at(addr: std::net::SocketAddr) -> String {
-    format!("postgres://{USER}:{PASSWORD}@{addr}/postgres")
-}
-
-/// Takes `k` on `backend`, lets another transaction lock its row and the lease run out,
-/// then has `acquires` acquires wait on the row until their clients give up; the number
-/// of backends still waiting on the lock after the server's limit.
-async fn acquires_left_waiting(
-    server: &harness::postgres::PostgresServer,
-    backend: PgLeaseBackend,
-    acquires: usize,
-    k: &LockKey,
-) -> i64 {
-    let mut observer = observer(server).await;
-    let ttl = Duration::from_millis(200);
-    assert!(backend.acquire(k, ttl).await.unwrap().is_some());
-
-    // Another client's transaction keeps the row locked and waits (an application's
-    // transaction that stalled).
-    let mut holder = PgConnection::connect(&server.url()).await.unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "BEGIN; SELECT 1 FROM distlock.distlock_leases WHERE name = '{}' FOR UPDATE",
-        k.as_str()
-    )))
-    .execute(&mut holder)
-    .await
-    .unwrap();
-    tokio::time::sleep(ttl).await;
-
-    // The lease ran out, so each acquire tries to take the row over and waits for the
-    // lock until its client gives up.
-    let backend = Arc::new(backend);
-    let mut tasks = Vec::new();
-    for _ in 0..acquires {
-        let (backend, k) = (backend.clone(), k.clone());
-        tasks.push(tokio::spawn(async move { backend.acquire(&k, ttl).await }));
-    }
-    for task in tasks {
-        assert!(task.await.unwrap().is_err(), "the row stays locked");
-    }
-    let gave_up = Instant::now();
-    let left = until_no_session(
-        &mut observer,
-        WAITING_ON_A_LOCK,
-        gave_up + REQUEST_TIMEOUT + MARGIN,
-    )
-    .await;
-    holder.close().await.unwrap();
-    left
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquires_behind_a_locked_row_leave_no_backend_waiting_on_a_direct_server() {
     const ACQUIRES: usize = 8;
     let server = start_server().await;
     let backend = backend_at(&server.url(), ACQUIRES as u32).await;
-    let left = acquires_left_waiting(&server, backend, ACQUIRES, &key("locked:direct")).await;
-    assert_eq!(
-        left,
-        0,
-        "backends still wait on the row's lock {:?} after their clients gave up",
-        REQUEST_TIMEOUT + MARGIN
-    );
+    let k = key("locked:direct");
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT, MARGIN)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -123,13 +65,9 @@ async fn acquires_behind_a_locked_row_leave_no_backend_waiting_through_session_p
     let server = start_server().await;
     let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Session).await);
     let backend = backend_at(&bouncer.url(), ACQUIRES as u32).await;
-    let left = acquires_left_waiting(&server, backend, ACQUIRES, &key("locked:bouncer")).await;
-    assert_eq!(
-        left,
-        0,
-        "backends still wait on the row's lock {:?} after their clients gave up",
-        REQUEST_TIMEOUT + MARGIN
-    );
+    let k = key("locked:bouncer");
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT, MARGIN)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,12 +15,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{start_server, until_no_session};
+use common::{acquires_leave_no_backend_waiting, start_server, until_no_session, url_at};
 use distlock_core::{LockBackend, LockKey, Renewal};
 use harness::pgbouncer::{PgBouncerServer, PoolMode};
-use harness::postgres::{PASSWORD, USER};
 use harness::proxy::FaultProxy;
-use lock_postgres::sqlx::{self, Connection, PgConnection};
 use lock_postgres::{PgLeaseBackend, PgPooling};
 use tokio::time::Instant;
 
@@ -47,17 +45,10 @@ async fn backend_at(url: &str, pool_size: u32, request_timeout: Duration) -> PgL
     backend
 }
 
-fn url_at(addr: std::net::SocketAddr) -> String {
-    format!("postgres://{USER}:{PASSWORD}@{addr}/postgres")
-}
-
 /// Sessions in a transaction that waits on its client after it changed a row of the lease
 /// table (it has a transaction id only once it wrote).
 const IDLE_ON_LEASES: &str = "state = 'idle in transaction' AND backend_xid IS NOT NULL \
      AND query LIKE '%distlock_leases%'";
-
-/// Sessions whose statement waits for a lock (a row of the lease table).
-const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
@@ -121,50 +112,9 @@ async fn acquires_behind_a_stalled_transaction_leave_no_backend_waiting() {
     let server = start_server().await;
     let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
     let backend = backend_at(&bouncer.url(), ACQUIRES as u32, REQUEST_TIMEOUT).await;
-    let mut observer = common::observer(&server).await;
     let k = key("stalled:row");
-    let ttl = Duration::from_millis(200);
-    assert!(backend.acquire(&k, ttl).await.unwrap().is_some());
-
-    // Another client's transaction keeps the row locked and waits (an application's
-    // transaction that stalled, or a client of an older version).
-    let mut holder = PgConnection::connect(&server.url()).await.unwrap();
-    sqlx::raw_sql(
-        "BEGIN; SELECT 1 FROM distlock.distlock_leases WHERE name = 'stalled:row' FOR UPDATE",
-    )
-    .execute(&mut holder)
-    .await
-    .unwrap();
-    tokio::time::sleep(ttl).await;
-
-    // The lease ran out, so each acquire tries to take the row over and waits for the
-    // lock until its client gives up.
-    let mut tasks = Vec::new();
-    let backend = std::sync::Arc::new(backend);
-    for _ in 0..ACQUIRES {
-        let backend = backend.clone();
-        let k = k.clone();
-        tasks.push(tokio::spawn(async move { backend.acquire(&k, ttl).await }));
-    }
-    for task in tasks {
-        assert!(task.await.unwrap().is_err(), "the row stays locked");
-    }
-    let gave_up = Instant::now();
-    // The server cancels each waiting statement at the request time limit: none waits
-    // on for a client that is gone.
-    let left = until_no_session(
-        &mut observer,
-        WAITING_ON_A_LOCK,
-        gave_up + REQUEST_TIMEOUT + MARGIN,
-    )
-    .await;
-    assert_eq!(
-        left,
-        0,
-        "backends still wait on the row's lock {:?} after their clients gave up",
-        gave_up.elapsed()
-    );
-    holder.close().await.unwrap();
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT, MARGIN)
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

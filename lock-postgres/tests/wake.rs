@@ -229,13 +229,8 @@ async fn a_silently_dead_listener_connection_is_replaced(kind: common::Kind, nam
     const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
     let server = start_server().await;
     let proxy = harness::require(harness::proxy::FaultProxy::start(server.addr()).await);
-    let url = format!(
-        "postgres://{}:{}@{}/postgres",
-        harness::postgres::USER,
-        harness::postgres::PASSWORD,
-        proxy.addr()
-    );
-    let waiter_settings = common::builder_at(&url).request_timeout(REQUEST_TIMEOUT);
+    let waiter_settings =
+        common::builder_at(&common::url_at(proxy.addr())).request_timeout(REQUEST_TIMEOUT);
     let pair = match kind {
         common::Kind::Lease => Pair {
             holder: Arc::new(builder(&server).build_lease_backend().unwrap()),

@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use conformance::factory::{
     ClockFaults, Factory, LinkFaults, ServerFaults, SessionFaults, WithFencedResource,
 };
-use distlock_core::{EnforcementMode, LockBackend};
+use distlock_core::{EnforcementMode, Lease, LockBackend, LockKey};
 use harness::{ShiftedClock, postgres::PostgresServer, proxy::FaultProxy};
 use lock_postgres::{PgBuilder, PgFencedResource, sqlx};
 
@@ -79,6 +79,19 @@ pub fn builder_at(url: &str) -> PgBuilder {
         .request_timeout(Duration::from_secs(5))
 }
 
+/// The URL of the test role's database at `addr` (a fault proxy or a pooler in front of
+/// the server, say).
+pub fn url_at(addr: std::net::SocketAddr) -> String {
+    let (user, password) = (harness::postgres::USER, harness::postgres::PASSWORD);
+    format!("postgres://{user}:{password}@{addr}/postgres")
+}
+
+/// Takes every one of `keys` in one batch on `backend`; each must be free.
+pub async fn acquire_all(backend: &dyn LockBackend, keys: &[LockKey], ttl: Duration) -> Vec<Lease> {
+    let granted = backend.acquire_many(keys, ttl).await.unwrap();
+    granted.into_iter().map(|l| l.expect("free")).collect()
+}
+
 /// Which backend a factory makes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
@@ -111,14 +124,8 @@ impl PgFactory {
 
     async fn on(server: Arc<PostgresServer>, kind: Kind, clock: Option<Arc<ShiftedClock>>) -> Self {
         let proxy = harness::require(FaultProxy::start(server.addr()).await);
-        let url = format!(
-            "postgres://{}:{}@{}/postgres",
-            harness::postgres::USER,
-            harness::postgres::PASSWORD,
-            proxy.addr()
-        );
         Self {
-            backend: backend_at(&url, kind).await,
+            backend: backend_at(&url_at(proxy.addr()), kind).await,
             server,
             proxy: Arc::new(proxy),
             kind,
@@ -261,4 +268,66 @@ pub async fn until_no_session(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Sessions whose statement waits for a lock (a row of the lease table).
+pub const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
+
+/// Takes `k` on `backend`, lets another client's transaction lock its row and the lease
+/// run out, then has `acquires` acquires wait on the row until their clients give up
+/// (each fails: the row stays locked). Asserts that no backend of `server` still waits on
+/// the row's lock `margin` past `request_timeout` (the backend's, and so the server's,
+/// limit) after they gave up.
+pub async fn acquires_leave_no_backend_waiting(
+    server: &PostgresServer,
+    backend: lock_postgres::PgLeaseBackend,
+    acquires: usize,
+    k: &LockKey,
+    request_timeout: Duration,
+    margin: Duration,
+) {
+    use sqlx::Connection;
+    let mut observer = observer(server).await;
+    let ttl = Duration::from_millis(200);
+    assert!(backend.acquire(k, ttl).await.unwrap().is_some());
+
+    // Another client's transaction keeps the row locked and waits (an application's
+    // transaction that stalled, or a client of an older version).
+    let mut holder = sqlx::PgConnection::connect(&server.url()).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "BEGIN; SELECT 1 FROM distlock.distlock_leases WHERE name = '{}' FOR UPDATE",
+        k.as_str()
+    )))
+    .execute(&mut holder)
+    .await
+    .unwrap();
+    tokio::time::sleep(ttl).await;
+
+    // The lease ran out, so each acquire tries to take the row over and waits for the
+    // lock until its client gives up.
+    let backend = Arc::new(backend);
+    let mut tasks = Vec::new();
+    for _ in 0..acquires {
+        let (backend, k) = (backend.clone(), k.clone());
+        tasks.push(tokio::spawn(async move { backend.acquire(&k, ttl).await }));
+    }
+    for task in tasks {
+        assert!(task.await.unwrap().is_err(), "the row stays locked");
+    }
+    let gave_up = tokio::time::Instant::now();
+    // The server cancels each waiting statement at the request time limit: none waits
+    // on for a client that is gone.
+    let left = until_no_session(
+        &mut observer,
+        WAITING_ON_A_LOCK,
+        gave_up + request_timeout + margin,
+    )
+    .await;
+    holder.close().await.unwrap();
+    assert_eq!(
+        left,
+        0,
+        "backends still wait on the row's lock {:?} after their clients gave up",
+        gave_up.elapsed()
+    );
 }
