@@ -111,6 +111,12 @@ async fn advisory_works_through_session_pooling() {
     the_lease_cycle_holds_under_load(Arc::new(backend), "session", TASKS / 2).await;
 }
 
+/// How many rows the lease table in `schema` has.
+async fn lease_rows(server: &PostgresServer, schema: &str) -> String {
+    let count = format!("SELECT count(*) FROM {schema}.distlock_leases");
+    harness::require(server.psql(&count).await)
+}
+
 /// Advisory locks held on the server, and token rows written.
 async fn server_state(server: &PostgresServer) -> String {
     harness::require(
@@ -270,14 +276,7 @@ async fn lease_table_batches_and_odd_names_work_through_transaction_pooling() {
         backend.purge(k).await.unwrap();
         assert_eq!(backend.inspect(k).await.unwrap().token, None);
     }
-    assert_eq!(
-        harness::require(
-            server
-                .psql("SELECT count(*) FROM via_pooler.distlock_leases")
-                .await
-        ),
-        "0"
-    );
+    assert_eq!(lease_rows(&server, "via_pooler").await, "0");
 }
 
 /// With the default settings behind a transaction pooler the lease table refuses every
@@ -306,14 +305,7 @@ async fn lease_table_refuses_transaction_pooling_without_the_setting() {
     let fresh = builder(&bouncer).build_lease_backend().unwrap();
     let err = fresh.connect().await.unwrap_err();
     assert!(names_the_setting(&err), "{err}");
-    assert_eq!(
-        harness::require(
-            server
-                .psql("SELECT count(*) FROM distlock.distlock_leases")
-                .await
-        ),
-        "0"
-    );
+    assert_eq!(lease_rows(&server, "distlock").await, "0");
 }
 
 /// Through a transaction pooler the lease table wakes nobody (no session to `LISTEN`

@@ -270,21 +270,39 @@ pub async fn until_no_session(
     }
 }
 
+/// Asserts that no session matching `idle_on_leases` (a transaction waiting on its client
+/// after it locked rows of the lease table) is left `within` after its client stalled at
+/// `stalled_at`: the server ended it, and its row locks went with it.
+pub async fn no_transaction_waits_on_the_stalled_client(
+    observer: &mut sqlx::PgConnection,
+    idle_on_leases: &str,
+    stalled_at: tokio::time::Instant,
+    within: Duration,
+) {
+    let left = until_no_session(observer, idle_on_leases, stalled_at + within).await;
+    assert_eq!(
+        left,
+        0,
+        "a transaction still waits on its stalled client, holding the lease's row, {:?} \
+         after the client stalled",
+        stalled_at.elapsed()
+    );
+}
+
 /// Sessions whose statement waits for a lock (a row of the lease table).
 pub const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%distlock_leases%'";
 
 /// Takes `k` on `backend`, lets another client's transaction lock its row and the lease
 /// run out, then has `acquires` acquires wait on the row until their clients give up
 /// (each fails: the row stays locked). Asserts that no backend of `server` still waits on
-/// the row's lock `margin` past `request_timeout` (the backend's, and so the server's,
-/// limit) after they gave up.
+/// the row's lock `within` (the backend's, and so the server's, request time limit and a
+/// margin) after they gave up.
 pub async fn acquires_leave_no_backend_waiting(
     server: &PostgresServer,
     backend: lock_postgres::PgLeaseBackend,
     acquires: usize,
     k: &LockKey,
-    request_timeout: Duration,
-    margin: Duration,
+    within: Duration,
 ) {
     use sqlx::Connection;
     let mut observer = observer(server).await;
@@ -317,12 +335,7 @@ pub async fn acquires_leave_no_backend_waiting(
     let gave_up = tokio::time::Instant::now();
     // The server cancels each waiting statement at the request time limit: none waits
     // on for a client that is gone.
-    let left = until_no_session(
-        &mut observer,
-        WAITING_ON_A_LOCK,
-        gave_up + request_timeout + margin,
-    )
-    .await;
+    let left = until_no_session(&mut observer, WAITING_ON_A_LOCK, gave_up + within).await;
     holder.close().await.unwrap();
     assert_eq!(
         left,
