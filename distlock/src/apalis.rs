@@ -146,6 +146,8 @@ pub fn job_error<'a>(
 pub struct ApalisLockLayer<Args> {
     layer: LockLayer<Task<Args>>,
     retry_after: Duration,
+    /// [`Self::dead_letter_after`]'s misses.
+    dead_letter_after: Option<u32>,
 }
 
 impl<Args> Clone for ApalisLockLayer<Args> {
@@ -153,6 +155,7 @@ impl<Args> Clone for ApalisLockLayer<Args> {
         Self {
             layer: self.layer.clone(),
             retry_after: self.retry_after,
+            dead_letter_after: self.dead_letter_after,
         }
     }
 }
@@ -178,6 +181,7 @@ impl<Args: 'static> ApalisLockLayer<Args> {
         Self {
             layer: LockLayer::new(locker, move |task: &Task<Args>| key_of(&task.args)),
             retry_after: DEFAULT_RETRY_AFTER,
+            dead_letter_after: None,
         }
     }
 
@@ -224,9 +228,20 @@ impl<Args: 'static> ApalisLockLayer<Args> {
     /// not deliver it again. The layer counts the misses itself: apalis counts an
     /// attempt only when its handler runs, so a delivery the layer sends back does not
     /// move the task's attempt counter.
+    ///
+    /// A miss counts only half of [`Self::retry_after`] or more after the last one
+    /// counted (the shortest delay the layer asks for): apalis-redis 1.0 sends a job
+    /// back at once, and twenty deliveries can pass in less than a lease's TTL while the
+    /// key's holder is paused or dead, its lease about to lapse; counted, they would
+    /// dead-letter a job that nobody runs. So `misses` misses take at least
+    /// `(misses - 1) * retry_after / 2`; choose them so that this is longer than the
+    /// locker's TTL, and a dead-lettered job's key was held by a live holder throughout.
     #[must_use]
     pub fn dead_letter_after(mut self, misses: u32) -> Self {
-        self.layer = self.layer.dead_letter_after_misses(misses);
+        self.dead_letter_after = Some(misses);
+        self.layer = self
+            .layer
+            .dead_letter_after_misses(misses, self.retry_after / 2);
         self
     }
 
@@ -241,6 +256,9 @@ impl<Args: 'static> ApalisLockLayer<Args> {
             ));
         }
         self.retry_after = delay;
+        if let Some(misses) = self.dead_letter_after {
+            self.layer = self.layer.dead_letter_after_misses(misses, delay / 2);
+        }
         Ok(self)
     }
 }

@@ -199,6 +199,23 @@ impl Ledger {
         Ok((made, twice))
     }
 
+    /// Every event of `jobs`, in the order recorded (a payout made is its `applied`
+    /// event): one line each, for the report of a run that went wrong.
+    pub async fn history(&self, jobs: &[i64]) -> Result<Vec<String>, BoxError> {
+        let rows: Vec<(i64, String, String)> = sqlx::query_as(
+            "SELECT job, worker, what FROM queue_events WHERE run = $1 AND job = ANY($2) \
+              ORDER BY id",
+        )
+        .bind(&self.run)
+        .bind(jobs)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows
+            .into_iter()
+            .map(|(job, worker, what)| format!("payout {job}: {worker} {what}"))
+            .collect())
+    }
+
     /// Jobs among `1..=jobs` with no payout.
     pub async fn unpaid(&self, jobs: i64) -> Result<Vec<i64>, BoxError> {
         Ok(sqlx::query_scalar(

@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 
 pub mod cron;
 pub mod ledger;
+pub mod queue_state;
 pub mod scenario;
 pub mod storage;
 pub mod strategy_worker;

@@ -62,3 +62,68 @@ async fn a_job_whose_key_stays_held_is_dead_lettered_without_running(storage: St
         "{storage}: the handler ran without the job's lock"
     );
 }
+
+on_each_storage!(a_job_whose_holder_stopped_renewing_runs_once_the_lease_lapses);
+
+/// The key's holder is paused (its lease is never renewed nor released): the job's
+/// deliveries miss until the lease lapses, then one runs it. Both storages send a missed
+/// job back sooner than the layer's retry delay (apalis-redis at once, apalis-postgres at
+/// its next fetch), so ten deliveries pass inside the holder's TTL; counted one by one
+/// they would dead-letter a job that nobody then runs.
+async fn a_job_whose_holder_stopped_renewing_runs_once_the_lease_lapses(storage: Storage) {
+    const HOLDER_TTL: Duration = Duration::from_secs(5);
+    let server = Server::start(storage).await.unwrap();
+    let mut queue = server.queue::<Payout>("lapsing-holder").await.unwrap();
+    let locker = server.locker(Duration::from_secs(30)).await.unwrap();
+    let key = |job: &Payout| LockKey::new(format!("payout:{}", job.id));
+    let held = locker
+        .backend()
+        .acquire(&key(&Payout { id: 1, work_ms: 0 }).unwrap(), HOLDER_TTL)
+        .await
+        .unwrap()
+        .expect("a free key");
+    queue.push(Payout { id: 1, work_ms: 0 }).await.unwrap();
+
+    let ran = Arc::new(AtomicU32::new(0));
+    let counted = ran.clone();
+    let handler = move |_: Payout, lease: JobLease| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        assert!(
+            lease.token() > held.token(),
+            "the job ran under the holder's token"
+        );
+        async { Ok::<_, BoxDynError>(()) }
+    };
+    // Ten misses, at least half the retry delay apart, take 9 s or more: longer than the
+    // holder's TTL. Sent straight back, ten deliveries take a few seconds at most.
+    let lock = ApalisLockLayer::new(locker.clone(), key)
+        .retry_after(Duration::from_secs(2))
+        .unwrap()
+        .dead_letter_after(10);
+    let worker = queue.work("lapsing-holder", 2, lock, handler);
+
+    // A hang guard: the lease lapses 5 s after it was taken, and the next delivery comes
+    // at most the retry delay (2 s) after a miss.
+    let started = Instant::now();
+    let dead = loop {
+        let dead = queue.dead(&server).await.unwrap();
+        if dead > 0 || queue.done(&server).await.unwrap() == 1 {
+            break dead;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{storage}: the job neither ran nor was killed {:?} after it was pushed",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    worker.abort();
+    assert_eq!(
+        dead,
+        0,
+        "{storage}: the job was dead-lettered {:?} after it was pushed, while its holder's \
+         lease ({HOLDER_TTL:?}) had yet to lapse",
+        started.elapsed()
+    );
+    assert_eq!(ran.load(Ordering::SeqCst), 1, "{storage}: the job ran once");
+}

@@ -173,6 +173,9 @@ struct DeadLetter<R> {
     after: u32,
     /// The request's delivery count; `None` to count the misses this process sees.
     deliveries: Option<DeliveriesOf<R>>,
+    /// Without a delivery count: how long after the last counted miss the next one
+    /// counts.
+    spacing: Duration,
     misses: Arc<Misses>,
 }
 
@@ -181,6 +184,7 @@ impl<R> Clone for DeadLetter<R> {
         Self {
             after: self.after,
             deliveries: self.deliveries.clone(),
+            spacing: self.spacing,
             misses: self.misses.clone(),
         }
     }
@@ -352,6 +356,7 @@ impl<R> LockLayer<R> {
         self.dead_letter = Some(DeadLetter {
             after: misses,
             deliveries: Some(Arc::new(deliveries)),
+            spacing: Duration::ZERO,
             misses: Arc::default(),
         });
         self
@@ -360,12 +365,15 @@ impl<R> LockLayer<R> {
     /// Dead-letters a job whose key this process has found held on `misses` deliveries
     /// in a row, counting the misses itself: for a queue whose delivery count does not
     /// move when the layer sends a job back without running it (apalis counts an attempt
-    /// only when its handler runs).
+    /// only when its handler runs). A miss counts only `spacing` or more after the last
+    /// one counted, so that a queue that sends the job back sooner than asked does not
+    /// dead-letter it in less time than the retries were meant to take.
     #[cfg(feature = "apalis")]
-    pub(crate) fn dead_letter_after_misses(mut self, misses: u32) -> Self {
+    pub(crate) fn dead_letter_after_misses(mut self, misses: u32, spacing: Duration) -> Self {
         self.dead_letter = Some(DeadLetter {
             after: misses,
             deliveries: None,
+            spacing,
             misses: Arc::default(),
         });
         self
@@ -503,7 +511,7 @@ where
         if let Some(dead_letter) = &layer.dead_letter {
             let misses = match &dead_letter.deliveries {
                 Some(deliveries) => dead_letter.misses.missed(&key, deliveries(&request)),
-                None => dead_letter.misses.counted(&key),
+                None => dead_letter.misses.counted(&key, dead_letter.spacing),
             };
             if misses >= dead_letter.after {
                 dead_letter.misses.forget(&key);

@@ -9,17 +9,21 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 use distlock_core::LockKey;
+use tokio::time::Instant;
 
 /// At most this many keys remembered; past it, one is forgotten, and that job's count of
 /// misses starts again (it is dead-lettered later, never sooner).
 const MAX_KEYS: usize = 65_536;
 
-/// The first missed delivery of each key, since this process last took it.
+/// The first missed delivery of each key, since this process last took it; where no
+/// delivery count is known, the misses counted and when the last one was.
 #[derive(Debug, Default)]
 pub(super) struct Misses {
     first: Mutex<HashMap<LockKey, u32>>,
+    counted: Mutex<HashMap<LockKey, (u32, Instant)>>,
 }
 
 impl Misses {
@@ -38,13 +42,24 @@ impl Misses {
     }
 
     /// Records a miss of `key` where no delivery count is known; returns the misses
-    /// counted since the key was last taken, this one included (at least 1).
-    pub(super) fn counted(&self, key: &LockKey) -> u32 {
-        let mut first = self.first.lock().unwrap_or_else(PoisonError::into_inner);
-        make_room(&mut first, key);
-        let count = first.entry(key.clone()).or_insert(0);
-        *count = count.saturating_add(1);
-        *count
+    /// counted since the key was last taken, this one included (at least 1). A miss
+    /// less than `spacing` after the last one counted is not counted: the queue sent
+    /// the job back sooner than the layer asked (apalis-redis 1.0 does, at once), and
+    /// such misses must not run the count down while a lease that is about to lapse
+    /// still holds the key.
+    pub(super) fn counted(&self, key: &LockKey, spacing: Duration) -> u32 {
+        let mut counted = self.counted.lock().unwrap_or_else(PoisonError::into_inner);
+        let now = Instant::now();
+        if let Some((count, last)) = counted.get_mut(key) {
+            if now.duration_since(*last) >= spacing {
+                *count = count.saturating_add(1);
+                *last = now;
+            }
+            return *count;
+        }
+        make_room(&mut counted, key);
+        counted.insert(key.clone(), (1, now));
+        1
     }
 
     /// Forgets `key`'s misses: it was taken, or its job dead-lettered.
@@ -53,11 +68,15 @@ impl Misses {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key);
+        self.counted
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
     }
 }
 
 /// Forgets one key when `key` is new and the record is full.
-fn make_room(first: &mut HashMap<LockKey, u32>, key: &LockKey) {
+fn make_room<V>(first: &mut HashMap<LockKey, V>, key: &LockKey) {
     if first.contains_key(key) || first.len() < MAX_KEYS {
         return;
     }
@@ -87,12 +106,31 @@ mod tests {
     #[test]
     fn misses_counted_without_deliveries_start_again_once_forgotten() {
         let misses = Misses::default();
-        assert_eq!(misses.counted(&key("job:1")), 1);
-        assert_eq!(misses.counted(&key("job:1")), 2);
-        assert_eq!(misses.counted(&key("job:2")), 1);
-        assert_eq!(misses.counted(&key("job:1")), 3);
+        let every = Duration::ZERO;
+        assert_eq!(misses.counted(&key("job:1"), every), 1);
+        assert_eq!(misses.counted(&key("job:1"), every), 2);
+        assert_eq!(misses.counted(&key("job:2"), every), 1);
+        assert_eq!(misses.counted(&key("job:1"), every), 3);
         misses.forget(&key("job:1"));
-        assert_eq!(misses.counted(&key("job:1")), 1);
+        assert_eq!(misses.counted(&key("job:1"), every), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn misses_sooner_than_the_spacing_after_the_last_counted_are_not_counted() {
+        let misses = Misses::default();
+        let spacing = Duration::from_millis(500);
+        assert_eq!(misses.counted(&key("job:1"), spacing), 1);
+        // A queue that sends the job straight back: a hundred deliveries in 100 ms.
+        for _ in 0..100 {
+            tokio::time::advance(Duration::from_millis(1)).await;
+            assert_eq!(misses.counted(&key("job:1"), spacing), 1);
+        }
+        tokio::time::advance(Duration::from_millis(400)).await;
+        assert_eq!(misses.counted(&key("job:1"), spacing), 2);
+        tokio::time::advance(Duration::from_millis(499)).await;
+        assert_eq!(misses.counted(&key("job:1"), spacing), 2);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(misses.counted(&key("job:1"), spacing), 3);
     }
 
     #[test]
