@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::RedisClusterFactory;
+use common::{RedisClusterFactory, acquire_all};
 use distlock_core::{LockBackend, LockKey, Renewal};
 use harness::{redis::RedisServer, redis::RespValue};
 use tokio::time::Instant;
@@ -31,19 +31,7 @@ where
 
 /// A cluster-enabled node that joins the cluster as a replica of `master`.
 async fn replica_of(master: &RedisServer) -> RedisServer {
-    let replica = harness::require(
-        RedisServer::builder()
-            .args([
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-                "--cluster-node-timeout",
-                "2000",
-            ])
-            .start()
-            .await,
-    );
+    let replica = harness::require(RedisServer::builder().cluster(true).start().await);
     let master_id = text(harness::require(master.command(&["CLUSTER", "MYID"]).await));
     let master_port = master.port().to_string();
     harness::require(
@@ -107,13 +95,7 @@ async fn leases_on_a_failed_over_master_are_renewed_once_the_cluster_has_healed(
     }
     let replica = replica_of(master).await;
 
-    let leases: Vec<_> = redis
-        .acquire_many(&[moving.clone(), staying.unwrap()], TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("free key"))
-        .collect();
+    let leases = acquire_all(&redis, &[moving.clone(), staying.unwrap()], TTL).await;
     // This batch caches the slot map, with the master that is about to die.
     let renewed = redis.renew_many(&leases).await.unwrap();
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));

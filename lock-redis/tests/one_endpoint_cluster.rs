@@ -4,8 +4,11 @@
 //! acquires and batches of keys in different slots fail with CROSSSLOT, and so does the
 //! token's high-water key beside a lock key of another slot.
 
+mod common;
+
 use std::time::Duration;
 
+use common::acquire_all;
 use distlock_core::{LockBackend, LockKey, Release, Renewal};
 use futures::future::join_all;
 use harness::redis::{RedisServer, RespValue};
@@ -15,17 +18,7 @@ const TTL: Duration = Duration::from_secs(10);
 
 /// One node in cluster mode that holds all 16,384 slots.
 async fn one_node_cluster() -> RedisServer {
-    let server = harness::require(
-        RedisServer::builder()
-            .args([
-                "--cluster-enabled",
-                "yes",
-                "--cluster-config-file",
-                "nodes.conf",
-            ])
-            .start()
-            .await,
-    );
+    let server = harness::require(RedisServer::builder().cluster(true).start().await);
     let added = harness::require(
         server
             .command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"])
@@ -65,13 +58,7 @@ async fn single_calls_coalesced_batches_and_renewals_work_on_a_one_address_clust
         .into_iter()
         .map(|r| r.expect("an acquire").expect("a free key"))
         .collect();
-    let batch: Vec<_> = redis
-        .acquire_many(&keys[100..], TTL)
-        .await
-        .expect("acquire_many")
-        .into_iter()
-        .map(|l| l.expect("a free key"))
-        .collect();
+    let batch = acquire_all(&redis, &keys[100..], TTL).await;
     let all: Vec<_> = singles.into_iter().chain(batch).collect();
     let renewed = redis.renew_many(&all).await.expect("renew_many");
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RedisFactory, command_calls, info_field};
+use common::{RedisFactory, acquire_all, command_calls, info_field};
 use distlock_core::{LockBackend, LockKey, Renewal};
 
 const TTL: Duration = Duration::from_secs(30);
@@ -48,13 +48,7 @@ async fn renew_many_of_a_thousand_leases_is_one_pipeline() {
     let keys: Vec<LockKey> = (0..1000)
         .map(|i| LockKey::new(format!("batch-{i}")).unwrap())
         .collect();
-    let leases: Vec<_> = redis
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("every key was free"))
-        .collect();
+    let leases = acquire_all(&redis, &keys, TTL).await;
     redis.renew_many(&leases[..1]).await.unwrap();
     harness_reset(&f).await;
     // The server counts one read from the socket per received chunk; one pipeline arrives
@@ -107,13 +101,7 @@ async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
     let slots: Vec<LockKey> = (0..8)
         .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
         .collect();
-    let held: Vec<_> = redis
-        .acquire_many(&slots[..7], TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("every slot was free"))
-        .collect();
+    let held = acquire_all(&redis, &slots[..7], TTL).await;
     harness_reset(&f).await;
     let last = redis
         .acquire_any(&slots, TTL)

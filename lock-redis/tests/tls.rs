@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::acquire_all;
 use distlock_core::{Fence, LockBackend, LockError, LockKey, Release, Renewal};
 use harness::redis::{RedisServer, RedisTls, RespValue, resp_command};
 use lock_redis::RedisBackend;
@@ -105,13 +106,7 @@ async fn rediss_with_the_test_ca_acquires_renews_fences_and_releases() {
     let keys: Vec<LockKey> = (0..50)
         .map(|i| LockKey::new(format!("tls-{i}")).unwrap())
         .collect();
-    let leases: Vec<_> = redis
-        .acquire_many(&keys, TTL)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|l| l.expect("free key"))
-        .collect();
+    let leases = acquire_all(&redis, &keys, TTL).await;
     let renewed = redis.renew_many(&leases).await.unwrap();
     assert!(renewed.iter().all(|r| matches!(r, Renewal::Renewed { .. })));
     let released = redis.release_many(&leases).await.unwrap();

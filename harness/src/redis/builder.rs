@@ -134,7 +134,12 @@ impl RedisServerBuilder {
         self
     }
 
-    pub(crate) fn cluster(mut self, on: bool) -> Self {
+    /// Starts the server as a Redis Cluster node (`cluster-enabled`, its `nodes.conf` in the
+    /// server's directory, a 2 s node timeout) on a port whose cluster bus port (+10000) is
+    /// free too. It holds no slot and knows no other node until told (`CLUSTER ADDSLOTS`,
+    /// `CLUSTER MEET`); [`RedisCluster`](crate::redis::RedisCluster) does both for a whole
+    /// cluster.
+    pub fn cluster(mut self, on: bool) -> Self {
         self.cluster = on;
         self
     }
