@@ -120,6 +120,13 @@ fn on_memory(layer: Arc<impl BackendLayer>) -> Arc<dyn LockBackend> {
     Arc::new(Layered::new(Arc::new(MemoryBackend::new()), layer))
 }
 
+/// A memory backend behind a [`Faults`] layer, and the layer's knobs.
+fn faulted_memory() -> (Arc<Faults>, Arc<Layered<Arc<Faults>>>) {
+    let faults = Arc::new(Faults::default());
+    let backend = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
+    (faults, Arc::new(backend))
+}
+
 fn locker(backend: Arc<dyn LockBackend>) -> Locker {
     Locker::builder(backend)
         .ttl(TTL)
@@ -174,8 +181,7 @@ async fn one_renew_many_call_renews_every_due_lease() {
 
 #[tokio::test(start_paused = true)]
 async fn a_partition_is_reported_no_later_than_valid_until() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.partition();
@@ -187,8 +193,7 @@ async fn a_partition_is_reported_no_later_than_valid_until() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hanging_store_is_reported_no_later_than_valid_until() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.hang();
@@ -284,8 +289,7 @@ fn the_watchdog_starts_again_on_a_new_runtime_after_its_runtime_shut_down() {
 
 #[tokio::test(start_paused = true)]
 async fn transient_renewal_errors_are_retried() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.fail_next(2);
@@ -335,8 +339,7 @@ async fn a_lost_renewal_marks_the_guard_lost_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let finished = Arc::new(AtomicBool::new(false));
     let job = {
@@ -355,8 +358,7 @@ async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let job = {
         let faults = faults.clone();
@@ -377,8 +379,7 @@ async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     let job = {
         let faults = faults.clone();
@@ -395,8 +396,7 @@ async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_keeps_a_result_ready_before_the_deadline_and_polls_nothing_at_it() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     // No renewal gets through: each lease runs out at its first deadline.
     let job = |finish_before: Duration| {
@@ -475,8 +475,7 @@ async fn lock_waits_for_the_holder_and_times_out() {
 
 #[tokio::test(start_paused = true)]
 async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = Locker::builder(backend.clone())
         .ttl(TTL)
         .wait_timeout(Some(Duration::from_secs(1)))
@@ -495,8 +494,7 @@ async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
 
 #[tokio::test(start_paused = true)]
 async fn lock_retries_transient_errors_within_its_deadline() {
-    let faults = Arc::new(Faults::default());
-    let backend = Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone()));
+    let (faults, backend) = faulted_memory();
     let locker = locker(backend.clone());
     faults.fail_next(3);
     assert!(locker.lock(&key("job")).await.is_ok());
