@@ -121,10 +121,9 @@ fn on_memory(layer: Arc<impl BackendLayer>) -> Arc<dyn LockBackend> {
 }
 
 /// A memory backend behind a [`Faults`] layer, and the layer's knobs.
-fn faulted_memory() -> (Arc<Faults>, Arc<Layered<Arc<Faults>>>) {
+fn faulted_memory() -> (Arc<Faults>, Arc<dyn LockBackend>) {
     let faults = Arc::new(Faults::default());
-    let backend = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
-    (faults, Arc::new(backend))
+    (faults.clone(), on_memory(faults))
 }
 
 fn locker(backend: Arc<dyn LockBackend>) -> Locker {
