@@ -50,12 +50,13 @@ fn refusal(built: Result<RedisBackend, LockError>) -> String {
     }
 }
 
-/// Asserts `message` names the setting, the policy found, the node and the fix.
-fn assert_names_the_policy(message: &str, policy: &str, node: &str) {
+/// Asserts `message` names the setting, the policy found, the node (`node`'s address)
+/// and the fix.
+fn assert_names_the_policy(message: &str, policy: &str, node: &RedisServer) {
     for part in [
         format!("`maxmemory-policy {policy}`"),
         format!("`maxmemory {LIMIT}`"),
-        node.to_owned(),
+        format!("127.0.0.1:{}", node.port()),
         "`maxmemory-policy noeviction`".to_owned(),
     ] {
         assert!(message.contains(&part), "{part:?} is not in {message:?}");
@@ -68,11 +69,7 @@ async fn volatile_lru_with_a_memory_limit_is_refused_without_showing_the_passwor
     let server = server_with(builder, "volatile-lru", LIMIT).await;
     let (built, _) = build(vec![server.url()], false).await;
     let message = refusal(built);
-    assert_names_the_policy(
-        &message,
-        "volatile-lru",
-        &format!("127.0.0.1:{}", server.port()),
-    );
+    assert_names_the_policy(&message, "volatile-lru", &server);
     assert!(!message.contains(PASSWORD), "{message}");
 }
 
@@ -80,11 +77,7 @@ async fn volatile_lru_with_a_memory_limit_is_refused_without_showing_the_passwor
 async fn allkeys_lru_with_a_memory_limit_is_refused() {
     let server = server_with(RedisServer::builder(), "allkeys-lru", LIMIT).await;
     let (built, _) = build(vec![server.url()], false).await;
-    assert_names_the_policy(
-        &refusal(built),
-        "allkeys-lru",
-        &format!("127.0.0.1:{}", server.port()),
-    );
+    assert_names_the_policy(&refusal(built), "allkeys-lru", &server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -100,11 +93,7 @@ async fn noeviction_with_a_memory_limit_is_accepted_and_read_again_at_each_build
             .await,
     );
     let (built, _) = build(vec![server.url()], false).await;
-    assert_names_the_policy(
-        &refusal(built),
-        "allkeys-lru",
-        &format!("127.0.0.1:{}", server.port()),
-    );
+    assert_names_the_policy(&refusal(built), "allkeys-lru", &server);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,11 +146,7 @@ async fn a_cluster_with_one_evicting_master_is_refused_from_any_seed() {
     let seed = cluster.nodes()[0].url();
     let (built, _) = build(vec![seed], true).await;
     let message = refusal(built);
-    assert_names_the_policy(
-        &message,
-        "allkeys-lru",
-        &format!("127.0.0.1:{}", evicting.port()),
-    );
+    assert_names_the_policy(&message, "allkeys-lru", evicting);
     for other in &cluster.nodes()[..2] {
         assert!(
             !message.contains(&format!(":{}", other.port())),

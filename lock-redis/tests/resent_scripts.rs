@@ -28,6 +28,21 @@ const ACQUIRE_ANY: &str = concat!(
 );
 const TTL: Duration = Duration::from_secs(10);
 
+/// `script` (one of the single-key acquires) sent again straight to the server for
+/// `lock_key` as `owner`, with a 10 s TTL: what a resent attempt gets back.
+async fn resend(f: &RedisFactory, script: &str, lock_key: &str, owner: &str) -> RespValue {
+    let args = [
+        "EVAL",
+        script,
+        "2",
+        lock_key,
+        "distlock:tokens",
+        owner,
+        "10000",
+    ];
+    harness::require(f.server.command(&args).await)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     let f = RedisFactory::start().await;
@@ -38,33 +53,9 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     let owner = lease.owner().to_string();
     let token = RespValue::Bulk(Some(lease.token().get().to_string().into_bytes()));
 
-    let again = harness::require(
-        f.server
-            .command(&[
-                "EVAL",
-                ACQUIRE,
-                "2",
-                &lock_key,
-                "distlock:tokens",
-                &owner,
-                "10000",
-            ])
-            .await,
-    );
+    let again = resend(&f, ACQUIRE, &lock_key, &owner).await;
     assert_eq!(again, token, "the single-key script");
-    let again = harness::require(
-        f.server
-            .command(&[
-                "EVAL",
-                ACQUIRE_MANY,
-                "2",
-                &lock_key,
-                "distlock:tokens",
-                &owner,
-                "10000",
-            ])
-            .await,
-    );
+    let again = resend(&f, ACQUIRE_MANY, &lock_key, &owner).await;
     assert_eq!(
         again,
         RespValue::Array(Some(vec![token])),
@@ -72,19 +63,7 @@ async fn an_acquire_sent_again_with_its_owner_id_returns_the_same_token() {
     );
 
     // Someone else's attempt is still refused, and the token did not move.
-    let other = harness::require(
-        f.server
-            .command(&[
-                "EVAL",
-                ACQUIRE,
-                "2",
-                &lock_key,
-                "distlock:tokens",
-                "someone-else",
-                "10000",
-            ])
-            .await,
-    );
+    let other = resend(&f, ACQUIRE, &lock_key, "someone-else").await;
     assert_eq!(other, RespValue::Bulk(None));
     assert_eq!(
         redis.inspect(&key).await.unwrap().token,
