@@ -13,6 +13,7 @@ use distlock_core::{
     OwnerId, Release, Renewal, valid_until,
 };
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 use tokio::time::Instant;
 use tracing::warn;
 use uuid::Uuid;
@@ -329,6 +330,24 @@ impl PgLeaseBackend {
         crate::error::from_sqlx(NAME, op, &self.client.schema, e)
     }
 
+    /// The row (if any) of the acquire statement `sql` taking `names` (one name or a list)
+    /// as `owner` for `ttl`.
+    async fn acquire_row(
+        &self,
+        sql: &Arc<str>,
+        names: Value<'_>,
+        owner: OwnerId,
+        ttl: Duration,
+    ) -> Result<Option<PgRow>, LockError> {
+        let statement = Statement::new(sql)
+            .bind(names)
+            .bind(Value::Uuid(owner_uuid(owner)))
+            .bind(Value::Int8(ttl_ms(ttl)));
+        self.client
+            .fetch_optional(NAME, Operation::Acquire, statement)
+            .await
+    }
+
     /// Runs a batch UPDATE over `leases` (owner- and token-checked) and returns, per lease,
     /// whether its row was updated. A lease listed twice is released once, as two single
     /// calls in a row would (the second finds it already released), and renewed twice.
@@ -409,6 +428,15 @@ impl PgLeaseBackend {
     }
 }
 
+/// `sql` with the row of `lease` bound first: its name, owner and token, which the statement
+/// matches so that it acts only on the acquisition `lease` names.
+fn on_row<'a>(sql: &'a Arc<str>, lease: &'a Lease) -> Statement<'a> {
+    Statement::new(sql)
+        .bind(Value::Text(lease.key().as_str()))
+        .bind(Value::Uuid(owner_uuid(lease.owner())))
+        .bind(Value::Int8(token_i64(lease.token())))
+}
+
 impl fmt::Debug for PgLeaseBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgLeaseBackend")
@@ -444,15 +472,7 @@ impl LockBackend for PgLeaseBackend {
         // Counted from before the connection is taken: earlier is the safe side.
         let sent = Instant::now();
         let row = self
-            .client
-            .fetch_optional(
-                NAME,
-                Operation::Acquire,
-                Statement::new(&self.sql.acquire)
-                    .bind(Value::Text(key.as_str()))
-                    .bind(Value::Uuid(owner_uuid(owner)))
-                    .bind(Value::Int8(ttl_ms(ttl))),
-            )
+            .acquire_row(&self.sql.acquire, Value::Text(key.as_str()), owner, ttl)
             .await?;
         let token: Option<i64> = row
             .map(|row| row.try_get(0))
@@ -489,14 +509,11 @@ impl LockBackend for PgLeaseBackend {
             let owner = OwnerId::random();
             let sent = Instant::now();
             let row = self
-                .client
-                .fetch_optional(
-                    NAME,
-                    Operation::Acquire,
-                    Statement::new(&self.sql.acquire_any)
-                        .bind(Value::Texts(names.clone()))
-                        .bind(Value::Uuid(owner_uuid(owner)))
-                        .bind(Value::Int8(ttl_ms(ttl))),
+                .acquire_row(
+                    &self.sql.acquire_any,
+                    Value::Texts(names.clone()),
+                    owner,
+                    ttl,
                 )
                 .await?;
             let decode = |e| self.decode(Operation::Acquire, e);
@@ -632,11 +649,7 @@ impl LockBackend for PgLeaseBackend {
             .execute(
                 NAME,
                 Operation::Renew,
-                Statement::new(&self.sql.renew)
-                    .bind(Value::Text(lease.key().as_str()))
-                    .bind(Value::Uuid(owner_uuid(lease.owner())))
-                    .bind(Value::Int8(token_i64(lease.token())))
-                    .bind(Value::Int8(ttl_ms(lease.ttl()))),
+                on_row(&self.sql.renew, lease).bind(Value::Int8(ttl_ms(lease.ttl()))),
             )
             .await?;
         Ok(if done.rows_affected() == 1 {
@@ -661,10 +674,7 @@ impl LockBackend for PgLeaseBackend {
             .fetch_optional(
                 NAME,
                 Operation::Release,
-                Statement::new(&self.sql.release)
-                    .bind(Value::Text(lease.key().as_str()))
-                    .bind(Value::Uuid(owner_uuid(lease.owner())))
-                    .bind(Value::Int8(token_i64(lease.token())))
+                on_row(&self.sql.release, lease)
                     .bind(Value::Int4(class))
                     .bind(Value::Int4(obj)),
             )
@@ -689,14 +699,7 @@ impl LockBackend for PgLeaseBackend {
         self.check_pooling().await?;
         let row = self
             .client
-            .fetch_optional(
-                NAME,
-                Operation::Fence,
-                Statement::new(&self.sql.fence)
-                    .bind(Value::Text(lease.key().as_str()))
-                    .bind(Value::Uuid(owner_uuid(lease.owner())))
-                    .bind(Value::Int8(token_i64(lease.token()))),
-            )
+            .fetch_optional(NAME, Operation::Fence, on_row(&self.sql.fence, lease))
             .await?;
         let Some(row) = row else {
             return Ok(Fence::Stale {
