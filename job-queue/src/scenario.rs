@@ -157,7 +157,19 @@ pub async fn run(
     for i in 0..options.workers {
         workers.push(spawn_worker(exe, redis, postgres, &run, i, options.locked)?);
     }
-    let outcome = choreograph(&ledger, options.jobs).await;
+    let mut outcome = choreograph(&ledger, options.jobs).await;
+    if let Err(e) = &outcome {
+        // What each unpaid job went through, and where the queue holds it, before the
+        // workers are stopped.
+        let unpaid = ledger.unpaid(options.jobs).await?;
+        let mut conn = apalis_redis::connect(redis).await?;
+        let state = crate::queue_state::describe(&mut conn, &queue_config(&run)).await?;
+        outcome = Err(format!(
+            "{e}\nhistory of the unpaid payouts:\n  {}\n{state}",
+            ledger.history(&unpaid).await?.join("\n  ")
+        )
+        .into());
+    }
     for worker in &mut workers {
         // Stopped workers are resumed first, or the kill would wait for them.
         if let Some(pid) = worker.id() {
