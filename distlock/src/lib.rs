@@ -173,10 +173,10 @@ pub use fenced::fenced_resource;
 // downstream store; the in-memory store; the errors and the metric names.
 pub use distlock_core::{
     Admission, Capabilities, Claim, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode,
-    Fence, FencedResource, FencingToken, Leader, Leadership, Lease, LeaseStatus, LockBackend,
-    LockError, LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES, MAX_PERMITS,
-    MemoryFencedResource, OwnerId, Permit, Permits, Release, Renewal, RetryPolicy, Semaphore,
-    election_key, memory, redact_url, telemetry, url_userinfo_is_ambiguous,
+    Fence, FencedResource, FencedResourceExt, FencingToken, Leader, Leadership, Lease, LeaseStatus,
+    LockBackend, LockError, LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES,
+    MAX_PERMITS, MemoryFencedResource, OwnerId, Permit, Permits, Release, Renewal, RetryPolicy,
+    Semaphore, WriteFence, election_key, memory, redact_url, telemetry, url_userinfo_is_ambiguous,
 };
 
 /// What implementing a store, or a layer around one, needs beyond the user's surface:

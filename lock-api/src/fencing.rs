@@ -6,6 +6,13 @@
 //!
 //! Roll it out in [`EnforcementMode::Shadow`] first (stale writes are logged and counted,
 //! and let through), then switch to [`EnforcementMode::Enforce`].
+//!
+//! A holder fences its writes with a [`WriteFence`], its lease's key and token together
+//! ([`FencedResourceExt`]), so a token is never checked against another key's.
+
+mod write_fence;
+
+pub use write_fence::{FencedResourceExt, WriteFence};
 
 use std::collections::HashMap;
 use std::fmt;
@@ -114,6 +121,16 @@ impl Admission {
 /// - any other store: make the token part of the write's own condition
 ///   (`UPDATE .. SET .., fence = $token WHERE id = $id AND fence <= $token`, a script that
 ///   compares and sets), and treat "nothing changed" as stale.
+///
+/// # Which name goes with which token
+///
+/// Tokens are ordered per key: a resource name must only ever be given tokens of one
+/// key. A semaphore's permits are leases on different slots, whose tokens are not ordered
+/// against each other: fenced under the semaphore's name, a holder of one slot is refused
+/// after a holder of another wrote with a higher token, though both hold their permits.
+/// Pass a [`WriteFence`] instead ([`FencedResourceExt::write_under`] with
+/// [`Permit::fence`](crate::Permit::fence) or [`WriteFence::of`] a lock's guard): it names
+/// the key its token was granted on.
 ///
 /// Every implementation admits a token equal to the highest seen (the newest holder may
 /// write many times), never lowers the recorded token, and in shadow mode stores a stale
@@ -229,6 +246,25 @@ impl MemoryFencedResource {
         write: impl FnOnce(),
     ) -> Admission {
         self.admit_then(resource, token, |_| write())
+    }
+
+    /// [`MemoryFencedResource::admit_with`] under a [`WriteFence`]: its key and its token.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+    /// use distlock::{EnforcementMode, LockKey, Locker, MemoryFencedResource};
+    ///
+    /// let locker = Locker::new(distlock::connect("memory://").await?)?;
+    /// let exports = locker.semaphore(&LockKey::new("exports:tenant-7")?, 2)?;
+    /// let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
+    /// let permit = exports.acquire().await?;
+    /// let mut sent = 0;
+    /// assert!(ledger.admit_under(&permit.fence(), || sent += 1).is_admitted());
+    /// assert_eq!(sent, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn admit_under(&self, fence: &WriteFence, write: impl FnOnce()) -> Admission {
+        self.admit_with(fence.key().as_str(), fence.token(), write)
     }
 
     /// Decides `token` for `resource` and, if admitted, runs `write` on the resource's

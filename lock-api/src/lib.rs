@@ -24,7 +24,10 @@ pub use backend::redact::{redact_url, url_userinfo_is_ambiguous};
 pub use backend::{LockBackend, acquire_each, acquire_first_free};
 pub use backend::{chore, wake};
 pub use error::{BoxError, LockError};
-pub use fencing::{Admission, EnforcementMode, FencedResource, MemoryFencedResource, decide};
+pub use fencing::{
+    Admission, EnforcementMode, FencedResource, FencedResourceExt, MemoryFencedResource,
+    WriteFence, decide,
+};
 pub use key::{FencingToken, LockKey, MAX_KEY_BYTES, OwnerId};
 pub use layer::instrumented::Instrumented;
 pub use layer::{BackendLayer, Layered};

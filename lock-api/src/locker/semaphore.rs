@@ -43,9 +43,10 @@ pub const MAX_PERMITS: u32 = 1024;
 ///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
-/// use distlock::{LockKey, Locker};
+/// use distlock::{EnforcementMode, FencedResourceExt, LockKey, Locker, MemoryFencedResource};
 ///
 /// let locker = Locker::new(distlock::connect("memory://").await?)?;
+/// let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
 /// // At most two exports of tenant 7 at once, across every worker.
 /// let exports = locker.semaphore(&LockKey::new("exports:tenant-7")?, 2)?;
 /// let first = exports.try_acquire().await?.expect("a free permit");
@@ -55,13 +56,14 @@ pub const MAX_PERMITS: u32 = 1024;
 /// assert_eq!(exports.available().await?, 1); // a snapshot, for dashboards
 /// // Two at once, all or none: one is free, so none (and none left held).
 /// assert!(exports.try_acquire_many(2).await?.is_none());
-/// let rows = exports.with_permit(|permit| {
-///     // Fence the export's writes under the permit's slot, not the semaphore's name:
-///     // tokens rise per slot, and those of different slots are not ordered.
-///     let (slot, token) = (permit.key().clone(), permit.token());
-///     async move { 42 }
-/// }).await?;
-/// assert_eq!(rows, 42);
+/// let written = exports.with_permit(|permit| {
+///     // Fence the export's writes with the permit's fence (its slot's key and its token),
+///     // not under the semaphore's name: tokens rise per slot, those of different slots
+///     // are not ordered.
+///     let (fence, ledger) = (permit.fence(), &ledger);
+///     async move { ledger.write_under(&fence, b"rows 0-99").await }
+/// }).await??;
+/// assert!(written.is_admitted());
 /// # drop(second);
 /// # Ok(()) }
 /// ```

@@ -5,20 +5,25 @@ use std::fmt;
 
 use crate::backend::lease::Release;
 use crate::error::LockError;
+use crate::fencing::WriteFence;
 use crate::key::{FencingToken, LockKey};
 use crate::locker::guard::{LeaseStatus, LockGuard};
 
 #[cfg(doc)]
 use super::Semaphore;
+#[cfg(doc)]
+use crate::fencing::{FencedResource, FencedResourceExt};
 
 /// One held permit of a [`Semaphore`]: a lease on one of its slots, renewed by the
 /// locker's watchdog until released. Dropping it releases it in the background, as
 /// dropping a [`LockGuard`] does.
 ///
-/// **Its token** is its slot's fencing token: it strictly increases with every grant of
-/// that slot, so a store downstream that fences per slot ([`Permit::key`]) rejects a
-/// permit holder that lost its permit to another. Tokens of different slots are not
-/// ordered against each other.
+/// **Fence its writes with [`Permit::fence`]**, the slot's key and the permit's token
+/// together ([`FencedResourceExt::write_under`]): its token is its slot's fencing token,
+/// which strictly increases with every grant of that slot, so a store downstream that
+/// fences per slot rejects a permit holder that lost its permit to another. Tokens of
+/// different slots are not ordered against each other: fenced under one name (the
+/// semaphore's), the holders of two slots refuse each other.
 #[must_use = "a permit is released as soon as it is dropped"]
 pub struct Permit {
     pub(super) guard: LockGuard,
@@ -31,12 +36,27 @@ impl Permit {
         self.slot
     }
 
-    /// The slot's key: the name to fence the permit's writes under.
+    /// The slot's key, `<name>:permit:<slot>`.
     pub fn key(&self) -> &LockKey {
         self.guard.key()
     }
 
-    /// The slot's fencing token for this grant.
+    /// What to fence the permit's writes with: the slot's key and this grant's token,
+    /// together. Hand it to [`FencedResourceExt::write_under`] (or
+    /// [`MemoryFencedResource::admit_under`](crate::MemoryFencedResource::admit_under)):
+    /// a holder of this slot that lost it to another is refused, and the holders of other
+    /// slots are not.
+    pub fn fence(&self) -> WriteFence {
+        WriteFence::of(&self.guard)
+    }
+
+    /// The slot's fencing token for this grant, **ordered only against other grants of
+    /// the same slot**.
+    ///
+    /// To fence a write, use [`Permit::fence`]: passed to [`FencedResource::write`] with
+    /// the semaphore's name (or any name other than [`Permit::key`]), this token refuses
+    /// legitimate holders: once the holder of one slot has written with a higher token,
+    /// a holder of another slot, whose permit is valid, is stale there.
     pub fn token(&self) -> FencingToken {
         self.guard.token()
     }
@@ -103,10 +123,16 @@ impl Permits {
         self.permits.is_empty()
     }
 
-    /// Each permit, in the order taken: its slot, key and token (fence each write under
-    /// the slot it uses, [`Permit::key`]).
+    /// Each permit, in the order taken: its slot, key and token (fence each write with
+    /// the permit it uses, [`Permit::fence`]).
     pub fn iter(&self) -> std::slice::Iter<'_, Permit> {
         self.permits.iter()
+    }
+
+    /// Each permit's [`Permit::fence`], in the order taken: one per slot held, each
+    /// admitted by a fenced resource whatever the tokens of the other slots.
+    pub fn fences(&self) -> Vec<WriteFence> {
+        self.permits.iter().map(Permit::fence).collect()
     }
 
     /// The slots held, in the order taken.
