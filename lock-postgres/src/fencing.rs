@@ -59,7 +59,7 @@ use async_trait::async_trait;
 use distlock_core::{
     Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey, decide,
 };
-use sqlx::{AssertSqlSafe, PgPool, PgTransaction};
+use sqlx::{AssertSqlSafe, PgPool, PgTransaction, Postgres};
 
 use crate::client::token_from;
 use crate::error::{self, Operation};
@@ -211,18 +211,34 @@ impl PgFencedResource {
     /// Cancel safe: it only reads (a call dropped mid-way leaves its read-only transaction
     /// to be rolled back when the connection is next used).
     pub async fn latest(&self, resource: &str) -> Result<Option<FencingToken>, LockError> {
+        let latest: Option<i64> = self
+            .read_column(Operation::Fence, &self.latest_sql, resource)
+            .await?;
+        Ok(latest.map(token_from))
+    }
+
+    /// The one column `sql` reads from the row of `resource`, in a transaction of its own;
+    /// `None` when there is no row or the column is NULL.
+    async fn read_column<T>(
+        &self,
+        op: Operation,
+        sql: &Arc<str>,
+        resource: &str,
+    ) -> Result<Option<T>, LockError>
+    where
+        T: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres> + Send + Unpin,
+    {
         check_name(resource, "resource")?;
-        let fail = |e| error::from_sqlx(NAME, Operation::Fence, &self.schema, e);
+        let fail = |e| error::from_sqlx(NAME, op, &self.schema, e);
         let mut tx = self.begin().await.map_err(fail)?;
-        let latest: Option<Option<i64>> =
-            sqlx::query_scalar(AssertSqlSafe(self.latest_sql.clone()))
-                .bind(resource)
-                .persistent(false)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(fail)?;
+        let value: Option<Option<T>> = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+            .bind(resource)
+            .persistent(false)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(fail)?;
         tx.commit().await.map_err(fail)?;
-        Ok(latest.flatten().map(token_from))
+        Ok(value.flatten())
     }
 }
 
@@ -258,18 +274,8 @@ impl FencedResource for PgFencedResource {
     }
 
     async fn read(&self, resource: &str) -> Result<Option<Vec<u8>>, LockError> {
-        check_name(resource, "resource")?;
-        let fail = |e| error::from_sqlx(NAME, Operation::Read, &self.schema, e);
-        let mut tx = self.begin().await.map_err(fail)?;
-        let value: Option<Option<Vec<u8>>> =
-            sqlx::query_scalar(AssertSqlSafe(self.read_sql.clone()))
-                .bind(resource)
-                .persistent(false)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(fail)?;
-        tx.commit().await.map_err(fail)?;
-        Ok(value.flatten())
+        self.read_column(Operation::Read, &self.read_sql, resource)
+            .await
     }
 
     async fn check_only(
