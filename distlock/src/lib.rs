@@ -7,12 +7,12 @@
 //! from doing damage: its lock may be gone without it knowing, its writes are refused.
 //!
 //! This facade re-exports the lock API of `distlock-core` (the [`LockBackend`] trait and its
-//! contract, [`Locker`] and [`LockGuard`] with their renewal watchdog, the
-//! [`FencedResource`] gate, [`Election`] for a fenced singleton role such as a scheduler,
-//! the in-memory backend in [`memory`]) and opens any backend from a URL with
-//! [`connect`]. Each store sits behind a cargo feature, and its crate is re-exported
-//! under the feature's name for what a URL cannot say (builders with every setting, the
-//! stores' fenced resources, PostgreSQL's SQL helpers):
+//! contract, [`Locker`] and [`LockGuard`] with their renewal watchdog, [`Semaphore`] for
+//! at most N holders at once, the [`FencedResource`] gate, [`Election`] for a fenced
+//! singleton role such as a scheduler, the in-memory backend in [`memory`]) and opens any
+//! backend from a URL with [`connect`]. Each store sits behind a cargo feature, and its
+//! crate is re-exported under the feature's name for what a URL cannot say (builders with
+//! every setting, the stores' fenced resources, PostgreSQL's SQL helpers):
 //!
 //! | feature | default | adds | URL forms for [`connect`] |
 //! |---|---|---|---|
@@ -137,11 +137,32 @@
 //! [`Locker::semaphore`] makes a [`Semaphore`] of N permits (at most N exports of a
 //! tenant at once, say): each [`Permit`] is a lease on one of N slot keys, renewed and
 //! lost like a lock's, so a crashed holder's permit comes back when its TTL runs out.
-//! A permit's token rises per slot: fence its writes under [`Permit::key`], the slot,
-//! not under the semaphore's name, where the tokens of different slots are not ordered.
-//! Waiters are not served in order (a permit freed goes to whichever asks first, as
-//! Redisson's semaphores do); a locker refuses a lock named like a slot
+//! A permit's token rises per slot, and the tokens of different slots are not ordered:
+//! fence its writes with [`Permit::fence`] (the slot's key and the token together, taken
+//! by [`FencedResourceExt::write_under`] on every fenced resource), never with its token
+//! under the semaphore's name, where the holder of one slot refuses the holders of the
+//! others. Waiters are not served in order (a permit freed goes to whichever asks first,
+//! as Redisson's semaphores do); a locker refuses a lock named like a slot
 //! (`<name>:permit:<n>`).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), distlock::LockError> {
+//! use distlock::{EnforcementMode, FencedResourceExt, LockKey, Locker, MemoryFencedResource};
+//!
+//! let locker = Locker::new(distlock::connect("memory://").await?)?;
+//! let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
+//! // At most two exports of tenant 7 at once, in every process.
+//! let exports = locker.semaphore(&LockKey::new("exports:tenant-7")?, 2)?;
+//! let permit = exports.acquire().await?;
+//! let other = exports.acquire().await?;
+//! assert!(exports.try_acquire().await?.is_none()); // full: requeue the job
+//! // Each holder writes under its own permit's fence, and each is admitted.
+//! assert!(ledger.write_under(&permit.fence(), b"rows 0-99").await?.is_admitted());
+//! assert!(ledger.write_under(&other.fence(), b"rows 100-199").await?.is_admitted());
+//! permit.release().await?;
+//! other.release().await?;
+//! # Ok(()) }
+//! ```
 //!
 //! # Inside a job queue
 //!
