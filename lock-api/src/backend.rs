@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use crate::backend::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+use crate::backend::lease::{BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal};
 use crate::backend::wake::ReleaseWatch;
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
@@ -119,12 +119,25 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         Vec::new()
     }
 
+    /// The instance [`Self::adopt`] rebuilds leases as, for a backend whose store names a
+    /// lease by its key, owner id and token alone: nothing private rides on a lease, so one
+    /// rebuilt from those acts on the store as the original does. `None` (the default) for
+    /// a backend that cannot adopt, or that adopts on terms of its own.
+    fn adopts_as(&self) -> Option<BackendId> {
+        None
+    }
+
     /// Rebuilds a lease from its owner id and token, for tools that act on a lease held by
     /// another process (`lockctl release`). The result is an ordinary lease of this
     /// instance: release, renew and fence still check it in the store (its owner id,
     /// which is random per acquisition, and its token where the store compares it; Redis
     /// renews and releases by owner id alone and fences by both).
     /// Backends whose leases carry a private handle (a pinned session) cannot do this.
+    ///
+    /// The default, for a backend that names [`Self::adopts_as`], checks the TTL against
+    /// [`Self::capabilities`] and sends nothing; the lease's `valid_until` is now, since
+    /// this process never saw the grant. Without it the call is
+    /// [`LockError::Unsupported`].
     fn adopt(
         &self,
         key: &LockKey,
@@ -132,11 +145,14 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         token: FencingToken,
         ttl: Duration,
     ) -> Result<Lease, LockError> {
-        let _ = (key, owner, token, ttl);
-        Err(LockError::Unsupported {
-            operation: "adopt",
-            backend: self.name(),
-        })
+        let Some(instance) = self.adopts_as() else {
+            return Err(LockError::Unsupported {
+                operation: "adopt",
+                backend: self.name(),
+            });
+        };
+        self.capabilities().check_ttl(ttl)?;
+        Ok(Lease::adopted(instance, key.clone(), owner, token, ttl))
     }
 
     /// Deletes everything the store keeps for `key`, its fencing counter included, for

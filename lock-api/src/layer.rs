@@ -16,7 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::backend::LockBackend;
-use crate::backend::lease::{Capabilities, Fence, Lease, LockInfo, Release, Renewal};
+use crate::backend::lease::{BackendId, Capabilities, Fence, Lease, LockInfo, Release, Renewal};
 use crate::backend::wake::ReleaseWatch;
 use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
@@ -349,6 +349,10 @@ impl<L: BackendLayer> LockBackend for Layered<L> {
 
     fn watched_keys(&self) -> Vec<LockKey> {
         self.layer.watched_keys(&*self.inner)
+    }
+
+    fn adopts_as(&self) -> Option<BackendId> {
+        self.inner.adopts_as()
     }
 
     fn adopt(

@@ -222,15 +222,9 @@ impl LockBackend for MemoryBackend {
         Ok(fence)
     }
 
-    fn adopt(
-        &self,
-        key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.capabilities.check_ttl(ttl)?;
-        Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
+    /// Adopted leases are checked by owner and token in the table, as any other.
+    fn adopts_as(&self) -> Option<BackendId> {
+        Some(self.id)
     }
 
     async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
