@@ -1,0 +1,88 @@
+//! A permit's fence on a real PostgreSQL: permits of the lease table, writes through
+//! `PgFencedResource`. A permit's token under the semaphore's name refuses a valid holder
+//! of another slot; under each permit's fence both slots' holders are admitted and a
+//! holder whose slot went to another is refused.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Kind, backend, builder, shared_server};
+use distlock_core::{
+    Admission, EnforcementMode, FencedResource, FencedResourceExt, LockKey, Locker,
+};
+use lock_postgres::PgFencedResource;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_its_fence_each_slots_holder_is_admitted_and_one_that_lost_its_slot_is_refused() {
+    let server = shared_server().await;
+    let locker = Locker::builder(backend(&server, Kind::Lease).await)
+        .ttl(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let semaphore = locker
+        .semaphore(&LockKey::new("permit-fence:exports").unwrap(), 2)
+        .unwrap();
+    let pool = builder(&server)
+        .build_lease_backend()
+        .unwrap()
+        .pool()
+        .clone();
+    let ledger = PgFencedResource::new(pool, "distlock", EnforcementMode::Enforce).unwrap();
+
+    // Both slots held, the later on a slot granted again, with the higher token.
+    let first = semaphore.try_acquire().await.unwrap().unwrap();
+    let earlier = semaphore.try_acquire().await.unwrap().unwrap();
+    first.release().await.unwrap();
+    let later = semaphore.try_acquire().await.unwrap().unwrap();
+    assert_ne!(later.slot(), earlier.slot());
+    assert!(later.token() > earlier.token(), "{later:?}, {earlier:?}");
+
+    // The trap: under the semaphore's name the valid earlier holder is refused.
+    let name = semaphore.name().as_str();
+    let written = ledger.write(name, later.token(), b"later").await.unwrap();
+    assert_eq!(written, Admission::Admitted);
+    let refused = ledger
+        .write(name, earlier.token(), b"earlier")
+        .await
+        .unwrap();
+    assert_eq!(
+        refused,
+        Admission::Stale {
+            latest: later.token()
+        }
+    );
+
+    // Under each permit's fence, both are admitted.
+    let later_fence = later.fence();
+    let written = ledger.write_under(&later_fence, b"later").await.unwrap();
+    assert_eq!(written, Admission::Admitted);
+    let written = ledger
+        .write_under(&earlier.fence(), b"earlier")
+        .await
+        .unwrap();
+    assert_eq!(written, Admission::Admitted);
+
+    // The later holder's slot goes to another; the fence it kept is refused after the
+    // new holder wrote, and the value stays the new holder's.
+    later.release().await.unwrap();
+    let successor = semaphore.try_acquire().await.unwrap().unwrap();
+    assert_eq!(successor.key(), later_fence.key());
+    let written = ledger
+        .write_under(&successor.fence(), b"new")
+        .await
+        .unwrap();
+    assert_eq!(written, Admission::Admitted);
+    let late = ledger.write_under(&later_fence, b"late").await.unwrap();
+    assert_eq!(
+        late,
+        Admission::Stale {
+            latest: successor.token()
+        }
+    );
+    let read = ledger.read_under(&later_fence).await.unwrap();
+    assert_eq!(read.as_deref(), Some(&b"new"[..]));
+
+    earlier.release().await.unwrap();
+    successor.release().await.unwrap();
+}
