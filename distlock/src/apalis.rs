@@ -99,7 +99,9 @@ pub struct JobLease {
 
 impl JobLease {
     /// The key the lease holds, which its token fences (see
-    /// [`Locked::key`](crate::tower::Locked::key)).
+    /// [`Locked::key`](crate::tower::Locked::key)): under
+    /// [`ApalisLockLayer::claimed`]`(.., `[`Until::Executed`]`)` the job's run key,
+    /// `running:<job key>`, whose token is new for each run.
     pub fn key(&self) -> &LockKey {
         &self.key
     }
@@ -334,7 +336,13 @@ where
                     JobError::Busy { .. } => ctx.raw_status().store(Status::Pending),
                     JobError::DeadLetter { .. } => ctx.raw_status().store(Status::Killed),
                     JobError::Skipped { .. } => ctx.raw_status().store(Status::Done),
-                    _ => {}
+                    // A failed attempt, to be retried. A job stopped for a lost lease was
+                    // dropped inside apalis's lifecycle layer, which had marked it running
+                    // and never saw it end: acknowledged as running, apalis-redis puts it
+                    // in its dead set and apalis-postgres never fetches it again.
+                    JobError::Lost { .. } | JobError::Lock(_) => {}
+                    // The handler's own error: the lifecycle layer has set the status.
+                    JobError::Job(_) => {}
                 }
                 let delivery = u32::try_from(ctx.attempt()).unwrap_or(u32::MAX);
                 outcomes.into_apalis(e, delivery)

@@ -12,7 +12,10 @@ use std::time::Duration;
 use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
-use distlock::{FencingToken, LockBackend, LockError, LockKey, Locker};
+use distlock::{
+    Admission, EnforcementMode, FencingToken, LockBackend, LockError, LockKey, Locker,
+    MemoryFencedResource,
+};
 use tokio::time::Instant;
 use tower::limit::ConcurrencyLimit;
 use tower_layer::Layer;
@@ -607,26 +610,31 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
             .unwrap()
             .is_none()
     );
-    let probe = locker.clone();
+    let (probe, records) = (locker.clone(), Arc::new(store.client()));
     let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
         Handler(move |locked: Locked<Enqueued>| {
-            let probe = probe.clone();
+            let (probe, records) = (probe.clone(), records.clone());
             async move {
                 // While it runs, the key is still claimed: no duplicate is enqueued.
-                let duplicate = probe.claim(&locked.key, Duration::from_secs(60)).await;
-                Ok::<_, Infallible>((locked.token, duplicate.unwrap().is_none()))
+                let job_key = key_of(&locked.request.job).unwrap();
+                let duplicate = probe.claim(&job_key, Duration::from_secs(60)).await;
+                let run = records.inspect(&locked.key).await.unwrap();
+                let fenced = (locked.key, locked.token, run.token);
+                Ok::<_, Infallible>((fenced, duplicate.unwrap().is_none()))
             }
         }),
     );
-    let (token, kept_out) = service
+    let ((fence_key, token, run_token), kept_out) = service
         .call(Enqueued {
             job,
             claim: Some(claim.clone()),
         })
         .await
         .unwrap();
-    assert_eq!(token, claim.token(), "the job did not run under its claim");
     assert!(kept_out, "a duplicate was claimed while the job ran");
+    // The run's token is its run key's, which fences it.
+    assert_eq!(fence_key.as_str(), "running:job:6");
+    assert_eq!(Some(token), run_token);
     // Done: the key is free for the next job.
     assert!(
         locker
@@ -687,8 +695,10 @@ async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_
     }
     let again = again.await.unwrap();
     assert!(matches!(again, Err(JobError::Busy { .. })), "{again:?}");
+    let run_key = LockKey::new("running:job:8").unwrap();
+    let run_token = store.inspect(&run_key).await.unwrap().token;
     gate.add_permits(1);
-    assert_eq!(first.await.unwrap().unwrap(), claim.token());
+    assert_eq!(Some(first.await.unwrap().unwrap()), run_token);
 }
 
 /// Under a claim a run holds two leases, the claim and its run key: losing the run key
@@ -730,6 +740,124 @@ async fn until_executed_a_run_that_loses_its_run_key_stops() {
         .expect("the run went on without its run key")
         .unwrap();
     assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
+}
+
+/// One run of job 10 under its producer's claim until executed, stopped as a paused
+/// worker's is (its store unreachable from the moment the job starts: no renewal), and a
+/// delivery of the job to another worker once the stopped run's run key has lapsed, the
+/// claim still alive (`claim_outlives_run_key`: the two lapse apart by the time between
+/// their renewals; here the producer's locker holds the claim on, so the order is
+/// certain) or lapsed too. Returns each run's fence key and token, and the verdict on the
+/// stopped run's write, in flight when it stopped and arriving after the second run's.
+async fn a_stopped_run_and_the_next(
+    claim_outlives_run_key: bool,
+) -> ((LockKey, FencingToken), (LockKey, FencingToken), Admission) {
+    const TTL: Duration = Duration::from_millis(300);
+    let store = MemoryBackend::new();
+    let producer = locker(store.client(), TTL);
+    let job = Job {
+        id: 10,
+        delivery: 1,
+    };
+    let key = key_of(&job).unwrap();
+    let claim = producer
+        .claim(&key, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let enqueued = Enqueued {
+        job,
+        claim: Some(claim.clone()),
+    };
+
+    let paused = Arc::new(Faults::default());
+    let (started, mut first_lease) = tokio::sync::mpsc::unbounded_channel();
+    let stops = paused.clone();
+    let first_store = Layered::new(Arc::new(store.client()), paused);
+    let mut first_worker =
+        claimed_layer(locker(first_store, TTL), distlock::tower::Until::Executed).layer(Handler(
+            move |locked: Locked<Enqueued>| {
+                started.send((locked.key, locked.token)).unwrap();
+                stops.partition();
+                std::future::pending::<Result<(), Infallible>>()
+            },
+        ));
+    let first = tokio::spawn(first_worker.call(enqueued.clone()));
+    let first_lease = first_lease.recv().await.expect("the first run started");
+    let holder = if claim_outlives_run_key {
+        Some(
+            producer
+                .resume(&claim)
+                .await
+                .unwrap()
+                .expect("the claim is alive"),
+        )
+    } else {
+        None
+    };
+    // A hang guard, not a bound: the stopped run's lease ends a TTL after it started.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the stopped run went on")
+        .unwrap();
+    assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
+    let run_key = LockKey::new("running:job:10").unwrap();
+    let lapsed = Instant::now();
+    loop {
+        let run_free = store.inspect(&run_key).await.unwrap().owner.is_none();
+        let claim_free = store.inspect(&key).await.unwrap().owner.is_none();
+        if run_free && claim_free != claim_outlives_run_key {
+            break;
+        }
+        assert!(
+            lapsed.elapsed() < Duration::from_secs(10),
+            "run key free: {run_free}, claim free: {claim_free}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let ledger = Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce));
+    let writes = ledger.clone();
+    let mut next_worker = claimed_layer(
+        locker(store.client(), TTL),
+        distlock::tower::Until::Executed,
+    )
+    .layer(Handler(move |locked: Locked<Enqueued>| {
+        let admitted = writes.admit_with(locked.key.as_str(), locked.token, || {});
+        async move { Ok::<_, Infallible>((locked.key, locked.token, admitted)) }
+    }));
+    let (next_key, next_token, admitted) = next_worker.call(enqueued).await.unwrap();
+    assert!(admitted.is_admitted(), "{admitted:?}");
+    let stale = ledger.admit_with(first_lease.0.as_str(), first_lease.1, || {});
+    if let Some(holder) = holder {
+        holder.leave_to_expire();
+    }
+    (first_lease, (next_key, next_token), stale)
+}
+
+/// A stopped run's run key lapsed before its claim: the next delivery resumes the claim,
+/// and runs under a token of its own, higher, so the stopped run's late write is refused.
+#[tokio::test]
+async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_a_higher_token() {
+    let (first, next, stale) = a_stopped_run_and_the_next(true).await;
+    assert_eq!(first.0, next.0, "the runs fence different keys");
+    assert!(
+        next.1 > first.1,
+        "the next run's token {:?} is not higher than the stopped run's {:?}",
+        next.1,
+        first.1
+    );
+    assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
+}
+
+/// A stopped run's claim lapsed too: the next delivery takes the job's key as usual, and
+/// still fences the key the stopped run fenced, under a higher token.
+#[tokio::test]
+async fn until_executed_a_delivery_after_a_stopped_runs_claim_ran_out_fences_the_same_key() {
+    let (first, next, stale) = a_stopped_run_and_the_next(false).await;
+    assert_eq!(first.0, next.0, "the runs fence different keys");
+    assert!(next.1 > first.1, "{:?} after {:?}", next.1, first.1);
+    assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
 }
 
 #[tokio::test]
@@ -775,21 +903,28 @@ async fn a_claim_that_ran_out_in_the_queue_leaves_the_job_to_take_its_key() {
         assert!(claimed_at.elapsed() < ttl * 10, "the claim never ran out");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let probe = locker.clone();
     let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
-        Handler(|locked: Locked<Enqueued>| async move { Ok::<_, Infallible>(locked.token) }),
+        Handler(move |locked: Locked<Enqueued>| {
+            let probe = probe.clone();
+            async move {
+                // The job holds its key while it runs: no duplicate is enqueued.
+                let job_key = key_of(&locked.request.job).unwrap();
+                let duplicate = probe.claim(&job_key, Duration::from_secs(60)).await;
+                Ok::<_, Infallible>((locked.key, duplicate.unwrap().is_none()))
+            }
+        }),
     );
-    let token = service
+    let (fence_key, kept_out) = service
         .call(Enqueued {
             job: job.clone(),
             claim: Some(claim.clone()),
         })
         .await
         .unwrap();
-    assert!(
-        token > claim.token(),
-        "{token:?} after the claim's {:?}",
-        claim.token()
-    );
+    assert!(kept_out, "the job ran without its key");
+    // Fenced on its run key, as a run under the claim would be.
+    assert_eq!(fence_key.as_str(), "running:job:8");
     // Until executed, a claim on another key than the job's is refused before it runs.
     let other = locker
         .claim(

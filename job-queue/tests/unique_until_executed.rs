@@ -76,11 +76,11 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
                 .claim(&key(report.id)?, Duration::from_secs(60))
                 .await?
                 .is_some();
-            let claimed = report.claim.as_ref().map(Claim::token);
+            // Fenced by its run: on the run key, under that key's token.
             assert_eq!(
-                claimed,
-                Some(lease.token()),
-                "run under another lease than its claim"
+                lease.key().as_str(),
+                format!("running:{}", key(report.id)?),
+                "fenced on another key than its run key"
             );
             seen.lock()
                 .unwrap()

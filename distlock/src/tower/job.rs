@@ -131,14 +131,18 @@ impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
 pub struct Locked<R> {
     /// The job's request.
     pub request: R,
-    /// The key the lease holds, which its token fences: the job's lock key, or under
+    /// The key the lease holds, which its token fences: the job's lock key; under
     /// [`LockLayer::permits`] the permit's slot of the job's semaphore (tokens rise per
-    /// slot; those of different slots are not ordered).
+    /// slot; those of different slots are not ordered); under
+    /// [`LockLayer::claimed`]`(.., `[`Until::Executed`]`)` the job's run key,
+    /// `running:<job key>`, whose token is new for each run.
     pub key: LockKey,
     /// The lease's fencing token: attach it to every write the job makes, fenced on
     /// [`Locked::key`].
     pub token: FencingToken,
-    /// The lease's status, to check [`LeaseStatus::is_held`] inside the job.
+    /// The lease's status, to check [`LeaseStatus::is_held`] inside the job. (Until
+    /// executed, that of the run key; the layer stops the job when either of its leases
+    /// ends.)
     pub status: LeaseStatus,
 }
 
@@ -160,9 +164,15 @@ pub enum Until {
     /// Until the job has run (`until_executed`): the claim is the job's lock, resumed by
     /// the worker and released when the job ends, so no duplicate is enqueued from the
     /// moment the producer claims the key until the job is done. The claim must be on
-    /// the job's key. A run also holds `running:<job key>`, which keeps another delivery
-    /// of the same job from running beside it, and stops if it loses either lease: keep
-    /// job keys out of the `running:` names.
+    /// the job's key. A run also holds `running:<job key>`, its run key, which keeps
+    /// another delivery of the same job from running beside it, and stops if it loses
+    /// either lease: keep job keys out of the `running:` names.
+    ///
+    /// The job is fenced by its run: [`Locked::key`] is the run key and
+    /// [`Locked::token`] the run key's token, which rises with each run (every delivery
+    /// of a job carries the same claim, and so the claim's token; a delivery that
+    /// resumed the claim of a stopped run would carry that run's token). Every run of the
+    /// job fences that key, whether its claim was resumed, had run out, or was not there.
     Executed,
 }
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
@@ -265,11 +275,12 @@ impl<R> LockLayer<R> {
     /// that cannot [`adopt`](distlock_core::LockBackend::adopt) leases (PostgreSQL
     /// advisory locks: the call fails with [`JobError::Lock`]).
     ///
-    /// Until executed, a run also holds the lock `running:<key>` (so the job's key may
-    /// be at most 504 bytes): every delivery of a job carries the same claim, and a
-    /// delivery made while an earlier one still runs (a queue that took a paused worker
-    /// for dead) finds it held and is a miss, instead of running beside the earlier one
-    /// under the same token.
+    /// Until executed, every run also holds the lock `running:<key>` (so the job's key
+    /// may be at most 504 bytes), taken before the claim is resumed: every delivery of a
+    /// job carries the same claim, and a delivery made while an earlier one still runs (a
+    /// queue that took a paused worker for dead) finds it held and is a miss, instead of
+    /// running beside the earlier one. Its token is the job's fencing token, on that key
+    /// (see [`Until::Executed`]): two runs of a job never share one.
     #[must_use]
     pub fn claimed(
         mut self,
@@ -473,18 +484,22 @@ where
         None
     };
     let mut tried = 0;
-    let resumed = match &layer.claimed {
-        Some((claim_of, until)) => match claim_of(&request) {
-            Some(claim) => resume(&layer.locker, &claim, *until, &key).await?,
-            None => None,
-        },
-        None => None,
-    };
-    let held = loop {
-        if let Some(held) = resumed {
-            break held;
+    // Until executed, each try takes the run key, then the claim or the job's key.
+    let mut run_of = None;
+    match &layer.claimed {
+        Some((claim_of, Until::Executing)) => {
+            if let Some(claim) = claim_of(&request) {
+                end_claim(&layer.locker, &claim).await?;
+            }
         }
-        if let Some(held) = Held::try_take(&layer, &key).await.map_err(JobError::Lock)? {
+        Some((claim_of, Until::Executed)) => {
+            run_of = Some(RunOf::new(&key, claim_of(&request)).map_err(JobError::Lock)?);
+        }
+        None => {}
+    }
+    let held = loop {
+        let taken = Held::try_take(&layer, &key, run_of.as_ref()).await;
+        if let Some(held) = taken.map_err(JobError::Lock)? {
             break held;
         }
         tried += 1;
@@ -526,24 +541,21 @@ where
     if let Some(dead_letter) = &layer.dead_letter {
         dead_letter.misses.forget(&key);
     }
-    let status = held.guard().status();
+    let status = held.fence().status();
     let locked = Locked {
         request,
-        key: held.guard().key().clone(),
-        token: held.guard().token(),
+        key: held.fence().key().clone(),
+        token: held.fence().token(),
         status: status.clone(),
     };
-    // Under a claim the run stops when either lease ends: the claim, or the run key that
-    // keeps the job's other deliveries from running beside it.
-    let run_status = match &held {
-        Held::Claimed { run, .. } => run.0.as_ref().map(LockGuard::status),
-        _ => None,
-    };
+    // Until executed the run stops when either lease ends: its run key, whose token
+    // fences it, or the job's key (its claim), which keeps duplicates from being enqueued.
+    let job_status = held.run.as_ref().map(|_| held.taken.guard().status());
     // `inner` is the clone `poll_ready` made ready: it runs the job at once.
     let job = inner.call(locked);
-    let outcome = match run_status {
-        Some(run_status) => status
-            .while_held(run_status.while_held(job))
+    let outcome = match job_status {
+        Some(job_status) => status
+            .while_held(job_status.while_held(job))
             .await
             .and_then(|inner| inner),
         None => status.while_held(job).await,
@@ -553,12 +565,14 @@ where
             // The job is over either way; a release that fails leaves the lease to end
             // with its TTL, which takes nothing from the job's result.
             match held {
-                Held::Lock(guard) if layer.until_expired && done.is_ok() => {
+                Held {
+                    taken: Taken::Lock(guard),
+                    run,
+                } if layer.until_expired && done.is_ok() => {
                     guard.leave_to_expire();
-                }
-                Held::Claimed { claim, run } if layer.until_expired && done.is_ok() => {
-                    claim.leave_to_expire();
-                    run.release().await;
+                    if let Some(run) = run {
+                        run.release().await;
+                    }
                 }
                 held => {
                     let _ = held.release().await;
@@ -574,82 +588,75 @@ where
     }
 }
 
-/// Resumes a job's claim: what to run the job under (until executed: the claim, with its
-/// run key), or nothing (until executing: the claim is released, and the job takes its
-/// key as usual; the claim ran out; or another delivery of the job runs under it, and
-/// the job's key, still claimed, makes this one a miss).
-async fn resume<E>(
-    locker: &Locker,
-    claim: &Claim,
-    until: Until,
-    key: &LockKey,
-) -> Result<Option<Held>, JobError<E>> {
-    let run_key = if until == Until::Executed {
-        if claim.key() != key {
-            return Err(JobError::Lock(LockError::Config(format!(
+/// Until executing: ends the job's claim (resumed, then released), so that a duplicate
+/// may be enqueued once the job has started; the job then takes its key as usual.
+async fn end_claim<E>(locker: &Locker, claim: &Claim) -> Result<(), JobError<E>> {
+    if let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? {
+        // A release that fails leaves the claim to run out at its TTL.
+        let _ = guard.release().await;
+    }
+    Ok(())
+}
+
+/// Until executed, what each try of a job takes: its run key, `running:<key>`, and then
+/// the job's key, by its claim while the claim lasts, as usual once it has ended.
+///
+/// Every delivery of the job carries the same claim, and resuming it renews the same
+/// lease under the same token: a delivery made while an earlier one still runs (its
+/// worker taken for dead by the queue, but only paused) would run beside it, and one
+/// made after that run's run key lapsed but before its claim did would run under its
+/// token. The run key is taken first, so a delivery that finds it held leaves the claim
+/// untouched and is a miss; and its token, new for each run, is the one the job fences
+/// with, on the run key, whether the claim was resumed or the job's key taken afresh.
+struct RunOf {
+    key: LockKey,
+    claim: Option<Claim>,
+}
+
+impl RunOf {
+    /// A claim on another key than the job's is a [`LockError::Config`].
+    fn new(key: &LockKey, claim: Option<Claim>) -> Result<Self, LockError> {
+        if let Some(claim) = &claim
+            && claim.key() != key
+        {
+            return Err(LockError::Config(format!(
                 "the job's claim is on {}, but the job runs under {key}: until executed, \
                  the producer claims the job's own key",
                 claim.key()
-            ))));
+            )));
         }
-        Some(run_key(key).map_err(JobError::Lock)?)
-    } else {
-        None
-    };
-    let Some(run_key) = run_key else {
-        let Some(guard) = locker.resume(claim).await.map_err(JobError::Lock)? else {
-            return Ok(None);
-        };
-        // A release that fails leaves the claim to run out at its TTL.
-        let _ = guard.release().await;
-        return Ok(None);
-    };
-    // Every delivery of the job carries the claim, and resuming it renews the same lease:
-    // a delivery made while an earlier one still runs (its worker taken for dead by the
-    // queue, but only paused) would run beside it under the same token, or keep the
-    // claim alive past that run's lease for the next delivery to run under. The run key,
-    // a lock of its own taken first, tells them apart: a later delivery that finds it
-    // held leaves the claim untouched, and is a miss on the job's key, still claimed.
-    let Some(run) = locker.try_lock(&run_key).await.map_err(JobError::Lock)? else {
-        return Ok(None);
-    };
-    match locker.resume(claim).await {
-        Ok(Some(guard)) => Ok(Some(Held::Claimed {
-            claim: guard,
-            run: RunKey(Some(run)),
-        })),
-        Ok(None) => {
-            // The claim has ended: the job takes its key as usual.
-            let _ = run.release().await;
-            Ok(None)
-        }
-        Err(e) => {
-            let _ = run.release().await;
-            Err(JobError::Lock(e))
-        }
+        Ok(Self {
+            key: LockKey::new(format!("running:{}", key.as_str()))?,
+            claim,
+        })
     }
 }
 
-/// The key a run under a resumed claim holds beside it: `running:<key>`.
-fn run_key(key: &LockKey) -> Result<LockKey, LockError> {
-    LockKey::new(format!("running:{}", key.as_str()))
+/// What a job runs under: its key's lock or a permit of its key's semaphore, and until
+/// executed its run key, whose token fences the job.
+struct Held {
+    taken: Taken,
+    run: Option<RunKey>,
 }
 
-/// What a job runs under: its key's lock, a permit of its key's semaphore, or its
-/// producer's claim with the run key that keeps other deliveries of the job from it.
-enum Held {
+/// What a job takes of its key: the lock (or its claim, resumed), or a permit.
+enum Taken {
     Lock(LockGuard),
     Permit(Permit),
-    Claimed { claim: LockGuard, run: RunKey },
 }
 
-/// The run key of a run under its producer's claim (see [`resume`]). Dropped unreleased
-/// (the job's future dropped, or the claim's release failed), it is left to run out at
-/// its TTL: freed before the claim, it would let the job's next delivery resume the claim
-/// and run under its token again.
+/// The run key of a run until executed (see [`RunOf`]). Dropped unreleased (the job's
+/// future dropped, or the release of the job's key failed), it is left to run out at its
+/// TTL: freed before the job's key, it would let the job's next delivery run while the
+/// key, or the claim, of this one still holds.
 struct RunKey(Option<LockGuard>);
 
 impl RunKey {
+    /// The run key's lease, there until [`RunKey::release`] takes it.
+    fn guard(&self) -> Option<&LockGuard> {
+        self.0.as_ref()
+    }
+
     async fn release(mut self) {
         if let Some(run) = self.0.take() {
             // A release that fails leaves the key to run out at its TTL.
@@ -666,40 +673,91 @@ impl Drop for RunKey {
     }
 }
 
-impl Held {
+impl Taken {
     /// One try at what the layer takes for `key`; `None` when it is all taken.
-    async fn try_take<R>(layer: &LockLayer<R>, key: &LockKey) -> Result<Option<Held>, LockError> {
+    async fn try_take<R>(layer: &LockLayer<R>, key: &LockKey) -> Result<Option<Taken>, LockError> {
         Ok(match layer.permits {
-            None => layer.locker.try_lock(key).await?.map(Held::Lock),
+            None => layer.locker.try_lock(key).await?.map(Taken::Lock),
             Some(permits) => layer
                 .locker
                 .semaphore(key, permits)?
                 .try_acquire()
                 .await?
-                .map(Held::Permit),
+                .map(Taken::Permit),
         })
     }
 
     fn guard(&self) -> &LockGuard {
         match self {
-            Held::Lock(guard) | Held::Claimed { claim: guard, .. } => guard,
-            Held::Permit(permit) => permit.guard(),
+            Taken::Lock(guard) => guard,
+            Taken::Permit(permit) => permit.guard(),
         }
     }
 
     async fn release(self) -> Result<Release, LockError> {
         match self {
-            Held::Lock(guard) => guard.release().await,
-            Held::Permit(permit) => permit.release().await,
-            Held::Claimed { claim, run } => {
-                // The claim first: a duplicate may be enqueued from then on, and the job's
-                // next delivery finds it ended once the run key is free.
-                let released = claim.release().await;
-                if released.is_ok() {
-                    run.release().await;
-                }
-                released
+            Taken::Lock(guard) => guard.release().await,
+            Taken::Permit(permit) => permit.release().await,
+        }
+    }
+}
+
+impl Held {
+    /// One try: what the layer takes for `key`, after the run key until executed; `None`
+    /// when the run key or the job's key is held (the run key then given back at once:
+    /// nothing ran under it).
+    async fn try_take<R>(
+        layer: &LockLayer<R>,
+        key: &LockKey,
+        run_of: Option<&RunOf>,
+    ) -> Result<Option<Held>, LockError> {
+        let Some(run_of) = run_of else {
+            let taken = Taken::try_take(layer, key).await?;
+            return Ok(taken.map(|taken| Held { taken, run: None }));
+        };
+        let Some(run) = layer.locker.try_lock(&run_of.key).await? else {
+            return Ok(None);
+        };
+        let run = RunKey(Some(run));
+        let taken = match &run_of.claim {
+            Some(claim) => layer.locker.resume(claim).await.map(|g| g.map(Taken::Lock)),
+            None => Ok(None),
+        };
+        let taken = match taken {
+            // The claim has ended, or there was none: the job takes its key as usual.
+            Ok(None) => Taken::try_take(layer, key).await,
+            resumed => resumed,
+        };
+        match taken {
+            Ok(Some(taken)) => Ok(Some(Held {
+                taken,
+                run: Some(run),
+            })),
+            missed => {
+                run.release().await;
+                missed.map(|_| None)
             }
         }
+    }
+
+    /// The lease whose token fences the job: the run key's until executed, else the
+    /// job's own.
+    fn fence(&self) -> &LockGuard {
+        self.run
+            .as_ref()
+            .and_then(RunKey::guard)
+            .unwrap_or_else(|| self.taken.guard())
+    }
+
+    async fn release(self) -> Result<Release, LockError> {
+        // The job's key first: a duplicate may be enqueued from then on, and the job's
+        // next delivery finds its claim ended once the run key is free.
+        let released = self.taken.release().await;
+        if let Some(run) = self.run
+            && released.is_ok()
+        {
+            run.release().await;
+        }
+        released
     }
 }
