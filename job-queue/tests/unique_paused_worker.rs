@@ -227,6 +227,29 @@ async fn taken_over(
     (second, second_token)
 }
 
+/// The end of a run taken over: report 1 recorded done once, and its key free again (the
+/// next report 1 may be enqueued); then the workers are killed.
+async fn done_once_and_free(
+    server: &Server,
+    queue: &Queue<Report>,
+    producer: &Locker,
+    workers: Vec<Worker>,
+) {
+    until(
+        "report 1 recorded done",
+        Duration::from_secs(10),
+        async || (queue.done(server).await.unwrap() == 1).then_some(()),
+    )
+    .await;
+    until("report 1's key free", Duration::from_secs(10), async || {
+        duplicate_claimed(producer).await.then_some(())
+    })
+    .await;
+    for mut worker in workers {
+        let _ = worker.child.kill().await;
+    }
+}
+
 on_each_storage!(
     until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses_the_job,
     until_executed_a_worker_killed_mid_run_does_not_lose_the_job,
@@ -267,20 +290,7 @@ async fn until_executed_a_worker_stopped_past_its_ttl_neither_finishes_nor_loses
             transcript(&workers)
         );
     }
-    // Recorded done once, and the key free again: the next report 1 may be enqueued.
-    until(
-        "report 1 recorded done",
-        Duration::from_secs(10),
-        async || (queue.done(&server).await.unwrap() == 1).then_some(()),
-    )
-    .await;
-    until("report 1's key free", Duration::from_secs(10), async || {
-        duplicate_claimed(&producer).await.then_some(())
-    })
-    .await;
-    for mut worker in workers {
-        let _ = worker.child.kill().await;
-    }
+    done_once_and_free(&server, &queue, &producer, workers).await;
 }
 
 async fn until_executed_a_delivery_while_a_stopped_worker_holds_the_claim_waits_for_its_run(
@@ -361,17 +371,5 @@ async fn until_executed_a_worker_killed_mid_run_does_not_lose_the_job(storage: S
         "{storage}: the killed run finished:{}",
         transcript(&workers)
     );
-    until(
-        "report 1 recorded done",
-        Duration::from_secs(10),
-        async || (queue.done(&server).await.unwrap() == 1).then_some(()),
-    )
-    .await;
-    until("report 1's key free", Duration::from_secs(10), async || {
-        duplicate_claimed(&producer).await.then_some(())
-    })
-    .await;
-    for mut worker in workers {
-        let _ = worker.child.kill().await;
-    }
+    done_once_and_free(&server, &queue, &producer, workers).await;
 }
