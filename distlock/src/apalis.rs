@@ -47,8 +47,8 @@
 //! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay; the task marked pending | retries the job later |
 //! | the key held, under [`OnMiss::Skip`] | [`AbortError`]; the task marked done | does not run it (the storage records it done) |
 //! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`]; the task marked killed | stops retrying (killed) |
-//! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`] | a failed attempt, retried by its policy |
-//! | the key invalid, or the lock store failing | the [`JobError`] | a failed attempt |
+//! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`]; the task marked failed | a failed attempt, retried by its policy |
+//! | the key invalid, or the lock store failing | the [`JobError`]; the task marked failed | a failed attempt |
 //!
 //! Each error the layer makes has a `JobError<Infallible>` saying why: [`job_error`] finds
 //! it in an error apalis reports.
@@ -340,7 +340,9 @@ where
                     // dropped inside apalis's lifecycle layer, which had marked it running
                     // and never saw it end: acknowledged as running, apalis-redis puts it
                     // in its dead set and apalis-postgres never fetches it again.
-                    JobError::Lost { .. } | JobError::Lock(_) => {}
+                    JobError::Lost { .. } | JobError::Lock(_) => {
+                        ctx.raw_status().store(Status::Failed);
+                    }
                     // The handler's own error: the lifecycle layer has set the status.
                     JobError::Job(_) => {}
                 }
