@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::wake::ReleaseWatch;
 use distlock_core::{
-    BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
-    OwnerId, Release, Renewal, valid_until,
+    BackendId, Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
+    Release, Renewal, valid_until,
 };
 use sqlx::Row;
 use sqlx::postgres::PgRow;
@@ -730,19 +730,10 @@ impl LockBackend for PgLeaseBackend {
         self.releases.watched_keys()
     }
 
-    /// A lease of this instance for `owner` and `token`. No statement runs: release, renew
-    /// and fence match name, owner and token in the row, so an adopted lease acts only on
-    /// the acquisition it names. Its local validity is already over (`valid_until` is now),
-    /// because how much of the TTL is left is known only to the server.
-    fn adopt(
-        &self,
-        key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.capabilities().check_ttl(ttl)?;
-        Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
+    /// Adopted leases are this instance's: release, renew and fence match name, owner and
+    /// token in the row, so an adopted lease acts only on the acquisition it names.
+    fn adopts_as(&self) -> Option<BackendId> {
+        Some(self.id)
     }
 
     /// Deletes the key's row, and with it the newest token. Tokens still never go back:

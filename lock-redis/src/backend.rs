@@ -13,8 +13,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::wake::ReleaseWatch;
 use distlock_core::{
-    Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
-    Release, Renewal,
+    BackendId, Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release,
+    Renewal,
 };
 use tokio::time::Instant;
 
@@ -285,26 +285,11 @@ impl LockBackend for RedisBackend {
         self.core().listener.watched_keys()
     }
 
-    /// A lease of this instance for `owner` and `token`, for tools that act on a lock held
-    /// by another process. Nothing is sent: renew, release and fence check owner and token
+    /// Adopted leases are this instance's: renew, release and fence check owner and token
     /// in their scripts, so a wrong pair is [`Renewal::Lost`] / [`Release::NotHeld`] /
-    /// [`Fence::Stale`] and changes nothing. Its `valid_until` is now: this process never
-    /// saw the grant, so it cannot claim any validity before a renewal.
-    fn adopt(
-        &self,
-        key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.core().caps.check_ttl(ttl)?;
-        Ok(Lease::adopted(
-            self.core().id,
-            key.clone(),
-            owner,
-            token,
-            ttl,
-        ))
+    /// [`Fence::Stale`] and changes nothing.
+    fn adopts_as(&self) -> Option<BackendId> {
+        Some(self.core().id)
     }
 
     /// Deletes the lock key with one `DEL`, whoever holds it. The next grant's token is

@@ -5,8 +5,7 @@ use std::time::Duration;
 use distlock::backend::wake::ReleaseWatch;
 use distlock::backend::{BackendId, async_trait, valid_until};
 use distlock::{
-    Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
-    Release, Renewal,
+    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal,
 };
 use tokio::time::Instant;
 
@@ -133,15 +132,9 @@ impl LockBackend for TableClient {
         self.store.releases().watched_keys()
     }
 
-    fn adopt(
-        &self,
-        key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.capabilities().check_ttl(ttl)?;
-        Ok(Lease::adopted(self.id, key.clone(), owner, token, ttl))
+    /// Adopted leases act on the table as any other: it checks owner and token.
+    fn adopts_as(&self) -> Option<BackendId> {
+        Some(self.id)
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {

@@ -13,11 +13,10 @@ use std::time::Duration;
 use common::TableFactory;
 use conformance::Factory;
 use conformance::broken::{BrokenKind, Caught, run_each};
-use distlock::backend::async_trait;
 use distlock::backend::wake::ReleaseWatch;
+use distlock::backend::{BackendId, async_trait};
 use distlock::{
-    Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey, OwnerId,
-    Release, Renewal,
+    Capabilities, Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal,
 };
 
 /// A client of the table store with the bug in its release; everything else is the
@@ -73,14 +72,8 @@ impl LockBackend for ForceRelease {
         self.0.watched_keys()
     }
 
-    fn adopt(
-        &self,
-        key: &LockKey,
-        owner: OwnerId,
-        token: FencingToken,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        self.0.adopt(key, owner, token, ttl)
+    fn adopts_as(&self) -> Option<BackendId> {
+        self.0.adopts_as()
     }
 
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
