@@ -126,6 +126,12 @@ fn faulted_memory() -> (Arc<Faults>, Arc<dyn LockBackend>) {
     (faults.clone(), on_memory(faults))
 }
 
+/// [`locker`] on a memory backend behind a [`Faults`] layer, and the layer's knobs.
+fn faulted_locker() -> (Arc<Faults>, Locker) {
+    let (faults, backend) = faulted_memory();
+    (faults, locker(backend))
+}
+
 fn locker(backend: Arc<dyn LockBackend>) -> Locker {
     Locker::builder(backend)
         .ttl(TTL)
@@ -180,8 +186,7 @@ async fn one_renew_many_call_renews_every_due_lease() {
 
 #[tokio::test(start_paused = true)]
 async fn a_partition_is_reported_no_later_than_valid_until() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.partition();
     let deadline = guard.valid_until();
@@ -192,8 +197,7 @@ async fn a_partition_is_reported_no_later_than_valid_until() {
 
 #[tokio::test(start_paused = true)]
 async fn a_hanging_store_is_reported_no_later_than_valid_until() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.hang();
     let deadline = guard.valid_until();
@@ -288,8 +292,7 @@ fn the_watchdog_starts_again_on_a_new_runtime_after_its_runtime_shut_down() {
 
 #[tokio::test(start_paused = true)]
 async fn transient_renewal_errors_are_retried() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let guard = locker.try_lock(&key("job")).await.unwrap().unwrap();
     faults.fail_next(2);
     sleep(TTL * 2).await;
@@ -338,8 +341,7 @@ async fn a_lost_renewal_marks_the_guard_lost_at_once() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let finished = Arc::new(AtomicBool::new(false));
     let job = {
         let finished = finished.clone();
@@ -357,8 +359,7 @@ async fn with_lock_cancels_the_job_when_the_lease_is_lost() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let job = {
         let faults = faults.clone();
         move |_: &distlock_core::LockGuard| async move {
@@ -378,8 +379,7 @@ async fn with_lock_returns_lost_without_waiting_for_a_hung_store() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     let job = {
         let faults = faults.clone();
         move |_: &distlock_core::LockGuard| async move {
@@ -395,8 +395,7 @@ async fn with_lock_returns_the_value_without_waiting_for_a_hung_release() {
 
 #[tokio::test(start_paused = true)]
 async fn with_lock_keeps_a_result_ready_before_the_deadline_and_polls_nothing_at_it() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     // No renewal gets through: each lease runs out at its first deadline.
     let job = |finish_before: Duration| {
         let faults = faults.clone();
@@ -493,8 +492,7 @@ async fn lock_gives_up_at_its_wait_timeout_even_when_an_acquire_hangs() {
 
 #[tokio::test(start_paused = true)]
 async fn lock_retries_transient_errors_within_its_deadline() {
-    let (faults, backend) = faulted_memory();
-    let locker = locker(backend.clone());
+    let (faults, locker) = faulted_locker();
     faults.fail_next(3);
     assert!(locker.lock(&key("job")).await.is_ok());
 }
