@@ -860,6 +860,104 @@ async fn until_executed_a_delivery_after_a_stopped_runs_claim_ran_out_fences_the
     assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
 }
 
+/// The next delivery of a job resumed the claim of a stopped run (the claim outlived that
+/// run's run key): the stopped run, once its worker reaches the store again, leaves the
+/// claim alone instead of releasing it, so the next run keeps it, and duplicates out, to
+/// its end.
+#[tokio::test]
+async fn until_executed_a_stopped_run_leaves_alone_the_claim_the_next_run_resumed() {
+    const TTL: Duration = Duration::from_millis(300);
+    let store = MemoryBackend::new();
+    let producer = locker(store.client(), TTL);
+    let job = Job {
+        id: 11,
+        delivery: 1,
+    };
+    let key = key_of(&job).unwrap();
+    let claim = producer
+        .claim(&key, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    let enqueued = Enqueued {
+        job,
+        claim: Some(claim.clone()),
+    };
+
+    // The first run's worker pauses as the job starts: its calls hang from then on.
+    let paused = Arc::new(Faults::default());
+    let (started, mut first_started) = tokio::sync::mpsc::unbounded_channel();
+    let hangs = paused.clone();
+    let first_store = Layered::new(Arc::new(store.client()), paused.clone());
+    let mut first_worker =
+        claimed_layer(locker(first_store, TTL), distlock::tower::Until::Executed).layer(Handler(
+            move |_: Locked<Enqueued>| {
+                started.send(()).unwrap();
+                hangs.hang();
+                std::future::pending::<Result<(), Infallible>>()
+            },
+        ));
+    let first = tokio::spawn(first_worker.call(enqueued.clone()));
+    first_started.recv().await.expect("the first run started");
+    // The claim outlives the stopped run's run key (held on by the producer here).
+    let holder = producer
+        .resume(&claim)
+        .await
+        .unwrap()
+        .expect("the claim is alive");
+    // A hang guard, not a bound: the stopped run's lease ends a TTL after it started.
+    let stopped = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the stopped run went on")
+        .unwrap();
+    assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
+    let run_key = LockKey::new("running:job:11").unwrap();
+    let lapsed = Instant::now();
+    while store.inspect(&run_key).await.unwrap().owner.is_some() {
+        assert!(
+            lapsed.elapsed() < Duration::from_secs(10),
+            "the run key never lapsed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // The next delivery resumes the claim and runs until let go; its calls are counted.
+    let counted = Arc::new(Faults::default());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (began, mut next_started) = tokio::sync::mpsc::unbounded_channel();
+    let waiting = gate.clone();
+    let next_store = Layered::new(Arc::new(store.client()), counted.clone());
+    let mut next_worker = claimed_layer(locker(next_store, TTL), distlock::tower::Until::Executed)
+        .layer(Handler(move |_: Locked<Enqueued>| {
+            began.send(()).unwrap();
+            let waiting = waiting.clone();
+            async move {
+                let _pass = waiting.acquire().await.unwrap();
+                Ok::<_, Infallible>(())
+            }
+        }));
+    let next = tokio::spawn(next_worker.call(enqueued));
+    next_started.recv().await.expect("the next run started");
+    holder.leave_to_expire();
+
+    // The stopped worker reaches the store again. Two renewals of the next run later (a
+    // third of the TTL apart), whatever it sent on waking has arrived.
+    paused.heal();
+    let calls = counted.calls();
+    while counted.calls() < calls + 2 {
+        assert!(lapsed.elapsed() < Duration::from_secs(10), "no renewal");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let duplicate = producer.claim(&key, Duration::from_secs(60)).await.unwrap();
+    assert!(
+        duplicate.is_none(),
+        "a duplicate was claimed while the next run went on"
+    );
+    gate.add_permits(1);
+    let next = next.await.unwrap();
+    assert!(next.is_ok(), "{next:?}");
+}
+
 #[tokio::test]
 async fn until_executing_the_claim_ends_when_the_job_starts() {
     let store = MemoryBackend::new();

@@ -173,6 +173,11 @@ pub enum Until {
     /// of a job carries the same claim, and so the claim's token; a delivery that
     /// resumed the claim of a stopped run would carry that run's token). Every run of the
     /// job fences that key, whether its claim was resumed, had run out, or was not there.
+    ///
+    /// A run that ends without its release (stopped on a lost lease, its future dropped)
+    /// leaves its run key and its claim to run out at their TTL instead of releasing
+    /// them: the claim is one lease for every delivery, and may be the next delivery's by
+    /// now.
     Executed,
 }
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
@@ -450,9 +455,10 @@ where
 
     /// # Cancel safety
     /// Dropping the future stops the job and releases its lock (in the background, as a
-    /// dropped [`distlock_core::LockGuard`] does). Dropped while it waits for the key
-    /// ([`OnMiss::Retry`]), it leaves no release watch behind, and the readiness it held
-    /// goes back to the inner service.
+    /// dropped [`distlock_core::LockGuard`] does; until executed, its run key and claim
+    /// are left to run out instead, see [`Until::Executed`]). Dropped while it waits for
+    /// the key ([`OnMiss::Retry`]), it leaves no release watch behind, and the readiness
+    /// it held goes back to the inner service.
     fn call(&mut self, request: R) -> Self::Future {
         // The clone that was made ready is the one called (tower's usual swap).
         let clone = self.inner.clone();
@@ -565,15 +571,7 @@ where
             // The job is over either way; a release that fails leaves the lease to end
             // with its TTL, which takes nothing from the job's result.
             match held {
-                Held {
-                    taken: Taken::Lock(guard),
-                    run,
-                } if layer.until_expired && done.is_ok() => {
-                    guard.leave_to_expire();
-                    if let Some(run) = run {
-                        run.release().await;
-                    }
-                }
+                held if layer.until_expired && done.is_ok() => held.leave_to_expire().await,
                 held => {
                     let _ = held.release().await;
                 }
@@ -632,43 +630,49 @@ impl RunOf {
     }
 }
 
-/// What a job runs under: its key's lock or a permit of its key's semaphore, and until
-/// executed its run key, whose token fences the job.
+/// What a job runs under: its key's lock (or claim) or a permit of its key's semaphore,
+/// and until executed its run key, whose token fences the job.
 struct Held {
     taken: Taken,
-    run: Option<RunKey>,
+    run: Option<Kept>,
 }
 
-/// What a job takes of its key: the lock (or its claim, resumed), or a permit.
+/// What a job takes of its key: the lock, the claim its producer took (resumed), or a
+/// permit.
 enum Taken {
     Lock(LockGuard),
+    Claim(Kept),
     Permit(Permit),
 }
 
-/// The run key of a run until executed (see [`RunOf`]). Dropped unreleased (the job's
-/// future dropped, or the release of the job's key failed), it is left to run out at its
-/// TTL: freed before the job's key, it would let the job's next delivery run while the
-/// key, or the claim, of this one still holds.
-struct RunKey(Option<LockGuard>);
+/// A lease of a run until executed (see [`RunOf`]) that, dropped unreleased (the job's
+/// future dropped, the run stopped on a lost lease, or the release of the job's key
+/// failed), is left to run out at its TTL instead of released in the background. The run
+/// key, freed before the job's key, would let the job's next delivery run while this
+/// one's key or claim still holds. The claim is one lease for every delivery of the job:
+/// a run stopped once its run key lapsed may find the claim resumed by the next delivery
+/// since, and releasing it would end that run's claim and let a duplicate be enqueued.
+struct Kept(Option<LockGuard>);
 
-impl RunKey {
-    /// The run key's lease, there until [`RunKey::release`] takes it.
-    fn guard(&self) -> Option<&LockGuard> {
-        self.0.as_ref()
+impl Kept {
+    fn guard(&self) -> &LockGuard {
+        self.0
+            .as_ref()
+            .expect("a kept lease is there until it is released or dropped")
     }
 
-    async fn release(mut self) {
-        if let Some(run) = self.0.take() {
-            // A release that fails leaves the key to run out at its TTL.
-            let _ = run.release().await;
+    async fn release(mut self) -> Result<Release, LockError> {
+        match self.0.take() {
+            Some(guard) => guard.release().await,
+            None => Ok(Release::NotHeld),
         }
     }
 }
 
-impl Drop for RunKey {
+impl Drop for Kept {
     fn drop(&mut self) {
-        if let Some(run) = self.0.take() {
-            run.leave_to_expire();
+        if let Some(guard) = self.0.take() {
+            guard.leave_to_expire();
         }
     }
 }
@@ -690,6 +694,7 @@ impl Taken {
     fn guard(&self) -> &LockGuard {
         match self {
             Taken::Lock(guard) => guard,
+            Taken::Claim(claim) => claim.guard(),
             Taken::Permit(permit) => permit.guard(),
         }
     }
@@ -697,6 +702,7 @@ impl Taken {
     async fn release(self) -> Result<Release, LockError> {
         match self {
             Taken::Lock(guard) => guard.release().await,
+            Taken::Claim(claim) => claim.release().await,
             Taken::Permit(permit) => permit.release().await,
         }
     }
@@ -718,9 +724,12 @@ impl Held {
         let Some(run) = layer.locker.try_lock(&run_of.key).await? else {
             return Ok(None);
         };
-        let run = RunKey(Some(run));
+        let run = Kept(Some(run));
         let taken = match &run_of.claim {
-            Some(claim) => layer.locker.resume(claim).await.map(|g| g.map(Taken::Lock)),
+            Some(claim) => {
+                let resumed = layer.locker.resume(claim).await;
+                resumed.map(|guard| guard.map(|guard| Taken::Claim(Kept(Some(guard)))))
+            }
             None => Ok(None),
         };
         let taken = match taken {
@@ -734,7 +743,8 @@ impl Held {
                 run: Some(run),
             })),
             missed => {
-                run.release().await;
+                // A release that fails leaves the key to run out at its TTL.
+                let _ = run.release().await;
                 missed.map(|_| None)
             }
         }
@@ -743,10 +753,27 @@ impl Held {
     /// The lease whose token fences the job: the run key's until executed, else the
     /// job's own.
     fn fence(&self) -> &LockGuard {
-        self.run
-            .as_ref()
-            .and_then(RunKey::guard)
-            .unwrap_or_else(|| self.taken.guard())
+        match &self.run {
+            Some(run) => run.guard(),
+            None => self.taken.guard(),
+        }
+    }
+
+    /// Until expired, a job that succeeded: its key is left to run out at its TTL (a
+    /// permit, which that option does not take, is given back); its run key, if any, is
+    /// released, as the run is over.
+    async fn leave_to_expire(self) {
+        match self.taken {
+            Taken::Lock(guard) => guard.leave_to_expire(),
+            Taken::Claim(claim) => drop(claim),
+            Taken::Permit(permit) => {
+                let _ = permit.release().await;
+            }
+        }
+        if let Some(run) = self.run {
+            // A release that fails leaves the key to run out at its TTL.
+            let _ = run.release().await;
+        }
     }
 
     async fn release(self) -> Result<Release, LockError> {
@@ -756,7 +783,8 @@ impl Held {
         if let Some(run) = self.run
             && released.is_ok()
         {
-            run.release().await;
+            // A release that fails leaves the key to run out at its TTL.
+            let _ = run.release().await;
         }
         released
     }
