@@ -54,12 +54,23 @@ pub(super) fn locker(
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
+    locker_with(ctx, client, t.ttl, Duration::from_millis(1))
+}
+
+/// A locker on `client` whose leases last `ttl` and whose waits poll every `first_backoff`
+/// growing to 20 ms, with the suite's 60 s wait timeout.
+pub(super) fn locker_with(
+    ctx: &Ctx<'_>,
+    client: Arc<dyn LockBackend>,
+    ttl: Duration,
+    first_backoff: Duration,
+) -> Result<Locker, Failure> {
     ctx.ok(
         "Locker::builder(..).build()",
         Locker::builder(client)
-            .ttl(t.ttl)
+            .ttl(ttl)
             .retry(RetryPolicy {
-                initial: Duration::from_millis(1),
+                initial: first_backoff,
                 max: Duration::from_millis(20),
             })
             .wait_timeout(Some(Duration::from_secs(60)))

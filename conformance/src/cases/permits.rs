@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::{Lease, LockBackend, LockError, Locker, RetryPolicy, Semaphore};
+use distlock_core::{Lease, LockBackend, LockError, Locker, Semaphore};
 use tokio::time::{Instant, sleep};
 
 use super::cancel::{BETWEEN_POLLS, MAX_POLLS, cut_after, never_completed};
-use super::locker::locker;
+use super::locker::{locker, locker_with};
 use super::release_held;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
@@ -55,17 +55,7 @@ fn long_lease_locker(
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
-    ctx.ok(
-        "Locker::builder(..).build()",
-        Locker::builder(client)
-            .ttl(t.long_ttl)
-            .retry(RetryPolicy {
-                initial: Duration::from_millis(5),
-                max: Duration::from_millis(20),
-            })
-            .wait_timeout(Some(Duration::from_secs(60)))
-            .build(),
-    )
+    locker_with(ctx, client, t.long_ttl, Duration::from_millis(5))
 }
 
 /// `holder` takes every slot of `semaphore` with the long TTL.
