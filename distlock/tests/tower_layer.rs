@@ -594,6 +594,21 @@ fn claimed_layer(locker: Locker, until: distlock::tower::Until) -> LockLayer<Enq
         .claimed(|e: &Enqueued| e.claim.clone(), until)
 }
 
+/// Job `id` as its producer enqueues it until executed: with the claim it took on the
+/// job's key.
+async fn claimed_job(producer: &Locker, id: u32) -> Enqueued {
+    let job = Job { id, delivery: 1 };
+    let claim = producer
+        .claim(&key_of(&job).unwrap(), Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("a free key");
+    Enqueued {
+        job,
+        claim: Some(claim),
+    }
+}
+
 #[tokio::test]
 async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_is_done() {
     let store = MemoryBackend::new();
@@ -649,16 +664,7 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
 async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_a_miss() {
     let store = MemoryBackend::new();
     let locker = locker(store.client(), Duration::from_secs(30));
-    let job = Job { id: 8, delivery: 1 };
-    let claim = locker
-        .claim(&key_of(&job).unwrap(), Duration::from_secs(60))
-        .await
-        .unwrap()
-        .expect("a free key");
-    let enqueued = Enqueued {
-        job,
-        claim: Some(claim.clone()),
-    };
+    let enqueued = claimed_job(&locker, 8).await;
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let runs = Arc::new(AtomicU32::new(0));
     let (waiting, counted) = (gate.clone(), runs.clone());
@@ -709,12 +715,7 @@ async fn until_executed_a_run_that_loses_its_run_key_stops() {
     const TTL: Duration = Duration::from_millis(300);
     let store = MemoryBackend::new();
     let locker = locker(store.client(), TTL);
-    let job = Job { id: 9, delivery: 1 };
-    let claim = locker
-        .claim(&key_of(&job).unwrap(), Duration::from_secs(60))
-        .await
-        .unwrap()
-        .expect("a free key");
+    let enqueued = claimed_job(&locker, 9).await;
     let started = Arc::new(tokio::sync::Notify::new());
     let running = started.clone();
     let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
@@ -727,10 +728,7 @@ async fn until_executed_a_run_that_loses_its_run_key_stops() {
             }
         }),
     );
-    let run = tokio::spawn(service.call(Enqueued {
-        job,
-        claim: Some(claim),
-    }));
+    let run = tokio::spawn(service.call(enqueued));
     started.notified().await;
     let run_key = LockKey::new("running:job:9").unwrap();
     store.client().purge(&run_key).await.unwrap();
@@ -742,48 +740,52 @@ async fn until_executed_a_run_that_loses_its_run_key_stops() {
     assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
 }
 
-/// One run of job 10 under its producer's claim until executed, stopped as a paused
-/// worker's is (its store unreachable from the moment the job starts: no renewal), and a
-/// delivery of the job to another worker once the stopped run's run key has lapsed, the
-/// claim still alive (`claim_outlives_run_key`: the two lapse apart by the time between
-/// their renewals; here the producer's locker holds the claim on, so the order is
-/// certain) or lapsed too. Returns each run's fence key and token, and the verdict on the
-/// stopped run's write, in flight when it stopped and arriving after the second run's.
-async fn a_stopped_run_and_the_next(
-    claim_outlives_run_key: bool,
-) -> ((LockKey, FencingToken), (LockKey, FencingToken), Admission) {
-    const TTL: Duration = Duration::from_millis(300);
+/// The lock TTL of the workers of [`a_stopped_run`] and of the runs after it.
+const STOPPED_TTL: Duration = Duration::from_millis(300);
+
+/// A run of a job under its producer's claim until executed, stopped as a paused
+/// worker's is, and what the test needs after it.
+struct StoppedRun {
+    store: MemoryBackend,
+    producer: Locker,
+    enqueued: Enqueued,
+    /// The stopped run's fence key and token.
+    lease: (LockKey, FencingToken),
+    /// The producer's hold on the claim, when the claim outlives the run key.
+    holder: Option<distlock::LockGuard>,
+    /// The stopped worker's store: its calls hang until healed.
+    paused: Arc<Faults>,
+}
+
+/// Job `id` pushed under its producer's claim and run until executed by a worker that
+/// pauses as the job starts (every call to its store hangs from then on), so the run
+/// stops when its lease ends; returned once its run key has lapsed, the claim still alive
+/// (`claim_outlives_run_key`: the two lapse apart by the time between their renewals;
+/// here the producer's locker holds the claim on, so the order is certain) or lapsed too.
+async fn a_stopped_run(id: u32, claim_outlives_run_key: bool) -> StoppedRun {
     let store = MemoryBackend::new();
-    let producer = locker(store.client(), TTL);
-    let job = Job {
-        id: 10,
-        delivery: 1,
-    };
-    let key = key_of(&job).unwrap();
-    let claim = producer
-        .claim(&key, Duration::from_secs(60))
-        .await
-        .unwrap()
-        .expect("a free key");
-    let enqueued = Enqueued {
-        job,
-        claim: Some(claim.clone()),
-    };
+    let producer = locker(store.client(), STOPPED_TTL);
+    let enqueued = claimed_job(&producer, id).await;
+    let (key, claim) = (
+        key_of(&enqueued.job).unwrap(),
+        enqueued.claim.clone().unwrap(),
+    );
 
     let paused = Arc::new(Faults::default());
     let (started, mut first_lease) = tokio::sync::mpsc::unbounded_channel();
-    let stops = paused.clone();
-    let first_store = Layered::new(Arc::new(store.client()), paused);
-    let mut first_worker =
-        claimed_layer(locker(first_store, TTL), distlock::tower::Until::Executed).layer(Handler(
-            move |locked: Locked<Enqueued>| {
-                started.send((locked.key, locked.token)).unwrap();
-                stops.partition();
-                std::future::pending::<Result<(), Infallible>>()
-            },
-        ));
+    let hangs = paused.clone();
+    let first_store = Layered::new(Arc::new(store.client()), paused.clone());
+    let mut first_worker = claimed_layer(
+        locker(first_store, STOPPED_TTL),
+        distlock::tower::Until::Executed,
+    )
+    .layer(Handler(move |locked: Locked<Enqueued>| {
+        started.send((locked.key, locked.token)).unwrap();
+        hangs.hang();
+        std::future::pending::<Result<(), Infallible>>()
+    }));
     let first = tokio::spawn(first_worker.call(enqueued.clone()));
-    let first_lease = first_lease.recv().await.expect("the first run started");
+    let lease = first_lease.recv().await.expect("the first run started");
     let holder = if claim_outlives_run_key {
         Some(
             producer
@@ -801,7 +803,7 @@ async fn a_stopped_run_and_the_next(
         .expect("the stopped run went on")
         .unwrap();
     assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
-    let run_key = LockKey::new("running:job:10").unwrap();
+    let run_key = LockKey::new(format!("running:{key}")).unwrap();
     let lapsed = Instant::now();
     loop {
         let run_free = store.inspect(&run_key).await.unwrap().owner.is_none();
@@ -815,24 +817,41 @@ async fn a_stopped_run_and_the_next(
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+    StoppedRun {
+        store,
+        producer,
+        enqueued,
+        lease,
+        holder,
+        paused,
+    }
+}
 
+/// A stopped run of job 10 and the job's next delivery, to another worker: each run's
+/// fence key and token, and the verdict on the stopped run's write, in flight when it
+/// stopped and arriving after the next run's.
+async fn a_stopped_run_and_the_next(
+    claim_outlives_run_key: bool,
+) -> ((LockKey, FencingToken), (LockKey, FencingToken), Admission) {
+    let stopped = a_stopped_run(10, claim_outlives_run_key).await;
     let ledger = Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce));
     let writes = ledger.clone();
     let mut next_worker = claimed_layer(
-        locker(store.client(), TTL),
+        locker(stopped.store.client(), STOPPED_TTL),
         distlock::tower::Until::Executed,
     )
     .layer(Handler(move |locked: Locked<Enqueued>| {
         let admitted = writes.admit_with(locked.key.as_str(), locked.token, || {});
         async move { Ok::<_, Infallible>((locked.key, locked.token, admitted)) }
     }));
-    let (next_key, next_token, admitted) = next_worker.call(enqueued).await.unwrap();
+    let (next_key, next_token, admitted) = next_worker.call(stopped.enqueued).await.unwrap();
     assert!(admitted.is_admitted(), "{admitted:?}");
-    let stale = ledger.admit_with(first_lease.0.as_str(), first_lease.1, || {});
-    if let Some(holder) = holder {
+    let (first_key, first_token) = stopped.lease;
+    let stale = ledger.admit_with(first_key.as_str(), first_token, || {});
+    if let Some(holder) = stopped.holder {
         holder.leave_to_expire();
     }
-    (first_lease, (next_key, next_token), stale)
+    ((first_key, first_token), (next_key, next_token), stale)
 }
 
 /// A stopped run's run key lapsed before its claim: the next delivery resumes the claim,
@@ -866,89 +885,45 @@ async fn until_executed_a_delivery_after_a_stopped_runs_claim_ran_out_fences_the
 /// its end.
 #[tokio::test]
 async fn until_executed_a_stopped_run_leaves_alone_the_claim_the_next_run_resumed() {
-    const TTL: Duration = Duration::from_millis(300);
-    let store = MemoryBackend::new();
-    let producer = locker(store.client(), TTL);
-    let job = Job {
-        id: 11,
-        delivery: 1,
-    };
-    let key = key_of(&job).unwrap();
-    let claim = producer
-        .claim(&key, Duration::from_secs(60))
-        .await
-        .unwrap()
-        .expect("a free key");
-    let enqueued = Enqueued {
-        job,
-        claim: Some(claim.clone()),
-    };
-
-    // The first run's worker pauses as the job starts: its calls hang from then on.
-    let paused = Arc::new(Faults::default());
-    let (started, mut first_started) = tokio::sync::mpsc::unbounded_channel();
-    let hangs = paused.clone();
-    let first_store = Layered::new(Arc::new(store.client()), paused.clone());
-    let mut first_worker =
-        claimed_layer(locker(first_store, TTL), distlock::tower::Until::Executed).layer(Handler(
-            move |_: Locked<Enqueued>| {
-                started.send(()).unwrap();
-                hangs.hang();
-                std::future::pending::<Result<(), Infallible>>()
-            },
-        ));
-    let first = tokio::spawn(first_worker.call(enqueued.clone()));
-    first_started.recv().await.expect("the first run started");
-    // The claim outlives the stopped run's run key (held on by the producer here).
-    let holder = producer
-        .resume(&claim)
-        .await
-        .unwrap()
-        .expect("the claim is alive");
-    // A hang guard, not a bound: the stopped run's lease ends a TTL after it started.
-    let stopped = tokio::time::timeout(Duration::from_secs(10), first)
-        .await
-        .expect("the stopped run went on")
-        .unwrap();
-    assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
-    let run_key = LockKey::new("running:job:11").unwrap();
-    let lapsed = Instant::now();
-    while store.inspect(&run_key).await.unwrap().owner.is_some() {
-        assert!(
-            lapsed.elapsed() < Duration::from_secs(10),
-            "the run key never lapsed"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-
+    let stopped = a_stopped_run(11, true).await;
     // The next delivery resumes the claim and runs until let go; its calls are counted.
     let counted = Arc::new(Faults::default());
     let gate = Arc::new(tokio::sync::Semaphore::new(0));
     let (began, mut next_started) = tokio::sync::mpsc::unbounded_channel();
     let waiting = gate.clone();
-    let next_store = Layered::new(Arc::new(store.client()), counted.clone());
-    let mut next_worker = claimed_layer(locker(next_store, TTL), distlock::tower::Until::Executed)
-        .layer(Handler(move |_: Locked<Enqueued>| {
-            began.send(()).unwrap();
-            let waiting = waiting.clone();
-            async move {
-                let _pass = waiting.acquire().await.unwrap();
-                Ok::<_, Infallible>(())
-            }
-        }));
-    let next = tokio::spawn(next_worker.call(enqueued));
+    let next_store = Layered::new(Arc::new(stopped.store.client()), counted.clone());
+    let mut next_worker = claimed_layer(
+        locker(next_store, STOPPED_TTL),
+        distlock::tower::Until::Executed,
+    )
+    .layer(Handler(move |_: Locked<Enqueued>| {
+        began.send(()).unwrap();
+        let waiting = waiting.clone();
+        async move {
+            let _pass = waiting.acquire().await.unwrap();
+            Ok::<_, Infallible>(())
+        }
+    }));
+    let next = tokio::spawn(next_worker.call(stopped.enqueued.clone()));
     next_started.recv().await.expect("the next run started");
-    holder.leave_to_expire();
+    if let Some(holder) = stopped.holder {
+        holder.leave_to_expire();
+    }
 
     // The stopped worker reaches the store again. Two renewals of the next run later (a
     // third of the TTL apart), whatever it sent on waking has arrived.
-    paused.heal();
-    let calls = counted.calls();
+    stopped.paused.heal();
+    let (calls, healed) = (counted.calls(), Instant::now());
     while counted.calls() < calls + 2 {
-        assert!(lapsed.elapsed() < Duration::from_secs(10), "no renewal");
+        assert!(healed.elapsed() < Duration::from_secs(10), "no renewal");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let duplicate = producer.claim(&key, Duration::from_secs(60)).await.unwrap();
+    let key = key_of(&stopped.enqueued.job).unwrap();
+    let duplicate = stopped
+        .producer
+        .claim(&key, Duration::from_secs(60))
+        .await
+        .unwrap();
     assert!(
         duplicate.is_none(),
         "a duplicate was claimed while the next run went on"
