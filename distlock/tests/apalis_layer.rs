@@ -146,13 +146,20 @@ async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_and_marked_kille
         .unwrap()
         .unwrap();
     let handler = |_: Payout| async { Ok::<_, BoxDynError>(()) };
+    const RETRY_AFTER: Duration = Duration::from_millis(100);
     let mut worker = ApalisLockLayer::new(locker, key)
+        .retry_after(RETRY_AFTER)
+        .unwrap()
         .dead_letter_after(3)
         .layer(task_fn(handler));
     let mut outcomes = Vec::new();
     // apalis counts an attempt only when its handler runs: every delivery the layer
-    // sends back comes again with the same attempt count, and the layer counts itself.
-    for _ in 1..=3 {
+    // sends back comes again with the same attempt count, and the layer counts itself,
+    // one miss at most every half retry delay.
+    for delivered in 1..=3 {
+        if delivered > 1 {
+            tokio::time::sleep(RETRY_AFTER / 2).await;
+        }
         let task = delivery(5, 1);
         let ctx = task.ctx().clone();
         let e = worker.ready().await.unwrap().call(task).await.unwrap_err();
@@ -173,6 +180,36 @@ async fn a_job_that_keeps_meeting_its_key_held_is_dead_lettered_and_marked_kille
         "{outcomes:#?}"
     );
     assert_eq!(outcomes[2].3, Status::Killed, "{outcomes:#?}");
+}
+
+/// A storage that sends a missed job straight back (apalis-redis 1.0 does) runs through
+/// deliveries far faster than the layer's retry delay: they count as one miss, so the
+/// job is not dead-lettered while a paused holder's lease is still running out.
+#[tokio::test]
+async fn deliveries_sent_back_sooner_than_half_the_retry_delay_count_as_one_miss() {
+    let locker = locker().await;
+    let _other = locker
+        .try_lock(&key(&Payout { id: 6 }).unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    let handler = |_: Payout| async { Ok::<_, BoxDynError>(()) };
+    let mut worker = ApalisLockLayer::new(locker, key)
+        .retry_after(Duration::from_secs(60))
+        .unwrap()
+        .dead_letter_after(3)
+        .layer(task_fn(handler));
+    for delivered in 1..=20 {
+        let task = delivery(6, 1);
+        let ctx = task.ctx().clone();
+        let e = worker.ready().await.unwrap().call(task).await.unwrap_err();
+        assert!(
+            matches!(job_error(&*e), Some(JobError::Busy { .. })),
+            "delivery {delivered}: {:?}",
+            job_error(&*e)
+        );
+        assert_eq!(ctx.status(), Status::Pending, "delivery {delivered}");
+    }
 }
 
 #[tokio::test]
