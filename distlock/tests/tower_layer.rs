@@ -707,6 +707,74 @@ async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_
     assert_eq!(Some(first.await.unwrap().unwrap()), run_token);
 }
 
+/// Until executed, a retry of a job whose earlier delivery runs is woken by that run's
+/// end: the run releases the job's key and then its run key, and the retry, which needs
+/// the run key first, is woken by the release of the run key, not a delay later.
+#[tokio::test]
+async fn until_executed_a_retry_is_woken_when_the_run_before_it_ends() {
+    /// Releases run keys a while after the job's key, as a store across a network does
+    /// (two round trips): a retry woken by the job's key alone finds the run key held.
+    #[derive(Debug)]
+    struct SlowRunKeyReleases;
+
+    #[distlock::backend::async_trait]
+    impl distlock::backend::BackendLayer for SlowRunKeyReleases {
+        async fn release(
+            &self,
+            next: &dyn LockBackend,
+            lease: &distlock::Lease,
+        ) -> Result<distlock::Release, LockError> {
+            if lease.key().as_str().starts_with("running:") {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            next.release(lease).await
+        }
+    }
+
+    let store = MemoryBackend::new();
+    let locker = locker(
+        Layered::new(Arc::new(store.client()), SlowRunKeyReleases),
+        Duration::from_secs(30),
+    );
+    let enqueued = claimed_job(&locker, 12).await;
+    let delay = Duration::from_secs(4);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runs = Arc::new(AtomicU32::new(0));
+    let (waiting, counted) = (gate.clone(), runs.clone());
+    let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed)
+        .on_miss(OnMiss::Retry { attempts: 2, delay })
+        .layer(Handler(move |_: Locked<Enqueued>| {
+            let (waiting, counted) = (waiting.clone(), counted.clone());
+            async move {
+                if counted.fetch_add(1, Ordering::SeqCst) == 0 {
+                    let _pass = waiting.acquire().await.unwrap();
+                }
+                Ok::<_, Infallible>(Instant::now())
+            }
+        }));
+    let first = tokio::spawn(service.call(enqueued.clone()));
+    let started = Instant::now();
+    while runs.load(Ordering::SeqCst) == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "the job never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Delivered again while the first run goes on: its first try misses, and it waits.
+    let called = Instant::now();
+    let again = tokio::spawn(service.call(enqueued));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gate.add_permits(1);
+    first.await.unwrap().unwrap();
+    let ran = again.await.unwrap().unwrap();
+    assert!(
+        ran - called < delay / 2,
+        "the retry ran {:?} after its call: it slept out the retry's delay",
+        ran - called
+    );
+}
+
 /// Under a claim a run holds two leases, the claim and its run key: losing the run key
 /// (here its record deleted in the store) while the claim stays renewed stops the run, as
 /// another delivery of the job could now take the run key and run beside it.

@@ -481,15 +481,6 @@ where
         OnMiss::Retry { attempts, delay } => (attempts.max(1), delay),
         OnMiss::Requeue | OnMiss::Skip => (1, Duration::ZERO),
     };
-    // Watching before the first try, so that a release between a refused try and the wait
-    // after it still wakes this job, as in `Locker::lock`. (A permit's release is announced
-    // on its slot, not on the semaphore's name.)
-    let mut releases = if attempts > 1 && layer.permits.is_none() {
-        layer.locker.backend().watch_releases(&key)
-    } else {
-        None
-    };
-    let mut tried = 0;
     // Until executed, each try takes the run key, then the claim or the job's key.
     let mut run_of = None;
     match &layer.claimed {
@@ -503,6 +494,18 @@ where
         }
         None => {}
     }
+    // Watching before the first try, so that a release between a refused try and the wait
+    // after it still wakes this job, as in `Locker::lock`: the key the holder releases
+    // last, its run key until executed (a try woken by the job's key would find the run
+    // key still held). A permit's release is announced on its slot, not on the
+    // semaphore's name.
+    let mut releases = if attempts > 1 && layer.permits.is_none() {
+        let watched = run_of.as_ref().map_or(&key, |run| &run.key);
+        layer.locker.backend().watch_releases(watched)
+    } else {
+        None
+    };
+    let mut tried = 0;
     let held = loop {
         let taken = Held::try_take(&layer, &key, run_of.as_ref()).await;
         if let Some(held) = taken.map_err(JobError::Lock)? {
