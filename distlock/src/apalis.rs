@@ -48,7 +48,8 @@
 //! | the key held, under [`OnMiss::Skip`] | [`AbortError`]; the task marked done | does not run it (the storage records it done) |
 //! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`]; the task marked killed | stops retrying (killed) |
 //! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`]; the task marked failed | a failed attempt, retried by its policy |
-//! | the key invalid, or the lock store failing | the [`JobError`]; the task marked failed | a failed attempt |
+//! | the lock store unreachable, or its reply lost ([`LockError::is_retryable`]) | the [`JobError`]; the task marked failed | a failed attempt (the handler did not run, so the attempt count does not move: apalis-redis 1.0 schedules it again at once, apalis-postgres at its next fetch, until the store answers) |
+//! | what no retry can mend: an invalid key, a claim on another key, a call the store does not support | [`AbortError`] with the [`JobError`]; the task marked killed | stops retrying (killed) |
 //!
 //! Each error the layer makes has a `JobError<Infallible>` saying why: [`job_error`] finds
 //! it in an error apalis reports.
@@ -336,6 +337,11 @@ where
                     JobError::Busy { .. } => ctx.raw_status().store(Status::Pending),
                     JobError::DeadLetter { .. } => ctx.raw_status().store(Status::Killed),
                     JobError::Skipped { .. } => ctx.raw_status().store(Status::Done),
+                    // What no retry can mend (an invalid key, a claim on another key,
+                    // a call the store does not support): killed, to the dead letters.
+                    JobError::Lock(e) if !e.is_retryable() => {
+                        ctx.raw_status().store(Status::Killed);
+                    }
                     // A failed attempt, to be retried. A job stopped for a lost lease was
                     // dropped inside apalis's lifecycle layer, which had marked it running
                     // and never saw it end: acknowledged as running, apalis-redis puts it
@@ -384,6 +390,9 @@ impl Outcomes {
                 return Box::new(AbortError::new(JobError::<Infallible>::Skipped { key }));
             }
             JobError::Lost { key } => JobError::<Infallible>::Lost { key },
+            JobError::Lock(e) if !e.is_retryable() => {
+                return Box::new(AbortError::new(JobError::<Infallible>::Lock(e)));
+            }
             JobError::Lock(e) => JobError::Lock(e),
         };
         Box::new(why)

@@ -1,6 +1,7 @@
 //! `distlock::apalis`: plain apalis handlers behind the lock layer, called as an apalis
 //! worker calls them (a `Task` with its attempt count), on the in-memory store.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use apalis_core::error::{AbortError, BoxDynError, RetryAfterError};
@@ -9,6 +10,8 @@ use apalis_core::task::builder::TaskBuilder;
 use apalis_core::task::status::Status;
 use apalis_core::task::task_fn::task_fn;
 use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
+use distlock::backend::Layered;
+use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::JobError;
 use distlock::{LockError, LockKey, Locker};
 use tower::{Layer, Service, ServiceExt};
@@ -210,6 +213,53 @@ async fn deliveries_sent_back_sooner_than_half_the_retry_delay_count_as_one_miss
         );
         assert_eq!(ctx.status(), Status::Pending, "delivery {delivered}");
     }
+}
+
+/// A job the layer cannot lock whatever it does (its key is invalid) is killed: marked
+/// so, and an `AbortError`, so that apalis does not deliver it again and again.
+#[tokio::test]
+async fn a_job_whose_key_is_invalid_is_killed_not_retried() {
+    let handler = |_: Payout| async { Ok::<_, BoxDynError>(()) };
+    let invalid = |_: &Payout| LockKey::new("");
+    let mut worker = ApalisLockLayer::new(locker().await, invalid).layer(task_fn(handler));
+    let task = delivery(1, 1);
+    let ctx = task.ctx().clone();
+    let e = worker.ready().await.unwrap().call(task).await.unwrap_err();
+    assert!(e.downcast_ref::<AbortError>().is_some(), "{e}");
+    assert!(
+        matches!(
+            job_error(&*e),
+            Some(JobError::Lock(LockError::InvalidKey { .. }))
+        ),
+        "{:?}",
+        job_error(&*e)
+    );
+    assert_eq!(ctx.status(), Status::Killed);
+}
+
+/// A job whose lock store does not answer is a failed attempt, to be tried again: marked
+/// failed (not left as it was), and not an `AbortError`.
+#[tokio::test]
+async fn a_job_whose_store_is_unreachable_is_a_failed_attempt() {
+    let faults = Arc::new(Faults::default());
+    let store = Layered::new(Arc::new(MemoryBackend::new()), faults.clone());
+    let locker = Locker::builder(Arc::new(store))
+        .ttl(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    faults.partition();
+    let handler = |_: Payout| async { Ok::<_, BoxDynError>(()) };
+    let mut worker = ApalisLockLayer::new(locker, key).layer(task_fn(handler));
+    let task = delivery(2, 1);
+    let ctx = task.ctx().clone();
+    let e = worker.ready().await.unwrap().call(task).await.unwrap_err();
+    assert!(e.downcast_ref::<AbortError>().is_none(), "{e}");
+    assert!(
+        matches!(job_error(&*e), Some(JobError::Lock(l)) if l.is_retryable()),
+        "{:?}",
+        job_error(&*e)
+    );
+    assert_eq!(ctx.status(), Status::Failed);
 }
 
 #[tokio::test]

@@ -160,15 +160,12 @@ pub async fn run(
     let mut outcome = choreograph(&ledger, options.jobs).await;
     if let Err(e) = &outcome {
         // What each unpaid job went through, and where the queue holds it, before the
-        // workers are stopped.
-        let unpaid = ledger.unpaid(options.jobs).await?;
-        let mut conn = apalis_redis::connect(redis).await?;
-        let state = crate::queue_state::describe(&mut conn, &queue_config(&run)).await?;
-        outcome = Err(format!(
-            "{e}\nhistory of the unpaid payouts:\n  {}\n{state}",
-            ledger.history(&unpaid).await?.join("\n  ")
-        )
-        .into());
+        // workers are stopped; a report that cannot be made says why, after the error.
+        let report = match what_went_wrong(&ledger, redis, &run, options.jobs).await {
+            Ok(report) => report,
+            Err(why) => format!("(no report of the unpaid payouts: {why})"),
+        };
+        outcome = Err(format!("{e}\n{report}").into());
     }
     for worker in &mut workers {
         // Stopped workers are resumed first, or the kill would wait for them.
@@ -200,6 +197,23 @@ pub async fn run(
         paused_call,
         killed_job,
     })
+}
+
+/// Each unpaid payout's events and where the queue holds every task, for the error of a
+/// run that did not finish.
+async fn what_went_wrong(
+    ledger: &Ledger,
+    redis: &str,
+    run: &str,
+    jobs: i64,
+) -> Result<String, BoxError> {
+    let unpaid = ledger.unpaid(jobs).await?;
+    let mut conn = apalis_redis::connect(redis).await?;
+    let state = crate::queue_state::describe(&mut conn, &queue_config(run)).await?;
+    Ok(format!(
+        "history of the unpaid payouts:\n  {}\n{state}",
+        ledger.history(&unpaid).await?.join("\n  ")
+    ))
 }
 
 /// The faults as they landed.
