@@ -76,7 +76,9 @@ use apalis_core::task::Task;
 use apalis_core::task::data::MissingDataError;
 use apalis_core::task::from_request::FromRequest;
 use apalis_core::task::status::Status;
-use distlock_core::{Claim, FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy};
+use distlock_core::{
+    Claim, FencingToken, LeaseStatus, LockError, LockKey, Locker, RetryPolicy, WriteFence,
+};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -93,8 +95,7 @@ const RETRY_GROWTH_CAP: u32 = 64;
 /// apalis handler (`async fn pay(job: Payout, lease: JobLease)`).
 #[derive(Clone, Debug)]
 pub struct JobLease {
-    key: LockKey,
-    token: FencingToken,
+    fence: WriteFence,
     status: LeaseStatus,
 }
 
@@ -104,12 +105,22 @@ impl JobLease {
     /// [`ApalisLockLayer::claimed`]`(.., `[`Until::Executed`]`)` the job's run key,
     /// `running:<job key>`, whose token is new for each run.
     pub fn key(&self) -> &LockKey {
-        &self.key
+        self.fence.key()
     }
 
-    /// The lease's fencing token: attach it to every write the job makes.
+    /// The lease's fencing token, ordered only against the other tokens of
+    /// [`JobLease::key`]: fence writes with [`JobLease::fence`], which keeps the two
+    /// together.
     pub fn token(&self) -> FencingToken {
-        self.token
+        self.fence.token()
+    }
+
+    /// What to fence the job's writes with: [`JobLease::key`] and [`JobLease::token`]
+    /// together, made from the lease, to hand to
+    /// [`FencedResourceExt::write_under`](distlock_core::FencedResourceExt::write_under);
+    /// a run that lost its lease to a later one is refused there.
+    pub fn fence(&self) -> WriteFence {
+        self.fence.clone()
     }
 
     /// The lease's status, to check [`LeaseStatus::is_held`] between the job's steps.
@@ -419,14 +430,15 @@ where
     }
 
     fn call(&mut self, locked: Locked<Task<Args>>) -> S::Future {
+        let fence = locked
+            .fence()
+            .expect("the job layer gives every job the fence of its lease");
         let Locked {
             mut request,
-            key,
-            token,
             status,
             ..
         } = locked;
-        request.inject_data(JobLease { key, token, status });
+        request.inject_data(JobLease { fence, status });
         self.inner.call(request)
     }
 }

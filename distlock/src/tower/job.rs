@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use distlock_core::{
     Claim, FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit,
-    Release, RetryPolicy,
+    Release, RetryPolicy, WriteFence,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -144,6 +144,37 @@ pub struct Locked<R> {
     /// executed, that of the run key; the layer stops the job when either of its leases
     /// ends.)
     pub status: LeaseStatus,
+    /// [`Locked::key`] and [`Locked::token`] together, taken from the lease itself;
+    /// `None` for a tick of the leader layers.
+    fence: Option<WriteFence>,
+}
+
+impl<R> Locked<R> {
+    /// What to fence the job's writes with: [`Locked::key`] and [`Locked::token`]
+    /// together, made from the lease the job runs under (never from the two fields, which
+    /// the job may change), to hand to
+    /// [`FencedResourceExt::write_under`](distlock_core::FencedResourceExt::write_under).
+    /// A run that lost its lease to a later one is refused there, and until executed
+    /// every run is fenced on its run key, `running:<job key>`, whatever became of its
+    /// claim.
+    ///
+    /// `Some` for every job of a [`LockLayer`]; `None` for a tick of a
+    /// [`LeaderLayer`](super::LeaderLayer) or [`TickLayer`](super::TickLayer), which
+    /// fences with the election's key and [`Locked::token`].
+    pub fn fence(&self) -> Option<WriteFence> {
+        self.fence.clone()
+    }
+
+    /// Builds what a leader layer's tick runs with: no [`Locked::fence`].
+    pub(super) fn tick(request: R, key: LockKey, token: FencingToken, status: LeaseStatus) -> Self {
+        Self {
+            request,
+            key,
+            token,
+            status,
+            fence: None,
+        }
+    }
 }
 
 type KeyOf<R> = Arc<dyn Fn(&R) -> Result<LockKey, LockError> + Send + Sync>;
@@ -556,6 +587,7 @@ where
         key: held.fence().key().clone(),
         token: held.fence().token(),
         status: status.clone(),
+        fence: Some(WriteFence::of(held.fence())),
     };
     // Until executed the run stops when either lease ends: its run key, whose token
     // fences it, or the job's key (its claim), which keeps duplicates from being enqueued.

@@ -289,12 +289,7 @@ pub(super) async fn run_tick<S, R>(
 where
     S: Service<Locked<R>>,
 {
-    let locked = Locked {
-        request,
-        key: key.clone(),
-        token,
-        status: status.clone(),
-    };
+    let locked = Locked::tick(request, key.clone(), token, status.clone());
     let tick = async move {
         std::future::poll_fn(|cx| inner.poll_ready(cx)).await?;
         inner.call(locked).await
