@@ -634,12 +634,13 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
                 let job_key = key_of(&locked.request.job).unwrap();
                 let duplicate = probe.claim(&job_key, Duration::from_secs(60)).await;
                 let run = records.inspect(&locked.key).await.unwrap();
+                let job = records.inspect(&job_key).await.unwrap();
                 let fenced = (locked.key, locked.token, run.token);
-                Ok::<_, Infallible>((fenced, duplicate.unwrap().is_none()))
+                Ok::<_, Infallible>((fenced, job.token, duplicate.unwrap().is_none()))
             }
         }),
     );
-    let ((fence_key, token, run_token), kept_out) = service
+    let ((fence_key, token, run_token), job_key_token, kept_out) = service
         .call(Enqueued {
             job,
             claim: Some(claim.clone()),
@@ -647,6 +648,13 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
         .await
         .unwrap();
     assert!(kept_out, "a duplicate was claimed while the job ran");
+    // What held the job's key was the producer's claim, resumed: not the key taken afresh
+    // (as a run whose claim had lapsed would).
+    assert_eq!(
+        job_key_token,
+        Some(claim.token()),
+        "the run held the job's key under another lease than the producer's claim"
+    );
     // The run's token is its run key's, which fences it.
     assert_eq!(fence_key.as_str(), "running:job:6");
     assert_eq!(Some(token), run_token);

@@ -65,13 +65,17 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
         "another report was refused"
     );
 
-    // Each run records its report, its token, and whether a duplicate could be pushed
-    // while it ran.
-    let runs: Arc<Mutex<Vec<(u32, u64, bool)>>> = Arc::default();
+    // Each run records its report, its token, whether a duplicate could be pushed while
+    // it ran, and whether its claim held the job's key.
+    let runs: Arc<Mutex<Vec<(u32, u64, bool, bool)>>> = Arc::default();
     let (seen, probe) = (runs.clone(), locker.clone());
     let handler = move |report: Report, lease: JobLease| {
         let (seen, probe) = (seen.clone(), probe.clone());
         async move {
+            // The producer's claim, resumed, is what holds the job's key: not the key
+            // taken afresh, as by a run whose claim had lapsed.
+            let held = probe.backend().inspect(&key(report.id)?).await?;
+            let under_claim = held.token == report.claim.as_ref().map(Claim::token);
             let duplicate = probe
                 .claim(&key(report.id)?, Duration::from_secs(60))
                 .await?
@@ -84,7 +88,7 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
             );
             seen.lock()
                 .unwrap()
-                .push((report.id, lease.token().0, duplicate));
+                .push((report.id, lease.token().0, duplicate, under_claim));
             Ok::<_, BoxDynError>(())
         }
     };
@@ -125,5 +129,9 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
     assert!(
         runs.iter().all(|r| !r.2),
         "a duplicate was claimed while a run held the key: {runs:?}"
+    );
+    assert!(
+        runs.iter().all(|r| r.3),
+        "a run held the job's key under another lease than its producer's claim: {runs:?}"
     );
 }
