@@ -12,7 +12,7 @@ use apalis_core::task::task_fn::task_fn;
 use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
 use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
-use distlock::tower::JobError;
+use distlock::tower::{JobError, Until};
 use distlock::{LockError, LockKey, Locker};
 use tower::{Layer, Service, ServiceExt};
 
@@ -282,4 +282,86 @@ async fn a_zero_retry_delay_is_refused() {
         .retry_after(Duration::ZERO)
         .unwrap_err();
     assert!(matches!(e, LockError::Config(_)), "{e:?}");
+}
+
+/// A payout its producer claimed before it pushed it, for `Until::Executed`.
+#[derive(Clone, Debug)]
+struct ClaimedPayout {
+    id: u64,
+    claim: Option<distlock::Claim>,
+}
+
+#[tokio::test]
+async fn the_handlers_fence_is_its_leases_key_and_token_the_run_key_until_executed() {
+    let locker = locker().await;
+    let probe = locker.clone();
+    // The handler returns its fence and the token the store shows on the fence's key.
+    let handler = move |_: Payout, lease: JobLease| {
+        let probe = probe.clone();
+        async move {
+            let fence = lease.fence();
+            let held = probe.backend().inspect(fence.key()).await?;
+            Ok::<_, BoxDynError>((fence, lease.token(), held.token))
+        }
+    };
+    let mut worker = ApalisLockLayer::new(locker.clone(), key).layer(task_fn(handler));
+    let (fence, token, held) = worker
+        .ready()
+        .await
+        .unwrap()
+        .call(delivery(11, 1))
+        .await
+        .unwrap();
+    assert_eq!(
+        fence.key().as_str(),
+        "payout:11",
+        "fenced on another key than the job's"
+    );
+    assert_eq!(fence.token(), token);
+    assert_eq!(
+        held,
+        Some(token),
+        "the fence's token is not its key's holder's"
+    );
+
+    // Until executed: the run key, under the run key's token.
+    let producer = locker.clone();
+    let job_key = LockKey::new("payout:12").unwrap();
+    let claim = producer
+        .claim(&job_key, Duration::from_secs(60))
+        .await
+        .unwrap();
+    let claim = claim.expect("a free key");
+    let probe = locker.clone();
+    let handler = move |_: ClaimedPayout, lease: JobLease| {
+        let probe = probe.clone();
+        async move {
+            let fence = lease.fence();
+            let held = probe.backend().inspect(fence.key()).await?;
+            Ok::<_, BoxDynError>((fence, lease.token(), held.token))
+        }
+    };
+    let layer = ApalisLockLayer::new(locker.clone(), |job: &ClaimedPayout| {
+        LockKey::new(format!("payout:{}", job.id))
+    })
+    .claimed(|job: &ClaimedPayout| job.claim.clone(), Until::Executed);
+    let mut worker = layer.layer(task_fn(handler));
+    let task = TaskBuilder::new(ClaimedPayout {
+        id: 12,
+        claim: Some(claim.clone()),
+    })
+    .attempt(1)
+    .build();
+    let (fence, token, held) = worker.ready().await.unwrap().call(task).await.unwrap();
+    assert_eq!(
+        fence.key().as_str(),
+        "running:payout:12",
+        "not fenced on the run key"
+    );
+    assert_eq!(fence.token(), token);
+    assert_eq!(
+        held,
+        Some(token),
+        "the fence's token is not the run key's holder's"
+    );
 }

@@ -13,8 +13,8 @@ use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
 use distlock::{
-    Admission, EnforcementMode, FencingToken, LockBackend, LockError, LockKey, Locker,
-    MemoryFencedResource,
+    Admission, EnforcementMode, FencedResourceExt, FencingToken, LockBackend, LockError, LockKey,
+    Locker, MemoryFencedResource, WriteFence,
 };
 use tokio::time::Instant;
 use tower::limit::ConcurrencyLimit;
@@ -92,6 +92,39 @@ async fn the_job_runs_under_its_lock_with_the_token() {
         .await
         .unwrap();
     assert_eq!(after.owner, None, "released when the job ended");
+}
+
+/// Each run hands out its lease's fence: a run whose key went to a later run is refused
+/// under it, after the later run's write was admitted under its own.
+#[tokio::test]
+async fn a_stale_runs_write_under_its_fence_is_refused_and_the_newer_runs_admitted() {
+    let store = MemoryBackend::new();
+    let layer = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of);
+    let mut service = layer.layer(Handler(|locked: Locked<Job>| async move {
+        let fence = locked.fence().expect("a job's fence");
+        Ok::<_, Infallible>((fence, locked.key, locked.token))
+    }));
+    let (stale, key, token) = service.call(Job { id: 3, delivery: 1 }).await.unwrap();
+    assert_eq!(
+        (stale.key(), stale.token()),
+        (&key, token),
+        "not the lease's key and token"
+    );
+    let (newer, ..) = service.call(Job { id: 3, delivery: 2 }).await.unwrap();
+    let ledger = MemoryFencedResource::new(EnforcementMode::Enforce);
+    let admitted = ledger.write_under(&newer, b"run 2").await.unwrap();
+    assert!(
+        admitted.is_admitted(),
+        "the newer run's write: {admitted:?}"
+    );
+    let refused = ledger.write_under(&stale, b"run 1, late").await.unwrap();
+    assert!(!refused.is_admitted(), "the stale run's write: {refused:?}");
+    let kept = ledger.read_under(&newer).await.unwrap();
+    assert_eq!(
+        kept.as_deref(),
+        Some(&b"run 2"[..]),
+        "the stale write overwrote the newer"
+    );
 }
 
 #[tokio::test]
@@ -825,8 +858,8 @@ struct StoppedRun {
     store: MemoryBackend,
     producer: Locker,
     enqueued: Enqueued,
-    /// The stopped run's fence key and token.
-    lease: (LockKey, FencingToken),
+    /// The stopped run's fence.
+    fence: WriteFence,
     /// The producer's hold on the claim, when the claim outlives the run key.
     holder: Option<distlock::LockGuard>,
     /// The stopped worker's store: its calls hang until healed.
@@ -856,12 +889,14 @@ async fn a_stopped_run(id: u32, claim_outlives_run_key: bool) -> StoppedRun {
         distlock::tower::Until::Executed,
     )
     .layer(Handler(move |locked: Locked<Enqueued>| {
-        started.send((locked.key, locked.token)).unwrap();
+        started
+            .send(locked.fence().expect("a job's fence"))
+            .unwrap();
         hangs.hang();
         std::future::pending::<Result<(), Infallible>>()
     }));
     let first = tokio::spawn(first_worker.call(enqueued.clone()));
-    let lease = first_lease.recv().await.expect("the first run started");
+    let fence = first_lease.recv().await.expect("the first run started");
     let holder = if claim_outlives_run_key {
         Some(
             producer
@@ -897,18 +932,18 @@ async fn a_stopped_run(id: u32, claim_outlives_run_key: bool) -> StoppedRun {
         store,
         producer,
         enqueued,
-        lease,
+        fence,
         holder,
         paused,
     }
 }
 
 /// A stopped run of job 10 and the job's next delivery, to another worker: each run's
-/// fence key and token, and the verdict on the stopped run's write, in flight when it
-/// stopped and arriving after the next run's.
+/// fence ([`Locked::fence`]), and the verdict on the stopped run's write under its fence,
+/// in flight when it stopped and arriving after the next run's.
 async fn a_stopped_run_and_the_next(
     claim_outlives_run_key: bool,
-) -> ((LockKey, FencingToken), (LockKey, FencingToken), Admission) {
+) -> (WriteFence, WriteFence, Admission) {
     let stopped = a_stopped_run(10, claim_outlives_run_key).await;
     let ledger = Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce));
     let writes = ledger.clone();
@@ -917,17 +952,17 @@ async fn a_stopped_run_and_the_next(
         distlock::tower::Until::Executed,
     )
     .layer(Handler(move |locked: Locked<Enqueued>| {
-        let admitted = writes.admit_with(locked.key.as_str(), locked.token, || {});
-        async move { Ok::<_, Infallible>((locked.key, locked.token, admitted)) }
+        let fence = locked.fence().expect("a job's fence");
+        let admitted = writes.admit_under(&fence, || {});
+        async move { Ok::<_, Infallible>((fence, admitted)) }
     }));
-    let (next_key, next_token, admitted) = next_worker.call(stopped.enqueued).await.unwrap();
+    let (next, admitted) = next_worker.call(stopped.enqueued).await.unwrap();
     assert!(admitted.is_admitted(), "{admitted:?}");
-    let (first_key, first_token) = stopped.lease;
-    let stale = ledger.admit_with(first_key.as_str(), first_token, || {});
+    let stale = ledger.admit_under(&stopped.fence, || {});
     if let Some(holder) = stopped.holder {
         holder.leave_to_expire();
     }
-    ((first_key, first_token), (next_key, next_token), stale)
+    (stopped.fence, next, stale)
 }
 
 /// A stopped run's run key lapsed before its claim: the next delivery resumes the claim,
@@ -935,12 +970,12 @@ async fn a_stopped_run_and_the_next(
 #[tokio::test]
 async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_a_higher_token() {
     let (first, next, stale) = a_stopped_run_and_the_next(true).await;
-    assert_eq!(first.0, next.0, "the runs fence different keys");
+    assert_eq!(first.key(), next.key(), "the runs fence different keys");
     assert!(
-        next.1 > first.1,
+        next.token() > first.token(),
         "the next run's token {:?} is not higher than the stopped run's {:?}",
-        next.1,
-        first.1
+        next.token(),
+        first.token()
     );
     assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
 }
@@ -950,8 +985,13 @@ async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_
 #[tokio::test]
 async fn until_executed_a_delivery_after_a_stopped_runs_claim_ran_out_fences_the_same_key() {
     let (first, next, stale) = a_stopped_run_and_the_next(false).await;
-    assert_eq!(first.0, next.0, "the runs fence different keys");
-    assert!(next.1 > first.1, "{:?} after {:?}", next.1, first.1);
+    assert_eq!(first.key(), next.key(), "the runs fence different keys");
+    assert!(
+        next.token() > first.token(),
+        "{:?} after {:?}",
+        next.token(),
+        first.token()
+    );
     assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
 }
 
