@@ -67,7 +67,8 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
 
     // Each run records its report, its token, whether a duplicate could be pushed while
     // it ran, and whether its claim held the job's key.
-    let runs: Arc<Mutex<Vec<(u32, u64, bool, bool)>>> = Arc::default();
+    type Run = (u32, u64, bool, bool);
+    let runs: Arc<Mutex<Vec<Run>>> = Arc::default();
     let (seen, probe) = (runs.clone(), locker.clone());
     let handler = move |report: Report, lease: JobLease| {
         let (seen, probe) = (seen.clone(), probe.clone());
