@@ -965,11 +965,10 @@ async fn a_stopped_run_and_the_next(
     (stopped.fence, next, stale)
 }
 
-/// A stopped run's run key lapsed before its claim: the next delivery resumes the claim,
-/// and runs under a token of its own, higher, so the stopped run's late write is refused.
-#[tokio::test]
-async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_a_higher_token() {
-    let (first, next, stale) = a_stopped_run_and_the_next(true).await;
+/// The next run after a stopped one fences the key the stopped run fenced, under a higher
+/// token, and the stopped run's late write is refused.
+async fn the_next_run_fences_the_same_key_higher(claim_outlives_run_key: bool) {
+    let (first, next, stale) = a_stopped_run_and_the_next(claim_outlives_run_key).await;
     assert_eq!(first.key(), next.key(), "the runs fence different keys");
     assert!(
         next.token() > first.token(),
@@ -980,19 +979,18 @@ async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_
     assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
 }
 
+/// A stopped run's run key lapsed before its claim: the next delivery resumes the claim,
+/// and runs under a token of its own, higher, so the stopped run's late write is refused.
+#[tokio::test]
+async fn until_executed_a_delivery_that_resumes_a_stopped_runs_claim_runs_under_a_higher_token() {
+    the_next_run_fences_the_same_key_higher(true).await;
+}
+
 /// A stopped run's claim lapsed too: the next delivery takes the job's key as usual, and
 /// still fences the key the stopped run fenced, under a higher token.
 #[tokio::test]
 async fn until_executed_a_delivery_after_a_stopped_runs_claim_ran_out_fences_the_same_key() {
-    let (first, next, stale) = a_stopped_run_and_the_next(false).await;
-    assert_eq!(first.key(), next.key(), "the runs fence different keys");
-    assert!(
-        next.token() > first.token(),
-        "{:?} after {:?}",
-        next.token(),
-        first.token()
-    );
-    assert!(!stale.is_admitted(), "the stopped run's write: {stale:?}");
+    the_next_run_fences_the_same_key_higher(false).await;
 }
 
 /// The next delivery of a job resumed the claim of a stopped run (the claim outlived that
