@@ -127,47 +127,50 @@ async fn a_stale_runs_write_under_its_fence_is_refused_and_the_newer_runs_admitt
     );
 }
 
-#[tokio::test]
-async fn a_miss_hands_the_job_back_and_runs_nothing() {
+/// Calls `job`, whose key another client holds, through the layer `configured` makes;
+/// the call's result and how many times the handler ran.
+async fn call_while_held(
+    job: Job,
+    configured: impl FnOnce(LockLayer<Job>) -> LockLayer<Job>,
+) -> (Result<(), JobError<Infallible>>, u32) {
     let store = MemoryBackend::new();
-    let job = Job { id: 2, delivery: 1 };
     let _holder = held_elsewhere(&store, &job).await;
     let ran = Arc::new(AtomicU32::new(0));
     let counted = ran.clone();
-    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
-        .on_miss(OnMiss::Requeue)
-        .layer(Handler(move |_: Locked<Job>| {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(()) }
-        }));
+    let layer = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of);
+    let mut service = configured(layer).layer(Handler(move |_: Locked<Job>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(()) }
+    }));
     let result = service.call(job).await;
+    (result, ran.load(Ordering::SeqCst))
+}
+
+#[tokio::test]
+async fn a_miss_hands_the_job_back_and_runs_nothing() {
+    let job = Job { id: 2, delivery: 1 };
+    let (result, ran) = call_while_held(job, |layer| layer.on_miss(OnMiss::Requeue)).await;
     assert!(
         matches!(result, Err(JobError::Busy { ref key }) if key.as_str() == "job:2"),
         "{result:?}"
     );
-    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert_eq!(ran, 0);
 }
 
 #[tokio::test]
 async fn skip_drops_a_duplicate_as_skipped_never_as_a_miss_to_dead_letter() {
-    let store = MemoryBackend::new();
     let job = Job { id: 3, delivery: 1 };
-    let _holder = held_elsewhere(&store, &job).await;
-    let ran = Arc::new(AtomicU32::new(0));
-    let counted = ran.clone();
-    let mut service = LockLayer::new(locker(store.client(), Duration::from_secs(30)), key_of)
-        .on_miss(OnMiss::Skip)
-        .dead_letter_after(1, |job: &Job| job.delivery)
-        .layer(Handler(move |_: Locked<Job>| {
-            counted.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(()) }
-        }));
-    let result = service.call(job).await;
+    let (result, ran) = call_while_held(job, |layer| {
+        layer
+            .on_miss(OnMiss::Skip)
+            .dead_letter_after(1, |job: &Job| job.delivery)
+    })
+    .await;
     assert!(
         matches!(result, Err(JobError::Skipped { ref key }) if key.as_str() == "job:3"),
         "{result:?}"
     );
-    assert_eq!(ran.load(Ordering::SeqCst), 0);
+    assert_eq!(ran, 0);
 }
 
 #[tokio::test]
@@ -218,11 +221,7 @@ async fn a_retry_takes_the_key_when_its_release_is_announced_not_a_delay_later()
         ran - called,
         ran.saturating_duration_since(released)
     );
-    assert!(
-        ran - called < delay / 2,
-        "the job ran {:?} after its call: it slept out the retry's delay",
-        ran - called
-    );
+    ran_sooner_than_a_slept_delay("the job", called, ran, delay);
 }
 
 #[tokio::test]
@@ -557,6 +556,16 @@ async fn until_running(running: &AtomicU32, n: u32, what: &str) {
         .unwrap_or_else(|_| panic!("waited 10 s for {what}"));
 }
 
+/// Asserts that `who`, called at `called`, ran at `ran` sooner than the shortest wait
+/// between two tries that sleep out the retry `delay` (`delay / 2`) would allow.
+fn ran_sooner_than_a_slept_delay(who: &str, called: Instant, ran: Instant, delay: Duration) {
+    assert!(
+        ran - called < delay / 2,
+        "{who} ran {:?} after its call: it slept out the retry's delay",
+        ran - called
+    );
+}
+
 #[tokio::test]
 async fn until_expired_keeps_a_succeeded_jobs_key_for_its_ttl_and_a_failed_one_releases_it() {
     let store = MemoryBackend::new();
@@ -627,6 +636,16 @@ fn claimed_layer(locker: Locker, until: distlock::tower::Until) -> LockLayer<Enq
         .claimed(|e: &Enqueued| e.claim.clone(), until)
 }
 
+/// Whether a producer could claim `key` now, as it does to enqueue a job (the claim it
+/// takes is dropped at once).
+async fn claimable(producer: &Locker, key: &LockKey) -> bool {
+    producer
+        .claim(key, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .is_some()
+}
+
 /// Job `id` as its producer enqueues it until executed: with the claim it took on the
 /// job's key.
 async fn claimed_job(producer: &Locker, id: u32) -> Enqueued {
@@ -651,13 +670,7 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
     // The producer claims the key and enqueues; a duplicate finds it claimed.
     let claim = locker.claim(&key, Duration::from_secs(60)).await.unwrap();
     let claim = claim.expect("a free key");
-    assert!(
-        locker
-            .claim(&key, Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(!claimable(&locker, &key).await);
     let (probe, records) = (locker.clone(), Arc::new(store.client()));
     let mut service = claimed_layer(locker.clone(), distlock::tower::Until::Executed).layer(
         Handler(move |locked: Locked<Enqueued>| {
@@ -692,13 +705,7 @@ async fn until_executed_the_producers_claim_keeps_duplicates_out_until_the_job_i
     assert_eq!(fence_key.as_str(), "running:job:6");
     assert_eq!(Some(token), run_token);
     // Done: the key is free for the next job.
-    assert!(
-        locker
-            .claim(&key, Duration::from_secs(60))
-            .await
-            .unwrap()
-            .is_some()
-    );
+    assert!(claimable(&locker, &key).await);
 }
 
 #[tokio::test]
@@ -721,13 +728,7 @@ async fn until_executed_a_delivery_while_an_earlier_one_runs_under_the_claim_is_
     );
     let first = tokio::spawn(service.call(enqueued.clone()));
     let started = Instant::now();
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the job never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_running(&runs, 1, "the job to run").await;
     // The queue delivers the job again while the first run goes on (it took that worker
     // for dead): the delivery carries the same claim, whose lease is alive.
     let again = tokio::spawn(service.call(enqueued));
@@ -794,14 +795,7 @@ async fn until_executed_a_retry_is_woken_when_the_run_before_it_ends() {
             }
         }));
     let first = tokio::spawn(service.call(enqueued.clone()));
-    let started = Instant::now();
-    while runs.load(Ordering::SeqCst) == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "the job never ran"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_running(&runs, 1, "the job to run").await;
     // Delivered again while the first run goes on: its first try misses, and it waits.
     let called = Instant::now();
     let again = tokio::spawn(service.call(enqueued));
@@ -809,11 +803,7 @@ async fn until_executed_a_retry_is_woken_when_the_run_before_it_ends() {
     gate.add_permits(1);
     first.await.unwrap().unwrap();
     let ran = again.await.unwrap().unwrap();
-    assert!(
-        ran - called < delay / 2,
-        "the retry ran {:?} after its call: it slept out the retry's delay",
-        ran - called
-    );
+    ran_sooner_than_a_slept_delay("the retry", called, ran, delay);
 }
 
 /// Under a claim a run holds two leases, the claim and its run key: losing the run key
