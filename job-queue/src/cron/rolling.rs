@@ -128,10 +128,9 @@ pub async fn run(exe: &Path, redis: &str, postgres: &str) -> Result<Report, BoxE
         spawn_instance(exe, (redis, postgres, &run), name, behind)
     };
     let mut leader = spawn(false).await?;
-    let first = wait_for(&ticks, |w| {
-        w.iter().find(|w| w.instance == leader.name).cloned()
-    })
-    .await;
+    let first = ticks
+        .wait_for(|w| w.iter().find(|w| w.instance == leader.name).cloned())
+        .await;
     let mut standby = match first {
         Ok(_) => spawn(true).await,
         Err(e) => Err(e),
@@ -192,23 +191,25 @@ where
         // The standby has fired a tick of its own before its turn: two ticks by the
         // leader since it said it was ready.
         let seen = ticks.written().await?.len();
-        wait_for(ticks, |w| {
-            (w[seen..]
-                .iter()
-                .filter(|w| w.instance == leader.name)
-                .count()
-                >= 2)
-                .then_some(())
-        })
-        .await?;
+        ticks
+            .wait_for(|w| {
+                (w[seen..]
+                    .iter()
+                    .filter(|w| w.instance == leader.name)
+                    .count()
+                    >= 2)
+                    .then_some(())
+            })
+            .await?;
         let seen = ticks.written().await?.len();
-        let last = wait_for(ticks, |w| {
-            w[seen..]
-                .iter()
-                .find(|w| w.instance == leader.name)
-                .cloned()
-        })
-        .await?;
+        let last = ticks
+            .wait_for(|w| {
+                w[seen..]
+                    .iter()
+                    .find(|w| w.instance == leader.name)
+                    .cloned()
+            })
+            .await?;
         let successor_behind = standby.behind && !leader.behind;
         if !successor_behind {
             tokio::time::sleep(AHEAD_PHASE).await;
@@ -237,24 +238,9 @@ where
         });
     }
     let seen = ticks.written().await?.len();
-    wait_for(ticks, |w| (w.len() >= seen + 3).then_some(())).await
-}
-
-/// Polls the tick table until `found` finds something in it (30 s at most).
-async fn wait_for<T>(
-    ticks: &Ticks,
-    found: impl Fn(&[Written]) -> Option<T>,
-) -> Result<T, BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(found) = found(&ticks.written().await?) {
-            return Ok(found);
-        }
-        if Instant::now() > deadline {
-            return Err("the tick table did not show what the run waited for in 30 s".into());
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    ticks
+        .wait_for(|w| (w.len() >= seen + 3).then_some(()))
+        .await
 }
 
 /// Starts an instance, its clock [`SKEW`] behind if `behind`, and waits until it says it

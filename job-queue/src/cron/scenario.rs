@@ -9,7 +9,6 @@ use std::time::Duration;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tokio::process::Child;
-use tokio::time::Instant;
 
 use super::ticks::{Ticks, Written};
 use crate::BoxError;
@@ -115,7 +114,9 @@ async fn stop_the_leader(
     ticks: &Ticks,
     instances: &[Child],
 ) -> Result<((String, f64), Written), BoxError> {
-    let leader = wait_for(ticks, |w| (w.len() >= 3).then(|| w[w.len() - 1].clone())).await?;
+    let leader = ticks
+        .wait_for(|w| (w.len() >= 3).then(|| w[w.len() - 1].clone()))
+        .await?;
     let index: usize = leader
         .instance
         .strip_prefix("cron-")
@@ -125,35 +126,19 @@ async fn stop_the_leader(
     kill(Pid::from_raw(pid as i32), Signal::SIGSTOP)?;
     let stopped_at = ticks.now().await?;
     println!("{} leads: stopped it", leader.instance);
-    let successor = wait_for(ticks, |w| {
-        w.iter()
-            .find(|w| w.instance != leader.instance && w.at > stopped_at)
-            .cloned()
-    })
-    .await?;
+    let successor = ticks
+        .wait_for(|w| {
+            w.iter()
+                .find(|w| w.instance != leader.instance && w.at > stopped_at)
+                .cloned()
+        })
+        .await?;
     println!("{} took over", successor.instance);
     tokio::time::sleep(STOPPED_FOR).await;
     kill(Pid::from_raw(pid as i32), Signal::SIGCONT)?;
     println!("{} resumed", leader.instance);
     tokio::time::sleep(Duration::from_secs(3)).await;
     Ok(((leader.instance, stopped_at), successor))
-}
-
-/// Polls the tick table until `found` finds something in it (30 s at most).
-async fn wait_for<T>(
-    ticks: &Ticks,
-    found: impl Fn(&[Written]) -> Option<T>,
-) -> Result<T, BoxError> {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(found) = found(&ticks.written().await?) {
-            return Ok(found);
-        }
-        if Instant::now() > deadline {
-            return Err("the tick table did not show what the run waited for in 30 s".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 fn spawn_instance(

@@ -1,8 +1,11 @@
 //! The table the leader writes each tick to, fenced by its leadership's token.
 
+use std::time::Duration;
+
 use distlock::FencingToken;
 use distlock::postgres::PgFencedResource;
 use sqlx::PgPool;
+use tokio::time::Instant;
 
 use crate::BoxError;
 
@@ -89,6 +92,23 @@ impl Ticks {
             .into_iter()
             .map(|(tick, instance, at)| Written { tick, instance, at })
             .collect())
+    }
+
+    /// Polls the table until `found` finds something in it (30 s at most, every 10 ms).
+    pub async fn wait_for<T>(
+        &self,
+        found: impl Fn(&[Written]) -> Option<T>,
+    ) -> Result<T, BoxError> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(found) = found(&self.written().await?) {
+                return Ok(found);
+            }
+            if Instant::now() > deadline {
+                return Err("the tick table did not show what the run waited for in 30 s".into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// PostgreSQL's clock now, seconds since the epoch: the times above are on it.
