@@ -11,8 +11,9 @@ use std::time::Duration;
 use apalis_core::error::BoxDynError;
 use distlock::LockKey;
 use distlock::apalis::{ApalisLockLayer, JobLease};
-use job_queue::storage::{Server, Storage};
+use job_queue::storage::{Queue, Server, Storage};
 use job_queue::{Payout, on_each_storage};
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 on_each_storage!(a_job_whose_key_stays_held_is_dead_lettered_without_running);
@@ -28,33 +29,22 @@ async fn a_job_whose_key_stays_held_is_dead_lettered_without_running(storage: St
         .await
         .unwrap()
         .expect("a free key");
-    queue.push(Payout { id: 1, work_ms: 0 }).await.unwrap();
-
-    let ran = Arc::new(AtomicU32::new(0));
-    let counted = ran.clone();
-    let handler = move |_: Payout, _: JobLease| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        async { Ok::<_, BoxDynError>(()) }
-    };
     let lock = ApalisLockLayer::new(locker.clone(), key).dead_letter_after(3);
-    let worker = queue.work("dead-letter", 2, lock, handler);
+    let (worker, ran) = push_and_work(&mut queue, "dead-letter", lock, |_| {}).await;
 
     // A delivery sent back is delivered again soon (apalis-redis schedules it at once,
     // the task having run no attempt; apalis-postgres fetches it again at its next
     // fetch), so three take a few polls; 30 s without the job killed means it never is.
     let started = Instant::now();
-    loop {
+    until_settled(storage, started, "is not killed", async || {
         let dead = queue.dead(&server).await.unwrap();
         if dead == 1 {
-            break;
+            Ok(())
+        } else {
+            Err(format!("{dead} dead"))
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{storage}: the job is not killed {:?} after it was pushed ({dead} dead)",
-            started.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    })
+    .await;
     worker.abort();
     assert_eq!(
         ran.load(Ordering::SeqCst),
@@ -82,41 +72,32 @@ async fn a_job_whose_holder_stopped_renewing_runs_once_the_lease_lapses(storage:
         .await
         .unwrap()
         .expect("a free key");
-    queue.push(Payout { id: 1, work_ms: 0 }).await.unwrap();
-
-    let ran = Arc::new(AtomicU32::new(0));
-    let counted = ran.clone();
-    let handler = move |_: Payout, lease: JobLease| {
-        counted.fetch_add(1, Ordering::SeqCst);
-        assert!(
-            lease.token() > held.token(),
-            "the job ran under the holder's token"
-        );
-        async { Ok::<_, BoxDynError>(()) }
-    };
     // Ten misses, at least half the retry delay apart, take 9 s or more: longer than the
     // holder's TTL. Sent straight back, ten deliveries take a few seconds at most.
     let lock = ApalisLockLayer::new(locker.clone(), key)
         .retry_after(Duration::from_secs(2))
         .unwrap()
         .dead_letter_after(10);
-    let worker = queue.work("lapsing-holder", 2, lock, handler);
+    let (worker, ran) = push_and_work(&mut queue, "lapsing-holder", lock, move |lease| {
+        assert!(
+            lease.token() > held.token(),
+            "the job ran under the holder's token"
+        );
+    })
+    .await;
 
     // A hang guard: the lease lapses 5 s after it was taken, and the next delivery comes
     // at most the retry delay (2 s) after a miss.
     let started = Instant::now();
-    let dead = loop {
+    let dead = until_settled(storage, started, "neither ran nor was killed", async || {
         let dead = queue.dead(&server).await.unwrap();
         if dead > 0 || queue.done(&server).await.unwrap() == 1 {
-            break dead;
+            Ok(dead)
+        } else {
+            Err(format!("{dead} dead"))
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{storage}: the job neither ran nor was killed {:?} after it was pushed",
-            started.elapsed()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    })
+    .await;
     worker.abort();
     assert_eq!(
         dead,
@@ -126,4 +107,45 @@ async fn a_job_whose_holder_stopped_renewing_runs_once_the_lease_lapses(storage:
         started.elapsed()
     );
     assert_eq!(ran.load(Ordering::SeqCst), 1, "{storage}: the job ran once");
+}
+
+/// Pushes job 1 and starts worker `name` on `queue` under `lock`; its handler counts its
+/// runs in the counter returned and hands each run's lease to `check`.
+async fn push_and_work(
+    queue: &mut Queue<Payout>,
+    name: &str,
+    lock: ApalisLockLayer<Payout>,
+    check: impl Fn(&JobLease) + Clone + Send + Sync + 'static,
+) -> (JoinHandle<()>, Arc<AtomicU32>) {
+    queue.push(Payout { id: 1, work_ms: 0 }).await.unwrap();
+    let ran = Arc::new(AtomicU32::new(0));
+    let counted = ran.clone();
+    let handler = move |_: Payout, lease: JobLease| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        check(&lease);
+        async { Ok::<_, BoxDynError>(()) }
+    };
+    (queue.work(name, 2, lock, handler), ran)
+}
+
+/// Polls `settled` every 100 ms until it tells the job's fate; until then it says what it
+/// saw. 30 s after `started` the job `is_not` what the test waits for: a hang guard.
+async fn until_settled<T>(
+    storage: Storage,
+    started: Instant,
+    is_not: &str,
+    mut settled: impl AsyncFnMut() -> Result<T, String>,
+) -> T {
+    loop {
+        let seen = match settled().await {
+            Ok(fate) => return fate,
+            Err(seen) => seen,
+        };
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{storage}: the job {is_not} {:?} after it was pushed ({seen})",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
