@@ -129,16 +129,14 @@ async fn server_state(server: &PostgresServer) -> String {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn advisory_refuses_transaction_pooling_before_granting_anything() {
-    let server = start_server().await;
-    let bouncer = bouncer(&server, PoolMode::Transaction).await;
-    let backend = Arc::new(advisory_backend(&bouncer).await);
-    let names_the_mode =
-        |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pool_mode = transaction"));
-    // The very first acquire of a fresh backend, and then many at once.
+/// The first acquire of `backend`, then [`TASKS`] at once, each fail with an error
+/// `refused` recognises.
+async fn every_acquire_is_refused(
+    backend: Arc<impl LockBackend + 'static>,
+    refused: impl Fn(&LockError) -> bool,
+) {
     let err = backend.acquire(&key("first"), TTL).await.unwrap_err();
-    assert!(names_the_mode(&err), "{err}");
+    assert!(refused(&err), "{err}");
     let mut tasks = Vec::new();
     for t in 0..TASKS {
         let backend = backend.clone();
@@ -148,18 +146,31 @@ async fn advisory_refuses_transaction_pooling_before_granting_anything() {
     }
     for task in tasks {
         let err = task.await.unwrap().unwrap_err();
-        assert!(names_the_mode(&err), "{err}");
+        assert!(refused(&err), "{err}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advisory_refuses_transaction_pooling_before_granting_anything() {
+    let server = start_server().await;
+    let bouncer = bouncer(&server, PoolMode::Transaction).await;
+    let backend = Arc::new(advisory_backend(&bouncer).await);
+    let names_the_mode =
+        |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pool_mode = transaction"));
+    // The very first acquire of a fresh backend, and then many at once.
+    every_acquire_is_refused(backend, names_the_mode).await;
     assert_eq!(server_state(&server).await, "0 0");
 }
 
-/// A waiter in `Locker::lock` on `waiter` gets a key `holder` held and released; how
-/// long after.
+/// A waiter in `Locker::lock` on `waiter` gets a key `holder` held and released, less
+/// than `within` after the release (else the failure says `what` it was that long after).
 async fn a_waiter_gets_the_released_key(
     holder: Arc<dyn LockBackend>,
     waiter: Arc<dyn LockBackend>,
     backoff: Duration,
-) -> Duration {
+    within: Duration,
+    what: &str,
+) {
     let backend = holder;
     let locker = Locker::builder(waiter)
         .ttl(TTL)
@@ -182,7 +193,8 @@ async fn a_waiter_gets_the_released_key(
     let (got, guard) = waiter.await.unwrap();
     assert!(guard.token() > held.token());
     guard.release().await.unwrap();
-    got - released
+    let after = got - released;
+    assert!(after < within, "{what} {after:?} after the release");
 }
 
 /// The waiter sleeps in a 5 s backoff: taking the key well within a second means the
@@ -192,12 +204,8 @@ async fn lease_table_waiters_are_woken_through_session_pooling() {
     let server = start_server().await;
     let bouncer = bouncer(&server, PoolMode::Session).await;
     let backend = lease_backend(&bouncer).await;
-    let after =
-        a_waiter_gets_the_released_key(backend.clone(), backend, Duration::from_secs(5)).await;
-    assert!(
-        after < Duration::from_secs(1),
-        "woken {after:?} after the release"
-    );
+    let (backoff, within) = (Duration::from_secs(5), Duration::from_secs(1));
+    a_waiter_gets_the_released_key(backend.clone(), backend, backoff, within, "woken").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -289,19 +297,7 @@ async fn lease_table_refuses_transaction_pooling_without_the_setting() {
         |e: &LockError| matches!(e, LockError::Config(m) if m.contains("pooling=transaction"));
     // The very first acquire of a fresh backend, then many at once, then `connect`.
     let backend = Arc::new(builder(&bouncer).build_lease_backend().unwrap());
-    let err = backend.acquire(&key("first"), TTL).await.unwrap_err();
-    assert!(names_the_setting(&err), "{err}");
-    let mut tasks = Vec::new();
-    for t in 0..TASKS {
-        let backend = backend.clone();
-        tasks.push(tokio::spawn(async move {
-            backend.acquire(&key(&format!("many:{t}")), TTL).await
-        }));
-    }
-    for task in tasks {
-        let err = task.await.unwrap().unwrap_err();
-        assert!(names_the_setting(&err), "{err}");
-    }
+    every_acquire_is_refused(backend, names_the_setting).await;
     let fresh = builder(&bouncer).build_lease_backend().unwrap();
     let err = fresh.connect().await.unwrap_err();
     assert!(names_the_setting(&err), "{err}");
@@ -317,12 +313,8 @@ async fn lease_table_waiters_poll_through_transaction_pooling() {
     let backend = lease_backend(&bouncer).await;
     assert!(!backend.capabilities().wakes_waiters);
     assert!(backend.watch_releases(&key("waited")).is_none());
-    let backoff = Duration::from_millis(300);
-    let after = a_waiter_gets_the_released_key(backend.clone(), backend, backoff).await;
-    assert!(
-        after < Duration::from_secs(5),
-        "got it {after:?} after the release"
-    );
+    let (backoff, within) = (Duration::from_millis(300), Duration::from_secs(5));
+    a_waiter_gets_the_released_key(backend.clone(), backend, backoff, within, "got it").await;
 }
 
 /// A release through the transaction pooler is still announced: a waiter of another
@@ -339,13 +331,10 @@ async fn releases_through_transaction_pooling_wake_a_directly_connected_waiter()
     let direct: Arc<dyn LockBackend> = Arc::new(direct);
     for round in 0..3 {
         the_lease_cycle_holds_under_load(holder.clone(), &format!("burst{round}"), TASKS).await;
-        let after =
-            a_waiter_gets_the_released_key(holder.clone(), direct.clone(), Duration::from_secs(5))
-                .await;
-        assert!(
-            after < Duration::from_secs(1),
-            "round {round}: woken {after:?} after the release"
-        );
+        let (backoff, within) = (Duration::from_secs(5), Duration::from_secs(1));
+        let what = format!("round {round}: woken");
+        a_waiter_gets_the_released_key(holder.clone(), direct.clone(), backoff, within, &what)
+            .await;
     }
 }
 
