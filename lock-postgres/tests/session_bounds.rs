@@ -14,8 +14,8 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    acquires_leave_no_backend_waiting, no_transaction_waits_on_the_stalled_client, observer,
-    sessions, start_server, url_at,
+    REQUEST_TIMEOUT, acquires_leave_no_backend_waiting, no_transaction_waits_on_the_stalled_client,
+    observer, sessions, start_server, url_at,
 };
 use distlock_core::{LockBackend, LockKey};
 use harness::pgbouncer::{PgBouncerServer, PoolMode};
@@ -23,12 +23,6 @@ use harness::proxy::FaultProxy;
 use lock_postgres::PgLeaseBackend;
 use lock_postgres::sqlx;
 use tokio::time::Instant;
-
-/// The request time limit of the backends here, and so the server's limit.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long past the server's limit a stalled transaction or a waiting statement may
-/// still be seen before the test calls it left behind (scheduling on a loaded machine).
-const MARGIN: Duration = Duration::from_secs(5);
 
 /// Sessions in a transaction that waits on its client after it locked rows of the lease
 /// table.
@@ -56,8 +50,7 @@ async fn acquires_behind_a_locked_row_leave_no_backend_waiting_on_a_direct_serve
     let server = start_server().await;
     let backend = backend_at(&server.url(), ACQUIRES as u32).await;
     let k = key("locked:direct");
-    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT + MARGIN)
-        .await;
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,8 +60,7 @@ async fn acquires_behind_a_locked_row_leave_no_backend_waiting_through_session_p
     let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Session).await);
     let backend = backend_at(&bouncer.url(), ACQUIRES as u32).await;
     let k = key("locked:bouncer");
-    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT + MARGIN)
-        .await;
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,13 +87,7 @@ async fn a_transaction_on_the_pool_whose_client_stalls_does_not_keep_its_row_loc
     proxy.blackhole();
     let stalled_at = Instant::now();
 
-    no_transaction_waits_on_the_stalled_client(
-        &mut observer,
-        IDLE_ON_LEASES,
-        stalled_at,
-        REQUEST_TIMEOUT + MARGIN,
-    )
-    .await;
+    no_transaction_waits_on_the_stalled_client(&mut observer, IDLE_ON_LEASES, stalled_at).await;
     // The lease ran out meanwhile: the key is taken again, without waiting on a lock.
     let again = direct.acquire(&k, ttl).await.unwrap();
     assert!(again.is_some(), "the expired key is free to take");

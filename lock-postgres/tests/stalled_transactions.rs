@@ -16,21 +16,14 @@ mod common;
 use std::time::Duration;
 
 use common::{
-    acquires_leave_no_backend_waiting, no_transaction_waits_on_the_stalled_client, start_server,
-    url_at,
+    REQUEST_TIMEOUT, acquires_leave_no_backend_waiting, no_transaction_waits_on_the_stalled_client,
+    start_server, url_at,
 };
 use distlock_core::{LockBackend, LockKey, Renewal};
 use harness::pgbouncer::{PgBouncerServer, PoolMode};
 use harness::proxy::FaultProxy;
 use lock_postgres::{PgLeaseBackend, PgPooling};
 use tokio::time::Instant;
-
-/// The request time limit of the backends here, and so the server's limit on their
-/// transactions.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long past the server's limit a stalled transaction or a waiting statement may
-/// still be seen before the test calls it left behind (scheduling on a loaded machine).
-const MARGIN: Duration = Duration::from_secs(5);
 
 fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
@@ -89,13 +82,7 @@ async fn a_client_stalled_before_its_commit_does_not_keep_the_row_locked() {
 
     // The server ends the stalled transaction once it waited on its client for the
     // request time limit: its row lock goes with it.
-    no_transaction_waits_on_the_stalled_client(
-        &mut observer,
-        IDLE_ON_LEASES,
-        stalled_at,
-        REQUEST_TIMEOUT + MARGIN,
-    )
-    .await;
+    no_transaction_waits_on_the_stalled_client(&mut observer, IDLE_ON_LEASES, stalled_at).await;
     // Once the lease ran out, the key is taken again, without waiting on a lock.
     tokio::time::sleep_until(stalled_at + ttl).await;
     let again = direct.acquire(&k, ttl).await.unwrap();
@@ -110,8 +97,7 @@ async fn acquires_behind_a_stalled_transaction_leave_no_backend_waiting() {
     let bouncer = harness::require(PgBouncerServer::start(&server, PoolMode::Transaction).await);
     let backend = backend_at(&bouncer.url(), ACQUIRES as u32, REQUEST_TIMEOUT).await;
     let k = key("stalled:row");
-    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k, REQUEST_TIMEOUT + MARGIN)
-        .await;
+    acquires_leave_no_backend_waiting(&server, backend, ACQUIRES, &k).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

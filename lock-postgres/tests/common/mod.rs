@@ -270,15 +270,23 @@ pub async fn until_no_session(
     }
 }
 
+/// The request time limit of the backends of the stalled-session tests, and so the
+/// server's limit on their statements and transactions.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long past the server's limit a stalled transaction or a waiting statement may
+/// still be seen before a test calls it left behind (scheduling on a loaded machine).
+pub const MARGIN: Duration = Duration::from_secs(5);
+
 /// Asserts that no session matching `idle_on_leases` (a transaction waiting on its client
-/// after it locked rows of the lease table) is left `within` after its client stalled at
-/// `stalled_at`: the server ended it, and its row locks went with it.
+/// after it locked rows of the lease table) is left [`REQUEST_TIMEOUT`] + [`MARGIN`]
+/// after its client stalled at `stalled_at`: the server ended it, and its row locks went
+/// with it.
 pub async fn no_transaction_waits_on_the_stalled_client(
     observer: &mut sqlx::PgConnection,
     idle_on_leases: &str,
     stalled_at: tokio::time::Instant,
-    within: Duration,
 ) {
+    let within = REQUEST_TIMEOUT + MARGIN;
     let left = until_no_session(observer, idle_on_leases, stalled_at + within).await;
     assert_eq!(
         left,
@@ -295,15 +303,15 @@ pub const WAITING_ON_A_LOCK: &str = "wait_event_type = 'Lock' AND query LIKE '%d
 /// Takes `k` on `backend`, lets another client's transaction lock its row and the lease
 /// run out, then has `acquires` acquires wait on the row until their clients give up
 /// (each fails: the row stays locked). Asserts that no backend of `server` still waits on
-/// the row's lock `within` (the backend's, and so the server's, request time limit and a
-/// margin) after they gave up.
+/// the row's lock [`REQUEST_TIMEOUT`] (the backend's, and so the server's, limit) +
+/// [`MARGIN`] after they gave up.
 pub async fn acquires_leave_no_backend_waiting(
     server: &PostgresServer,
     backend: lock_postgres::PgLeaseBackend,
     acquires: usize,
     k: &LockKey,
-    within: Duration,
 ) {
+    let within = REQUEST_TIMEOUT + MARGIN;
     use sqlx::Connection;
     let mut observer = observer(server).await;
     let ttl = Duration::from_millis(200);
