@@ -23,6 +23,12 @@ pub const DEFAULT_KEY_PREFIX: &str = "distlock";
 
 const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// HTTP/2 pings under an open call or watch: twice etcd's default
+/// `--grpc-keepalive-min-time`, the shortest interval it allows.
+const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
+/// TCP keepalive on a connection idle this long, as the Redis backend's: against
+/// middleboxes that forget idle connections.
+const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 
 /// Builds an [`EtcdBackend`].
 ///
@@ -329,15 +335,22 @@ impl EtcdBuilder {
     fn connect_options(&self) -> ConnectOptions {
         // `require_leader` makes a member without a leader fail at once ("no leader": the
         // request was not proposed) instead of holding the request until the timeout.
-        // HTTP/2 keep-alive pings notice a dead connection so the channel reconnects.
+        // HTTP/2 keep-alive pings notice a dead connection under an open call or watch, so
+        // the channel reconnects. etcd sends a client away (`GOAWAY too_many_pings`, failing
+        // any call made as the connection closes) at the third ping in a row sooner than its
+        // `--grpc-keepalive-min-time` (5 s as shipped) after the last while a stream is open,
+        // and at any ping while none is: so every `KEEP_ALIVE_INTERVAL`, and never while idle.
+        // An idle connection that died is found by TCP keepalive, or by the next call's
+        // request timeout.
         // Auth tokens expire (a JWT after its TTL, a simple token on each member once unused
         // there for `--auth-token-ttl`): a call refused with "invalid auth token" (refused
         // before it was proposed) authenticates again and is sent once more.
         let mut options = ConnectOptions::new()
             .with_connect_timeout(self.connect_timeout)
             .with_require_leader(true)
-            .with_keep_alive(Duration::from_secs(2), self.request_timeout)
-            .with_keep_alive_while_idle(true)
+            .with_keep_alive(KEEP_ALIVE_INTERVAL, self.request_timeout)
+            .with_keep_alive_while_idle(false)
+            .with_tcp_keepalive(TCP_KEEPALIVE_IDLE)
             .with_auto_token_refresh(true);
         if let Some((user, password)) = &self.user {
             options = options.with_user(user.clone(), password.clone());

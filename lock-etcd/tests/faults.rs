@@ -334,3 +334,39 @@ async fn a_batch_reports_items_whose_member_did_not_answer_as_unreachable() {
     let fence = until_answered("fence", deadline, || client.fence(&held)).await;
     assert!(matches!(fence, Fence::Stale { .. }), "released: {fence:?}");
 }
+
+/// etcd sends a client away (`GOAWAY`, `too_many_pings`) at the third HTTP/2 ping in a row
+/// that comes sooner than its policy allows after the one before, unless etcd has written
+/// to the connection in between: sooner than `--grpc-keepalive-min-time` (5 s as shipped)
+/// while a call or a watch is open, and at any interval while none is. A call made as the
+/// connection closes fails. An idle client, with its release watch open and without, keeps
+/// its connection through four pings' worth of the shortest interval etcd allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_client_is_not_sent_away_for_its_pings() {
+    // etcd's default `--grpc-keepalive-min-time`.
+    const MIN_PING_INTERVAL: Duration = Duration::from_secs(5);
+    let (idle_link, watching_link) = (EtcdFactory::single().await, EtcdFactory::single().await);
+    let (idle, watching) = (idle_link.etcd().await, watching_link.etcd().await);
+    let k = key("idle");
+    lock_cycle(&idle, &k).await;
+    let mut watch = watching
+        .watch_releases(&k)
+        .expect("the etcd backend announces releases");
+    // Once its watch is created, the listener wakes every watcher to look again.
+    lock_cycle(&idle, &k).await;
+    tokio::time::timeout(Duration::from_secs(10), watch.released())
+        .await
+        .expect("the release watch in place");
+    let connections =
+        |link: &EtcdFactory| -> u64 { link.proxies().iter().map(|p| p.accepted()).sum() };
+    let before = [connections(&idle_link), connections(&watching_link)];
+
+    sleep(MIN_PING_INTERVAL * 4 + Duration::from_secs(1)).await;
+    lock_cycle(&idle, &k).await;
+    lock_cycle(&watching, &k).await;
+    assert_eq!(
+        [connections(&idle_link), connections(&watching_link)],
+        before,
+        "connections made, [idle client, client with a watch open]: etcd sent one away"
+    );
+}
