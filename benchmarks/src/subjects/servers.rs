@@ -92,6 +92,29 @@ impl Servers {
         }
     }
 
+    /// The last lines of each started server's log: printed when a run fails, since the
+    /// servers and their logs go with it.
+    pub fn log_tails(&self) -> String {
+        let mut tails = String::new();
+        let logs = [
+            (Store::Redis, self.redis.as_ref().map(RedisServer::log_tail)),
+            (
+                Store::Postgres,
+                self.postgres.as_ref().map(PostgresServer::log_tail),
+            ),
+            (Store::Etcd, self.etcd.as_ref().map(EtcdServer::log_tail)),
+        ];
+        for (store, tail) in logs {
+            if let Some(tail) = tail {
+                tails.push_str(&format!(
+                    "--- the {} server's log ends:\n{tail}\n",
+                    store.name()
+                ));
+            }
+        }
+        tails
+    }
+
     /// The etcd client endpoint.
     pub fn etcd_endpoint(&self) -> Result<String, BenchError> {
         self.etcd

@@ -41,26 +41,27 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
 
     let mut results = Results::default();
     let mut contention = Contention::default();
-    for &id in &subjects {
-        measure_subject(id, &servers, &plan, &bar, &mut results, &mut contention).await?;
-    }
-    results.paired = target_pairs(&subjects, &servers, &plan, &bar).await?;
-    if subjects.contains(&SubjectId::Redis) {
-        results.placed = Some(
-            benchmarks::placed::redis_placed_pairs(&servers, &plan, |m| {
-                bar.set_message(m.to_owned());
-            })
-            .await?,
-        );
-    }
-    bar.inc(1);
-    for &id in &backends {
-        measure_waiters_and_permits(id, &servers, &plan, &bar, &mut results).await?;
-    }
-    let redis_cost = if subjects.contains(&SubjectId::Redis) {
-        Some(redis_cost(args, &servers, &plan, &bar).await?)
-    } else {
-        None
+    let measured = measure_on_servers(
+        args,
+        (&backends, &subjects),
+        &servers,
+        &plan,
+        &bar,
+        (&mut results, &mut contention),
+    )
+    .await;
+    let redis_cost = match measured {
+        Ok(redis_cost) => redis_cost,
+        Err(e) => {
+            // The servers, and their logs, go when this returns.
+            bar.abandon();
+            eprintln!(
+                "capacity: failed at: {}\n{}",
+                bar.message(),
+                servers.log_tails()
+            );
+            return Err(e);
+        }
     };
     drop(servers);
 
@@ -84,6 +85,39 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
             absent,
         },
     )
+}
+
+/// Everything the report measures on the servers started for it; the Redis server time
+/// per call when Redis is among the subjects.
+async fn measure_on_servers(
+    args: &Args,
+    (backends, subjects): (&[SubjectId], &[SubjectId]),
+    servers: &Servers,
+    plan: &Plan,
+    bar: &ProgressBar,
+    (results, contention): (&mut Results, &mut Contention),
+) -> Result<Option<RedisServerCost>, BenchError> {
+    for &id in subjects {
+        measure_subject(id, servers, plan, bar, results, contention).await?;
+    }
+    results.paired = target_pairs(subjects, servers, plan, bar).await?;
+    if subjects.contains(&SubjectId::Redis) {
+        results.placed = Some(
+            benchmarks::placed::redis_placed_pairs(servers, plan, |m| {
+                bar.set_message(m.to_owned());
+            })
+            .await?,
+        );
+    }
+    bar.inc(1);
+    for &id in backends {
+        measure_waiters_and_permits(id, servers, plan, bar, results).await?;
+    }
+    Ok(if subjects.contains(&SubjectId::Redis) {
+        Some(redis_cost(args, servers, plan, bar).await?)
+    } else {
+        None
+    })
 }
 
 /// The subjects a run measures: the selected backends, and the baselines of their stores.
