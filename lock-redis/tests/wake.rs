@@ -31,9 +31,10 @@ fn waiting_locker(backend: Arc<dyn LockBackend>) -> Locker {
         .unwrap()
 }
 
-/// A server; a backend holding a key for 30 s; a second backend instance, to wait on.
-struct Held {
-    factory: RedisFactory,
+/// A server (`F` a single node's or a cluster's factory); a backend holding a key for
+/// 30 s; a second backend instance, to wait on.
+struct Held<F> {
+    factory: F,
     holder: lock_redis::RedisBackend,
     waiter: Arc<dyn LockBackend>,
     key: LockKey,
@@ -42,25 +43,43 @@ struct Held {
     lease: distlock_core::Lease,
 }
 
-async fn held(name: &str) -> Held {
-    let factory = RedisFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let key = key(name);
-    let channel = holder.redis_key(&key);
-    let lease = holder
-        .acquire(&key, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .expect("a free key");
-    Held {
-        factory,
-        holder,
-        waiter,
-        key,
-        channel,
-        lease,
+impl<F> Held<F> {
+    /// `holder` takes the key `name`, for 30 s.
+    async fn taken(
+        factory: F,
+        holder: lock_redis::RedisBackend,
+        waiter: lock_redis::RedisBackend,
+        name: &str,
+    ) -> Self {
+        let key = key(name);
+        let channel = holder.redis_key(&key);
+        let lease = holder
+            .acquire(&key, Duration::from_secs(30))
+            .await
+            .unwrap()
+            .expect("a free key");
+        Held {
+            factory,
+            holder,
+            waiter: Arc::new(waiter),
+            key,
+            channel,
+            lease,
+        }
     }
+}
+
+async fn held(name: &str) -> Held<RedisFactory> {
+    let factory = RedisFactory::start().await;
+    let (holder, waiter) = (factory.redis().await, factory.redis().await);
+    Held::taken(factory, holder, waiter, name).await
+}
+
+/// [`held`] on a cluster.
+async fn held_on_cluster(name: &str) -> Held<common::RedisClusterFactory> {
+    let factory = common::RedisClusterFactory::start().await;
+    let (holder, waiter) = (factory.redis().await, factory.redis().await);
+    Held::taken(factory, holder, waiter, name).await
 }
 
 /// The count in a `PUBSUB NUMSUB` or `SHARDNUMSUB` reply for one channel.
@@ -176,22 +195,16 @@ async fn woken_well_within_its_backoff(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listener_subscribes_again_after_a_server_restart() {
-    let Held {
-        factory,
-        holder,
-        waiter,
-        key: k,
-        channel,
-        lease: _lease,
-    } = held("wake:restart").await;
-    let waiting = wait_for(&waiter, &k);
-    assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
+    let held = held("wake:restart").await;
+    let (holder, waiter, k) = (&held.holder, &held.waiter, &held.key);
+    let waiting = wait_for(waiter, k);
+    assert_eq!(await_subscribers(&held.factory, &held.channel, 1).await, 1);
 
     // The restart loses every key (no persistence) and the subscription. Releases while
     // the listener was away are not heard, so once it has subscribed again it wakes a
     // waiter of every watched key to look: this one finds the key free.
     let restarted = Instant::now();
-    factory.server.restart().await.unwrap();
+    held.factory.server.restart().await.unwrap();
     let granted = waiting.await.unwrap().unwrap();
     assert!(
         granted - restarted < Duration::from_secs(5),
@@ -203,16 +216,16 @@ async fn the_listener_subscribes_again_after_a_server_restart() {
     // the restart may find its connection broken: it tries again.)
     let mut lease = None;
     for _ in 0..10 {
-        if let Ok(taken) = holder.acquire(&k, Duration::from_secs(30)).await {
+        if let Ok(taken) = holder.acquire(k, Duration::from_secs(30)).await {
             lease = Some(taken.expect("the key is free"));
             break;
         }
         sleep(Duration::from_millis(100)).await;
     }
     let lease = lease.expect("the holder reconnected");
-    let waiting = wait_for(&waiter, &k);
-    assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
-    woken_well_within_its_backoff(&holder, &lease, waiting).await;
+    let waiting = wait_for(waiter, k);
+    assert_eq!(await_subscribers(&held.factory, &held.channel, 1).await, 1);
+    woken_well_within_its_backoff(holder, &lease, waiting).await;
 }
 
 /// The listener's backoff lengthens only over failed connects in a row: after many drops,
@@ -264,26 +277,18 @@ async fn shard_subscribers(cluster: &common::RedisClusterFactory, channel: &str)
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_waited_release_on_a_cluster_is_announced_on_the_keys_shard_only() {
-    let factory = common::RedisClusterFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let k = key("wake:sharded");
-    let channel = holder.redis_key(&k);
-    let lease = holder
-        .acquire(&k, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
-    let woken = wait_for(&waiter, &k);
+    let held = held_on_cluster("wake:sharded").await;
+    let factory = &held.factory;
+    let woken = wait_for(&held.waiter, &held.key);
     // The listener follows the key on its shard, not with a node-wide SUBSCRIBE.
-    await_shard_subscription(&factory, &channel).await;
+    await_shard_subscription(factory, &held.channel).await;
     sleep(Duration::from_millis(200)).await;
     let (publishes, spublishes) = (
         common::cluster_calls(&factory.cluster, "publish").await,
         common::cluster_calls(&factory.cluster, "spublish").await,
     );
 
-    let handoff = handoff(&holder, &lease, woken).await;
+    let handoff = handoff(&held.holder, &held.lease, woken).await;
     assert!(
         handoff < BACKOFF / 4,
         "the waiter polled instead of being woken: {handoff:?}"
@@ -331,18 +336,11 @@ async fn kill_shard_subscriber(node: &harness::redis::RedisServer) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cluster_listener_subscribes_again_after_a_drop_and_wakes_the_waiters() {
-    let factory = common::RedisClusterFactory::start().await;
-    let holder = factory.redis().await;
-    let waiter: Arc<dyn LockBackend> = Arc::new(factory.redis().await);
-    let k = key("wake:sharded-drop");
-    let channel = holder.redis_key(&k);
-    holder
-        .acquire(&k, Duration::from_secs(30))
-        .await
-        .unwrap()
-        .unwrap();
-    let waiting = wait_for(&waiter, &k);
-    await_shard_subscription(&factory, &channel).await;
+    let held = held_on_cluster("wake:sharded-drop").await;
+    let (factory, holder, waiter, k) = (&held.factory, &held.holder, &held.waiter, &held.key);
+    let channel = &held.channel;
+    let waiting = wait_for(waiter, k);
+    await_shard_subscription(factory, channel).await;
 
     // The key goes without an announcement (as when a release came while the listener
     // was away), then the listener's connection to the key's shard drops. The cluster
@@ -361,14 +359,14 @@ async fn the_cluster_listener_subscribes_again_after_a_drop_and_wakes_the_waiter
 
     // And the subscription made again carries the next release.
     let lease = holder
-        .acquire(&k, Duration::from_secs(30))
+        .acquire(k, Duration::from_secs(30))
         .await
         .unwrap()
         .expect("the key is free");
-    let waiting = wait_for(&waiter, &k);
-    await_shard_subscription(&factory, &channel).await;
+    let waiting = wait_for(waiter, k);
+    await_shard_subscription(factory, channel).await;
     sleep(Duration::from_millis(200)).await;
-    woken_well_within_its_backoff(&holder, &lease, waiting).await;
+    woken_well_within_its_backoff(holder, &lease, waiting).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -414,15 +412,8 @@ async fn a_batch_release_on_a_cluster_announces_each_waited_key_on_its_shard() {
 /// the others still watch it and made their one attempt before it was granted).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
-    let Held {
-        factory,
-        holder,
-        waiter,
-        key: k,
-        channel,
-        lease,
-    } = held("wake:chain").await;
-    let locker = waiting_locker(waiter.clone());
+    let held = held("wake:chain").await;
+    let (k, locker) = (&held.key, waiting_locker(held.waiter.clone()));
     let waiting: Vec<_> = (0..3)
         .map(|_| {
             let (locker, k) = (locker.clone(), k.clone());
@@ -435,11 +426,11 @@ async fn each_release_in_a_chain_of_waiters_of_one_process_wakes_the_next() {
             })
         })
         .collect();
-    assert_eq!(await_subscribers(&factory, &channel, 1).await, 1);
+    assert_eq!(await_subscribers(&held.factory, &held.channel, 1).await, 1);
     // Each has made its first attempt, found the key held, and sleeps in its backoff.
     sleep(Duration::from_millis(200)).await;
     let released = Instant::now();
-    holder.release(&lease).await.unwrap();
+    held.holder.release(&held.lease).await.unwrap();
     let last = last_grant(waiting, released).await;
     assert!(
         last < Duration::from_secs(2),
