@@ -839,8 +839,13 @@ async fn until_executed_a_run_that_loses_its_run_key_stops() {
     assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
 }
 
-/// The lock TTL of the workers of [`a_stopped_run`] and of the runs after it.
+/// The lock TTL of the worker of [`a_stopped_run`]: short, as the test waits for its lease
+/// to end.
 const STOPPED_TTL: Duration = Duration::from_millis(300);
+/// The lock TTL of the runs after it, which must keep their leases while the test goes on:
+/// with [`STOPPED_TTL`], a loaded machine that held up the next run's watchdog for 200 ms
+/// stopped the run before the test was done with it.
+const NEXT_RUN_TTL: Duration = Duration::from_secs(3);
 
 /// A run of a job under its producer's claim until executed, stopped as a paused
 /// worker's is, and what the test needs after it.
@@ -938,7 +943,7 @@ async fn a_stopped_run_and_the_next(
     let ledger = Arc::new(MemoryFencedResource::new(EnforcementMode::Enforce));
     let writes = ledger.clone();
     let mut next_worker = claimed_layer(
-        locker(stopped.store.client(), STOPPED_TTL),
+        locker(stopped.store.client(), NEXT_RUN_TTL),
         distlock::tower::Until::Executed,
     )
     .layer(Handler(move |locked: Locked<Enqueued>| {
@@ -997,7 +1002,7 @@ async fn until_executed_a_stopped_run_leaves_alone_the_claim_the_next_run_resume
     let waiting = gate.clone();
     let next_store = Layered::new(Arc::new(stopped.store.client()), counted.clone());
     let mut next_worker = claimed_layer(
-        locker(next_store, STOPPED_TTL),
+        locker(next_store, NEXT_RUN_TTL),
         distlock::tower::Until::Executed,
     )
     .layer(Handler(move |_: Locked<Enqueued>| {
@@ -1019,7 +1024,11 @@ async fn until_executed_a_stopped_run_leaves_alone_the_claim_the_next_run_resume
     stopped.paused.heal();
     let (calls, healed) = (counted.calls(), Instant::now());
     while counted.calls() < calls + 2 {
-        assert!(healed.elapsed() < Duration::from_secs(10), "no renewal");
+        assert!(
+            healed.elapsed() < NEXT_RUN_TTL * 3,
+            "no renewal; the next run ended: {}",
+            next.is_finished()
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let key = key_of(&stopped.enqueued.job).unwrap();
