@@ -185,6 +185,43 @@ where
         self.count(server, Ended::Done).await
     }
 
+    /// Where each task of this queue stands, for the message of a test that waited in
+    /// vain: on Redis, [`crate::queue_state::describe`]; on PostgreSQL, each task's row
+    /// (status, attempts, when it may run, which worker locked it and when, its last
+    /// result) and each worker's last heartbeat.
+    pub async fn state(&self, server: &Server) -> Result<String, BoxError> {
+        match (&self.storage, &server.running) {
+            (Queues::Redis(storage), Running::Redis(redis)) => {
+                let mut conn = apalis_redis::connect(redis.url()).await?;
+                crate::queue_state::describe(&mut conn, storage.get_config()).await
+            }
+            (Queues::Postgres(storage), Running::Postgres(_)) => {
+                let rows: Vec<(String,)> = sqlx::query_as(
+                    "(SELECT format('  task %s: %s, attempts %s of %s, run_at %s, locked by %s \
+                     at %s, done_at %s, last result %s', id, status, attempts, max_attempts, \
+                     run_at, lock_by, lock_at, done_at, last_result) \
+                     FROM apalis.jobs WHERE job_type = $1 ORDER BY run_at) \
+                     UNION ALL \
+                     (SELECT format('  worker %s: last seen %s', id, last_seen) \
+                     FROM apalis.workers WHERE worker_type = $1)",
+                )
+                .bind(storage.config().queue.to_string())
+                .fetch_all(storage.pool())
+                .await?;
+                let now: (String,) = sqlx::query_as("SELECT now()::text")
+                    .fetch_one(storage.pool())
+                    .await?;
+                let lines: Vec<String> = rows.into_iter().map(|(line,)| line).collect();
+                Ok(format!(
+                    "queue state (server clock {}):\n{}",
+                    now.0,
+                    lines.join("\n")
+                ))
+            }
+            _ => Err("the queue is not on this server".into()),
+        }
+    }
+
     async fn count(&self, server: &Server, ended: Ended) -> Result<u64, BoxError> {
         match (&self.storage, &server.running) {
             (Queues::Redis(storage), Running::Redis(redis)) => {

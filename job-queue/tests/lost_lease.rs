@@ -105,13 +105,18 @@ async fn a_job_whose_lease_is_lost_while_it_runs_is_run_again(storage: Storage) 
         if done == 1 {
             break;
         }
-        assert!(
-            stopped_at.elapsed() < Duration::from_secs(30),
-            "{storage}: the job stopped for its lost lease was not run again in {:?} \
-             ({} runs)",
-            stopped_at.elapsed(),
-            runs.load(Ordering::SeqCst)
-        );
+        if stopped_at.elapsed() >= Duration::from_secs(30) {
+            let state = (queue.state(&server).await)
+                .unwrap_or_else(|e| format!("(the queue's state unreadable: {e})"));
+            panic!(
+                "{storage}: the job stopped for its lost lease was not run again in {:?} \
+                 ({} runs, {} ended, {} finished)\n{state}",
+                stopped_at.elapsed(),
+                runs.load(Ordering::SeqCst),
+                stopped.load(Ordering::SeqCst),
+                finished.load(Ordering::SeqCst)
+            );
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     worker.abort();
