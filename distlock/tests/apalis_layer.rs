@@ -13,7 +13,7 @@ use distlock::apalis::{ApalisLockLayer, JobLease, job_error};
 use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
 use distlock::tower::{JobError, Until};
-use distlock::{LockError, LockKey, Locker};
+use distlock::{FencingToken, LockError, LockKey, Locker, WriteFence};
 use tower::{Layer, Service, ServiceExt};
 
 #[derive(Clone, Debug)]
@@ -284,6 +284,17 @@ async fn a_zero_retry_delay_is_refused() {
     assert!(matches!(e, LockError::Config(_)), "{e:?}");
 }
 
+/// What a handler of the fence test returns: its fence, its lease's token and the token the
+/// store shows on the fence's key.
+async fn fence_and_holder(
+    probe: Locker,
+    lease: JobLease,
+) -> Result<(WriteFence, FencingToken, Option<FencingToken>), BoxDynError> {
+    let fence = lease.fence();
+    let held = probe.backend().inspect(fence.key()).await?;
+    Ok((fence, lease.token(), held.token))
+}
+
 /// A payout its producer claimed before it pushed it, for `Until::Executed`.
 #[derive(Clone, Debug)]
 struct ClaimedPayout {
@@ -295,15 +306,7 @@ struct ClaimedPayout {
 async fn the_handlers_fence_is_its_leases_key_and_token_the_run_key_until_executed() {
     let locker = locker().await;
     let probe = locker.clone();
-    // The handler returns its fence and the token the store shows on the fence's key.
-    let handler = move |_: Payout, lease: JobLease| {
-        let probe = probe.clone();
-        async move {
-            let fence = lease.fence();
-            let held = probe.backend().inspect(fence.key()).await?;
-            Ok::<_, BoxDynError>((fence, lease.token(), held.token))
-        }
-    };
+    let handler = move |_: Payout, lease| fence_and_holder(probe.clone(), lease);
     let mut worker = ApalisLockLayer::new(locker.clone(), key).layer(task_fn(handler));
     let (fence, token, held) = worker
         .ready()
@@ -332,19 +335,12 @@ async fn the_handlers_fence_is_its_leases_key_and_token_the_run_key_until_execut
         .await
         .unwrap();
     let claim = claim.expect("a free key");
-    let probe = locker.clone();
-    let handler = move |_: ClaimedPayout, lease: JobLease| {
-        let probe = probe.clone();
-        async move {
-            let fence = lease.fence();
-            let held = probe.backend().inspect(fence.key()).await?;
-            Ok::<_, BoxDynError>((fence, lease.token(), held.token))
-        }
-    };
     let layer = ApalisLockLayer::new(locker.clone(), |job: &ClaimedPayout| {
         LockKey::new(format!("payout:{}", job.id))
     })
     .claimed(|job: &ClaimedPayout| job.claim.clone(), Until::Executed);
+    let probe = locker.clone();
+    let handler = move |_: ClaimedPayout, lease| fence_and_holder(probe.clone(), lease);
     let mut worker = layer.layer(task_fn(handler));
     let task = TaskBuilder::new(ClaimedPayout {
         id: 12,
