@@ -129,8 +129,16 @@ fn count(tally: &mut Tally, event: &Event) {
         Event::Step { admitted: true, .. } => tally.writes_admitted += 1,
         Event::Step { .. } => tally.writes_refused += 1,
         Event::Lost { .. } => tally.losses_noticed += 1,
-        Event::Release { released: true, .. } => tally.sections += 1,
-        Event::Release { .. } => tally.releases_not_held += 1,
+        Event::Release {
+            released: Some(true),
+            ..
+        } => tally.sections += 1,
+        Event::Release {
+            released: Some(false),
+            ..
+        } => tally.releases_not_held += 1,
+        // Counted with its error.
+        Event::Release { released: None, .. } => {}
         Event::Error { .. } => tally.errors += 1,
     }
 }

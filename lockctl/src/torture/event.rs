@@ -37,13 +37,15 @@ pub enum Event {
     },
     /// At `at` the guard said the lease was no longer held; the job stopped.
     Lost { key: u32, token: u64, at: u64 },
-    /// The lease was released (invoked at `invoked`); `released` is false when the store
-    /// said it was no longer held by this owner.
+    /// The lease's release was invoked at `invoked`: `Some(true)` released, `Some(false)`
+    /// the store said it was no longer held by this owner, `None` the call failed (a store
+    /// restarting) and the store may have carried it out all the same. From `invoked` on,
+    /// the holder counts the lease as given up, whatever the outcome.
     Release {
         key: u32,
         token: u64,
         invoked: u64,
-        released: bool,
+        released: Option<bool>,
     },
     /// A call failed (the store unreachable, a timeout); not a violation by itself.
     Error { at: u64, what: String },

@@ -169,9 +169,20 @@ async fn critical_section(
             key,
             token,
             invoked,
-            released: released == Release::Released,
+            released: Some(released == Release::Released),
         }),
-        Err(e) => report_error(&e),
+        // The release may have freed the key before the error: without the event, the
+        // checker ran this lease's window to its validity and called this worker's own
+        // next grant of the key an overlap.
+        Err(e) => {
+            report(&Event::Release {
+                key,
+                token,
+                invoked,
+                released: None,
+            });
+            report_error(&e);
+        }
     }
 }
 

@@ -44,7 +44,7 @@ fn release(worker: u32, token: u64, invoked: u64) -> Record {
             key: 0,
             token,
             invoked,
-            released: true,
+            released: Some(true),
         },
     )
 }
@@ -119,6 +119,27 @@ fn a_window_ends_at_the_release_not_at_the_validity() {
     let mut records = clean();
     records.push(grant(2, 14, 30 * MS, 31 * MS, 600 * MS));
     assert!(properties(&records, 5).is_empty());
+}
+
+#[test]
+fn a_release_that_failed_ends_the_window_and_counts_as_no_section() {
+    let mut records = clean();
+    // Token 13's release failed (the store restarting): the store may have freed the key.
+    let last = records.pop().unwrap();
+    records.push(rec(
+        last.worker,
+        Event::Release {
+            key: 0,
+            token: 13,
+            invoked: 30 * MS,
+            released: None,
+        },
+    ));
+    // The same worker takes the key again at once.
+    records.push(grant(1, 14, 30 * MS, 31 * MS, 600 * MS));
+    let (tally, violations) = check(&records, &Deaths::new(), &[Some(5)]);
+    assert!(violations.is_empty(), "{violations:?}");
+    assert_eq!((tally.sections, tally.releases_not_held), (2, 0));
 }
 
 #[test]
