@@ -75,6 +75,7 @@
 
 mod job;
 mod leader;
+mod locked_service;
 mod misses;
 mod tick;
 
@@ -82,6 +83,7 @@ pub use job::{
     JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss, Until,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
+pub use locked_service::LockedService;
 pub use tick::{
     DEFAULT_CATCH_UP, DEFAULT_RETENTION, TICKS_CAUGHT_UP_TOTAL, TICKS_CLAIMED_ELSEWHERE_TOTAL,
     TICKS_MISFIRED_TOTAL, TickLayer, TickLayerBuilder, TickService,

@@ -14,6 +14,7 @@ use distlock_core::{
 use tower_layer::Layer;
 use tower_service::Service;
 
+use super::locked_service::LockedService;
 use super::misses::Misses;
 
 /// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `skipped`,
@@ -464,10 +465,7 @@ impl<S: fmt::Debug, R> fmt::Debug for LockService<S, R> {
 
 impl<S, R> Service<R> for LockService<S, R>
 where
-    S: Service<Locked<R>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Response: Send,
-    S::Error: Send,
+    S: LockedService<R>,
     R: Send + 'static,
 {
     type Response = S::Response;

@@ -26,6 +26,7 @@ use tower_service::Service;
 use tracing::warn;
 
 use super::job::{JOB_LOST_TOTAL, JobError, Locked};
+use super::locked_service::LockedService;
 
 /// The counter of ticks an instance skipped because another one leads.
 pub const TICKS_SKIPPED_TOTAL: &str = "distlock_ticks_skipped_total";
@@ -217,10 +218,7 @@ impl<S: fmt::Debug> fmt::Debug for LeaderService<S> {
 
 impl<S, R> Service<R> for LeaderService<S>
 where
-    S: Service<Locked<R>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Response: Send,
-    S::Error: Send,
+    S: LockedService<R>,
     R: Send + 'static,
 {
     type Response = Option<S::Response>;

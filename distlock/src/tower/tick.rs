@@ -29,8 +29,9 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::{debug, warn};
 
-use super::job::{JobError, Locked};
+use super::job::JobError;
 use super::leader::{LeaderLayer, Leading, poll_ready_while_leading, run_tick, skipped};
+use super::locked_service::LockedService;
 
 /// The counter of ticks a leader did not run because another instance had claimed them
 /// (labelled `role`).
@@ -443,10 +444,7 @@ impl<S: fmt::Debug, R> fmt::Debug for TickService<S, R> {
 
 impl<S, R> Service<R> for TickService<S, R>
 where
-    S: Service<Locked<R>> + Clone + Send + 'static,
-    S::Future: Send,
-    S::Response: Send,
-    S::Error: Send,
+    S: LockedService<R>,
     R: Send + 'static,
 {
     type Response = Option<S::Response>;
