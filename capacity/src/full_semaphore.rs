@@ -280,21 +280,27 @@ mod tests {
         }
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn every_case_is_measured_and_the_ballast_is_given_back() {
-        let store = MemoryBackend::new();
+    /// [`plan`]'s run on `store`, the worker's calls sent to the store and the ballast's
+    /// through a client of it.
+    async fn on_memory(store: MemoryBackend) -> FullSemaphore {
         let ballast: Arc<dyn LockBackend> = Arc::new(store.client());
-        let worker: Arc<dyn LockBackend> = Arc::new(store);
-        let full = full_semaphore(
+        full_semaphore(
             SubjectId::Memory,
-            worker.clone(),
+            Arc::new(store),
             ballast,
             &plan(),
             None,
             None,
         )
         .await
-        .unwrap();
+        .unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_case_is_measured_and_the_ballast_is_given_back() {
+        let store = MemoryBackend::new();
+        let worker: Arc<dyn LockBackend> = Arc::new(store.client());
+        let full = on_memory(store).await;
         assert!(full.left_out.is_empty(), "{full:?}");
         let sizes: Vec<u32> = full.sizes.iter().map(|(n, _)| *n).collect();
         assert_eq!(sizes, [1, 4, 16]);
@@ -327,18 +333,7 @@ mod tests {
         )
         .wakes_waiters(true)
         .max_held(Some(8));
-        let store = MemoryBackend::with_capabilities(capped);
-        let ballast: Arc<dyn LockBackend> = Arc::new(store.client());
-        let full = full_semaphore(
-            SubjectId::Memory,
-            Arc::new(store),
-            ballast,
-            &plan(),
-            None,
-            None,
-        )
-        .await
-        .unwrap();
+        let full = on_memory(MemoryBackend::with_capabilities(capped)).await;
         let sizes: Vec<u32> = full.sizes.iter().map(|(n, _)| *n).collect();
         assert_eq!(sizes, [1, 4]);
         assert_eq!(full.left_out.len(), 1, "{full:?}");

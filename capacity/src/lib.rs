@@ -35,6 +35,8 @@ pub mod full_semaphore;
 pub mod handoff;
 pub mod load;
 pub mod machine;
+#[cfg(test)]
+mod memory_subject;
 pub mod permits;
 pub mod placement;
 pub mod plan;

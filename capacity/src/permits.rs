@@ -180,34 +180,8 @@ impl Subject for Permits {
 mod tests {
     use std::time::Duration;
 
-    use distlock_core::memory::MemoryBackend;
-
     use super::*;
-
-    /// Lock cycles on one in-memory backend.
-    struct Memory(Arc<MemoryBackend>);
-
-    #[async_trait]
-    impl Subject for Memory {
-        fn id(&self) -> SubjectId {
-            SubjectId::Memory
-        }
-
-        fn backend(&self) -> Option<Arc<dyn LockBackend>> {
-            Some(self.0.clone())
-        }
-
-        async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
-            let lease = self.0.acquire(key.lock_key(), TTL).await.unwrap();
-            if let Some(lease) = &lease {
-                self.0.release(lease).await.unwrap();
-            }
-            Ok(Cycle {
-                acquire: Duration::ZERO,
-                acquired: lease.is_some(),
-            })
-        }
-    }
+    use crate::memory_subject::MemorySubject;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_round_of_both_sides_is_measured() {
@@ -217,7 +191,7 @@ mod tests {
             pair_rounds: 3,
             ..Plan::quick()
         };
-        let worker = Arc::new(Memory(Arc::new(MemoryBackend::new())));
+        let worker = Arc::new(MemorySubject::new());
         let p = permit_cycles(worker, 8, &plan, None).await.unwrap();
         assert_eq!(p.ratios().len(), 3, "{p:?}");
         assert!(p.permit.per_sec.iter().all(|r| *r > 0.0), "{p:?}");

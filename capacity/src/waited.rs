@@ -349,42 +349,10 @@ impl Subject for CountedCycles {
 
 #[cfg(test)]
 mod tests {
-    use distlock_core::Release;
     use distlock_core::memory::MemoryBackend;
 
     use super::*;
-    use crate::subject::TTL;
-
-    /// Acquire + release on one in-memory backend.
-    struct Memory(Arc<MemoryBackend>);
-
-    #[async_trait]
-    impl Subject for Memory {
-        fn id(&self) -> SubjectId {
-            SubjectId::Memory
-        }
-
-        async fn cycle(&self, key: &BenchKey) -> Result<Cycle, BenchError> {
-            let lock_err = |source| BenchError::Lock {
-                subject: "memory",
-                source,
-            };
-            let lease = self
-                .0
-                .acquire(key.lock_key(), TTL)
-                .await
-                .map_err(lock_err)?;
-            let acquired = lease.is_some();
-            if let Some(lease) = lease {
-                let released = self.0.release(&lease).await.map_err(lock_err)?;
-                assert_eq!(released, Release::Released);
-            }
-            Ok(Cycle {
-                acquire: Duration::ZERO,
-                acquired,
-            })
-        }
-    }
+    use crate::memory_subject::MemorySubject;
 
     fn plan(rounds: usize) -> Plan {
         Plan {
@@ -398,7 +366,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_round_is_measured_and_the_waiters_are_woken_by_the_waited_releases() {
         let backend = Arc::new(MemoryBackend::new());
-        let worker = Arc::new(Memory(backend.clone()));
+        let worker = Arc::new(MemorySubject(backend.clone()));
         let w = waited_releases(worker, backend, 8, &plan(3), None)
             .await
             .unwrap();
@@ -413,7 +381,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn waiters_whose_releases_are_never_announced_fail_the_measurement() {
         // The waiters watch another store: no release they could hear ever happens.
-        let worker = Arc::new(Memory(Arc::new(MemoryBackend::new())));
+        let worker = Arc::new(MemorySubject::new());
         let elsewhere: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
         let err = waited_releases(worker, elsewhere, 4, &plan(1), None)
             .await
