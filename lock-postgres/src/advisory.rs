@@ -59,7 +59,7 @@ struct Statements {
 /// The second column says whether the key was unlocked and some process waits for it (the
 /// waiter id `$3`, `$4` is registered, see `crate::waiters`): the backend then has the
 /// release announced. The statement gets no transaction id and writes nothing to the WAL.
-const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
+pub(crate) const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
                 WHERE pg_backend_pid() = $2) \
      SELECT u.released, \
      CASE WHEN u.released THEN NOT pg_try_advisory_xact_lock($3, $4) ELSE false END, \

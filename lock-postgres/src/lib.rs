@@ -44,6 +44,12 @@ pub use retention::{DEFAULT_TOKEN_RETENTION, MAX_TOKEN_RETENTION, MIN_TOKEN_RETE
 pub use schema::{DEFAULT_SCHEMA, Schema};
 pub use url::{PARAMS, POSTGRES_URL_ENV};
 
+/// The advisory backend's release statement, for the benchmarks' plain-SQL baseline that
+/// sends the backend's own statement without the backend's code around it. Not part of the
+/// API: it changes with the backend, in any release.
+#[doc(hidden)]
+pub const ADVISORY_UNLOCK_SQL: &str = advisory::UNLOCK;
+
 /// The `sqlx` this crate is built with (0.9, PostgreSQL, tokio): [`PgFencedResource::new`]
 /// takes its `PgPool` and [`PgFencedResource::admit_in`] its transaction, so name its types
 /// through this re-export (`lock_postgres::sqlx`, or `distlock::postgres::sqlx`) and they

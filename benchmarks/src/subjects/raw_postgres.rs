@@ -89,22 +89,10 @@ const RAW_ADVISORY_TOKEN_ACQUIRE: &str = concat!(
 /// The advisory backend's release: the unlock in the session that took the lock, whether
 /// a waiter's shared lock is held on the key's waiter id, and the settings reset.
 ///
-/// A copy of lock-postgres's `UNLOCK` (advisory.rs), kept word for word on purpose: the
-/// baseline sends the backend's statement without the backend's code around it (pool,
-/// pinned session, error mapping), and the backend keeps its SQL private. A change to that
-/// statement is made here too, or the pair compares two different statements.
-const RAW_ADVISORY_TOKEN_RELEASE: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS released \
-                WHERE pg_backend_pid() = $2) \
-     SELECT u.released, \
-     CASE WHEN u.released THEN NOT pg_try_advisory_xact_lock($3, $4) ELSE false END, \
-     pg_advisory_unlock_all(), \
-     set_config('distlock.holds', NULL, false), \
-     set_config('idle_session_timeout', NULL, false), \
-     set_config('tcp_user_timeout', NULL, false), \
-     set_config('tcp_keepalives_idle', NULL, false), \
-     set_config('tcp_keepalives_interval', NULL, false), \
-     set_config('tcp_keepalives_count', NULL, false) \
-     FROM u";
+/// lock-postgres's own statement (`UNLOCK`, advisory.rs), taken from the crate rather than
+/// copied so the pair always compares the same statement: the baseline sends it without
+/// the backend's code around it (pool, pinned session, error mapping).
+const RAW_ADVISORY_TOKEN_RELEASE: &str = lock_postgres::ADVISORY_UNLOCK_SQL;
 
 /// A waiter id for `key`, two `int4` as the backends derive theirs (nobody waits on it).
 fn waiter_id(key: &BenchKey) -> (i32, i32) {
