@@ -1,6 +1,7 @@
 //! Writes a run's results: `report.md` (machine, targets, tables), `capacity.csv` (one row
 //! per subject and concurrency) and SVG charts drawn with `plotters`.
 
+pub(crate) mod cells;
 mod full;
 mod sections;
 
@@ -251,7 +252,6 @@ fn write_waited(md: &mut String, plan: &Plan, rows: &[WaitedReleases]) {
         md,
         "| backend | waited cycles/s | unwaited cycles/s | ratio (median) | per-round ratios | wake-ups per release | client CPU µs/cycle waited / unwaited | server CPU µs/cycle waited / unwaited |\n|---|---:|---:|---:|---|---:|---|---|"
     );
-    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     for w in rows {
         let rounds: Vec<String> = w.ratios().iter().map(|r| format!("{r:.2}")).collect();
         let _ = writeln!(
@@ -260,13 +260,13 @@ fn write_waited(md: &mut String, plan: &Plan, rows: &[WaitedReleases]) {
             w.subject.slug(),
             w.waited.rate(),
             w.unwaited.rate(),
-            w.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            cells::ratio(w.ratio()),
             rounds.join(" "),
             w.wakes_per_release(),
-            us(w.waited.client()),
-            us(w.unwaited.client()),
-            us(w.waited.server()),
-            us(w.unwaited.server()),
+            cells::micros(w.waited.client()),
+            cells::micros(w.unwaited.client()),
+            cells::micros(w.waited.server()),
+            cells::micros(w.unwaited.server()),
         );
     }
 }
@@ -294,7 +294,6 @@ fn write_permits(md: &mut String, plan: &Plan, rows: &[PermitCycles]) {
         md,
         "| backend | tasks = permits | permit cycles/s | lock cycles/s | ratio (median) | per-round ratios | client CPU µs/cycle permit / lock | server CPU µs/cycle permit / lock |\n|---|---:|---:|---:|---:|---|---|---|"
     );
-    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     for p in rows {
         let rounds: Vec<String> = p.ratios().iter().map(|r| format!("{r:.2}")).collect();
         let _ = writeln!(
@@ -304,12 +303,12 @@ fn write_permits(md: &mut String, plan: &Plan, rows: &[PermitCycles]) {
             p.tasks,
             p.permit.rate(),
             p.lock.rate(),
-            p.ratio().map_or("-".into(), |r| format!("{r:.2}x")),
+            cells::ratio(p.ratio()),
             rounds.join(" "),
-            us(p.permit.client()),
-            us(p.lock.client()),
-            us(p.permit.server()),
-            us(p.lock.server()),
+            cells::micros(p.permit.client()),
+            cells::micros(p.lock.client()),
+            cells::micros(p.permit.server()),
+            cells::micros(p.lock.server()),
         );
     }
 }

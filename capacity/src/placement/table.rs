@@ -4,6 +4,7 @@
 use std::fmt::Write;
 
 use super::{PlacedPairs, Placement};
+use crate::report::cells::micros;
 use crate::subject::SubjectId;
 use crate::waited::Side;
 
@@ -49,7 +50,6 @@ impl PlacedPairs {
                 .collect::<Vec<_>>()
                 .join(" ")
             };
-            let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {:.0} | {} | {} | {ratios} |",
@@ -57,8 +57,8 @@ impl PlacedPairs {
                 row.concurrency,
                 row.subject.slug(),
                 row.rounds.rate(),
-                us(row.rounds.client()),
-                us(row.rounds.server()),
+                micros(row.rounds.client()),
+                micros(row.rounds.server()),
             );
         }
         if self

@@ -3,6 +3,7 @@
 
 use std::fmt::Write as _;
 
+use super::cells;
 use crate::full_semaphore::{Full, FullSemaphore, Rounds, wait_bound};
 use crate::plan::Plan;
 
@@ -52,7 +53,6 @@ pub(super) fn write_full_semaphore(md: &mut String, plan: &Plan, rows: &[FullSem
     {
         return;
     }
-    let ratio = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.2}x"));
     let _ = writeln!(
         md,
         "\nN = 1024 against N = 64, median of the rounds' ratios:\n\n\
@@ -63,9 +63,9 @@ pub(super) fn write_full_semaphore(md: &mut String, plan: &Plan, rows: &[FullSem
             md,
             "| {} | {} | {} | {} |",
             row.subject.slug(),
-            ratio(row.ratio(1024, 64, |f| &f.waits.side.per_sec)),
-            ratio(row.ratio(1024, 64, |f| &f.refusals.side.per_sec)),
-            ratio(row.ratio(1024, 64, |f| &f.refusals.command_us)),
+            cells::ratio(row.ratio(1024, 64, |f| &f.waits.side.per_sec)),
+            cells::ratio(row.ratio(1024, 64, |f| &f.refusals.side.per_sec)),
+            cells::ratio(row.ratio(1024, 64, |f| &f.refusals.command_us)),
         );
     }
 }
@@ -78,18 +78,15 @@ fn write_row(md: &mut String, backend: &str, n: &str, full: &Full) {
         cpu(&full.waits),
         full.refusals.side.rate(),
         cpu(&full.refusals),
-        full.refusals
-            .command()
-            .map_or("-".into(), |us| format!("{us:.1}")),
+        cells::micros(full.refusals.command()),
     );
 }
 
 /// CPU µs per counted cycle, client / server.
 fn cpu(rounds: &Rounds) -> String {
-    let us = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.1}"));
     format!(
         "{} / {}",
-        us(rounds.side.client()),
-        us(rounds.side.server())
+        cells::micros(rounds.side.client()),
+        cells::micros(rounds.side.server())
     )
 }

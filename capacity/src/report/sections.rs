@@ -2,6 +2,7 @@
 
 use std::fmt::Write as _;
 
+use super::cells;
 use super::full::write_full_semaphore;
 use super::{Report, write_header, write_permits, write_waited};
 use crate::subject::SubjectId;
@@ -219,15 +220,14 @@ impl Report {
             "| backend | keys | native batch | acquire keys/s | renew keys/s | note |\n|---|---:|---|---:|---:|---|"
         );
         for b in &self.results.batches {
-            let rate = |r: Option<f64>| r.map_or("-".into(), |r| format!("{r:.0}"));
             let _ = writeln!(
                 md,
                 "| {} | {} | {} | {} | {} | {} |",
                 b.subject.slug(),
                 b.size,
                 if b.native { "yes" } else { "no (one by one)" },
-                rate(b.acquire_keys_per_sec),
-                rate(b.renew_keys_per_sec),
+                cells::rate(b.acquire_keys_per_sec),
+                cells::rate(b.renew_keys_per_sec),
                 b.note.as_deref().unwrap_or("")
             );
         }
