@@ -13,7 +13,6 @@
 //! - `torture URL`: fenced workers under pauses and kills against a live store, checked;
 //! - `completions SHELL`: a completion script for bash, zsh, fish, elvish or PowerShell.
 
-mod before_call;
 mod bench;
 mod check;
 mod demo;

@@ -9,13 +9,12 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use conformance::{Factory, LinkFaults, ServerFaults};
-use distlock::backend::{Layered, async_trait};
-use distlock::{LockBackend, LockError, LockKey};
+use distlock::backend::{BackendLayer, Layered, async_trait};
+use distlock::{Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal};
 use parking_lot::Mutex;
-
-use crate::before_call::{BeforeCall, BeforeEachCall, Sent};
 
 /// The start of every key the conformance cases make (`suite::Ctx::key`).
 const SUITE_PREFIX: &str = "conformance:";
@@ -50,6 +49,12 @@ pub enum Cleanup {
 impl UsedKeys {
     fn note(&self, key: &LockKey) {
         self.0.lock().insert(key.clone());
+    }
+
+    fn note_leases(&self, leases: &[Lease]) {
+        for lease in leases {
+            self.note(lease.key());
+        }
     }
 
     /// The recorded keys made by the suite, the only ones [`UsedKeys::purge`] touches.
@@ -127,9 +132,9 @@ impl Factory for RecordingFactory<'_> {
     async fn backend(&self) -> Arc<dyn LockBackend> {
         Arc::new(Layered::new(
             self.inner.backend().await,
-            BeforeCall(KeyRecorder {
+            KeyRecorder {
                 used: self.used.clone(),
-            }),
+            },
         ))
     }
 
@@ -155,17 +160,85 @@ impl fmt::Debug for KeyRecorder {
 }
 
 #[async_trait]
-impl BeforeEachCall for KeyRecorder {
-    async fn before(&self, _: &dyn LockBackend, sent: Sent<'_>) -> Result<(), LockError> {
-        sent.keys().for_each(|key| self.used.note(key));
-        Ok(())
+impl BackendLayer for KeyRecorder {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.used.note(key);
+        next.acquire(key, ttl).await
+    }
+
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        self.used.note(lease.key());
+        next.renew(lease).await
+    }
+
+    async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
+        self.used.note(lease.key());
+        next.release(lease).await
+    }
+
+    async fn fence(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Fence, LockError> {
+        self.used.note(lease.key());
+        next.fence(lease).await
+    }
+
+    async fn inspect(&self, next: &dyn LockBackend, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.used.note(key);
+        next.inspect(key).await
+    }
+
+    async fn purge(&self, next: &dyn LockBackend, key: &LockKey) -> Result<(), LockError> {
+        self.used.note(key);
+        next.purge(key).await
+    }
+
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        keys.iter().for_each(|key| self.used.note(key));
+        next.acquire_any(keys, ttl).await
+    }
+
+    async fn acquire_many(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        for key in keys {
+            self.used.note(key);
+        }
+        next.acquire_many(keys, ttl).await
+    }
+
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
+        self.used.note_leases(leases);
+        next.renew_many(leases).await
+    }
+
+    async fn release_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Release>, LockError> {
+        self.used.note_leases(leases);
+        next.release_many(leases).await
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
     use conformance::memory::MemoryFactory;
 

@@ -10,20 +10,18 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use distlock::backend::{Layered, async_trait};
-use distlock::{LockBackend, LockError};
+use distlock::backend::{BackendLayer, Layered, async_trait};
+use distlock::{Fence, Lease, LockBackend, LockError, LockInfo, LockKey, Release, Renewal};
 use parking_lot::Mutex;
 use tokio::time::{Instant, sleep_until};
 
-use crate::before_call::{BeforeCall, BeforeEachCall, Sent};
-
 /// One process's connection to the store: every call it makes passes its [`ProcessGate`]
 /// (`link.layer()`).
-pub type ProcessLink = Layered<BeforeCall<ProcessGate>>;
+pub type ProcessLink = Layered<ProcessGate>;
 
 /// A live process on `store`.
 pub fn process_link(store: std::sync::Arc<dyn LockBackend>) -> ProcessLink {
-    Layered::new(store, BeforeCall(ProcessGate::default()))
+    Layered::new(store, ProcessGate::default())
 }
 
 /// What a process's pauses and crash do to its calls: held while it is frozen, failed
@@ -60,11 +58,79 @@ impl ProcessGate {
     }
 }
 
-/// Holds a call while the process is frozen and fails it once the process has crashed.
 #[async_trait]
-impl BeforeEachCall for ProcessGate {
-    async fn before(&self, next: &dyn LockBackend, _: Sent<'_>) -> Result<(), LockError> {
-        self.pass(next).await
+impl BackendLayer for ProcessGate {
+    async fn acquire(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.pass(next).await?;
+        next.acquire(key, ttl).await
+    }
+
+    async fn renew(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Renewal, LockError> {
+        self.pass(next).await?;
+        next.renew(lease).await
+    }
+
+    async fn release(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Release, LockError> {
+        self.pass(next).await?;
+        next.release(lease).await
+    }
+
+    async fn fence(&self, next: &dyn LockBackend, lease: &Lease) -> Result<Fence, LockError> {
+        self.pass(next).await?;
+        next.fence(lease).await
+    }
+
+    async fn inspect(&self, next: &dyn LockBackend, key: &LockKey) -> Result<LockInfo, LockError> {
+        self.pass(next).await?;
+        next.inspect(key).await
+    }
+
+    async fn purge(&self, next: &dyn LockBackend, key: &LockKey) -> Result<(), LockError> {
+        self.pass(next).await?;
+        next.purge(key).await
+    }
+
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.pass(next).await?;
+        next.acquire_any(keys, ttl).await
+    }
+
+    async fn acquire_many(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Vec<Option<Lease>>, LockError> {
+        self.pass(next).await?;
+        next.acquire_many(keys, ttl).await
+    }
+
+    async fn renew_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Renewal>, LockError> {
+        self.pass(next).await?;
+        next.renew_many(leases).await
+    }
+
+    async fn release_many(
+        &self,
+        next: &dyn LockBackend,
+        leases: &[Lease],
+    ) -> Result<Vec<Release>, LockError> {
+        self.pass(next).await?;
+        next.release_many(leases).await
     }
 }
 
@@ -74,7 +140,6 @@ mod tests {
 
     use super::*;
     use distlock::memory::MemoryBackend;
-    use distlock::{LockKey, Renewal};
 
     #[tokio::test(start_paused = true)]
     async fn a_frozen_process_sends_nothing_until_it_thaws() {
