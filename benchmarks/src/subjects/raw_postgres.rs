@@ -61,6 +61,11 @@ const RAW_LEASE_RELEASE: &str = "WITH r AS (UPDATE bench_raw_leases \
 
 /// The advisory backend's acquire: the session's mark, the try, the session settings and
 /// the token bump, in one statement.
+///
+/// Written out here, not taken from lock-postgres as the release is: the backend's
+/// statement bumps the token in `<schema>.distlock_advisory_tokens`, which only the
+/// backend's `setup` makes, and this baseline keeps to its own table
+/// (`bench_raw_advisory_tokens`). A change to the backend's statement is made here too.
 const RAW_ADVISORY_TOKEN_ACQUIRE: &str = concat!(
     "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
                               THEN 1 ELSE 0 END::bigint AS held), \
