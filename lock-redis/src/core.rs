@@ -234,7 +234,7 @@ impl Core {
         }
     }
 
-    /// One free key of `keys` (two or more) with one script on a single node; see
+    /// One free key of `keys` (two or more, of one hash slot) with one script; see
     /// [`LockBackend::acquire_any`].
     pub(crate) async fn acquire_any_one(
         &self,
@@ -253,8 +253,10 @@ impl Core {
             ttl,
             over: None,
         };
-        // Sent again after a dropped connection, with the flag that makes the script look
-        // for the slot this attempt took first (see `acquire_any.lua`).
+        // Sent again after a dropped connection, here (never by a cluster's retrying
+        // connection: the script runs once, see `ACQUIRE_ANY_SCRIPT`), with the flag that
+        // makes the script look for the slot this attempt took first (see
+        // `acquire_any.lua`).
         let reply = self
             .timed("acquire", Effect::Write("acquire"), async {
                 match self.conn.invoke::<Option<(usize, u64)>>(&call).await {

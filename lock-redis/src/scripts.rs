@@ -75,7 +75,9 @@ pub(crate) static ADMIT_WRITE_SCRIPT: Lua = Lua::once(include_str!("scripts/admi
 /// [`ACQUIRE_SCRIPT`] for many locks of one hash slot: one call, one reply per lock.
 pub(crate) static ACQUIRE_MANY_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire_many.lua"));
 /// One free lock of several (a semaphore's permit slots), as [`ACQUIRE_SCRIPT`] takes one.
-pub(crate) static ACQUIRE_ANY_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire_any.lua"));
+/// Sent again as it was, after it ran, it would take a second lock where one has come
+/// free meanwhile: only its caller sends it again, flagged `R` (see `acquire_any.lua`).
+pub(crate) static ACQUIRE_ANY_SCRIPT: Lua = Lua::once(with_tokens!("acquire_any.lua"));
 /// [`RENEW_SCRIPT`] for many leases of one hash slot.
 pub(crate) static RENEW_MANY_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew_many.lua"));
 /// [`RELEASE_SCRIPT`] for many leases of one hash slot.
@@ -101,9 +103,10 @@ impl Lua {
     /// a client must never send them again after a connection error: a release sent again
     /// after it ran says "not held" (a second release is `NotHeld` by contract), and a
     /// fenced write sent again after a newer token was admitted says `Stale` for a write
-    /// that landed. The others are safe to resend: an acquire (single, batch or any-of)
-    /// sent again with its owner id returns its token; renew, fence and abandon report the
-    /// same thing twice.
+    /// that landed, and an any-of acquire sent again unflagged may take a second lock (its
+    /// caller sends it again flagged instead). The others are safe to resend: an acquire
+    /// (single or batch) sent again with its owner id returns its token; renew, fence and
+    /// abandon report the same thing twice.
     pub(crate) fn runs_once(&self) -> bool {
         self.runs_once
     }

@@ -201,3 +201,77 @@ async fn a_cluster_release_whose_reply_was_lost_is_not_sent_again() {
     );
     assert_eq!(redis.inspect(&key).await.unwrap().owner, None);
 }
+
+/// On a cluster `acquire_any` over a semaphore's slots is one script call (the slots share
+/// one hash slot). Its connection reset after the script ran, and a slot before the one
+/// it took freed meanwhile: the call is sent again flagged `R` and returns the slot it
+/// took; sent again unflagged (as the cluster client's retrying connection would), it
+/// would take the freed slot as well and hold two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_acquire_any_whose_reply_was_lost_holds_one_slot() {
+    let slots: Vec<LockKey> = (0..3)
+        .map(|i| LockKey::new(format!("resent-any:permit:{i}")).unwrap())
+        .collect();
+    let (f, proxy, redis) = cluster_behind_a_proxy(&slots[0]).await;
+    // Slot 0 held by another attempt: the call takes slot 1.
+    let held = redis.acquire(&slots[0], TTL).await.unwrap();
+    assert!(held.is_some(), "slot 0 was free");
+    let slot_0 = redis.redis_key(&slots[0]);
+
+    // Each way takes a second: the script runs about 1 s after the call, its reply would
+    // be back about 1 s after that.
+    proxy.delay(Duration::from_secs(1));
+    let attempt = tokio::spawn({
+        let (redis, slots) = (redis.clone(), slots.clone());
+        async move { redis.acquire_any(&slots, TTL).await }
+    });
+    let slot_1 = redis.redis_key(&slots[1]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !held_on_a_node(&f, &slot_1).await {
+        assert!(Instant::now() < deadline, "the attempt never ran");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Slot 0's holder goes (a release, or its TTL) before the call is sent again.
+    // Straight to the nodes, past the proxy: only slot 0's master deletes it (the others
+    // answer MOVED, an error here).
+    let mut deleted = 0;
+    for node in f.cluster.nodes() {
+        if let Ok(RespValue::Integer(n)) = node.command(&["DEL", &slot_0]).await {
+            deleted += n;
+        }
+    }
+    assert_eq!(deleted, 1, "slot 0 was held");
+    assert!(
+        !attempt.is_finished(),
+        "the reply came back before the connection was reset"
+    );
+    proxy.reset();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    proxy.heal();
+    let lease = attempt
+        .await
+        .unwrap()
+        .expect("sent again, the call learns the slot it took")
+        .expect("a slot was free");
+    assert_eq!(lease.key(), &slots[1], "the slot the first run took");
+    let mut owners = Vec::new();
+    for slot in &slots {
+        owners.push(redis.inspect(slot).await.unwrap().owner);
+    }
+    assert_eq!(
+        owners,
+        vec![None, Some(lease.owner()), None],
+        "one slot held by the attempt, the freed one left free"
+    );
+    redis.release(&lease).await.unwrap();
+}
+
+/// True when a node, asked directly, holds `key` (its master: the others answer MOVED).
+async fn held_on_a_node(f: &RedisClusterFactory, key: &str) -> bool {
+    for node in f.cluster.nodes() {
+        if let Ok(RespValue::Bulk(Some(_))) = node.command(&["GET", key]).await {
+            return true;
+        }
+    }
+    false
+}
