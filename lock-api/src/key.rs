@@ -48,10 +48,24 @@ impl LockKey {
         &self.0
     }
 
-    /// True for a name of the form `<name>:permit:<digits>`: a permit slot of the
-    /// [`Semaphore`](crate::Semaphore) called `<name>`.
-    pub(crate) fn is_permit_slot(&self) -> bool {
-        self.0.rsplit_once(":permit:").is_some_and(|(name, slot)| {
+    /// For a name of the form `<name>:permit:<digits>`, a permit slot of the
+    /// [`Semaphore`](crate::Semaphore) called `<name>`: that name and the slot's digits as
+    /// written. `None` for any other name.
+    ///
+    /// A store may keep a semaphore's slots together by it: the Redis backend puts every
+    /// slot of one semaphore in the hash slot of the semaphore's name, so that on a Redis
+    /// Cluster one script call can take any of them.
+    ///
+    /// ```
+    /// use distlock_core::LockKey;
+    ///
+    /// let slot = LockKey::new("exports:tenant-7:permit:3")?;
+    /// assert_eq!(slot.permit_slot(), Some(("exports:tenant-7", "3")));
+    /// assert_eq!(LockKey::new("exports:permit:x")?.permit_slot(), None);
+    /// # Ok::<(), distlock_core::LockError>(())
+    /// ```
+    pub fn permit_slot(&self) -> Option<(&str, &str)> {
+        self.0.rsplit_once(":permit:").filter(|(name, slot)| {
             !name.is_empty() && !slot.is_empty() && slot.bytes().all(|b| b.is_ascii_digit())
         })
     }

@@ -462,7 +462,7 @@ fn wait_deadline(start: Instant, wait: Option<Duration>) -> Result<Option<Instan
 /// Refuses a lock named like a semaphore's permit slot (`<name>:permit:<n>`): it would
 /// silently take a permit of semaphore `<name>` from every process that names it.
 pub(crate) fn refuse_permit_slot(key: &LockKey) -> Result<(), LockError> {
-    if key.is_permit_slot() {
+    if key.permit_slot().is_some() {
         return Err(LockError::InvalidKey {
             reason: format!(
                 "{key} is named like a permit slot of a semaphore (<name>:permit:<n>), and a \

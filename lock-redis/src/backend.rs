@@ -100,7 +100,10 @@ impl RedisBackend {
     }
 
     /// The Redis key of `key`, `<prefix>:{<name>}`, which holds `<owner id>:<token>`
-    /// while the lock is held; it is also the channel its releases are announced on.
+    /// while the lock is held; it is also the channel its releases are announced on. A
+    /// semaphore's permit slot `<semaphore>:permit:<i>` is
+    /// `<prefix>:{<semaphore>}:permit:<i>`: the slots of one semaphore share the hash slot
+    /// of its name, on one shard of a Cluster.
     pub fn redis_key(&self, key: &LockKey) -> String {
         LockKeys::new(&self.core().calls.prefix, key).lock
     }
@@ -298,10 +301,12 @@ impl LockBackend for RedisBackend {
         self.core().purge(key).await
     }
 
-    /// One script over every key on a single node (`acquire_any.lua`): one round trip
-    /// however many of them are held. On a cluster the names live in hash slots of their
-    /// own, and with [`replica_acks`](crate::RedisBackendBuilder::replica_acks) each grant
-    /// waits for its replicas: there it asks key by key, as the trait's default does.
+    /// One script over every key (`acquire_any.lua`): one round trip however many of
+    /// them are held, on a single node and, where the keys share one hash slot, on a
+    /// Cluster (a semaphore's permit slots do: see [`RedisBackend::redis_key`]). Keys of
+    /// several hash slots, and every call with
+    /// [`replica_acks`](crate::RedisBackendBuilder::replica_acks) (each grant waits for its
+    /// replicas), are asked key by key, as the trait's default does.
     async fn acquire_any(
         &self,
         keys: &[LockKey],
@@ -309,7 +314,7 @@ impl LockBackend for RedisBackend {
     ) -> Result<Option<Lease>, LockError> {
         self.core().caps.check_ttl(ttl)?;
         let core = self.core();
-        if keys.len() > 1 && !core.cluster && core.replica_acks.is_none() {
+        if keys.len() > 1 && core.replica_acks.is_none() && core.calls.one_script(keys) {
             // Sent directly: a coalesced batch takes one key per caller.
             return core.acquire_any_one(keys, ttl, Instant::now()).await;
         }

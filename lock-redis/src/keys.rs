@@ -1,7 +1,10 @@
 //! The Redis key layout: `<prefix>:{<name>}` holds `<owner id>:<token>` while the lock is
 //! held (with `:w` appended once an acquire found it held, so its release is announced).
 //! The braces are a Redis Cluster hash tag, so the keys of one batch call can be grouped by
-//! slot, and the key's name is also its release channel. Beside the locks, a high-water
+//! slot, and the key's name is also its release channel. A semaphore's permit slot
+//! `<semaphore>:permit:<i>` is `<prefix>:{<semaphore>}:permit:<i>`: every slot of one
+//! semaphore hashes with the semaphore's name, into one hash slot, so that on a Cluster
+//! one script call on one shard can take any of them. Beside the locks, a high-water
 //! key holds the highest token granted: `<prefix>:tokens` on a single node, and on a
 //! Cluster `<prefix>:tokens:{<tag>}` for each hash slot, with a tag of that slot (a
 //! script's keys must share one). It never expires: it is what tokens are counted from
@@ -47,7 +50,12 @@ impl Mark {
 
 impl LockKeys {
     pub(crate) fn new(prefix: &str, key: &LockKey) -> Self {
-        let lock = format!("{prefix}:{{{}}}", hash_tag(key.as_str()));
+        let lock = match key.permit_slot() {
+            Some((semaphore, slot)) => {
+                format!("{prefix}:{{{}}}:permit:{slot}", hash_tag(semaphore))
+            }
+            None => format!("{prefix}:{{{}}}", hash_tag(key.as_str())),
+        };
         Self {
             lock,
             mark: Mark::WhenHeld,
@@ -139,6 +147,29 @@ mod tests {
     fn plain_names_follow_the_documented_layout() {
         let k = keys("payout:42");
         assert_eq!(k.lock, "distlock:{payout:42}");
+    }
+
+    #[test]
+    fn a_semaphores_permit_slots_share_the_hash_slot_of_its_name() {
+        assert_eq!(keys("exports:permit:3").lock, "distlock:{exports}:permit:3");
+        let slot = |name: &str| key_slot(keys(name).lock.as_bytes());
+        let name = slot("exports");
+        for i in [0, 1, 63, 1023] {
+            assert_eq!(slot(&format!("exports:permit:{i}")), name, "slot {i}");
+        }
+        // The last `:permit:` names the slot; the name before it is the semaphore's.
+        assert_eq!(
+            keys("a:permit:1:permit:0").lock,
+            "distlock:{a:permit:1}:permit:0"
+        );
+        // Not a permit slot: the whole name is the tag, as for any lock.
+        assert_eq!(keys("exports:permit:x").lock, "distlock:{exports:permit:x}");
+        assert_eq!(keys(":permit:0").lock, "distlock:{:permit:0}");
+        // One to one: a lock named like the tag never meets a slot's key, nor do two
+        // semaphores' slots.
+        assert_ne!(keys("exports").lock, keys("exports:permit:0").lock);
+        assert_ne!(keys("a}:permit:0").lock, keys("a:permit:0").lock);
+        assert_eq!(keys("a}:permit:0").lock, "distlock:{a%7D}:permit:0");
     }
 
     #[test]

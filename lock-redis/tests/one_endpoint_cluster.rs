@@ -78,3 +78,53 @@ async fn single_calls_coalesced_batches_and_renewals_work_on_a_one_address_clust
         .expect("a free key");
     assert!(again.token() > all[0].token());
 }
+
+/// `acquire_any` on a one-address cluster: keys of several hash slots are asked key by key
+/// (one script over them is refused with CROSSSLOT), and a semaphore's permit slots, which
+/// share the hash slot of its name, go as one script call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_any_takes_keys_of_several_slots_and_a_semaphores_slots_in_one_call() {
+    let server = one_node_cluster().await;
+    let redis = RedisBackend::builder()
+        .url(server.url())
+        .build()
+        .await
+        .expect("a plain URL to a node in cluster mode");
+    let keys: Vec<LockKey> = ["report:a", "report:b", "report:c"]
+        .into_iter()
+        .map(|k| LockKey::new(k).unwrap())
+        .collect();
+    let mut slots_of_keys = Vec::new();
+    for key in &keys {
+        slots_of_keys.push(key_slot(&server, &redis.redis_key(key)).await);
+    }
+    assert!(
+        slots_of_keys.windows(2).any(|w| w[0] != w[1]),
+        "the keys must span slots for this case: {slots_of_keys:?}"
+    );
+    let first = redis.acquire_any(&keys, TTL).await.expect("acquire_any");
+    let second = redis.acquire_any(&keys, TTL).await.expect("acquire_any");
+    let (first, second) = (first.expect("a free key"), second.expect("a free key"));
+    assert_ne!(first.key(), second.key());
+
+    let slots: Vec<LockKey> = (0..4)
+        .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
+        .collect();
+    let held = acquire_all(&redis, &slots[..3], TTL).await;
+    harness::require(server.command(&["CONFIG", "RESETSTAT"]).await);
+    let last = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .expect("acquire_any")
+        .expect("slot 3 is free");
+    assert_eq!(last.key(), &slots[3]);
+    assert_eq!(common::command_calls(&server, "evalsha").await, 1);
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    assert_eq!(common::command_calls(&server, "evalsha").await, 2);
+    redis.release_many(&held).await.unwrap();
+}
+
+/// The hash slot of a Redis key, as the node computes it.
+async fn key_slot(server: &RedisServer, key: &str) -> RespValue {
+    harness::require(server.command(&["CLUSTER", "KEYSLOT", key]).await)
+}

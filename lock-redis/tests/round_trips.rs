@@ -6,7 +6,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::{RedisFactory, acquire_all, command_calls, info_field};
+use common::{
+    RedisClusterFactory, RedisFactory, acquire_all, cluster_calls, command_calls, info_field,
+};
 use distlock_core::{LockBackend, LockKey, Renewal};
 
 const TTL: Duration = Duration::from_secs(30);
@@ -122,6 +124,54 @@ async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
         let value = value.as_text().unwrap_or_default();
         assert!(value.ends_with(":w"), "{slot}: {value}");
     }
+    redis.release_many(&held).await.unwrap();
+    redis.release(&last).await.unwrap();
+}
+
+/// On a Redis Cluster a semaphore's permit slots share the hash slot of its name, so an
+/// attempt is one script call on one shard there too, however many slots are held (it
+/// was one call per slot, a round trip each, spread over the shards).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_on_a_cluster_is_one_evalsha_on_one_shard() {
+    let f = RedisClusterFactory::start().await;
+    let redis = f.redis().await;
+    let slots: Vec<LockKey> = (0..8)
+        .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
+        .collect();
+    let held = acquire_all(&redis, &slots[..7], TTL).await;
+    let shard = harness::require(
+        f.cluster
+            .node_for_key(redis.redis_key(&slots[0]).as_bytes())
+            .await,
+    );
+    for slot in &slots {
+        let node = harness::require(
+            f.cluster
+                .node_for_key(redis.redis_key(slot).as_bytes())
+                .await,
+        );
+        assert_eq!(node.addr(), shard.addr(), "{slot} lives on another shard");
+    }
+    for node in f.cluster.nodes() {
+        harness::require(node.command(&["CONFIG", "RESETSTAT"]).await);
+    }
+    let last = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("slot 7 is free");
+    assert_eq!(last.key(), &slots[7]);
+    assert_eq!(
+        cluster_calls(&f.cluster, "evalsha").await,
+        1,
+        "a permit behind seven held slots"
+    );
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    assert_eq!(
+        cluster_calls(&f.cluster, "evalsha").await,
+        2,
+        "a full semaphore's refusal"
+    );
     redis.release_many(&held).await.unwrap();
     redis.release(&last).await.unwrap();
 }

@@ -40,6 +40,20 @@ impl Calls {
         LockKeys::new(&self.prefix, key)
     }
 
+    /// True when one script call may hold every key of `keys`: always on a single node,
+    /// and where hash slots divide the keys, when they all share one (a semaphore's permit
+    /// slots do; a script whose keys span slots is refused with `CROSSSLOT`).
+    pub(crate) fn one_script(&self, keys: &[LockKey]) -> bool {
+        if !self.slotted {
+            return true;
+        }
+        let mut slots = keys
+            .iter()
+            .map(|key| key_slot(self.keys(key).lock.as_bytes()));
+        let first = slots.next();
+        slots.all(|slot| Some(slot) == first)
+    }
+
     /// The high-water key that `lock` shares with the other locks of its hash slot (on a
     /// Cluster) or of the server, which the acquire and fence scripts read (see
     /// `acquire.lua`).
@@ -72,7 +86,7 @@ impl Calls {
         }
     }
 
-    /// The call of `acquire_any.lua` over `locks` (two or more, on a single node), each
+    /// The call of `acquire_any.lua` over `locks` (two or more, of one hash slot), each
     /// marked waited for as `mark` says.
     pub(crate) fn acquire_any_call(
         &self,
@@ -83,7 +97,7 @@ impl Calls {
     ) -> Call {
         Call {
             script: &ACQUIRE_ANY_SCRIPT,
-            // On a single node: one high-water key for all.
+            // One hash slot: one high-water key for all.
             keys: locks
                 .iter()
                 .map(|k| k.lock.clone())
