@@ -14,34 +14,21 @@ async fn factory(kind: Kind) -> WithFencedResource<PgFactory> {
     PgFactory::private(kind).await.with_fenced_resource()
 }
 
-mod lease {
-    conformance::conformance_tests!(
-        super::factory(super::Kind::Lease),
-        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
-        only_needing: server_faults,
-    );
+/// The cases on a private server of `kind` that need `only`, in a module `module`; both
+/// backends declare the same capabilities here.
+macro_rules! private_server_cases {
+    ($module:ident, $kind:ident, $only:ident) => {
+        mod $module {
+            conformance::conformance_tests!(
+                super::factory(super::Kind::$kind),
+                capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
+                only_needing: $only,
+            );
+        }
+    };
 }
 
-mod advisory {
-    conformance::conformance_tests!(
-        super::factory(super::Kind::Advisory),
-        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
-        only_needing: server_faults,
-    );
-}
-
-mod lease_clock {
-    conformance::conformance_tests!(
-        super::factory(super::Kind::Lease),
-        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
-        only_needing: clock_step,
-    );
-}
-
-mod advisory_clock {
-    conformance::conformance_tests!(
-        super::factory(super::Kind::Advisory),
-        capabilities: [link_faults, server_faults, inspect, session_kill, clock_step],
-        only_needing: clock_step,
-    );
-}
+private_server_cases!(lease, Lease, server_faults);
+private_server_cases!(advisory, Advisory, server_faults);
+private_server_cases!(lease_clock, Lease, clock_step);
+private_server_cases!(advisory_clock, Advisory, clock_step);
