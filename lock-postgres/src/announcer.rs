@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use distlock_core::wake::Background;
 use sqlx::Connection;
-use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgQueryResult};
 use tokio::sync::{Notify, watch};
 use tracing::debug;
 
@@ -196,7 +196,7 @@ impl Shared {
         let sent = Statement::new(&self.announce)
             .bind(Value::Text(&self.channel))
             .bind(Value::Texts(names.iter().map(String::as_str).collect()))
-            .execute(
+            .send::<PgQueryResult>(
                 Sending {
                     pooling: self.pooling,
                     limit: self.request_timeout,

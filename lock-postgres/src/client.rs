@@ -6,14 +6,13 @@ use std::time::Duration;
 
 use distlock_core::{Capabilities, FencingToken, LockError, OwnerId};
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgQueryResult, PgRow};
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
 use crate::PgPooling;
 use crate::error::{self, Operation};
 use crate::schema::{self, Schema};
-use crate::statement::{Sending, Statement};
+use crate::statement::{Answer, Sending, Statement};
 
 /// A validated pool plus settings, made by [`crate::PgBuilder`].
 #[derive(Clone)]
@@ -226,57 +225,22 @@ pub(crate) use on_conn;
 
 /// One statement on a connection of the pool: what most backend calls send.
 impl PgClient {
-    /// `statement`'s rows, sent as `op` on a connection of the pool (failing to get one
-    /// sends nothing) under the time limit; a connection the failure broke is closed, not
-    /// pooled again.
-    pub(crate) async fn fetch_all(
+    /// `statement`'s answer `T` (its rows, its first row, or the rows it changed), sent as
+    /// `op` on a connection of the pool (failing to get one sends nothing) under the time
+    /// limit; a connection the failure broke is closed, not pooled again.
+    pub(crate) async fn send<T: Answer>(
         &self,
         backend: &'static str,
         op: Operation,
         statement: Statement<'_>,
-    ) -> Result<Vec<PgRow>, LockError> {
+    ) -> Result<T, LockError> {
         let mut conn = self.conn(backend).await?;
         on_conn!(
             self,
             backend,
             op,
             conn,
-            statement.fetch_all(self.sending(), &mut conn)
-        )
-    }
-
-    /// `statement`'s first row, if any, sent as [`fetch_all`](Self::fetch_all) sends.
-    pub(crate) async fn fetch_optional(
-        &self,
-        backend: &'static str,
-        op: Operation,
-        statement: Statement<'_>,
-    ) -> Result<Option<PgRow>, LockError> {
-        let mut conn = self.conn(backend).await?;
-        on_conn!(
-            self,
-            backend,
-            op,
-            conn,
-            statement.fetch_optional(self.sending(), &mut conn)
-        )
-    }
-
-    /// `statement` run for the rows it changed, sent as [`fetch_all`](Self::fetch_all)
-    /// sends.
-    pub(crate) async fn execute(
-        &self,
-        backend: &'static str,
-        op: Operation,
-        statement: Statement<'_>,
-    ) -> Result<PgQueryResult, LockError> {
-        let mut conn = self.conn(backend).await?;
-        on_conn!(
-            self,
-            backend,
-            op,
-            conn,
-            statement.execute(self.sending(), &mut conn)
+            statement.send(self.sending(), &mut conn)
         )
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use distlock_core::{LockError, LockInfo, LockKey};
 use sqlx::Row;
+use sqlx::postgres::{PgQueryResult, PgRow};
 use uuid::Uuid;
 
 use crate::client::{PgClient, on_conn, owner_from, token_from};
@@ -28,7 +29,7 @@ pub(crate) async fn purge(
         conn,
         Statement::new(sql)
             .bind(Value::Text(key.as_str()))
-            .execute(client.sending(), &mut conn)
+            .send::<PgQueryResult>(client.sending(), &mut conn)
     )?;
     Ok(())
 }
@@ -47,7 +48,7 @@ pub(crate) async fn inspect(
         backend,
         Operation::Inspect,
         conn,
-        query.fetch_optional(client.sending(), &mut conn)
+        query.send::<Option<PgRow>>(client.sending(), &mut conn)
     )?;
     let Some(row) = row else {
         return Ok(LockInfo {

@@ -13,7 +13,7 @@ use distlock_core::{
     Release, Renewal, valid_until,
 };
 use sqlx::Row;
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgQueryResult, PgRow};
 use tokio::time::Instant;
 use tracing::warn;
 use uuid::Uuid;
@@ -344,7 +344,7 @@ impl PgLeaseBackend {
             .bind(Value::Uuid(owner_uuid(owner)))
             .bind(Value::Int8(ttl_ms(ttl)));
         self.client
-            .fetch_optional(NAME, Operation::Acquire, statement)
+            .send::<Option<PgRow>>(NAME, Operation::Acquire, statement)
             .await
     }
 
@@ -399,7 +399,7 @@ impl PgLeaseBackend {
                 NAME,
                 op,
                 conn,
-                query.fetch_all(self.client.sending(), &mut conn)
+                query.send::<Vec<PgRow>>(self.client.sending(), &mut conn)
             )?;
             for row in rows {
                 let (name, token, waited): (String, i64, bool) = (
@@ -565,7 +565,7 @@ impl LockBackend for PgLeaseBackend {
         let owners: Vec<Uuid> = unique.values().map(|o| owner_uuid(*o)).collect();
         let rows = self
             .client
-            .fetch_all(
+            .send::<Vec<PgRow>>(
                 NAME,
                 Operation::Acquire,
                 Statement::new(&self.sql.acquire_many)
@@ -646,7 +646,7 @@ impl LockBackend for PgLeaseBackend {
         self.check_pooling().await?;
         let done = self
             .client
-            .execute(
+            .send::<PgQueryResult>(
                 NAME,
                 Operation::Renew,
                 on_row(&self.sql.renew, lease).bind(Value::Int8(ttl_ms(lease.ttl()))),
@@ -671,7 +671,7 @@ impl LockBackend for PgLeaseBackend {
         self.check_pooling().await?;
         let row = self
             .client
-            .fetch_optional(
+            .send::<Option<PgRow>>(
                 NAME,
                 Operation::Release,
                 on_row(&self.sql.release, lease)
@@ -699,7 +699,7 @@ impl LockBackend for PgLeaseBackend {
         self.check_pooling().await?;
         let row = self
             .client
-            .fetch_optional(NAME, Operation::Fence, on_row(&self.sql.fence, lease))
+            .send::<Option<PgRow>>(NAME, Operation::Fence, on_row(&self.sql.fence, lease))
             .await?;
         let Some(row) = row else {
             return Ok(Fence::Stale {

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use distlock_core::chore::{Periodic, sweep_interval};
 use sqlx::Row;
+use sqlx::postgres::PgRow;
 use tracing::{debug, warn};
 
 use crate::client::{PgClient, with_clock};
@@ -253,7 +254,7 @@ async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::L
         .timed(
             inner.backend,
             Operation::Purge,
-            query.fetch_optional(client.sending(), &mut conn),
+            query.send::<Option<PgRow>>(client.sending(), &mut conn),
         )
         .await;
     let row = match row {

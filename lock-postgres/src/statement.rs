@@ -38,7 +38,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnection, PgQueryResult, PgRow};
+use futures::future::BoxFuture;
+use sqlx::postgres::{PgArguments, PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgTransaction, Postgres};
 use uuid::Uuid;
 
@@ -140,6 +141,37 @@ pub(crate) enum Value<'a> {
     Int4s(Vec<i32>),
 }
 
+/// What a statement is sent for: every row (`Vec<PgRow>`), the first row if any
+/// (`Option<PgRow>`), or the count of rows it changed (`PgQueryResult`).
+pub(crate) trait Answer: Sized + Send {
+    /// `query`'s answer of this kind, from `conn`.
+    fn of<'e, 'q: 'e>(query: Query<'q>, conn: &'e mut PgConnection) -> Sent<'e, Self>;
+}
+
+/// A bound statement as sqlx holds it.
+type Query<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
+
+/// An [`Answer`] on its way.
+type Sent<'e, T> = BoxFuture<'e, Result<T, sqlx::Error>>;
+
+impl Answer for Vec<PgRow> {
+    fn of<'e, 'q: 'e>(query: Query<'q>, conn: &'e mut PgConnection) -> Sent<'e, Self> {
+        Box::pin(query.fetch_all(conn))
+    }
+}
+
+impl Answer for Option<PgRow> {
+    fn of<'e, 'q: 'e>(query: Query<'q>, conn: &'e mut PgConnection) -> Sent<'e, Self> {
+        Box::pin(query.fetch_optional(conn))
+    }
+}
+
+impl Answer for PgQueryResult {
+    fn of<'e, 'q: 'e>(query: Query<'q>, conn: &'e mut PgConnection) -> Sent<'e, Self> {
+        Box::pin(query.execute(conn))
+    }
+}
+
 /// A statement's text (`$1`, `$2`, ... for its values) and its values.
 pub(crate) struct Statement<'a> {
     sql: &'a Arc<str>,
@@ -160,58 +192,24 @@ impl<'a> Statement<'a> {
         self
     }
 
-    /// Every row.
-    pub(crate) async fn fetch_all(
+    /// The statement's answer `T` (its rows, its first row, or the rows it changed).
+    pub(crate) async fn send<T: Answer>(
         self,
         sending: Sending,
         conn: &mut PgConnection,
-    ) -> Result<Vec<PgRow>, sqlx::Error> {
+    ) -> Result<T, sqlx::Error> {
         match sending.pooling {
             PgPooling::Transaction => {
                 let mut tx = sending.begin(conn).await?;
-                let rows = self.unnamed().fetch_all(&mut *tx).await?;
+                let answer = T::of(self.unnamed(), &mut tx).await?;
                 tx.commit().await?;
-                Ok(rows)
+                Ok(answer)
             }
-            _ => self.prepared().fetch_all(conn).await,
+            _ => T::of(self.prepared(), conn).await,
         }
     }
 
-    /// The first row, if any.
-    pub(crate) async fn fetch_optional(
-        self,
-        sending: Sending,
-        conn: &mut PgConnection,
-    ) -> Result<Option<PgRow>, sqlx::Error> {
-        match sending.pooling {
-            PgPooling::Transaction => {
-                let mut tx = sending.begin(conn).await?;
-                let row = self.unnamed().fetch_optional(&mut *tx).await?;
-                tx.commit().await?;
-                Ok(row)
-            }
-            _ => self.prepared().fetch_optional(conn).await,
-        }
-    }
-
-    /// Runs it for the rows it changed.
-    pub(crate) async fn execute(
-        self,
-        sending: Sending,
-        conn: &mut PgConnection,
-    ) -> Result<PgQueryResult, sqlx::Error> {
-        match sending.pooling {
-            PgPooling::Transaction => {
-                let mut tx = sending.begin(conn).await?;
-                let done = self.unnamed().execute(&mut *tx).await?;
-                tx.commit().await?;
-                Ok(done)
-            }
-            _ => self.prepared().execute(conn).await,
-        }
-    }
-
-    fn prepared(self) -> sqlx::query::Query<'a, Postgres, sqlx::postgres::PgArguments> {
+    fn prepared(self) -> Query<'a> {
         let mut query = sqlx::query(AssertSqlSafe(self.sql.clone()));
         for value in self.values {
             query = match value {
@@ -229,7 +227,7 @@ impl<'a> Statement<'a> {
     }
 
     /// The statement unnamed: prepared for this one call only.
-    fn unnamed(self) -> sqlx::query::Query<'a, Postgres, sqlx::postgres::PgArguments> {
+    fn unnamed(self) -> Query<'a> {
         self.prepared().persistent(false)
     }
 }
