@@ -16,8 +16,19 @@ use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(10);
 
+/// One node in cluster mode that holds all 16,384 slots, and a client given its plain URL.
+async fn one_node_cluster() -> (RedisServer, RedisBackend) {
+    let server = cluster_mode_node().await;
+    let redis = RedisBackend::builder()
+        .url(server.url())
+        .build()
+        .await
+        .expect("a plain URL to a node in cluster mode");
+    (server, redis)
+}
+
 /// One node in cluster mode that holds all 16,384 slots.
-async fn one_node_cluster() -> RedisServer {
+async fn cluster_mode_node() -> RedisServer {
     let server = harness::require(RedisServer::builder().cluster(true).start().await);
     let added = harness::require(
         server
@@ -43,12 +54,7 @@ async fn one_node_cluster() -> RedisServer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_calls_coalesced_batches_and_renewals_work_on_a_one_address_cluster() {
-    let server = one_node_cluster().await;
-    let redis = RedisBackend::builder()
-        .url(server.url())
-        .build()
-        .await
-        .expect("a plain URL to a node in cluster mode");
+    let (_server, redis) = one_node_cluster().await;
     let keys: Vec<LockKey> = (0..200)
         .map(|i| LockKey::new(format!("job:{i}")).unwrap())
         .collect();
@@ -84,12 +90,7 @@ async fn single_calls_coalesced_batches_and_renewals_work_on_a_one_address_clust
 /// share the hash slot of its name, go as one script call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acquire_any_takes_keys_of_several_slots_and_a_semaphores_slots_in_one_call() {
-    let server = one_node_cluster().await;
-    let redis = RedisBackend::builder()
-        .url(server.url())
-        .build()
-        .await
-        .expect("a plain URL to a node in cluster mode");
+    let (server, redis) = one_node_cluster().await;
     let keys: Vec<LockKey> = ["report:a", "report:b", "report:c"]
         .into_iter()
         .map(|k| LockKey::new(k).unwrap())

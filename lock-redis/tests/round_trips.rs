@@ -4,12 +4,14 @@
 
 mod common;
 
+use std::future::Future;
 use std::time::Duration;
 
 use common::{
     RedisClusterFactory, RedisFactory, acquire_all, cluster_calls, command_calls, info_field,
 };
-use distlock_core::{LockBackend, LockKey, Renewal};
+use distlock_core::{Lease, LockBackend, LockKey, Renewal};
+use lock_redis::RedisBackend;
 
 const TTL: Duration = Duration::from_secs(30);
 
@@ -96,28 +98,42 @@ async fn scripts_are_loaded_once_when_connecting() {
     assert_eq!(command_calls(&f.server, "script|load").await, 11);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
-    let f = RedisFactory::start().await;
-    let redis = f.redis().await;
+/// Eight permit slots of one semaphore: a permit behind seven held slots, then a full
+/// semaphore's refusal, each one EVALSHA as `evalsha()` counts them from `reset()`. Returns
+/// the slots, and the leases on them, to look at and give back.
+async fn a_permit_behind_seven_held_slots<R, C>(
+    redis: &RedisBackend,
+    reset: impl Fn() -> R,
+    evalsha: impl Fn() -> C,
+) -> (Vec<LockKey>, Vec<Lease>)
+where
+    R: Future<Output = ()>,
+    C: Future<Output = u64>,
+{
     let slots: Vec<LockKey> = (0..8)
         .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
         .collect();
-    let held = acquire_all(&redis, &slots[..7], TTL).await;
-    harness_reset(&f).await;
+    let mut held = acquire_all(redis, &slots[..7], TTL).await;
+    reset().await;
     let last = redis
         .acquire_any(&slots, TTL)
         .await
         .unwrap()
         .expect("slot 7 is free");
     assert_eq!(last.key(), &slots[7]);
-    assert_eq!(
-        f.calls("evalsha").await,
-        1,
-        "a permit behind seven held slots"
-    );
+    assert_eq!(evalsha().await, 1, "a permit behind seven held slots");
     assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
-    assert_eq!(f.calls("evalsha").await, 2, "a full semaphore's refusal");
+    assert_eq!(evalsha().await, 2, "a full semaphore's refusal");
+    held.push(last);
+    (slots, held)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let (slots, held) =
+        a_permit_behind_seven_held_slots(&redis, || harness_reset(&f), || f.calls("evalsha")).await;
     // The refusal marked every slot waited for: a release announces it.
     for slot in &slots {
         let value = harness::require(f.server.command(&["GET", &redis.redis_key(slot)]).await);
@@ -125,7 +141,6 @@ async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
         assert!(value.ends_with(":w"), "{slot}: {value}");
     }
     redis.release_many(&held).await.unwrap();
-    redis.release(&last).await.unwrap();
 }
 
 /// On a Redis Cluster a semaphore's permit slots share the hash slot of its name, so an
@@ -135,43 +150,21 @@ async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
 async fn a_permit_on_a_cluster_is_one_evalsha_on_one_shard() {
     let f = RedisClusterFactory::start().await;
     let redis = f.redis().await;
-    let slots: Vec<LockKey> = (0..8)
-        .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
-        .collect();
-    let held = acquire_all(&redis, &slots[..7], TTL).await;
-    let shard = harness::require(
-        f.cluster
-            .node_for_key(redis.redis_key(&slots[0]).as_bytes())
-            .await,
-    );
+    let reset = || async {
+        for node in f.cluster.nodes() {
+            harness::require(node.command(&["CONFIG", "RESETSTAT"]).await);
+        }
+    };
+    let (slots, held) =
+        a_permit_behind_seven_held_slots(&redis, reset, || cluster_calls(&f.cluster, "evalsha"))
+            .await;
+    let (cluster, redis) = (&f.cluster, &redis);
+    let shard = |slot: &LockKey| {
+        let key = redis.redis_key(slot);
+        async move { harness::require(cluster.node_for_key(key.as_bytes()).await).addr() }
+    };
     for slot in &slots {
-        let node = harness::require(
-            f.cluster
-                .node_for_key(redis.redis_key(slot).as_bytes())
-                .await,
-        );
-        assert_eq!(node.addr(), shard.addr(), "{slot} lives on another shard");
+        assert_eq!(shard(slot).await, shard(&slots[0]).await, "{slot}");
     }
-    for node in f.cluster.nodes() {
-        harness::require(node.command(&["CONFIG", "RESETSTAT"]).await);
-    }
-    let last = redis
-        .acquire_any(&slots, TTL)
-        .await
-        .unwrap()
-        .expect("slot 7 is free");
-    assert_eq!(last.key(), &slots[7]);
-    assert_eq!(
-        cluster_calls(&f.cluster, "evalsha").await,
-        1,
-        "a permit behind seven held slots"
-    );
-    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
-    assert_eq!(
-        cluster_calls(&f.cluster, "evalsha").await,
-        2,
-        "a full semaphore's refusal"
-    );
     redis.release_many(&held).await.unwrap();
-    redis.release(&last).await.unwrap();
 }
