@@ -28,6 +28,7 @@ use self::session::{Releasing, session_moved};
 use crate::client::{PgClient, on_conn, token_from, with_clock};
 use crate::error::Operation;
 use crate::key_row;
+use crate::pooling::SessionCheck;
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
 use crate::statement::{Statement, Value};
@@ -35,12 +36,9 @@ use crate::statement::{Statement, Value};
 const NAME: &str = "postgres-advisory";
 
 /// Why every acquire is refused once the pooling check found that client connections do
-/// not keep their server sessions.
-const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
-     setting one connection made was seen by another, or was gone at its own next \
-     statement. A transaction-pooling proxy (PgBouncer pool_mode = transaction or \
-     statement) is between client and server, and advisory locks need the session: \
-     connect directly or through a session-mode pool (pool_mode = session)";
+/// not keep their server sessions: the advisory backend's part of the refusal.
+const SESSIONS_SHARED: &str = "and advisory locks need the session: connect directly or \
+     through a session-mode pool (pool_mode = session)";
 
 /// The statements, with the schema name filled in once.
 struct Statements {
@@ -166,9 +164,8 @@ pub struct PgAdvisoryBackend {
     /// Locks held right now, so a full backend fails at once instead of waiting.
     held: Arc<AtomicUsize>,
     sql: Statements,
-    /// Why locks are refused here, once the pooling check found that connections do not
-    /// keep their server sessions; empty when they do. Checked before the first lock.
-    pooling: tokio::sync::OnceCell<Option<String>>,
+    /// The pooling check, run before the first lock.
+    sessions: SessionCheck,
     sweeper: Sweeper,
     pub(crate) releases: ReleaseListener,
 }
@@ -248,7 +245,7 @@ impl PgAdvisoryBackend {
             slots: Arc::new(Semaphore::new(max_held)),
             held: Arc::new(AtomicUsize::new(0)),
             sql,
-            pooling: tokio::sync::OnceCell::new(),
+            sessions: SessionCheck::default(),
             sweeper: Sweeper::new(&client, NAME, Table::AdvisoryTokens),
             client,
         }
@@ -269,17 +266,9 @@ impl PgAdvisoryBackend {
     /// do not keep their server sessions (a transaction-pooling proxy). Runs the check
     /// once; a check that could not run is an error and is tried again next time.
     async fn check_pooling(&self) -> Result<(), LockError> {
-        let refused = self
-            .pooling
-            .get_or_try_init(|| async {
-                let shared = crate::pooling::sessions_shared(&self.client, NAME).await?;
-                Ok::<_, LockError>(shared.then(|| SESSIONS_SHARED.to_owned()))
-            })
-            .await?;
-        match refused {
-            Some(reason) => Err(LockError::Config(reason.clone())),
-            None => Ok(()),
-        }
+        self.sessions
+            .require_own_sessions(&self.client, NAME, SESSIONS_SHARED)
+            .await
     }
 
     /// Creates the schema and tables if they do not exist. Idempotent; run it once at

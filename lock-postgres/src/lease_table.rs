@@ -22,7 +22,7 @@ use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms
 use crate::config::PgBuilder;
 use crate::error::Operation;
 use crate::key_row;
-use crate::pooling::{self, PgPooling};
+use crate::pooling::{PgPooling, SessionCheck};
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
 use crate::statement::{Statement, Value};
@@ -39,12 +39,10 @@ const NAME: &str = "postgres-lease";
 const RELEASE_STATEMENT_NAMES: usize = 500;
 
 /// Why every call is refused once the pooling check found, with the default
-/// [`PgPooling::Session`], that client connections do not keep their server sessions.
-const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
-     setting one connection made was seen by another, or was gone at its own next \
-     statement. A transaction-pooling proxy (PgBouncer pool_mode = transaction or \
-     statement) is between client and server, where the lease table's prepared statements \
-     could run in other clients' sessions: set pooling=transaction in the URL \
+/// [`PgPooling::Session`], that client connections do not keep their server sessions: the
+/// lease table's part of the refusal.
+const SESSIONS_SHARED: &str = "where the lease table's prepared statements could run in \
+     other clients' sessions: set pooling=transaction in the URL \
      (PgBuilder::pooling(PgPooling::Transaction)), or connect directly or through a \
      session-mode pool (pool_mode = session)";
 
@@ -118,9 +116,8 @@ pub struct PgLeaseBackend {
     client: PgClient,
     sql: Statements,
     sweeper: Sweeper,
-    /// Whether the pooling check (run with [`PgPooling::Session`] only) found that
-    /// connections share server sessions; set once it ran.
-    sessions_shared: tokio::sync::OnceCell<bool>,
+    /// The pooling check, run with [`PgPooling::Session`] only.
+    sessions: SessionCheck,
     pub(crate) releases: ReleaseListener,
 }
 
@@ -248,7 +245,7 @@ impl PgLeaseBackend {
             sweeper: Sweeper::new(&client, NAME, Table::Leases),
             client,
             sql,
-            sessions_shared: tokio::sync::OnceCell::new(),
+            sessions: SessionCheck::default(),
             releases,
         }
     }
@@ -261,14 +258,9 @@ impl PgLeaseBackend {
         if self.client.pooling == PgPooling::Transaction {
             return Ok(());
         }
-        let shared = self
-            .sessions_shared
-            .get_or_try_init(|| pooling::sessions_shared(&self.client, NAME))
-            .await?;
-        if *shared {
-            return Err(LockError::Config(SESSIONS_SHARED.to_owned()));
-        }
-        Ok(())
+        self.sessions
+            .require_own_sessions(&self.client, NAME, SESSIONS_SHARED)
+            .await
     }
 
     /// Opens all of the pool's connections now and checks that the tables exist: fails

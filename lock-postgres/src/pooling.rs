@@ -69,6 +69,43 @@ impl PgPooling {
 /// The session setting the check marks a server session with.
 const PROBE_SETTING: &str = "distlock.pooling_probe";
 
+/// The first half of a backend's refusal when the pooling check found that client
+/// connections do not keep their server sessions; the backend says the rest (what it needs
+/// the session for, and how to connect).
+const SESSIONS_SHARED: &str = "client connections do not keep their server sessions: a \
+     setting one connection made was seen by another, or was gone at its own next \
+     statement. A transaction-pooling proxy (PgBouncer pool_mode = transaction or \
+     statement) is between client and server, ";
+
+/// A backend's pooling check: [`sessions_shared`], run once, before its first call.
+#[derive(Debug, Default)]
+pub(crate) struct SessionCheck(tokio::sync::OnceCell<bool>);
+
+impl SessionCheck {
+    /// Fails with [`LockError::Config`] ([`SESSIONS_SHARED`] and then `then`, the
+    /// backend's part) when client connections do not keep their server sessions. Runs
+    /// the check once; a check that could not run is an error and is tried again next
+    /// time.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: a cancelled check concludes nothing and runs again next time.
+    pub(crate) async fn require_own_sessions(
+        &self,
+        client: &PgClient,
+        backend: &'static str,
+        then: &str,
+    ) -> Result<(), LockError> {
+        let shared = self
+            .0
+            .get_or_try_init(|| sessions_shared(client, backend))
+            .await?;
+        if *shared {
+            return Err(LockError::Config(format!("{SESSIONS_SHARED}{then}")));
+        }
+        Ok(())
+    }
+}
+
 /// Whether client connections share server sessions, checked with two connections of
 /// their own, opened outside the pool. The first marks its server session with a random
 /// value; the second reads the setting in its session, and the first reads it again.
