@@ -329,8 +329,9 @@ pub fn find_binary(name: &str, extra_dirs: &[PathBuf]) -> Result<PathBuf, Harnes
         })
 }
 
-/// The outcome of one readiness probe, for [`wait_until`].
-pub(crate) enum Probe<T> {
+/// The outcome of one readiness probe, for [`wait_until_ready`].
+#[derive(Debug)]
+pub enum Probe<T> {
     /// Ready, with a value.
     Ready(T),
     /// Not ready yet, with a description of why.
@@ -339,49 +340,59 @@ pub(crate) enum Probe<T> {
     Fatal(HarnessError),
 }
 
-/// Polls `probe` every `interval` until it returns `Ok`, or fails with
-/// [`HarnessError::NotReady`] (carrying the last probe error) once `timeout` has passed.
+/// What a probe of [`wait_until_ready`] may answer: a [`Probe`], or `Result<T, String>`
+/// (`Ok` ready, `Err` not ready yet, with why).
+pub trait ProbeOutcome {
+    /// The value a ready probe gives.
+    type Value;
+
+    /// This answer as a [`Probe`].
+    fn into_probe(self) -> Probe<Self::Value>;
+}
+
+impl<T> ProbeOutcome for Probe<T> {
+    type Value = T;
+
+    fn into_probe(self) -> Probe<T> {
+        self
+    }
+}
+
+impl<T> ProbeOutcome for Result<T, String> {
+    type Value = T;
+
+    fn into_probe(self) -> Probe<T> {
+        match self {
+            Ok(v) => Probe::Ready(v),
+            Err(e) => Probe::NotYet(e),
+        }
+    }
+}
+
+/// Polls `probe` every `interval` until it is ready, or fails with
+/// [`HarnessError::NotReady`] (carrying the last probe's reason) once `timeout` has
+/// passed; a probe that answers [`Probe::Fatal`] ends the wait at once with its error.
 ///
 /// Each probe call is itself cut off at the deadline, so a probe that hangs (a paused
 /// server) cannot make this wait longer than `timeout`.
-pub async fn wait_until_ready<T, F, Fut>(
+pub async fn wait_until_ready<F, Fut>(
     what: &str,
     timeout: Duration,
     interval: Duration,
     mut probe: F,
-) -> Result<T, HarnessError>
+) -> Result<<Fut::Output as ProbeOutcome>::Value, HarnessError>
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<T, String>>,
-{
-    wait_until(what, timeout, interval, || {
-        let fut = probe();
-        async move {
-            match fut.await {
-                Ok(v) => Probe::Ready(v),
-                Err(e) => Probe::NotYet(e),
-            }
-        }
-    })
-    .await
-}
-
-/// Like [`wait_until_ready`], but the probe can also give up at once with [`Probe::Fatal`].
-pub(crate) async fn wait_until<T, F, Fut>(
-    what: &str,
-    timeout: Duration,
-    interval: Duration,
-    mut probe: F,
-) -> Result<T, HarnessError>
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = Probe<T>>,
+    Fut: Future<Output: ProbeOutcome>,
 {
     let start = Instant::now();
     let deadline = start + timeout;
     let mut last = String::from("no probe finished");
     loop {
-        match tokio::time::timeout_at(deadline, probe()).await {
+        match tokio::time::timeout_at(deadline, probe())
+            .await
+            .map(ProbeOutcome::into_probe)
+        {
             Ok(Probe::Ready(v)) => return Ok(v),
             Ok(Probe::NotYet(e)) => last = e,
             Ok(Probe::Fatal(e)) => return Err(e),

@@ -14,7 +14,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::process::{ManagedProcess, Spec};
-use super::{HarnessError, Probe, loopback, wait_until};
+use super::{HarnessError, Probe, loopback, wait_until_ready};
 
 /// What a kind of server adds to [`Server`]: its client port, and how to tell that a
 /// started process serves.
@@ -66,7 +66,7 @@ impl<K: ServerKind> Server<K> {
 
     /// Waits until the kind's probe passes; fails at once when the process exits.
     pub(crate) async fn wait_ready(&self) -> Result<(), HarnessError> {
-        wait_until(
+        wait_until_ready(
             self.what(),
             K::READY_TIMEOUT,
             K::PROBE_INTERVAL,

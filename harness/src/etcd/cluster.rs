@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::member::{Etcd, EtcdServer, unique_token};
 use super::options::EtcdAuth;
-use crate::{HarnessError, Probe, free_port, start_on_free_ports, wait_until};
+use crate::{HarnessError, Probe, free_port, start_on_free_ports, wait_until_ready};
 
 /// Three `etcd` members forming one cluster on 127.0.0.1 (unique `--initial-cluster-token`).
 #[derive(Debug)]
@@ -81,7 +81,7 @@ impl EtcdCluster {
     /// the leader died takes one election timeout, about 1–2 s).
     pub async fn leader_index(&self) -> Result<usize, HarnessError> {
         let majority = self.members.len() / 2 + 1;
-        wait_until(
+        wait_until_ready(
             "etcd cluster leader",
             Duration::from_secs(15),
             Duration::from_millis(50),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use super::builder::RedisServerBuilder;
 use super::node::RedisServer;
 use super::resp::RespValue;
-use crate::{HarnessError, Probe, ShiftedClock, find_binary, wait_until};
+use crate::{HarnessError, Probe, ShiftedClock, find_binary, wait_until_ready};
 
 /// How long a 3-node cluster may take to report `cluster_state:ok`.
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -70,7 +70,7 @@ impl RedisCluster {
     /// `CLUSTER INFO` (for example after [`RedisServer::restart`] of a node).
     pub async fn wait_healthy(&self, timeout: Duration) -> Result<(), HarnessError> {
         let ports = self.master_ports();
-        wait_until(
+        wait_until_ready(
             &format!("redis cluster on ports {ports:?}"),
             timeout,
             Duration::from_millis(50),
@@ -146,7 +146,7 @@ impl RedisCluster {
             .command(&["CLUSTER", "MEET", "127.0.0.1", &master_port])
             .await?;
         let (replica_ref, master_id) = (&replica, master_id.as_str());
-        wait_until(
+        wait_until_ready(
             &format!("replica {} of {}", replica.port(), master.port()),
             CLUSTER_TIMEOUT,
             Duration::from_millis(100),
@@ -162,7 +162,7 @@ impl RedisCluster {
             },
         )
         .await?;
-        wait_until(
+        wait_until_ready(
             &format!("replica {} to sync with {}", replica.port(), master.port()),
             CLUSTER_TIMEOUT,
             Duration::from_millis(100),
