@@ -70,6 +70,45 @@ pub(crate) const UNLOCK: &str = "WITH u AS (SELECT pg_advisory_unlock($1) AS rel
      set_config('tcp_keepalives_count', NULL, false) \
      FROM u";
 
+/// The acquire, its token bump going to the table `tokens` (`distlock_advisory_tokens`'s
+/// columns), the server clock filled in.
+///
+/// The CTEs hold volatile calls, so each is evaluated exactly once, in the order they read
+/// each other: first whether this session already holds a lock of this backend's (a pooled
+/// session must hold none, so that it holds exactly one after the acquire and one unlock
+/// frees the key), then the try; the session settings and the token bump only happen when
+/// the lock was taken. The mark is a session setting the lock's statement sets and the
+/// unlock resets: reading it costs nothing, where `pg_locks` would take every lock-manager
+/// partition lock and visit every backend's fast-path locks on each acquire.
+pub(crate) fn acquire_sql(tokens: &str) -> String {
+    with_clock(&ACQUIRE.replace("{tokens}", tokens))
+}
+
+/// [`acquire_sql`]'s statement, `{tokens}` and `{clock_us}` still to fill in.
+const ACQUIRE: &str = "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
+                              THEN 1 ELSE 0 END::bigint AS held), \
+     l AS (SELECT pre.held, \
+                  CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) \
+                       ELSE false END AS ok \
+             FROM pre), \
+     cfg AS (SELECT set_config('distlock.holds', 'yes', false), \
+                    set_config('idle_session_timeout', $3, false), \
+                    set_config('tcp_user_timeout', $3, false), \
+                    set_config('tcp_keepalives_idle', $4, false), \
+                    set_config('tcp_keepalives_interval', $4, false), \
+                    set_config('tcp_keepalives_count', $5, false) \
+               FROM l WHERE l.ok), \
+     bumped AS (INSERT INTO {tokens} AS t \
+                       (name, token, owner, ttl_ms) \
+                SELECT $2, {clock_us}, $6, $7 FROM l, cfg WHERE l.ok \
+                ON CONFLICT (name) DO UPDATE \
+                   SET token = greatest(t.token + 1, {clock_us}), \
+                       owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
+                RETURNING token) \
+     SELECT l.held, pg_backend_pid() AS pid, \
+            (SELECT token FROM bumped) AS token \
+       FROM l";
+
 /// PostgreSQL advisory-lock backend: session-level advisory locks
 /// (`pg_try_advisory_lock`) on a connection pinned to the lease until it is released.
 ///
@@ -180,39 +219,7 @@ impl PgAdvisoryBackend {
         let max_held = usize::try_from(max_held).unwrap_or(usize::MAX);
         let s = &client.schema;
         let sql = Statements {
-            // The CTEs hold volatile calls, so each is evaluated exactly once, in the
-            // order they read each other: first whether this session already holds a lock
-            // of this backend's (a pooled session must hold none, so that it holds exactly
-            // one after the acquire and one unlock frees the key), then the try; the session
-            // settings and the token bump only happen when the lock was taken. The mark is a
-            // session setting the lock's statement sets and the unlock resets: reading it
-            // costs nothing, where `pg_locks` would take every lock-manager partition lock
-            // and visit every backend's fast-path locks on each acquire.
-            acquire: s.sql(&with_clock(
-                "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
-                                          THEN 1 ELSE 0 END::bigint AS held), \
-                 l AS (SELECT pre.held, \
-                              CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) \
-                                   ELSE false END AS ok \
-                         FROM pre), \
-                 cfg AS (SELECT set_config('distlock.holds', 'yes', false), \
-                                set_config('idle_session_timeout', $3, false), \
-                                set_config('tcp_user_timeout', $3, false), \
-                                set_config('tcp_keepalives_idle', $4, false), \
-                                set_config('tcp_keepalives_interval', $4, false), \
-                                set_config('tcp_keepalives_count', $5, false) \
-                           FROM l WHERE l.ok), \
-                 bumped AS (INSERT INTO {s}.distlock_advisory_tokens AS t \
-                                   (name, token, owner, ttl_ms) \
-                            SELECT $2, {clock_us}, $6, $7 FROM l, cfg WHERE l.ok \
-                            ON CONFLICT (name) DO UPDATE \
-                               SET token = greatest(t.token + 1, {clock_us}), \
-                                   owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
-                            RETURNING token) \
-                 SELECT l.held, pg_backend_pid() AS pid, \
-                        (SELECT token FROM bumped) AS token \
-                   FROM l",
-            )),
+            acquire: s.sql(&acquire_sql("{s}.distlock_advisory_tokens")),
             token: s.sql("SELECT token FROM {s}.distlock_advisory_tokens WHERE name = $1"),
             // The holder's remaining time is its idle-session budget: the TTL minus the
             // time since its session's last state change.

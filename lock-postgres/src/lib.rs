@@ -50,6 +50,14 @@ pub use url::{PARAMS, POSTGRES_URL_ENV};
 #[doc(hidden)]
 pub const ADVISORY_UNLOCK_SQL: &str = advisory::UNLOCK;
 
+/// The advisory backend's acquire, its token bump going to the table `tokens` (of
+/// `distlock_advisory_tokens`'s columns), for the same baseline, which keeps its tokens in
+/// a table of its own. Not part of the API, as [`ADVISORY_UNLOCK_SQL`].
+#[doc(hidden)]
+pub fn advisory_acquire_sql(tokens: &str) -> String {
+    advisory::acquire_sql(tokens)
+}
+
 /// The `sqlx` this crate is built with (0.9, PostgreSQL, tokio): [`PgFencedResource::new`]
 /// takes its `PgPool` and [`PgFencedResource::admit_in`] its transaction, so name its types
 /// through this re-export (`lock_postgres::sqlx`, or `distlock::postgres::sqlx`) and they

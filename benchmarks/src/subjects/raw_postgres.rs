@@ -1,6 +1,7 @@
 //! The PostgreSQL baselines: a bare advisory lock, an advisory lock with a token row, and
 //! a lease row, each in plain SQL.
 
+use std::sync::LazyLock;
 use std::time::Instant;
 
 use async_trait::async_trait;
@@ -30,9 +31,9 @@ macro_rules! clock_us {
     };
 }
 
-// The raw statements are the backends' own (lock-postgres `lease_table.rs` and
-// `advisory.rs`), on tables of their own: keep them in step when those change, or the
-// pairs compare different work.
+// The lease-table statements are copies of lock-postgres's (`lease_table.rs`), on a
+// table of their own: keep them in step when those change, or the pairs compare
+// different work. The advisory ones are taken from the crate.
 
 /// The lease table's acquire: skip a name held in the snapshot, else the upsert that
 /// takes the row when free or expired, with a token at least the clock.
@@ -60,36 +61,10 @@ const RAW_LEASE_RELEASE: &str = "WITH r AS (UPDATE bench_raw_leases \
      SELECT (NOT pg_try_advisory_xact_lock($4, $5)) AS waited FROM r";
 
 /// The advisory backend's acquire: the session's mark, the try, the session settings and
-/// the token bump, in one statement.
-///
-/// Written out here, not taken from lock-postgres as the release is: the backend's
-/// statement bumps the token in `<schema>.distlock_advisory_tokens`, which only the
-/// backend's `setup` makes, and this baseline keeps to its own table
-/// (`bench_raw_advisory_tokens`). A change to the backend's statement is made here too.
-const RAW_ADVISORY_TOKEN_ACQUIRE: &str = concat!(
-    "WITH pre AS (SELECT CASE WHEN current_setting('distlock.holds', true) = 'yes' \
-                              THEN 1 ELSE 0 END::bigint AS held), \
-     l AS (SELECT pre.held, \
-                  CASE WHEN pre.held = 0 THEN pg_try_advisory_lock($1) ELSE false END AS ok \
-             FROM pre), \
-     cfg AS (SELECT set_config('distlock.holds', 'yes', false), \
-                    set_config('idle_session_timeout', $3, false), \
-                    set_config('tcp_user_timeout', $3, false), \
-                    set_config('tcp_keepalives_idle', $4, false), \
-                    set_config('tcp_keepalives_interval', $4, false), \
-                    set_config('tcp_keepalives_count', $5, false) \
-               FROM l WHERE l.ok), \
-     bumped AS (INSERT INTO bench_raw_advisory_tokens AS t (name, token, owner, ttl_ms) \
-                SELECT $2, ",
-    clock_us!(),
-    ", $6, $7 FROM l, cfg WHERE l.ok \
-                ON CONFLICT (name) DO UPDATE \
-                   SET token = greatest(t.token + 1, ",
-    clock_us!(),
-    "), owner = EXCLUDED.owner, ttl_ms = EXCLUDED.ttl_ms \
-                RETURNING token) \
-     SELECT l.held, pg_backend_pid() AS pid, (SELECT token FROM bumped) AS token FROM l"
-);
+/// the token bump, in one statement; lock-postgres's own, taken from the crate as the
+/// release is, with the token bump going to the baseline's own table.
+static RAW_ADVISORY_TOKEN_ACQUIRE: LazyLock<String> =
+    LazyLock::new(|| lock_postgres::advisory_acquire_sql("bench_raw_advisory_tokens"));
 
 /// The advisory backend's release: the unlock in the session that took the lock, whether
 /// a waiter's shared lock is held on the key's waiter id, and the settings reset.
@@ -172,7 +147,7 @@ impl Subject for RawPostgres {
                 let mut conn = self.pool.acquire().await.map_err(|e| self.err(e))?;
                 let ttl = ttl_ms.to_string();
                 let (_held, pid, token): (i64, i32, Option<i64>) =
-                    sqlx::query_as(RAW_ADVISORY_TOKEN_ACQUIRE)
+                    sqlx::query_as(RAW_ADVISORY_TOKEN_ACQUIRE.as_str())
                         .bind(key.id())
                         .bind(key.as_str())
                         .bind(&ttl)
