@@ -85,11 +85,14 @@ pub enum BrokenKind {
     ExpiredPermitNeverFreed,
     /// The release of a permit wakes no waiter (locks still do).
     PermitReleaseWakesNoOne,
+    /// The release of a permit says `Released` but leaves its slot held until its TTL
+    /// runs out (locks are freed).
+    PermitReleaseKeepsSlot,
 }
 
 impl BrokenKind {
     /// Every variant.
-    pub const ALL: [BrokenKind; 17] = [
+    pub const ALL: [BrokenKind; 18] = [
         BrokenKind::RepeatedToken,
         BrokenKind::TokenDropsAfterRestart,
         BrokenKind::TokenFromClock,
@@ -107,6 +110,7 @@ impl BrokenKind {
         BrokenKind::PermitReleaseWithoutOwnerCheck,
         BrokenKind::ExpiredPermitNeverFreed,
         BrokenKind::PermitReleaseWakesNoOne,
+        BrokenKind::PermitReleaseKeepsSlot,
     ];
 
     /// What must catch this variant: its row of [`CAUGHT_BY`].
@@ -227,6 +231,7 @@ pub const CAUGHT_BY: &[Catch] = &[
         kind: BrokenKind::PermitGrantedWhenFull,
         cases: &[
             "semaphore_never_grants_more_than_its_permits",
+            "semaphores_naming_different_permits_share_their_slots",
             "semaphore_expired_permit_is_freed",
         ],
         invariants: &[Invariant::I3, Invariant::I6],
@@ -244,6 +249,16 @@ pub const CAUGHT_BY: &[Catch] = &[
     Catch {
         kind: BrokenKind::PermitReleaseWakesNoOne,
         cases: &["a_permit_release_wakes_a_waiter"],
+        invariants: &[],
+    },
+    Catch {
+        kind: BrokenKind::PermitReleaseKeepsSlot,
+        cases: &[
+            "semaphore_grants_many_permits_all_or_none",
+            "a_permit_release_wakes_a_waiter",
+            "dropped_permit_acquire_mid_wait_leaves_no_permit_held",
+            "timed_out_permit_acquire_leaves_no_permit_held",
+        ],
         invariants: &[],
     },
 ];
@@ -536,7 +551,10 @@ impl LockBackend for BrokenBackend {
                     if state.is_held_by(lease, now)
                         || (unchecked && state.live_holder(now).is_some()) =>
                 {
-                    state.holder = None;
+                    // The bug: a permit's slot stays held.
+                    if !(permit && self.has(BrokenKind::PermitReleaseKeepsSlot)) {
+                        state.holder = None;
+                    }
                     Release::Released
                 }
                 _ => Release::NotHeld,

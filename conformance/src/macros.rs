@@ -71,6 +71,7 @@ macro_rules! __conformance_cases {
             a_waiter_whose_wake_is_lost_still_acquires: [wakes_waiters],
             a_cancelled_waiter_leaves_no_subscription: [wakes_waiters],
             semaphore_never_grants_more_than_its_permits: [],
+            semaphores_naming_different_permits_share_their_slots: [],
             semaphore_permit_release_is_owner_checked: [],
             semaphore_expired_permit_is_freed: [],
             a_permit_release_wakes_a_waiter: [wakes_waiters],

@@ -1,5 +1,5 @@
 //! Cases on semaphores ([`distlock_core::Semaphore`]): never more permits than it has,
-//! whatever the contention; a permit released only by its holder; an expired permit
+//! whatever the contention, nor than the largest number processes name; a permit released only by its holder; an expired permit
 //! freed; a freed permit waking a waiter. Each semaphore a case makes is declared to the
 //! history checker, which counts its permits (I6).
 
@@ -103,6 +103,114 @@ pub async fn semaphore_never_grants_more_than_its_permits(
     ctx.ensure(
         most <= PERMITS as usize,
         format!("at most {PERMITS} workers holding a permit at once"),
+        || format!("{most} at once"),
+    )?;
+    ctx.pass(&t)
+}
+
+/// Two processes that name different numbers of permits for one semaphore share the
+/// slots both name (`Locker::semaphore` says so): one that names 1 takes slot 0 only, and
+/// is refused while it is held though slots 1 and 2 are free; one that names 3 then takes
+/// those two, and is refused. Then workers of both sizes take and give back permits in a
+/// loop: never more than 3 held at once (in the process and by the checker, I6), and
+/// never a slot past 0 for the one that names 1.
+pub async fn semaphores_naming_different_permits_share_their_slots(
+    factory: &dyn Factory,
+) -> Result<Outcome, Failure> {
+    // At most 3 held at once: a PostgreSQL advisory client of the suite has 4 pooled
+    // connections, one pinned per held lock, and an attempt needs one more.
+    const SMALL: u32 = 1;
+    const LARGE: u32 = 3;
+    const WORKERS: usize = 3;
+    const ROUNDS: usize = 3;
+    let ctx = Ctx::new(
+        "semaphores_naming_different_permits_share_their_slots",
+        factory,
+    );
+    let first = ctx.client().await;
+    let t = ctx.timing(&first);
+    // Declared with the larger number: at most that many are ever held.
+    let large = ctx.semaphore(&locker(&ctx, first, &t)?, "sized", LARGE)?;
+    let name = large.name().clone();
+    // One client per permit held, as in processes of their own.
+    let mut held = Vec::new();
+    for permits in [SMALL, LARGE] {
+        while held.len() < permits as usize {
+            let locker = locker(&ctx, ctx.client().await, &t)?;
+            let semaphore = ctx.ok("Locker::semaphore", locker.semaphore(&name, permits))?;
+            let permit = ctx.ok("try_acquire", semaphore.try_acquire().await)?;
+            let permit = permit.ok_or_else(|| {
+                ctx.fail(
+                    format!(
+                        "a permit of the semaphore naming {permits} while {} are held",
+                        held.len()
+                    ),
+                    "Ok(None)",
+                )
+            })?;
+            let slot = permit.slot();
+            held.push(permit);
+            ctx.ensure(
+                slot < permits && (permits == SMALL || slot >= SMALL),
+                format!("the semaphore naming {permits} to take a free slot of its own"),
+                || format!("slot {slot}"),
+            )?;
+        }
+        let locker = locker(&ctx, ctx.client().await, &t)?;
+        let semaphore = ctx.ok("Locker::semaphore", locker.semaphore(&name, permits))?;
+        let extra = ctx.ok("try_acquire", semaphore.try_acquire().await)?;
+        if let Some(extra) = extra {
+            let got = format!("a permit on slot {}", extra.slot());
+            drop(extra);
+            return Err(ctx.fail(
+                format!("the semaphore naming {permits} to be refused while its slots are held"),
+                got,
+            ));
+        }
+    }
+    for permit in held {
+        super::guard_released(&ctx, permit.release().await)?;
+    }
+
+    let holding = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for worker in 0..2 * WORKERS {
+        let locker = locker(&ctx, ctx.client().await, &t)?;
+        let permits = if worker % 2 == 0 { SMALL } else { LARGE };
+        let semaphore = ctx.ok("Locker::semaphore", locker.semaphore(&name, permits))?;
+        let (holding, most) = (holding.clone(), most.clone());
+        workers.push(tokio::spawn(async move {
+            let mut outside = Vec::new();
+            for _ in 0..ROUNDS {
+                let permit = semaphore.acquire().await?;
+                if permit.slot() >= permits {
+                    outside.push(permit.slot());
+                }
+                let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                sleep(Duration::from_millis(5)).await;
+                holding.fetch_sub(1, Ordering::SeqCst);
+                permit.release().await?;
+            }
+            Ok::<_, LockError>((permits, outside))
+        }));
+    }
+    for worker in workers {
+        let ran = worker
+            .await
+            .map_err(|e| ctx.fail("a worker to finish", e))?;
+        let (permits, outside) = ctx.ok("a worker's acquire and release", ran)?;
+        ctx.ensure(
+            outside.is_empty(),
+            format!("a worker naming {permits} permits to hold slots below {permits} only"),
+            || format!("slots {outside:?}"),
+        )?;
+    }
+    let most = most.load(Ordering::SeqCst);
+    ctx.ensure(
+        most <= LARGE as usize,
+        format!("at most {LARGE} workers holding a permit at once"),
         || format!("{most} at once"),
     )?;
     ctx.pass(&t)
