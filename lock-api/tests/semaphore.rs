@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::memory::MemoryBackend;
+use distlock_core::memory::{Faults, MemoryBackend};
 use distlock_core::{
     BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, MAX_PERMITS, Release,
     RetryPolicy, async_trait,
@@ -19,37 +19,19 @@ fn key(name: &str) -> LockKey {
     LockKey::new(name).unwrap()
 }
 
-/// Counts the calls that reach the store; `stray` makes `acquire_any` take a key it was
-/// not given.
-#[derive(Debug, Default)]
-struct Calls {
-    sent: AtomicUsize,
-    stray: bool,
-}
+/// A layer whose `acquire_any` takes a key it was not given, as a buggy backend might.
+#[derive(Debug)]
+struct StrayGrant;
 
 #[async_trait]
-impl BackendLayer for Calls {
-    async fn acquire(
-        &self,
-        next: &dyn LockBackend,
-        key: &LockKey,
-        ttl: Duration,
-    ) -> Result<Option<Lease>, LockError> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        next.acquire(key, ttl).await
-    }
-
+impl BackendLayer for StrayGrant {
     async fn acquire_any(
         &self,
         next: &dyn LockBackend,
-        keys: &[LockKey],
+        _keys: &[LockKey],
         ttl: Duration,
     ) -> Result<Option<Lease>, LockError> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        if self.stray {
-            return next.acquire(&key("somebody-else"), ttl).await;
-        }
-        next.acquire_any(keys, ttl).await
+        next.acquire(&key("somebody-else"), ttl).await
     }
 }
 
@@ -67,11 +49,11 @@ fn locker_on(backend: Arc<dyn LockBackend>, backoff: Duration) -> Locker {
 
 #[tokio::test]
 async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
-    let calls = Arc::new(Layered::new(
-        Arc::new(MemoryBackend::new()),
-        Calls::default(),
-    ));
-    let locker = locker_on(calls.clone(), Duration::from_millis(10));
+    let faults = Arc::new(Faults::default());
+    let locker = locker_on(
+        Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone())),
+        Duration::from_millis(10),
+    );
     for permits in [0, MAX_PERMITS + 1, u32::MAX] {
         let made = locker.semaphore(&key("exports"), permits);
         assert!(
@@ -86,7 +68,7 @@ async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
         matches!(made, Err(LockError::InvalidKey { .. })),
         "{made:?}"
     );
-    assert_eq!(calls.layer().sent.load(Ordering::SeqCst), 0);
+    assert_eq!(faults.calls(), 0, "calls that reached the store");
 
     let most = locker.semaphore(&key("exports"), MAX_PERMITS).unwrap();
     assert_eq!(most.permits(), MAX_PERMITS);
@@ -96,12 +78,8 @@ async fn bad_limits_and_names_are_refused_before_anything_is_sent() {
 #[tokio::test]
 async fn a_key_granted_outside_the_slots_is_given_back_and_reported() {
     let store = Arc::new(MemoryBackend::new());
-    let calls = Calls {
-        stray: true,
-        ..Calls::default()
-    };
     let locker = locker_on(
-        Arc::new(Layered::new(store.clone(), calls)),
+        Arc::new(Layered::new(store.clone(), StrayGrant)),
         Duration::from_millis(10),
     );
     let semaphore = locker.semaphore(&key("exports"), 2).unwrap();
@@ -211,11 +189,11 @@ async fn a_lost_permit_stops_its_job_and_frees_the_slot() {
 /// semaphore keeps its permit. Names that only look alike are locks as any other.
 #[tokio::test]
 async fn a_lock_named_like_a_permit_slot_is_refused_and_takes_no_permit() {
-    let calls = Arc::new(Layered::new(
-        Arc::new(MemoryBackend::new()),
-        Calls::default(),
-    ));
-    let locker = locker_on(calls.clone(), Duration::from_millis(10));
+    let faults = Arc::new(Faults::default());
+    let locker = locker_on(
+        Arc::new(Layered::new(Arc::new(MemoryBackend::new()), faults.clone())),
+        Duration::from_millis(10),
+    );
     let exports = locker.semaphore(&key("exports"), 1).unwrap();
     let slot = key("exports:permit:0");
     let tried = locker.try_lock(&slot).await;
@@ -228,7 +206,7 @@ async fn a_lock_named_like_a_permit_slot_is_refused_and_takes_no_permit() {
         matches!(&waited, Err(LockError::InvalidKey { .. })),
         "{waited:?}"
     );
-    assert_eq!(calls.layer().sent.load(Ordering::SeqCst), 0);
+    assert_eq!(faults.calls(), 0, "calls that reached the store");
     let permit = exports.try_acquire().await.unwrap();
     assert!(permit.is_some(), "the semaphore lost its only permit");
     for name in [
