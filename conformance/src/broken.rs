@@ -151,7 +151,10 @@ pub const CAUGHT_BY: &[Catch] = &[
     },
     Catch {
         kind: BrokenKind::TokenDropsAfterRestart,
-        cases: &["tokens_increase_across_restarts"],
+        cases: &[
+            "tokens_increase_across_restarts",
+            "a_full_semaphore_keeps_its_permits_across_a_restart",
+        ],
         invariants: &[Invariant::I1],
     },
     Catch {
@@ -185,6 +188,7 @@ pub const CAUGHT_BY: &[Catch] = &[
             "renew_by_non_owner_is_lost",
             "renew_after_expiry_leaves_new_holder",
             "renew_many_agrees_with_renew",
+            "a_full_semaphore_keeps_its_permits_across_a_restart",
         ],
         invariants: &[Invariant::I4],
     },
@@ -233,6 +237,7 @@ pub const CAUGHT_BY: &[Catch] = &[
             "semaphore_never_grants_more_than_its_permits",
             "semaphores_naming_different_permits_share_their_slots",
             "semaphore_expired_permit_is_freed",
+            "a_full_semaphore_keeps_its_permits_across_a_restart",
         ],
         invariants: &[Invariant::I3, Invariant::I6],
     },

@@ -75,6 +75,7 @@ macro_rules! __conformance_cases {
             semaphore_permit_release_is_owner_checked: [],
             semaphore_expired_permit_is_freed: [],
             a_permit_release_wakes_a_waiter: [wakes_waiters],
+            a_full_semaphore_keeps_its_permits_across_a_restart: [server_faults],
             dropped_permit_acquire_leaves_no_orphan: [],
             dropped_permit_acquire_mid_wait_leaves_no_permit_held: [],
             timed_out_permit_acquire_leaves_no_permit_held: [],

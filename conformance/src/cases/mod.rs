@@ -18,6 +18,7 @@ mod lease;
 mod locker;
 mod permits;
 mod semaphore;
+mod semaphore_restart;
 mod server_faults;
 mod wake;
 
@@ -30,6 +31,7 @@ pub use lease::*;
 pub use locker::*;
 pub use permits::*;
 pub use semaphore::*;
+pub use semaphore_restart::*;
 pub use server_faults::*;
 pub use wake::*;
 

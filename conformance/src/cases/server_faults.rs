@@ -18,7 +18,7 @@ use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
 
 /// How long after a server fault ends a client may keep failing while it reconnects (and
 /// a 3-member store elects a leader).
-const RECOVERY_GRACE: Duration = Duration::from_secs(10);
+pub(super) const RECOVERY_GRACE: Duration = Duration::from_secs(10);
 
 /// A holder whose server was killed and started again is fenced once another client
 /// takes the key, whether the restart kept the store's data or lost it: the new grant
@@ -317,7 +317,7 @@ where
 
 /// The first answer of `call`, retried while it fails with an error until `deadline`
 /// (clients reconnect after a server fault).
-async fn until_answered<T, F, Fut>(
+pub(super) async fn until_answered<T, F, Fut>(
     ctx: &Ctx<'_>,
     what: &str,
     deadline: Instant,
