@@ -220,9 +220,14 @@ impl History {
         call
     }
 
-    /// The call [`Self::made`] returned `call` for has returned (and was recorded).
-    pub(super) fn returned(&self, call: u64) {
-        self.unfinished.lock().remove(&call);
+    /// The call [`Self::made`] returned `call` for has returned `reply`: it is recorded
+    /// and leaves the unfinished calls in one step, under their lock, so that
+    /// [`Self::settled`] finds it exactly once, finished or not.
+    pub(super) fn returned(&self, call: u64, reply: Reply) {
+        let mut unfinished = self.unfinished.lock();
+        if let Some(draft) = unfinished.remove(&call) {
+            self.push(Draft { reply, ..draft });
+        }
     }
 
     /// A copy of every event so far, in recording order.
@@ -233,9 +238,12 @@ impl History {
     /// Every event, and every call made and not yet returned (a release spawned by a
     /// dropped guard) as [`Reply::Unfinished`] completed now: what [`Self::check`] checks.
     pub fn settled(&self) -> Vec<Event> {
+        // The events are copied under the unfinished calls' lock: a call that returns
+        // meanwhile is then in one copy, never in both and never in neither.
+        let unfinished = self.unfinished.lock();
         let mut events = self.events();
         let now = Instant::now();
-        let unfinished: Vec<Draft> = self.unfinished.lock().values().cloned().collect();
+        let unfinished: Vec<Draft> = unfinished.values().cloned().collect();
         for draft in unfinished {
             let seq = events.len() as u64;
             events.push(
@@ -307,6 +315,63 @@ pub fn timeline(events: &[Event], limit: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_release_returning_while_the_history_settles_is_in_it_exactly_once() {
+        // One thread makes releases and lets each return before the next; the other
+        // settles the history meanwhile, over and over. A release made before a settle
+        // began is in it once: as its reply if it returned, as Unfinished if not. Were it
+        // in neither, the check would see its lease held to its end and the key's next
+        // grant overlap it; were it in both, a release would count twice.
+        const ROUNDS: u64 = 1_000;
+        const RELEASES: u64 = 64;
+        let key = LockKey::new("k").unwrap();
+        let owner = OwnerId::random();
+        let mut settles = 0_u64;
+        for _ in 0..ROUNDS {
+            let history = History::new();
+            let made = AtomicU64::new(0);
+            std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    for i in 0..RELEASES {
+                        let call = history.made(Draft {
+                            op: Op::Release,
+                            key: key.clone(),
+                            owner: Some(owner),
+                            token: Some(FencingToken(i)),
+                            ttl: None,
+                            invoked: Instant::now(),
+                            valid_until: None,
+                            reply: Reply::Unfinished,
+                        });
+                        made.store(i + 1, Ordering::Release);
+                        history.returned(call, Reply::Released);
+                    }
+                });
+                loop {
+                    let made_before = made.load(Ordering::Acquire);
+                    let settled = history.settled();
+                    settles += 1;
+                    let mut times = [0_usize; RELEASES as usize];
+                    for event in &settled {
+                        times[event.token.unwrap().0 as usize] += 1;
+                    }
+                    for (i, &n) in times.iter().enumerate().take(made_before as usize) {
+                        assert_eq!(
+                            n,
+                            1,
+                            "release {i} of {made_before} made is in the settled history \
+                             {n} times (settle {settles}):\n{}",
+                            timeline(&settled, 100)
+                        );
+                    }
+                    if made_before == RELEASES {
+                        break;
+                    }
+                }
+            });
+        }
+    }
 
     #[test]
     fn the_timeline_lists_every_event_with_its_times_unfinished_calls_too() {

@@ -55,8 +55,7 @@ impl BackendLayer for History {
         let invoked = Instant::now();
         let call = self.made(release_draft(lease, invoked));
         let result = next.release(lease).await;
-        self.record_release(lease, invoked, result.as_ref());
-        self.returned(call);
+        self.returned(call, release_reply(result.as_ref()));
         result
     }
 
@@ -129,10 +128,10 @@ impl BackendLayer for History {
             .map(|lease| self.made(release_draft(lease, invoked)))
             .collect();
         let result = next.release_many(leases).await;
-        each_outcome(leases, &result, |lease, outcome| {
-            self.record_release(lease, invoked, outcome);
+        // One call per lease, in the leases' order.
+        each_outcome(&calls, &result, |call, outcome| {
+            self.returned(*call, release_reply(outcome));
         });
-        calls.into_iter().for_each(|call| self.returned(call));
         result
     }
 }
@@ -202,20 +201,15 @@ impl History {
         };
         self.record_lease(Op::Renew, lease, invoked, valid, reply);
     }
+}
 
-    fn record_release(
-        &self,
-        lease: &Lease,
-        invoked: Instant,
-        result: Result<&Release, &LockError>,
-    ) {
-        let reply = match result {
-            Ok(Release::Released) => Reply::Released,
-            Ok(Release::NotHeld) => Reply::NotHeld,
-            Ok(Release::Unreachable) => Reply::Error("unreachable".into()),
-            Err(e) => Reply::Error(e.to_string()),
-        };
-        self.record_lease(Op::Release, lease, invoked, None, reply);
+/// What a release returned, as recorded.
+fn release_reply(result: Result<&Release, &LockError>) -> Reply {
+    match result {
+        Ok(Release::Released) => Reply::Released,
+        Ok(Release::NotHeld) => Reply::NotHeld,
+        Ok(Release::Unreachable) => Reply::Error("unreachable".into()),
+        Err(e) => Reply::Error(e.to_string()),
     }
 }
 
