@@ -48,32 +48,40 @@ impl ControlTimer {
     }
 }
 
+/// How long a suite locker waits for a key before it gives up: far beyond any case's
+/// deadline, so that only a wait that never ends hits it.
+pub(super) const GENEROUS_WAIT: Duration = Duration::from_secs(60);
+
+/// Fast retries: a wait polls every 1 ms at first, growing to 20 ms.
+const FAST_RETRIES: RetryPolicy = RetryPolicy {
+    initial: Duration::from_millis(1),
+    max: Duration::from_millis(20),
+};
+
 /// A locker on `client` with the case TTL, fast retries and a generous wait.
 pub(super) fn locker(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
-    locker_with(ctx, client, t.ttl, Duration::from_millis(1))
+    locker_on(ctx, client, t.ttl, FAST_RETRIES, GENEROUS_WAIT)
 }
 
-/// A locker on `client` whose leases last `ttl` and whose waits poll every `first_backoff`
-/// growing to 20 ms, with the suite's 60 s wait timeout.
-pub(super) fn locker_with(
+/// A locker on `client` whose leases last `ttl`, whose waits back off by `retry` and give
+/// up after `wait`; a builder error fails the case.
+pub(super) fn locker_on(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     ttl: Duration,
-    first_backoff: Duration,
+    retry: RetryPolicy,
+    wait: Duration,
 ) -> Result<Locker, Failure> {
     ctx.ok(
         "Locker::builder(..).build()",
         Locker::builder(client)
             .ttl(ttl)
-            .retry(RetryPolicy {
-                initial: first_backoff,
-                max: Duration::from_millis(20),
-            })
-            .wait_timeout(Some(Duration::from_secs(60)))
+            .retry(retry)
+            .wait_timeout(Some(wait))
             .build(),
     )
 }

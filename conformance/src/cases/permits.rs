@@ -15,17 +15,23 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use distlock_core::{Lease, LockBackend, LockError, Locker, Semaphore};
+use distlock_core::{Lease, LockBackend, LockError, Locker, RetryPolicy, Semaphore};
 use tokio::time::{Instant, sleep};
 
 use super::cancel::{BETWEEN_POLLS, MAX_POLLS, cut_after, never_completed};
-use super::locker::{locker, locker_with};
+use super::locker::{GENEROUS_WAIT, locker, locker_on};
 use super::release_held;
 use crate::factory::Factory;
 use crate::suite::{Ctx, Failure, Outcome, Timing};
 
 /// The link delay each way while the waiter's attempt is cut, where the factory has one.
 const ON_ITS_WAY: Duration = Duration::from_millis(20);
+
+/// The waiters' retries: a wait polls every 5 ms at first, growing to 20 ms.
+const WAITER_RETRIES: RetryPolicy = RetryPolicy {
+    initial: Duration::from_millis(5),
+    max: Duration::from_millis(20),
+};
 
 /// Delays the link by [`ON_ITS_WAY`], where the factory can.
 async fn slow_link(ctx: &Ctx<'_>) {
@@ -48,14 +54,14 @@ fn given_back_within(t: &Timing) -> Duration {
     t.ttl * 2 + Duration::from_secs(2)
 }
 
-/// A locker on `client` whose leases last the long TTL and whose waits poll every
-/// 5–20 ms, with the suite's 60 s wait timeout.
+/// A locker on `client` whose leases last the long TTL, with [`WAITER_RETRIES`] and the
+/// suite's 60 s wait timeout.
 fn long_lease_locker(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
-    locker_with(ctx, client, t.long_ttl, Duration::from_millis(5))
+    locker_on(ctx, client, t.long_ttl, WAITER_RETRIES, GENEROUS_WAIT)
 }
 
 /// `holder` takes every slot of `semaphore` with the long TTL.

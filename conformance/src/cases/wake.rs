@@ -9,6 +9,7 @@ use std::time::Duration;
 use distlock_core::{Election, Layered, LockBackend, LockError, Locker, Release, RetryPolicy};
 use tokio::time::{Instant, sleep};
 
+use super::locker::locker_on;
 use crate::deaf::Deaf;
 use crate::factory::Factory;
 use crate::history::{Op, Reply};
@@ -28,17 +29,11 @@ pub(super) fn waiting_locker(
     ttl: Duration,
     backoff: Duration,
 ) -> Result<Locker, Failure> {
-    ctx.ok(
-        "Locker::builder(..).build()",
-        Locker::builder(client)
-            .ttl(ttl)
-            .retry(RetryPolicy {
-                initial: backoff,
-                max: backoff,
-            })
-            .wait_timeout(Some(backoff * 4))
-            .build(),
-    )
+    let retry = RetryPolicy {
+        initial: backoff,
+        max: backoff,
+    };
+    locker_on(ctx, client, ttl, retry, backoff * 4)
 }
 
 /// A holder on one client, a waiter in `Locker::lock` on another with an 8 s backoff:
