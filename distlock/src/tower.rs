@@ -81,6 +81,7 @@ mod tick;
 
 pub use job::{
     JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss, Until,
+    run_key,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
 pub use locked_service::LockedService;

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
-use distlock::tower::{JobError, LockLayer, Locked, OnMiss};
+use distlock::tower::{JobError, LockLayer, Locked, OnMiss, run_key};
 use distlock::{
     Admission, EnforcementMode, FencedResourceExt, FencingToken, LockBackend, LockError, LockKey,
     Locker, MemoryFencedResource, WriteFence,
@@ -909,7 +909,7 @@ async fn a_stopped_run(id: u32, claim_outlives_run_key: bool) -> StoppedRun {
         .expect("the stopped run went on")
         .unwrap();
     assert!(matches!(stopped, Err(JobError::Lost { .. })), "{stopped:?}");
-    let run_key = LockKey::new(format!("running:{key}")).unwrap();
+    let run_key = run_key(&key).unwrap();
     let lapsed = Instant::now();
     loop {
         let run_free = store.inspect(&run_key).await.unwrap().owner.is_none();

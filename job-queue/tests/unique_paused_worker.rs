@@ -19,7 +19,8 @@ use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use distlock::{FencingToken, LockKey, Locker};
+use distlock::tower::run_key;
+use distlock::{FencingToken, Locker};
 use job_queue::on_each_storage;
 use job_queue::storage::{Queue, Server, Storage};
 use job_queue::strategy_worker::{QUEUE, Report, TTL, key};
@@ -170,7 +171,7 @@ async fn first_run(workers: &[Worker]) -> (usize, u64) {
 /// the remaining time the store states, counted from before it was asked (or now, when
 /// the key is no longer the first run's).
 async fn first_lease_ends_no_sooner_than(producer: &Locker, first_token: u64) -> Instant {
-    let run_key = LockKey::new(format!("running:{}", key(1).unwrap())).unwrap();
+    let run_key = run_key(&key(1).unwrap()).unwrap();
     let asked = Instant::now();
     let info = producer.backend().inspect(&run_key).await.unwrap();
     match info.remaining {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use apalis_core::error::BoxDynError;
 use distlock::apalis::{ApalisLockLayer, JobLease};
-use distlock::tower::Until;
+use distlock::tower::{Until, run_key};
 use distlock::{Claim, LockError, LockKey, Locker};
 use job_queue::on_each_storage;
 use job_queue::storage::{Queue, Server, Storage};
@@ -84,7 +84,7 @@ async fn until_executed_refuses_duplicates_from_enqueue_to_the_end_of_the_run(st
             // Fenced by its run: on the run key, under that key's token.
             assert_eq!(
                 lease.key().as_str(),
-                format!("running:{}", key(report.id)?),
+                run_key(&key(report.id)?)?.as_str(),
                 "fenced on another key than its run key"
             );
             seen.lock()

@@ -629,6 +629,16 @@ async fn end_claim<E>(locker: &Locker, claim: &Claim) -> Result<(), JobError<E>>
     Ok(())
 }
 
+/// The run key of a job whose key is `key` under
+/// [`LockLayer::claimed`]`(.., `[`Until::Executed`]`)`: `running:<key>`, held by each run
+/// of the job while it runs, and the key its token fences writes on (see
+/// [`Locked::key`]). Inspect it to see whether a run is under way, and by which token.
+///
+/// A [`LockError::InvalidKey`] when the prefixed name is too long for a key.
+pub fn run_key(key: &LockKey) -> Result<LockKey, LockError> {
+    LockKey::new(format!("running:{}", key.as_str()))
+}
+
 /// Until executed, what each try of a job takes: its run key, `running:<key>`, and then
 /// the job's key, by its claim while the claim lasts, as usual once it has ended.
 ///
@@ -657,7 +667,7 @@ impl RunOf {
             )));
         }
         Ok(Self {
-            key: LockKey::new(format!("running:{}", key.as_str()))?,
+            key: run_key(key)?,
             claim,
         })
     }
