@@ -671,17 +671,6 @@ impl LockBackend for BrokenBackend {
         }))
     }
 
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
-        for lease in leases {
-            lease.check_backend(self.id, NAME)?;
-        }
-        let mut out = Vec::with_capacity(leases.len());
-        for lease in leases {
-            out.push(self.renew(lease).await?);
-        }
-        Ok(out)
-    }
-
     async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
         for lease in leases {
             lease.check_backend(self.id, NAME)?;

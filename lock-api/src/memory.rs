@@ -227,30 +227,6 @@ impl LockBackend for MemoryBackend {
         Some(self.id)
     }
 
-    async fn renew_many(&self, leases: &[Lease]) -> Result<Vec<Renewal>, LockError> {
-        // The whole batch is checked before any lease is renewed.
-        for lease in leases {
-            self.check_lease(lease)?;
-        }
-        let mut out = Vec::with_capacity(leases.len());
-        for lease in leases {
-            out.push(self.renew(lease).await?);
-        }
-        Ok(out)
-    }
-
-    async fn release_many(&self, leases: &[Lease]) -> Result<Vec<Release>, LockError> {
-        // The whole batch is checked before any lease is released.
-        for lease in leases {
-            self.check_lease(lease)?;
-        }
-        let mut out = Vec::with_capacity(leases.len());
-        for lease in leases {
-            out.push(self.release(lease).await?);
-        }
-        Ok(out)
-    }
-
     fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
         self.capabilities
             .wakes_waiters
