@@ -110,13 +110,16 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
     .await?;
 
     server.kill().await;
+    // A renewal sent from here on is answered by the server started again, which may
+    // answer before `restart` returns (while it waits for the deployment to settle).
+    let killed = Instant::now();
     server.restart().await;
     let restarted = Instant::now();
 
     let mut kept = Vec::new();
     let mut lost = Vec::new();
     for holder in holders {
-        match holder.first_answer_since(&ctx, restarted).await? {
+        match holder.first_answer_since(&ctx, killed, restarted).await? {
             Renewal::Renewed { .. } => kept.push(holder),
             _ => lost.push(holder),
         }
@@ -251,29 +254,41 @@ struct Answer {
     renewal: Result<Renewal, String>,
 }
 
+/// A holder's renewals: those answered, and when the one in flight was sent.
+#[derive(Default)]
+struct Renewals {
+    answered: Vec<Answer>,
+    in_flight: Option<Instant>,
+}
+
 /// A holder of one permit, renewing it every [`RENEW_EVERY`] in a task of its own until
 /// stopped or told `Lost`.
 struct Holder {
     client: Arc<dyn LockBackend>,
     lease: Lease,
-    answers: Arc<Mutex<Vec<Answer>>>,
+    renewals: Arc<Mutex<Renewals>>,
     stop: Arc<AtomicBool>,
     task: JoinHandle<()>,
 }
 
 impl Holder {
     fn renewing(client: Arc<dyn LockBackend>, lease: Lease) -> Self {
-        let answers = Arc::new(Mutex::new(Vec::new()));
+        let renewals = Arc::new(Mutex::new(Renewals::default()));
         let stop = Arc::new(AtomicBool::new(false));
         let task = {
             let (client, lease) = (client.clone(), lease.clone());
-            let (answers, stop) = (answers.clone(), stop.clone());
+            let (renewals, stop) = (renewals.clone(), stop.clone());
             tokio::spawn(async move {
                 while !stop.load(Ordering::SeqCst) {
                     let sent = Instant::now();
+                    renewals.lock().in_flight = Some(sent);
                     let renewal = client.renew(&lease).await.map_err(|e| e.to_string());
                     let lost = renewal == Ok(Renewal::Lost);
-                    answers.lock().push(Answer { sent, renewal });
+                    {
+                        let mut renewals = renewals.lock();
+                        renewals.in_flight = None;
+                        renewals.answered.push(Answer { sent, renewal });
+                    }
                     if lost {
                         return;
                     }
@@ -284,48 +299,85 @@ impl Holder {
         Self {
             client,
             lease,
-            answers,
+            renewals,
             stop,
             task,
         }
     }
 
-    /// The first `Renewed` or `Lost` answer to a renewal sent at or after `since`, waited
-    /// for until [`RECOVERY_GRACE`] after it (errors and `Unreachable` are the reconnect
-    /// window).
-    async fn first_answer_since(&self, ctx: &Ctx<'_>, since: Instant) -> Result<Renewal, Failure> {
-        let deadline = since + RECOVERY_GRACE;
+    /// The first `Renewed` or `Lost` answer to a renewal sent at or after `since` (the
+    /// kill), waited for until [`RECOVERY_GRACE`] after `restarted` (errors and
+    /// `Unreachable` are the reconnect window).
+    async fn first_answer_since(
+        &self,
+        ctx: &Ctx<'_>,
+        since: Instant,
+        restarted: Instant,
+    ) -> Result<Renewal, Failure> {
+        let deadline = restarted + RECOVERY_GRACE;
         loop {
-            let answered = {
-                let answers = self.answers.lock();
-                let after: Vec<&Answer> = answers.iter().filter(|a| a.sent >= since).collect();
-                let first = after.iter().find_map(|a| match a.renewal {
+            let answered = self
+                .renewals
+                .lock()
+                .answered
+                .iter()
+                .filter(|a| a.sent >= since)
+                .find_map(|a| match a.renewal {
                     Ok(r @ (Renewal::Renewed { .. } | Renewal::Lost)) => Some(r),
                     _ => None,
                 });
-                first.ok_or_else(|| after.last().map(|a| format!("{:?}", a.renewal)))
-            };
-            match answered {
-                Ok(renewal) => return Ok(renewal),
-                Err(last) if Instant::now() >= deadline => {
-                    return Err(ctx.fail(
-                        format!(
-                            "the renewal of the permit on {} to be answered Renewed or Lost \
-                             within {RECOVERY_GRACE:?} of the restart",
-                            self.lease.key()
-                        ),
-                        last.unwrap_or_else(|| "no renewal sent".to_owned()),
-                    ));
-                }
-                Err(_) => sleep(Duration::from_millis(20)).await,
+            if let Some(renewal) = answered {
+                return Ok(renewal);
             }
+            if Instant::now() >= deadline {
+                return Err(ctx.fail(
+                    format!(
+                        "the renewal of the permit on {} to be answered Renewed or Lost \
+                         within {RECOVERY_GRACE:?} of the restart",
+                        self.lease.key()
+                    ),
+                    self.since(since),
+                ));
+            }
+            sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The renewals sent at or after `since` (answered, or one in flight since before it),
+    /// for a failure.
+    fn since(&self, since: Instant) -> String {
+        let renewals = self.renewals.lock();
+        let at = |sent: Instant| sent.saturating_duration_since(since);
+        let mut listed: Vec<String> = renewals
+            .answered
+            .iter()
+            .filter(|a| a.sent >= since)
+            .map(|a| format!("sent +{:?}: {:?}", at(a.sent), a.renewal))
+            .collect();
+        match renewals.in_flight {
+            Some(sent) if sent >= since => {
+                listed.push(format!("sent +{:?}: unanswered", at(sent)));
+            }
+            Some(sent) => listed.push(format!(
+                "one sent {:?} before the kill unanswered",
+                since - sent
+            )),
+            None => {}
+        }
+        if listed.is_empty() {
+            "no renewal sent".to_owned()
+        } else {
+            listed.join("; ")
         }
     }
 
     /// Fails if any renewal of this holder was answered `Lost` (`why` it must not be).
     fn never_lost(&self, ctx: &Ctx<'_>, why: &str) -> Result<(), Failure> {
-        let answers = self.answers.lock();
-        let lost = answers.iter().find(|a| a.renewal == Ok(Renewal::Lost));
+        let renewals = self.renewals.lock();
+        let lost = renewals
+            .answered
+            .iter()
+            .find(|a| a.renewal == Ok(Renewal::Lost));
         ctx.ensure(
             lost.is_none(),
             format!(
@@ -336,12 +388,19 @@ impl Holder {
         )
     }
 
-    /// Stops the renewals and waits for the last one.
+    /// Stops the renewals and waits for the last one (a task left running by a failed
+    /// case is aborted when its holder is dropped).
     async fn stop(&self) {
         self.stop.store(true, Ordering::SeqCst);
         while !self.task.is_finished() {
             sleep(Duration::from_millis(10)).await;
         }
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
@@ -355,7 +414,7 @@ struct Grant {
 /// A waiter in `Semaphore::acquire` in a task of its own, which holds the permit it gets
 /// until told to release it.
 struct Waiter {
-    release: oneshot::Sender<()>,
+    release: Option<oneshot::Sender<()>>,
     task: JoinHandle<Result<Release, LockError>>,
 }
 
@@ -381,15 +440,30 @@ impl Waiter {
             let _ = release_rx.await;
             permit.release().await
         });
-        (Self { release, task }, grant_rx)
+        (
+            Self {
+                release: Some(release),
+                task,
+            },
+            grant_rx,
+        )
     }
 
     /// Releases the permit it holds and returns the release's answer.
-    async fn release(self, ctx: &Ctx<'_>) -> Result<Result<Release, LockError>, Failure> {
-        let _ = self.release.send(());
-        self.task
+    async fn release(mut self, ctx: &Ctx<'_>) -> Result<Result<Release, LockError>, Failure> {
+        if let Some(release) = self.release.take() {
+            let _ = release.send(());
+        }
+        (&mut self.task)
             .await
             .map_err(|e| ctx.fail("the waiting task to finish", e))
+    }
+}
+
+/// A waiter left waiting by a failed case stops with it.
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
 
