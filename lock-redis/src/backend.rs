@@ -314,9 +314,11 @@ impl LockBackend for RedisBackend {
     ) -> Result<Option<Lease>, LockError> {
         self.core().caps.check_ttl(ttl)?;
         let core = self.core();
-        if keys.len() > 1 && core.replica_acks.is_none() && core.calls.one_script(keys) {
-            // Sent directly: a coalesced batch takes one key per caller.
-            return core.acquire_any_one(keys, ttl, Instant::now()).await;
+        if keys.len() > 1 && core.replica_acks.is_none() {
+            if let Some(locks) = core.calls.one_script(keys) {
+                // Sent directly: a coalesced batch takes one key per caller.
+                return core.acquire_any_one(keys, locks, ttl, Instant::now()).await;
+            }
         }
         distlock_core::acquire_first_free(keys, |key| self.acquire(key, ttl)).await
     }

@@ -234,16 +234,17 @@ impl Core {
         }
     }
 
-    /// One free key of `keys` (two or more, of one hash slot) with one script; see
+    /// One free key of `keys` (two or more, of one hash slot), whose Redis keys are
+    /// `locks` (see [`Calls::one_script`]), with one script; see
     /// [`LockBackend::acquire_any`].
     pub(crate) async fn acquire_any_one(
         &self,
         keys: &[LockKey],
+        locks: Vec<LockKeys>,
         ttl: Duration,
         called: Instant,
     ) -> Result<Option<Lease>, LockError> {
         let owner = OwnerId::random();
-        let locks: Vec<LockKeys> = keys.iter().map(|k| self.calls.keys(k)).collect();
         // A semaphore's waiters watch every slot.
         let mark = self.mark(keys);
         let call = self.calls.acquire_any_call(&locks, owner, ttl, mark);

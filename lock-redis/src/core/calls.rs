@@ -40,18 +40,20 @@ impl Calls {
         LockKeys::new(&self.prefix, key)
     }
 
-    /// True when one script call may hold every key of `keys`: always on a single node,
-    /// and where hash slots divide the keys, when they all share one (a semaphore's permit
-    /// slots do; a script whose keys span slots is refused with `CROSSSLOT`).
-    pub(crate) fn one_script(&self, keys: &[LockKey]) -> bool {
-        if !self.slotted {
-            return true;
+    /// The Redis keys of `keys` when one script call may hold them all: always on a
+    /// single node, and where hash slots divide the keys, when they all share one (a
+    /// semaphore's permit slots do; a script whose keys span slots is refused with
+    /// `CROSSSLOT`). `None` when they span slots.
+    pub(crate) fn one_script(&self, keys: &[LockKey]) -> Option<Vec<LockKeys>> {
+        let locks: Vec<LockKeys> = keys.iter().map(|key| self.keys(key)).collect();
+        if self.slotted {
+            let mut slots = locks.iter().map(|k| key_slot(k.lock.as_bytes()));
+            let first = slots.next();
+            if !slots.all(|slot| Some(slot) == first) {
+                return None;
+            }
         }
-        let mut slots = keys
-            .iter()
-            .map(|key| key_slot(self.keys(key).lock.as_bytes()));
-        let first = slots.next();
-        slots.all(|slot| Some(slot) == first)
+        Some(locks)
     }
 
     /// The high-water key that `lock` shares with the other locks of its hash slot (on a
