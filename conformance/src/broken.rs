@@ -26,6 +26,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use distlock_core::memory::{Holder, KeyState};
 use distlock_core::wake::{AllKeys, ReleaseHub, ReleaseWatch};
 use distlock_core::{
     BackendId, Capabilities, Fence, FencingToken, Lease, LockBackend, LockError, LockInfo, LockKey,
@@ -275,31 +276,6 @@ struct Releases(ReleaseHub);
 impl Default for Releases {
     fn default() -> Self {
         Self(ReleaseHub::new(AllKeys))
-    }
-}
-
-/// One key in the store.
-#[derive(Debug, Default)]
-struct KeyState {
-    holder: Option<Holder>,
-    last_token: u64,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Holder {
-    owner: OwnerId,
-    token: FencingToken,
-    expires_at: Instant,
-}
-
-impl KeyState {
-    fn live_holder(&self, now: Instant) -> Option<&Holder> {
-        self.holder.as_ref().filter(|h| h.expires_at > now)
-    }
-
-    fn is_held_by(&self, lease: &Lease, now: Instant) -> bool {
-        self.live_holder(now)
-            .is_some_and(|h| h.owner == lease.owner() && h.token == lease.token())
     }
 }
 

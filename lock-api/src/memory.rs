@@ -24,6 +24,10 @@ use crate::error::LockError;
 use crate::key::{FencingToken, LockKey, OwnerId};
 
 pub use crate::layer::faults::Faults;
+#[doc(hidden)]
+pub use key_state::{Holder, KeyState};
+
+mod key_state;
 
 const NAME: &str = "memory";
 
@@ -49,31 +53,6 @@ pub struct MemoryBackend {
     /// TTL runs out: like Redis, the store does not announce expiries).
     releases: ReleaseHub,
     capabilities: Capabilities,
-}
-
-#[derive(Debug, Default)]
-struct KeyState {
-    holder: Option<Holder>,
-    last_token: u64,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct Holder {
-    owner: OwnerId,
-    token: FencingToken,
-    expires_at: Instant,
-}
-
-impl KeyState {
-    /// The holder whose TTL has not run out at `now`.
-    fn live_holder(&self, now: Instant) -> Option<&Holder> {
-        self.holder.as_ref().filter(|h| h.expires_at > now)
-    }
-
-    fn is_held_by(&self, lease: &Lease, now: Instant) -> bool {
-        self.live_holder(now)
-            .is_some_and(|h| h.owner == lease.owner() && h.token == lease.token())
-    }
 }
 
 impl Default for MemoryBackend {
