@@ -57,7 +57,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey, decide,
+    Admission, EnforcementMode, FencedResource, FencingToken, LockError, LockKey, WriteFence,
+    decide,
 };
 use sqlx::{AssertSqlSafe, PgPool, PgTransaction, Postgres};
 
@@ -203,6 +204,22 @@ impl PgFencedResource {
                 .map_err(fail)?;
         let latest = latest.flatten().map_or(token, token_from);
         Ok(decide(self.mode, resource, token, Some(latest)))
+    }
+
+    /// [`Self::admit_in`] under `fence`: the write's resource is the fence's key and its
+    /// token the fence's, taken together from the lease (a permit's
+    /// [`fence`](distlock_core::Permit::fence), a guard's [`WriteFence::of`], a job's
+    /// `fence()`), so a permit's token cannot be checked against the semaphore's name, where
+    /// the tokens of different slots are not ordered.
+    ///
+    /// # Cancel safety
+    /// As [`Self::admit_in`].
+    pub async fn admit_under(
+        &self,
+        tx: &mut PgTransaction<'_>,
+        fence: &WriteFence,
+    ) -> Result<Admission, LockError> {
+        self.admit_in(tx, fence.key().as_str(), fence.token()).await
     }
 
     /// The highest token admitted for `resource`.

@@ -86,3 +86,55 @@ async fn under_its_fence_each_slots_holder_is_admitted_and_one_that_lost_its_slo
     earlier.release().await.unwrap();
     successor.release().await.unwrap();
 }
+
+/// `admit_under` admits a write inside the application's own transaction under a permit's
+/// fence: the holders of two slots are both admitted, whatever their tokens' order, and a
+/// holder whose slot went to another is refused once the new holder's write committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_transaction_each_slots_holder_is_admitted_under_its_fence() {
+    let server = shared_server().await;
+    let locker = Locker::builder(backend(&server, Kind::Lease).await)
+        .ttl(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let semaphore = locker
+        .semaphore(&LockKey::new("permit-fence:tx-exports").unwrap(), 2)
+        .unwrap();
+    let pool = builder(&server)
+        .build_lease_backend()
+        .unwrap()
+        .pool()
+        .clone();
+    let ledger = PgFencedResource::new(pool.clone(), "distlock", EnforcementMode::Enforce).unwrap();
+    let admit = async |fence| {
+        let mut tx = pool.begin().await.unwrap();
+        let admission = ledger.admit_under(&mut tx, &fence).await.unwrap();
+        tx.commit().await.unwrap();
+        admission
+    };
+
+    // Slot 1's holder has the higher token; slot 0's earlier holder is still valid.
+    let first = semaphore.try_acquire().await.unwrap().unwrap();
+    let earlier = semaphore.try_acquire().await.unwrap().unwrap();
+    first.release().await.unwrap();
+    let later = semaphore.try_acquire().await.unwrap().unwrap();
+    assert!(later.token() > earlier.token(), "{later:?}, {earlier:?}");
+    assert_eq!(admit(later.fence()).await, Admission::Admitted);
+    assert_eq!(admit(earlier.fence()).await, Admission::Admitted);
+
+    // The later holder's slot goes to another, who writes first.
+    let kept = later.fence();
+    later.release().await.unwrap();
+    let successor = semaphore.try_acquire().await.unwrap().unwrap();
+    assert_eq!(successor.key(), kept.key());
+    assert_eq!(admit(successor.fence()).await, Admission::Admitted);
+    assert_eq!(
+        admit(kept).await,
+        Admission::Stale {
+            latest: successor.token()
+        }
+    );
+
+    earlier.release().await.unwrap();
+    successor.release().await.unwrap();
+}
