@@ -8,7 +8,7 @@ use std::time::Duration;
 use distlock_core::{DRIFT_FACTOR, FencingToken, LockKey, OwnerId};
 use tokio::time::Instant;
 
-use super::event::{Event, Op, Reply};
+use super::event::{Event, History, Op, Reply};
 
 /// One of the design's invariants.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug, PartialOrd, Ord)]
@@ -117,6 +117,13 @@ impl Grant<'_> {
             .filter(|(_, e)| e.1 <= at)
             .max_by_key(|(_, e)| e.2)
             .map(|(i, e)| (e.2, i > 0))
+    }
+}
+
+impl History {
+    /// Checks every invariant of the [settled](Self::settled) history; see [`check`].
+    pub fn check(&self, options: &CheckOptions) -> Vec<Violation> {
+        check(&self.settled(), options)
     }
 }
 

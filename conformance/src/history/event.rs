@@ -9,8 +9,6 @@ use distlock_core::{FencingToken, LockKey, OwnerId};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::check::{CheckOptions, Violation, check};
-
 /// The kind of call an [`Event`] records.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Op {
@@ -275,11 +273,6 @@ impl History {
             .filter(|e| e.op == Op::Acquire && e.reply == Reply::Granted && &e.key == key)
             .cloned()
             .collect()
-    }
-
-    /// Checks every invariant of the [settled](Self::settled) history; see [`check`].
-    pub fn check(&self, options: &CheckOptions) -> Vec<Violation> {
-        check(&self.settled(), options)
     }
 }
 
