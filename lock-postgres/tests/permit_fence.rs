@@ -5,30 +5,41 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use common::{Kind, backend, builder, shared_server};
 use distlock_core::{
-    Admission, EnforcementMode, FencedResource, FencedResourceExt, LockKey, Locker,
+    Admission, EnforcementMode, FencedResource, FencedResourceExt, LockKey, Locker, Semaphore,
 };
+use harness::postgres::PostgresServer;
 use lock_postgres::PgFencedResource;
+use lock_postgres::sqlx::PgPool;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn under_its_fence_each_slots_holder_is_admitted_and_one_that_lost_its_slot_is_refused() {
+/// A semaphore `name` of 2 permits on the shared server's lease table, a fenced ledger in
+/// its database, the pool the ledger writes through, and the server (it stops when the
+/// last test holding it drops it).
+async fn semaphore_and_ledger(
+    name: &str,
+) -> (Semaphore, PgFencedResource, PgPool, Arc<PostgresServer>) {
     let server = shared_server().await;
     let locker = Locker::builder(backend(&server, Kind::Lease).await)
         .ttl(Duration::from_secs(30))
         .build()
         .unwrap();
-    let semaphore = locker
-        .semaphore(&LockKey::new("permit-fence:exports").unwrap(), 2)
-        .unwrap();
+    let semaphore = locker.semaphore(&LockKey::new(name).unwrap(), 2).unwrap();
     let pool = builder(&server)
         .build_lease_backend()
         .unwrap()
         .pool()
         .clone();
-    let ledger = PgFencedResource::new(pool, "distlock", EnforcementMode::Enforce).unwrap();
+    let ledger = PgFencedResource::new(pool.clone(), "distlock", EnforcementMode::Enforce).unwrap();
+    (semaphore, ledger, pool, server)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_its_fence_each_slots_holder_is_admitted_and_one_that_lost_its_slot_is_refused() {
+    let (semaphore, ledger, _, _server) = semaphore_and_ledger("permit-fence:exports").await;
 
     // Both slots held, the later on a slot granted again, with the higher token.
     let first = semaphore.try_acquire().await.unwrap().unwrap();
@@ -92,20 +103,7 @@ async fn under_its_fence_each_slots_holder_is_admitted_and_one_that_lost_its_slo
 /// holder whose slot went to another is refused once the new holder's write committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_transaction_each_slots_holder_is_admitted_under_its_fence() {
-    let server = shared_server().await;
-    let locker = Locker::builder(backend(&server, Kind::Lease).await)
-        .ttl(Duration::from_secs(30))
-        .build()
-        .unwrap();
-    let semaphore = locker
-        .semaphore(&LockKey::new("permit-fence:tx-exports").unwrap(), 2)
-        .unwrap();
-    let pool = builder(&server)
-        .build_lease_backend()
-        .unwrap()
-        .pool()
-        .clone();
-    let ledger = PgFencedResource::new(pool.clone(), "distlock", EnforcementMode::Enforce).unwrap();
+    let (semaphore, ledger, pool, _server) = semaphore_and_ledger("permit-fence:tx-exports").await;
     let admit = async |fence| {
         let mut tx = pool.begin().await.unwrap();
         let admission = ledger.admit_under(&mut tx, &fence).await.unwrap();
