@@ -80,11 +80,10 @@ mod misses;
 mod tick;
 
 pub use job::{
-    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, Locked, OnMiss, Until,
-    run_key,
+    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, OnMiss, Until, run_key,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
-pub use locked_service::LockedService;
+pub use locked_service::{Locked, LockedService};
 pub use tick::{
     DEFAULT_CATCH_UP, DEFAULT_RETENTION, TICKS_CAUGHT_UP_TOTAL, TICKS_CLAIMED_ELSEWHERE_TOTAL,
     TICKS_MISFIRED_TOTAL, TickLayer, TickLayerBuilder, TickService,

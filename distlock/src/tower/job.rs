@@ -8,13 +8,12 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use distlock_core::{
-    Claim, FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit,
-    Release, RetryPolicy, WriteFence,
+    Claim, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit, Release, RetryPolicy,
 };
 use tower_layer::Layer;
 use tower_service::Service;
 
-use super::locked_service::LockedService;
+use super::locked_service::{Locked, LockedService};
 use super::misses::Misses;
 
 /// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `skipped`,
@@ -121,59 +120,6 @@ impl<E: std::error::Error + 'static> std::error::Error for JobError<E> {
             JobError::Job(e) => Some(e),
             JobError::Lock(e) => Some(e),
             _ => None,
-        }
-    }
-}
-
-/// A request with the lease it runs under, made by the layers; more fields may come, so
-/// it is built only by them, and a pattern on it needs `..`.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct Locked<R> {
-    /// The job's request.
-    pub request: R,
-    /// The key the lease holds, which its token fences: the job's lock key; under
-    /// [`LockLayer::permits`] the permit's slot of the job's semaphore (tokens rise per
-    /// slot; those of different slots are not ordered); under
-    /// [`LockLayer::claimed`]`(.., `[`Until::Executed`]`)` the job's run key,
-    /// `running:<job key>`, whose token is new for each run.
-    pub key: LockKey,
-    /// The lease's fencing token: attach it to every write the job makes, fenced on
-    /// [`Locked::key`].
-    pub token: FencingToken,
-    /// The lease's status, to check [`LeaseStatus::is_held`] inside the job. (Until
-    /// executed, that of the run key; the layer stops the job when either of its leases
-    /// ends.)
-    pub status: LeaseStatus,
-    /// [`Locked::key`] and [`Locked::token`] together, taken from the lease itself;
-    /// `None` for a tick of the leader layers.
-    fence: Option<WriteFence>,
-}
-
-impl<R> Locked<R> {
-    /// What to fence the job's writes with: [`Locked::key`] and [`Locked::token`]
-    /// together, made from the lease the job runs under (never from the two fields, which
-    /// the job may change), to hand to
-    /// [`FencedResourceExt::write_under`](distlock_core::FencedResourceExt::write_under).
-    /// A run that lost its lease to a later one is refused there, and until executed
-    /// every run is fenced on its run key, `running:<job key>`, whatever became of its
-    /// claim.
-    ///
-    /// `Some` for every job of a [`LockLayer`]; `None` for a tick of a
-    /// [`LeaderLayer`](super::LeaderLayer) or [`TickLayer`](super::TickLayer), which
-    /// fences with the election's key and [`Locked::token`].
-    pub fn fence(&self) -> Option<WriteFence> {
-        self.fence.clone()
-    }
-
-    /// Builds what a leader layer's tick runs with: no [`Locked::fence`].
-    pub(super) fn tick(request: R, key: LockKey, token: FencingToken, status: LeaseStatus) -> Self {
-        Self {
-            request,
-            key,
-            token,
-            status,
-            fence: None,
         }
     }
 }
@@ -580,13 +526,7 @@ where
         dead_letter.misses.forget(&key);
     }
     let status = held.fence().status();
-    let locked = Locked {
-        request,
-        key: held.fence().key().clone(),
-        token: held.fence().token(),
-        status: status.clone(),
-        fence: Some(WriteFence::of(held.fence())),
-    };
+    let locked = Locked::job(request, held.fence());
     // Until executed the run stops when either lease ends: its run key, whose token
     // fences it, or the job's key (its claim), which keeps duplicates from being enqueued.
     let job_status = held.run.as_ref().map(|_| held.taken.guard().status());

@@ -25,7 +25,8 @@ use tower_layer::Layer;
 use tower_service::Service;
 use tracing::warn;
 
-use super::job::{JOB_LOST_TOTAL, JobError, Locked};
+use super::job::{JOB_LOST_TOTAL, JobError};
+use super::locked_service::Locked;
 use super::locked_service::LockedService;
 
 /// The counter of ticks an instance skipped because another one leads.
