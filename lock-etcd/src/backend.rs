@@ -44,7 +44,6 @@ use self::found::Found;
 use self::lease::EtcdLease;
 use self::retention::Sweeper;
 use self::spare::Spares;
-use crate::config::EtcdBuilder;
 use crate::error::{Effect, NAME};
 use crate::keys::etcd_key;
 use crate::members::Members;
@@ -57,7 +56,7 @@ use crate::tokens::lock_value;
 ///   lock's lease; `<prefix>/tokens/<name>` holds the newest token granted for the name (`%`
 ///   and `/` in the name are percent-encoded, so every prefix and name has its own keys)
 ///   until the name has been free and its token older than the
-///   [token retention](EtcdBuilder::token_retention) (24 h by default);
+///   [token retention](crate::EtcdBuilder::token_retention) (24 h by default);
 ///   `<prefix>/sweeps/tokens` holds when the next sweep of expired token keys is due.
 /// - **Token**: the granting client's wall clock in µs, or one more than the name's newest
 ///   token if that is higher, put only if no other grant came between (one transaction):
@@ -109,11 +108,6 @@ impl fmt::Debug for EtcdBackend {
 }
 
 impl EtcdBackend {
-    /// Starts configuring a backend.
-    pub fn builder() -> EtcdBuilder {
-        EtcdBuilder::new()
-    }
-
     pub(crate) fn from_parts(
         members: Members,
         prefix: String,
@@ -159,7 +153,7 @@ impl EtcdBackend {
 
     /// The etcd key that holds the newest token granted for `key`. It outlives the lock key
     /// (which is deleted on release and expiry), so the newest token is still known when the
-    /// lock is free, until the [token retention](EtcdBuilder::token_retention) has passed.
+    /// lock is free, until the [token retention](crate::EtcdBuilder::token_retention) has passed.
     pub fn token_key(&self, key: &LockKey) -> String {
         etcd_key(&self.inner.prefix, "tokens", key.as_str())
     }

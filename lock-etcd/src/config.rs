@@ -30,6 +30,13 @@ const KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(10);
 /// middleboxes that forget idle connections.
 const TCP_KEEPALIVE_IDLE: Duration = Duration::from_secs(15);
 
+impl EtcdBackend {
+    /// Starts configuring a backend.
+    pub fn builder() -> EtcdBuilder {
+        EtcdBuilder::new()
+    }
+}
+
 /// Builds an [`EtcdBackend`].
 ///
 /// ```no_run
