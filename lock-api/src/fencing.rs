@@ -179,7 +179,7 @@ pub fn decide(
 ) -> Admission {
     match latest {
         Some(latest) if token < latest => {
-            telemetry::stale_write(mode, resource, token, latest);
+            telemetry::stale_write(mode.as_str(), resource, token, latest);
             match mode {
                 EnforcementMode::Shadow => Admission::ShadowStale { latest },
                 EnforcementMode::Enforce => Admission::Stale { latest },

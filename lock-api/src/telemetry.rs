@@ -5,7 +5,6 @@
 
 use tracing::warn;
 
-use crate::fencing::EnforcementMode;
 use crate::key::FencingToken;
 
 /// Counter of acquire calls, labelled `backend` and `outcome` (`acquired`, `contended`, `error`).
@@ -64,16 +63,17 @@ impl Kind {
     }
 }
 
-/// Records a stale write seen by a fenced resource: a warning and a counter.
+/// Records a stale write seen by a fenced resource in enforcement `mode` (its label,
+/// `EnforcementMode::as_str`): a warning and a counter.
 pub(crate) fn stale_write(
-    mode: EnforcementMode,
+    mode: &'static str,
     resource: &str,
     token: FencingToken,
     latest: FencingToken,
 ) {
     warn!(
-        %resource, %token, %latest, mode = mode.as_str(),
+        %resource, %token, %latest, mode,
         "stale fencing token: a newer lock holder has written"
     );
-    metrics::counter!(FENCE_REJECTED_TOTAL, "mode" => mode.as_str()).increment(1);
+    metrics::counter!(FENCE_REJECTED_TOTAL, "mode" => mode).increment(1);
 }
