@@ -210,11 +210,6 @@ pub struct PgAdvisoryBackend {
 }
 
 impl PgAdvisoryBackend {
-    /// Settings for the server at `url`; see [`crate::PgBuilder`].
-    pub fn builder(url: impl Into<String>) -> crate::PgBuilder {
-        crate::PgBuilder::new(url)
-    }
-
     pub(crate) fn from_client(client: PgClient, max_held: u32) -> Self {
         let max_held = usize::try_from(max_held).unwrap_or(usize::MAX);
         let s = &client.schema;

@@ -63,6 +63,20 @@ pub enum PgMode {
     Advisory,
 }
 
+impl PgLeaseBackend {
+    /// Settings for the server at `url`; see [`PgBuilder`].
+    pub fn builder(url: impl Into<String>) -> PgBuilder {
+        PgBuilder::new(url)
+    }
+}
+
+impl PgAdvisoryBackend {
+    /// Settings for the server at `url`; see [`PgBuilder`].
+    pub fn builder(url: impl Into<String>) -> PgBuilder {
+        PgBuilder::new(url)
+    }
+}
+
 /// Settings for [`PgLeaseBackend`] and [`PgAdvisoryBackend`]: URL, backend, pool size,
 /// schema, TTL bounds and time limits. `Debug` hides the password.
 ///

@@ -19,7 +19,6 @@ use tracing::warn;
 use uuid::Uuid;
 
 use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms, with_clock};
-use crate::config::PgBuilder;
 use crate::error::Operation;
 use crate::key_row;
 use crate::pooling::{PgPooling, SessionCheck};
@@ -79,7 +78,7 @@ struct Statements {
 ///   by its owner.
 /// - **release** clears the owner and keeps the row, so the next token is still higher;
 ///   free rows are deleted once their token is older than the
-///   [token retention](PgBuilder::token_retention) (24 h by default).
+///   [token retention](crate::PgBuilder::token_retention) (24 h by default).
 ///   When some process waits for the key (its release listener registered the key; see
 ///   [`LockBackend::watch_releases`]), the statement says so, and once it committed the
 ///   backend's announcer notifies the backend's channel with the name (`pg_notify`, many
@@ -122,11 +121,6 @@ pub struct PgLeaseBackend {
 }
 
 impl PgLeaseBackend {
-    /// Settings for the server at `url`; see [`PgBuilder`].
-    pub fn builder(url: impl Into<String>) -> PgBuilder {
-        PgBuilder::new(url)
-    }
-
     pub(crate) fn from_client(client: PgClient) -> Self {
         let s = &client.schema;
         let sql = Statements {
