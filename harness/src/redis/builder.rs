@@ -45,6 +45,18 @@ pub enum AppendFsync {
     EverySec,
 }
 
+impl RedisServer {
+    /// Starts a single node with default options (no persistence, no password).
+    pub async fn start() -> Result<Self, HarnessError> {
+        Self::builder().start().await
+    }
+
+    /// Options: append-only persistence, password, extra arguments.
+    pub fn builder() -> RedisServerBuilder {
+        RedisServerBuilder::default()
+    }
+}
+
 /// Options for a [`RedisServer`]; see [`RedisServer::builder`].
 #[derive(Debug, Clone, Default)]
 #[must_use]

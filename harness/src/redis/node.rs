@@ -4,9 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use super::builder::RedisServerBuilder;
 use super::resp::{COMMAND_TIMEOUT, RespValue, resp_command};
-use super::user::RedisUser;
+use super::user::{RedisUser, url_with_login};
 use crate::{HarnessError, Server, ServerKind};
 
 /// `scheme://127.0.0.1:PORT/`, with the password percent-encoded as user info when given.
@@ -14,26 +13,11 @@ fn server_url(scheme: &str, port: u16, password: Option<&str>) -> String {
     url_with_login(&format!("{scheme}://127.0.0.1:{port}/"), None, password)
 }
 
-/// `plain` (a URL with a host) with `user` and `password`, percent-encoded, as user info.
-pub(crate) fn url_with_login(plain: &str, user: Option<&str>, password: Option<&str>) -> String {
-    let Ok(mut url) = url::Url::parse(plain) else {
-        return plain.to_owned();
-    };
-    // Neither can fail: the URL has a host, so it takes a user name and a password.
-    let login = url
-        .set_username(user.unwrap_or_default())
-        .and_then(|()| url.set_password(password));
-    match login {
-        Ok(()) => url.into(),
-        Err(()) => plain.to_owned(),
-    }
-}
-
 /// A `redis-server` process on 127.0.0.1 with its own temp dir; killed and removed on drop.
 ///
 /// [`kill`](Server::kill) leaves no shutdown save; [`restart`](Server::restart) starts it
 /// on the same port with the same directory and options and returns once it answers
-/// `PING`: data survives only with [`RedisServerBuilder::appendonly`] (and a cluster node
+/// `PING`: data survives only with [`RedisServerBuilder::appendonly`](super::RedisServerBuilder::appendonly) (and a cluster node
 /// keeps its identity and slots in `nodes.conf`).
 pub type RedisServer = Server<Redis>;
 
@@ -86,16 +70,6 @@ impl ServerKind for Redis {
 }
 
 impl RedisServer {
-    /// Starts a single node with default options (no persistence, no password).
-    pub async fn start() -> Result<Self, HarnessError> {
-        Self::builder().start().await
-    }
-
-    /// Options: append-only persistence, password, extra arguments.
-    pub fn builder() -> RedisServerBuilder {
-        RedisServerBuilder::default()
-    }
-
     /// `redis://127.0.0.1:PORT/`, or `redis://:PASSWORD@127.0.0.1:PORT/` with a password.
     pub fn url(&self) -> String {
         server_url("redis", self.port(), self.password())
@@ -106,13 +80,13 @@ impl RedisServer {
         self.kind().port
     }
 
-    /// The TLS port, when started with [`RedisServerBuilder::tls`].
+    /// The TLS port, when started with [`RedisServerBuilder::tls`](super::RedisServerBuilder::tls).
     pub fn tls_port(&self) -> Option<u16> {
         self.kind().tls_port
     }
 
     /// `rediss://127.0.0.1:TLS_PORT/` (with the password, like [`url`](Self::url)), when
-    /// started with [`RedisServerBuilder::tls`]. Clients must trust
+    /// started with [`RedisServerBuilder::tls`](super::RedisServerBuilder::tls). Clients must trust
     /// [`RedisTls::ca_pem`](super::RedisTls::ca_pem).
     pub fn tls_url(&self) -> Option<String> {
         let tls_port = self.tls_port()?;
@@ -120,7 +94,7 @@ impl RedisServer {
     }
 
     /// `redis://NAME:PASSWORD@127.0.0.1:PORT/` for the ACL user `name` the server was
-    /// started with ([`RedisServerBuilder::user`]); `None` if it has no such user.
+    /// started with ([`RedisServerBuilder::user`](super::RedisServerBuilder::user)); `None` if it has no such user.
     pub fn url_as(&self, name: &str) -> Option<String> {
         Some(self.user(name)?.url(self.addr()))
     }
