@@ -7,13 +7,12 @@
 //! server or PgBouncer refuses for good (user, password, database, a startup setting) is
 //! `Config` naming the setting, and a missing table names `setup()`.
 
+use std::fmt::Display;
 use std::time::Duration;
 
 use distlock_core::{DriverFailure, Effect, FailureKind, LockError};
 use sqlx::error::DatabaseError;
 use sqlx::postgres::{PgDatabaseError, PgSeverity};
-
-use crate::schema::Schema;
 
 /// The call that failed, for messages and for deciding whether an outcome is unknown.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -67,7 +66,7 @@ impl Operation {
 /// the source: it comes after the connect options were parsed, so it holds no URL.
 pub(crate) fn from_connect(
     backend: &'static str,
-    schema: &Schema,
+    schema: &impl Display,
     pool_size: u32,
     connect_timeout: Duration,
     e: sqlx::Error,
@@ -95,11 +94,11 @@ pub(crate) fn from_connect(
     failure.into_error(backend, Effect::None)
 }
 
-/// An error from running `op`'s statement.
+/// An error from running `op`'s statement on `schema` (named in its messages).
 pub(crate) fn from_sqlx(
     backend: &'static str,
     op: Operation,
-    schema: &Schema,
+    schema: &impl Display,
     e: sqlx::Error,
 ) -> LockError {
     classify(op.as_str(), schema, e).into_error(backend, op.effect())
@@ -108,7 +107,7 @@ pub(crate) fn from_sqlx(
 /// What a `sqlx` error says about the request `name` names (an operation, or `connect`).
 /// Server replies, I/O and TLS errors are kept as the source; a configuration error's
 /// text may quote the URL, so it is not.
-fn classify(name: &str, schema: &Schema, e: sqlx::Error) -> DriverFailure {
+fn classify(name: &str, schema: &impl Display, e: sqlx::Error) -> DriverFailure {
     let failure = match &e {
         sqlx::Error::Database(db) => {
             if let Some(refused) = refused_login(db.as_ref()) {
