@@ -129,7 +129,7 @@ impl Admission {
 /// against each other: fenced under the semaphore's name, a holder of one slot is refused
 /// after a holder of another wrote with a higher token, though both hold their permits.
 /// Pass a [`WriteFence`] instead ([`FencedResourceExt::write_under`] with
-/// [`Permit::fence`](crate::Permit::fence) or [`WriteFence::of`] a lock's guard): it names
+/// [`Permit::fence`](crate::locker::semaphore::Permit::fence) or [`WriteFence::of`] a lock's guard): it names
 /// the key its token was granted on.
 ///
 /// Every implementation admits a token equal to the highest seen (the newest holder may

@@ -13,10 +13,6 @@ use async_trait::async_trait;
 use crate::error::LockError;
 use crate::fencing::{Admission, FencedResource};
 use crate::key::{FencingToken, LockKey};
-use crate::locker::guard::LockGuard;
-
-#[cfg(doc)]
-use crate::Permit;
 
 /// The key a lease was granted on and its fencing token, together: what a holder's writes
 /// are fenced under ([`FencedResourceExt::write_under`]).
@@ -25,6 +21,8 @@ use crate::Permit;
 /// [`WriteFence::of`] for a lock's guard), never from a name and a token given apart, so
 /// a token is never checked against another key's. Cheap to clone: hand it to the tasks
 /// that write for the job.
+///
+/// [`Permit::fence`]: crate::locker::semaphore::Permit::fence
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct WriteFence {
     key: LockKey,
@@ -32,12 +30,10 @@ pub struct WriteFence {
 }
 
 impl WriteFence {
-    /// The fence of a lock's guard: its key and its token.
-    pub fn of(guard: &LockGuard) -> Self {
-        Self {
-            key: guard.key().clone(),
-            token: guard.token(),
-        }
+    /// The fence of the grant of `token` on `key`: made by the leases only (see
+    /// `WriteFence::of`, in the locker's guard).
+    pub(crate) fn granted(key: LockKey, token: FencingToken) -> Self {
+        Self { key, token }
     }
 
     /// The key the token was granted on: the resource name the fenced resource keeps the

@@ -9,6 +9,7 @@ use tracing::debug;
 
 use crate::backend::lease::{Lease, Release};
 use crate::error::LockError;
+use crate::fencing::WriteFence;
 use crate::key::{FencingToken, LockKey};
 use crate::locker::watchdog::{LeaseState, Watchdog};
 
@@ -135,6 +136,13 @@ impl LockGuard {
         self.released = true;
         self.watchdog.unregister(self.id);
         self.status.state.mark_released();
+    }
+}
+
+impl WriteFence {
+    /// The fence of a lock's guard: its key and its token.
+    pub fn of(guard: &LockGuard) -> Self {
+        Self::granted(guard.key().clone(), guard.token())
     }
 }
 
