@@ -28,9 +28,9 @@ use self::session::{Releasing, session_moved};
 use crate::client::{PgClient, on_conn, token_from, with_clock};
 use crate::error::Operation;
 use crate::key_row;
-use crate::pooling::SessionCheck;
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
+use crate::session_check::SessionCheck;
 use crate::statement::{Statement, Value};
 
 const NAME: &str = "postgres-advisory";

@@ -48,7 +48,7 @@ use sqlx::postgres::{PgConnectOptions, PgConnection, PgQueryResult};
 use tokio::sync::{Notify, watch};
 use tracing::debug;
 
-use crate::PgPooling;
+use crate::pooling::PgPooling;
 use crate::statement::{SESSION_LIMITS, Sending, Statement, Value, bound_session};
 
 /// The `application_name` of the announcer's session.

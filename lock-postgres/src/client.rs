@@ -9,8 +9,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use uuid::Uuid;
 
-use crate::PgPooling;
 use crate::error::{self, Operation};
+use crate::pooling::PgPooling;
 use crate::schema::{self, Schema};
 use crate::statement::{Answer, Sending, Statement};
 

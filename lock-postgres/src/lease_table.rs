@@ -21,9 +21,10 @@ use uuid::Uuid;
 use crate::client::{PgClient, on_conn, owner_uuid, token_from, token_i64, ttl_ms, with_clock};
 use crate::error::Operation;
 use crate::key_row;
-use crate::pooling::{PgPooling, SessionCheck};
+use crate::pooling::PgPooling;
 use crate::releases::ReleaseListener;
 use crate::retention::{Sweeper, Table};
+use crate::session_check::SessionCheck;
 use crate::statement::{Statement, Value};
 use crate::waiters::waited;
 

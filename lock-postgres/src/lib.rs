@@ -29,6 +29,7 @@ mod pooling;
 mod releases;
 mod retention;
 mod schema;
+mod session_check;
 mod statement;
 mod url;
 mod waiters;

@@ -82,8 +82,8 @@ use sqlx::{AssertSqlSafe, PgPool};
 use tokio::sync::watch;
 use tracing::{debug, warn};
 
-use crate::PgPooling;
 use crate::announcer::Announcer;
+use crate::pooling::PgPooling;
 use crate::schema::Schema;
 use crate::waiters::{REGISTER, UNREGISTER, waiter_id};
 

@@ -43,7 +43,7 @@ use sqlx::postgres::{PgArguments, PgConnection, PgQueryResult, PgRow};
 use sqlx::{AssertSqlSafe, Connection, PgTransaction, Postgres};
 use uuid::Uuid;
 
-use crate::PgPooling;
+use crate::pooling::PgPooling;
 
 /// How statements are sent: the pooling, and with [`PgPooling::Transaction`] the limit the
 /// server puts on each statement's transaction (the request time limit).
