@@ -165,6 +165,21 @@ impl RedisUser {
     }
 }
 
+/// `plain` (a URL with a host) with `user` and `password`, percent-encoded, as user info.
+pub(crate) fn url_with_login(plain: &str, user: Option<&str>, password: Option<&str>) -> String {
+    let Ok(mut url) = url::Url::parse(plain) else {
+        return plain.to_owned();
+    };
+    // Neither can fail: the URL has a host, so it takes a user name and a password.
+    let login = url
+        .set_username(user.unwrap_or_default())
+        .and_then(|()| url.set_password(password));
+    match login {
+        Ok(()) => url.into(),
+        Err(()) => plain.to_owned(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -233,20 +248,5 @@ mod tests {
         }
         assert!(RedisUser::new("two words", "pw", ["~*"]).is_err());
         assert!(RedisUser::new("u", "pw", ["nopass"]).is_err());
-    }
-}
-
-/// `plain` (a URL with a host) with `user` and `password`, percent-encoded, as user info.
-pub(crate) fn url_with_login(plain: &str, user: Option<&str>, password: Option<&str>) -> String {
-    let Ok(mut url) = url::Url::parse(plain) else {
-        return plain.to_owned();
-    };
-    // Neither can fail: the URL has a host, so it takes a user name and a password.
-    let login = url
-        .set_username(user.unwrap_or_default())
-        .and_then(|()| url.set_password(password));
-    match login {
-        Ok(()) => url.into(),
-        Err(()) => plain.to_owned(),
     }
 }
