@@ -14,7 +14,8 @@
 //! until healed, as when the network fails after the send) and server faults (a pause, a
 //! kill, and a restart that loses every lease but, except in
 //! [`BrokenKind::TokenDropsAfterRestart`], keeps the token counters, as Redis's
-//! clock-floored tokens and etcd's revisions do).
+//! clock-floored tokens and etcd's revisions do; in
+//! [`BrokenKind::PermitHoldersForgottenAfterRestart`] it keeps the leases too).
 
 mod caught;
 
@@ -89,11 +90,15 @@ pub enum BrokenKind {
     /// The release of a permit says `Released` but leaves its slot held until its TTL
     /// runs out (locks are freed).
     PermitReleaseKeepsSlot,
+    /// A restart keeps every lease (the store is durable: renewals of its leases are
+    /// `Renewed`), but a grant takes a permit slot held across the restart as if it were
+    /// free: the store forgot who holds the semaphore.
+    PermitHoldersForgottenAfterRestart,
 }
 
 impl BrokenKind {
     /// Every variant.
-    pub const ALL: [BrokenKind; 18] = [
+    pub const ALL: [BrokenKind; 19] = [
         BrokenKind::RepeatedToken,
         BrokenKind::TokenDropsAfterRestart,
         BrokenKind::TokenFromClock,
@@ -112,6 +117,7 @@ impl BrokenKind {
         BrokenKind::ExpiredPermitNeverFreed,
         BrokenKind::PermitReleaseWakesNoOne,
         BrokenKind::PermitReleaseKeepsSlot,
+        BrokenKind::PermitHoldersForgottenAfterRestart,
     ];
 
     /// What must catch this variant: its row of [`CAUGHT_BY`].
@@ -267,6 +273,11 @@ pub const CAUGHT_BY: &[Catch] = &[
         ],
         invariants: &[],
     },
+    Catch {
+        kind: BrokenKind::PermitHoldersForgottenAfterRestart,
+        cases: &["a_full_semaphore_keeps_its_permits_across_a_restart"],
+        invariants: &[Invariant::I3, Invariant::I6],
+    },
 ];
 
 /// The release hub the clients of one store share.
@@ -288,6 +299,9 @@ struct Store {
     /// The keys `acquire_any` granted: a semaphore's permit slots, where the permit bugs
     /// live.
     permits: Mutex<std::collections::HashSet<LockKey>>,
+    /// The permit slots whose holders a restart forgot, until their next grant
+    /// ([`BrokenKind::PermitHoldersForgottenAfterRestart`]).
+    forgotten: Mutex<std::collections::HashSet<LockKey>>,
     delay_micros: AtomicU64,
     /// Replies are held until healed.
     cut: AtomicBool,
@@ -387,6 +401,9 @@ impl BrokenBackend {
         {
             // The bug: a permit's holder is not checked for expiry.
             state.holder.is_some()
+        } else if self.store.forgotten.lock().remove(key) {
+            // The bug of PermitHoldersForgottenAfterRestart: the holder is not counted.
+            false
         } else {
             state.live_holder(now).is_some()
         };
@@ -778,6 +795,12 @@ impl ServerFaults for BrokenFaults {
 
     async fn restart(&self) {
         let store = &self.0.store;
+        if self.0.kind == Some(BrokenKind::PermitHoldersForgottenAfterRestart) {
+            // The bug: the leases were durable, who holds the permit slots was not.
+            *store.forgotten.lock() = store.permits.lock().clone();
+            store.set(&store.killed, false);
+            return;
+        }
         for state in store.keys.lock().values_mut() {
             state.holder = None;
             if self.0.kind == Some(BrokenKind::TokenDropsAfterRestart) {

@@ -6,8 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use async_trait::async_trait;
 use distlock_core::{
-    Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal, RetryPolicy, Semaphore,
+    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
+    RetryPolicy, Semaphore,
 };
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch};
@@ -38,7 +40,11 @@ const WAITER_BACKOFF: Duration = Duration::from_secs(1);
 /// every 250 ms) and a waiter waits in `Semaphore::acquire` when the store's server is
 /// killed and started again.
 ///
-/// - Before the restart, the waiter's attempt is refused and it holds nothing.
+/// - Before the restart, the waiter's attempt is refused and it holds nothing. From the
+///   kill until every holder has had an answer from the restarted store, the waiter's
+///   attempts are held at its client: a waiter that asked first could take a slot the
+///   store kept (a bug) and leave its holder told `Lost`, which would look like a slot the
+///   restart lost.
 /// - After it, each holder's first renewal answered is `Renewed` (the store kept the
 ///   permit) or `Lost` (the restart lost it); a holder told `Lost` is never told `Renewed`
 ///   for it again.
@@ -64,7 +70,9 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
         factory,
     );
     let server = ctx.server()?;
-    let waiter_client = ctx.client().await;
+    let (gate, open) = watch::channel(true);
+    let waiter_client: Arc<dyn LockBackend> =
+        Arc::new(Layered::new(ctx.client().await, Gate(open)));
     let t = ctx.timing(&waiter_client);
     let hold = fit_ttl(&waiter_client.capabilities(), HOLD);
     let waiter_locker = ctx.ok(
@@ -109,6 +117,7 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
     )
     .await?;
 
+    gate.send_replace(false);
     server.kill().await;
     // A renewal sent from here on is answered by the server started again, which may
     // answer before `restart` returns (while it waits for the deployment to settle).
@@ -124,14 +133,15 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
             _ => lost.push(holder),
         }
     }
+    gate.send_replace(true);
+    let opened = Instant::now();
     if lost.is_empty() {
-        let recovered = Instant::now();
         let longest = refused_since(
             &ctx,
             &slots,
             &granted,
-            recovered,
-            recovered + WAITER_BACKOFF + RECOVERY_GRACE,
+            opened,
+            opened + WAITER_BACKOFF + RECOVERY_GRACE,
             "after the restart, every permit still held and renewed",
         )
         .await?;
@@ -183,7 +193,7 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
         let grant = granted_by(
             &ctx,
             &mut granted,
-            restarted + RECOVERY_GRACE + WAITER_BACKOFF + WOKEN_WITHIN,
+            opened + RECOVERY_GRACE + WAITER_BACKOFF,
             || "the waiter to hold one of the permits the restart lost".to_owned(),
         )
         .await?;
@@ -245,6 +255,25 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
     let released = waiter.release(&ctx).await?;
     super::guard_released(&ctx, released)?;
     ctx.pass(&t)
+}
+
+/// A layer that holds a client's attempts at permits (`acquire_any`) while its gate is
+/// closed (`false`), as a slow link would; the rest passes through.
+#[derive(Debug)]
+struct Gate(watch::Receiver<bool>);
+
+#[async_trait]
+impl BackendLayer for Gate {
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        // A gate whose case ended (its sender dropped) is open.
+        let _ = self.0.clone().wait_for(|open| *open).await;
+        next.acquire_any(keys, ttl).await
+    }
 }
 
 /// One renewal a holder sent, and its answer (an error as its text).
