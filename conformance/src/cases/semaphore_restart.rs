@@ -51,7 +51,7 @@ const WAITER_BACKOFF: Duration = Duration::from_secs(1);
 /// - Where the store kept every permit: the waiter's attempts on the recovered store are
 ///   refused and it is not granted while all 3 are held and renewed; once one holder
 ///   releases, it holds that slot within its backoff (1 s) plus the suite's handoff
-///   allowance ([`WOKEN_WITHIN`]) plus the longest refused attempt it was measured to
+///   allowance (1.5 s) plus the longest refused attempt it was measured to
 ///   take after the restart, with a token above the released one's. The history is
 ///   checked without the fault allowance, so the checker counts the permits (I6: never
 ///   more than 3 at once) and each slot's windows (I3) across the restart.
