@@ -43,15 +43,20 @@ impl Calls {
     /// The Redis keys of `keys` when one script call may hold them all: always on a
     /// single node, and where hash slots divide the keys, when they all share one (a
     /// semaphore's permit slots do; a script whose keys span slots is refused with
-    /// `CROSSSLOT`). `None` when they span slots.
+    /// `CROSSSLOT`). `None` when they span slots, known at the first key of another slot:
+    /// a caller that then takes the keys one by one has built only those before it twice.
     pub(crate) fn one_script(&self, keys: &[LockKey]) -> Option<Vec<LockKeys>> {
-        let locks: Vec<LockKeys> = keys.iter().map(|key| self.keys(key)).collect();
-        if self.slotted {
-            let mut slots = locks.iter().map(|k| key_slot(k.lock.as_bytes()));
-            let first = slots.next();
-            if !slots.all(|slot| Some(slot) == first) {
-                return None;
+        let mut first_slot = None;
+        let mut locks = Vec::with_capacity(keys.len());
+        for key in keys {
+            let lock = self.keys(key);
+            if self.slotted {
+                let slot = key_slot(lock.lock.as_bytes());
+                if *first_slot.get_or_insert(slot) != slot {
+                    return None;
+                }
             }
+            locks.push(lock);
         }
         Some(locks)
     }
