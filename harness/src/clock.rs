@@ -11,7 +11,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 
-use super::{HarnessError, temp_dir};
+use crate::error::HarnessError;
+use crate::temp::temp_dir;
 
 /// The shim, built by `build.rs`. It is written next to each clock's state file, where the
 /// `postgres` OS user can read it whatever the permissions of the target directory.

@@ -10,12 +10,13 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::postgres::{
-    PASSWORD, PostgresServer, USER, pg_bin_dir, probe_select_one, psql_over_tcp, run_as,
-};
-use super::process::Spec;
-use super::server::{Server, ServerKind};
-use super::{HarnessError, find_binary, free_port, start_on_free_ports};
+use crate::binary::{find_binary, pg_bin_dir};
+use crate::error::HarnessError;
+use crate::ports::{free_port, start_on_free_ports};
+use crate::postgres::{PASSWORD, PostgresServer, USER, probe_select_one, psql_over_tcp, run_as};
+use crate::process::Spec;
+use crate::server::{Server, ServerKind};
+use crate::temp::temp_dir;
 
 /// How PgBouncer hands server sessions to clients (its `pool_mode`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,7 +104,7 @@ impl PgBouncerServer {
         let bin_dir: Vec<PathBuf> = pg_bin_dir().into_iter().collect();
         let psql = find_binary("psql", &bin_dir)?;
         let user = run_as()?;
-        let dir = super::temp_dir("distlock-pgbouncer-")?;
+        let dir = temp_dir("distlock-pgbouncer-")?;
         let port = free_port()?;
 
         let ini = dir.path().join("pgbouncer.ini");
@@ -209,7 +210,7 @@ fn write_private(path: &Path, text: &str, user: Option<(u32, u32)>) -> Result<()
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     /// Session mode keeps a client on one server session; transaction mode hands the
     /// session that ran a client's transaction to the next client that asks.

@@ -14,9 +14,15 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use super::process::Spec;
-use super::server::{Server, ServerKind};
-use super::{HarnessError, ShiftedClock, find_binary, free_port, start_on_free_ports};
+use crate::binary::find_binary;
+use crate::clock::ShiftedClock;
+use crate::error::HarnessError;
+use crate::ports::{free_port, start_on_free_ports};
+use crate::process::Spec;
+use crate::server::{Server, ServerKind};
+use crate::temp::temp_dir;
+
+pub use crate::binary::pg_bin_dir;
 
 /// The non-superuser login role that [`PostgresServer::url`] uses.
 pub const USER: &str = "distlock";
@@ -29,24 +35,6 @@ pub const SUPERUSER_PASSWORD: &str = "distlock-superuser-test-pw";
 
 /// Time limit for one `psql` run.
 const PSQL_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// The directory holding `postgres`, `initdb` and `psql`: `$DISTLOCK_PG_BINDIR` if set,
-/// else the newest `/usr/lib/postgresql/N/bin` that contains `postgres`.
-pub fn pg_bin_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("DISTLOCK_PG_BINDIR") {
-        return Some(PathBuf::from(dir));
-    }
-    let entries = std::fs::read_dir("/usr/lib/postgresql").ok()?;
-    entries
-        .flatten()
-        .filter_map(|e| {
-            let version = e.file_name().to_str()?.parse::<u32>().ok()?;
-            let bin = e.path().join("bin");
-            bin.join("postgres").is_file().then_some((version, bin))
-        })
-        .max_by_key(|(version, _)| *version)
-        .map(|(_, bin)| bin)
-}
 
 /// uid/gid of the `postgres` OS user when running as root (PostgreSQL refuses to run as
 /// root), `None` otherwise.
@@ -238,7 +226,7 @@ fn owned_temp_dir(
     user: Option<(u32, u32)>,
 ) -> Result<tempfile::TempDir, HarnessError> {
     use std::os::unix::fs::PermissionsExt;
-    let dir = super::temp_dir(prefix)?;
+    let dir = temp_dir(prefix)?;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
         .map_err(|e| HarnessError::io(format!("chmod 755 {}", dir.path().display()), e))?;
     if let Some((uid, gid)) = user {
@@ -515,7 +503,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     /// The System V shared memory segments of the machine, by id.
     fn shm_ids() -> Vec<String> {

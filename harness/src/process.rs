@@ -13,7 +13,8 @@ use nix::sys::signal::{Signal, kill, killpg};
 use nix::unistd::Pid;
 use parking_lot::Mutex;
 
-use super::{HarnessError, Probe};
+use crate::error::HarnessError;
+use crate::probe::Probe;
 
 /// How to (re)start a server process.
 #[derive(Debug, Clone)]

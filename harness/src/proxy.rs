@@ -38,7 +38,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
-use super::HarnessError;
+use crate::error::HarnessError;
 
 /// Size of one forwarded chunk.
 const CHUNK: usize = 16 * 1024;
@@ -377,7 +377,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     /// An echo server on 127.0.0.1; the task ends with the test's runtime.
     async fn echo_server() -> SocketAddr {
@@ -577,7 +577,7 @@ mod tests {
     #[tokio::test]
     async fn refused_upstream_and_drop_close_connections() {
         // An upstream port with nothing listening.
-        let dead = crate::loopback(require(crate::free_port()));
+        let dead = crate::ports::loopback(require(crate::ports::free_port()));
         let proxy = require(FaultProxy::start(dead).await);
         let mut sock = TcpStream::connect(proxy.addr()).await.unwrap();
         let mut buf = [0u8; 1];

@@ -13,8 +13,10 @@ use std::net::SocketAddr;
 use std::path::Path;
 use std::time::Duration;
 
-use super::process::{ManagedProcess, Spec};
-use super::{HarnessError, Probe, loopback, wait_until_ready};
+use crate::error::HarnessError;
+use crate::ports::loopback;
+use crate::probe::{Probe, wait_until_ready};
+use crate::process::{ManagedProcess, Spec};
 
 /// What a kind of server adds to [`Server`]: its client port, and how to tell that a
 /// started process serves.

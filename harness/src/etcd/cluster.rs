@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use super::member::{Etcd, EtcdServer, unique_token};
 use super::options::EtcdAuth;
-use crate::{HarnessError, Probe, free_port, start_on_free_ports, wait_until_ready};
+use crate::error::HarnessError;
+use crate::ports::{free_port, start_on_free_ports};
+use crate::probe::{Probe, wait_until_ready};
 
 /// Three `etcd` members forming one cluster on 127.0.0.1 (unique `--initial-cluster-token`).
 #[derive(Debug)]
@@ -130,8 +132,8 @@ impl EtcdCluster {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::require;
     use crate::etcd::member::tests::{VALUE, get, put};
-    use crate::require;
 
     #[tokio::test]
     async fn three_member_cluster_elects_a_new_leader_after_a_kill() {

@@ -9,10 +9,12 @@ use std::time::Duration;
 use etcd_client::{Certificate, Client, ConnectOptions, TlsOptions};
 
 use super::options::{EtcdAuth, EtcdSpace, EtcdTls};
+use crate::binary::find_binary;
+use crate::error::HarnessError;
+use crate::ports::{free_port, start_on_free_ports};
 use crate::process::Spec;
-use crate::{
-    HarnessError, Server, ServerKind, find_binary, free_port, start_on_free_ports, temp_dir,
-};
+use crate::server::{Server, ServerKind};
+use crate::temp::temp_dir;
 
 /// Time limit for one request to a member, connecting included.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
@@ -346,7 +348,7 @@ pub(super) fn unique_token() -> String {
 #[cfg(test)]
 pub(super) mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     const KEY: &str = "distlock-key";
     pub(in crate::etcd) const VALUE: &str = "v1";

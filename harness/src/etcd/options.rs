@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::HarnessError;
+use crate::error::HarnessError;
 
 /// The PEM files of a TLS client URL: the server's certificate and key, and the CA that
 /// signed it, for clients to trust. Its `Debug` never shows the key.

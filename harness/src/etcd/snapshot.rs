@@ -7,8 +7,9 @@ use std::path::Path;
 use std::time::Duration;
 
 use super::member::EtcdServer;
+use crate::binary::find_binary;
+use crate::error::HarnessError;
 use crate::postgres::run;
-use crate::{HarnessError, find_binary};
 
 /// Time limit for one `etcdctl snapshot` command.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(60);

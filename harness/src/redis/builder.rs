@@ -6,11 +6,13 @@ use std::net::SocketAddr;
 
 use super::node::{Redis, RedisServer};
 use super::user::RedisUser;
+use crate::binary::find_binary;
+use crate::clock::ShiftedClock;
+use crate::error::HarnessError;
+use crate::ports::{free_port, free_port_with_bus, start_on_free_ports};
 use crate::process::Spec;
-use crate::{
-    HarnessError, Server, ShiftedClock, find_binary, free_port, free_port_with_bus,
-    start_on_free_ports, temp_dir,
-};
+use crate::server::Server;
+use crate::temp::temp_dir;
 
 /// The PEM files of a TLS port: the server's certificate chain and key, and the CA that
 /// clients are told to trust. Its `Debug` never shows the key.

@@ -6,7 +6,10 @@ use std::time::Duration;
 use super::builder::RedisServerBuilder;
 use super::node::RedisServer;
 use super::resp::RespValue;
-use crate::{HarnessError, Probe, ShiftedClock, find_binary, wait_until_ready};
+use crate::binary::find_binary;
+use crate::clock::ShiftedClock;
+use crate::error::HarnessError;
+use crate::probe::{Probe, wait_until_ready};
 
 /// How long a 3-node cluster may take to report `cluster_state:ok`.
 const CLUSTER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -278,7 +281,7 @@ fn slot_owner_port(reply: &RespValue, slot: u16) -> Option<u16> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     #[test]
     fn key_slots_match_redis() {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use super::resp::{COMMAND_TIMEOUT, RespValue, resp_command};
 use super::user::{RedisUser, url_with_login};
-use crate::{HarnessError, Server, ServerKind};
+use crate::error::HarnessError;
+use crate::server::{Server, ServerKind};
 
 /// `scheme://127.0.0.1:PORT/`, with the password percent-encoded as user info when given.
 fn server_url(scheme: &str, port: u16, password: Option<&str>) -> String {
@@ -181,7 +182,7 @@ async fn replica_synced(addr: SocketAddr, password: Option<&str>) -> Result<(), 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::require;
+    use crate::error::require;
 
     fn text(v: RespValue) -> Option<String> {
         v.as_text()
@@ -386,7 +387,7 @@ mod tests {
         // WAIT counts the replica's acknowledged offset, which may run a moment ahead of
         // the write being readable there: read until it shows, for a bounded time.
         let seen = require(
-            crate::wait_until_ready(
+            crate::probe::wait_until_ready(
                 "the write on the replica",
                 Duration::from_secs(5),
                 Duration::from_millis(10),

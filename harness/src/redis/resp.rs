@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use redis::IntoConnectionInfo;
 
-use crate::HarnessError;
+use crate::error::HarnessError;
 
 /// Default time limit for one command sent by [`RedisServer::command`].
 ///

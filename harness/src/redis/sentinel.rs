@@ -10,12 +10,14 @@ use std::time::Duration;
 use super::builder::RedisServerBuilder;
 use super::node::RedisServer;
 use super::resp::{COMMAND_TIMEOUT, RespValue, resp_command};
+use crate::binary::find_binary;
+use crate::error::HarnessError;
+use crate::ports::{free_port, loopback, start_on_free_ports};
+use crate::probe::wait_until_ready;
 use crate::process::Spec;
 use crate::proxy::FaultProxy;
-use crate::{
-    HarnessError, Server, ServerKind, find_binary, free_port, loopback, start_on_free_ports,
-    temp_dir, wait_until_ready,
-};
+use crate::server::{Server, ServerKind};
+use crate::temp::temp_dir;
 
 /// The name the Sentinels of a [`SentinelDeployment`] monitor its master by.
 pub const MASTER_NAME: &str = "locks";

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use sha2::{Digest, Sha256};
 
-use crate::HarnessError;
+use crate::error::HarnessError;
 
 /// An ACL user for [`RedisServerBuilder::user`](super::RedisServerBuilder::user): a name, a
 /// password and ACL rules (`~distlock:*`, `-@all`, `+get`, ...). The server is given the
