@@ -25,11 +25,15 @@ pub mod cases;
 mod deaf;
 pub mod factory;
 pub mod history;
+#[macro_use]
 mod macros;
 pub mod memory;
+mod registry;
 pub mod suite;
 pub mod summary;
+mod support;
 
 pub use deaf::Deaf;
 pub use factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
-pub use suite::{CASES, Case, CaseReport, Failure, Need, Outcome, run_all};
+pub use registry::{CASES, Case, CaseReport, run_all};
+pub use support::{Failure, Need, Outcome};

@@ -1,18 +1,12 @@
-//! What a case returns ([`Outcome`], [`Failure`]), what it needs beyond a store
-//! ([`Need`]), the registry of every case ([`CASES`]), and [`Ctx`]: the per-run context a
-//! case uses for unique keys, recorded clients, TTLs fitted to the backend ([`Timing`]),
-//! and failure messages.
+//! The suite as its users reach it: what a case returns ([`Outcome`], [`Failure`]), what
+//! it needs beyond a store ([`Need`]), the registry of every case ([`CASES`]), and
+//! [`Ctx`]: the per-run context a case uses for unique keys, recorded clients, TTLs fitted
+//! to the backend ([`Timing`]), and failure messages. The registry names the cases, which
+//! use the rest, so each is defined where it stands (`registry`, `support`) and only
+//! gathered here.
 
-mod ctx;
 #[doc(hidden)]
 pub mod macro_support;
-mod need;
-mod outcome;
-mod registry;
-mod timing;
 
-pub use ctx::Ctx;
-pub use need::{Need, missing_needs};
-pub use outcome::{Failure, Outcome};
-pub use registry::{CASES, Case, CaseFuture, CaseReport, case, run_all};
-pub use timing::{Timing, fit_ttl};
+pub use crate::registry::{CASES, Case, CaseFuture, CaseReport, case, run_all};
+pub use crate::support::{Ctx, Failure, Need, Outcome, Timing, fit_ttl, missing_needs};

@@ -4,7 +4,7 @@ use distlock_core::{Fence, Release, Renewal};
 
 use super::{forged, release_held};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// The TTL of the leases these cases take: they compare answers about held leases, so
 /// none may run out between the calls compared, however slowly a loaded machine runs

@@ -37,7 +37,7 @@ use tokio::time::{Instant, sleep, timeout};
 
 use super::release_held;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// The pause between two polls of a call: long enough for a reply to arrive.
 pub(super) const BETWEEN_POLLS: Duration = Duration::from_millis(2);

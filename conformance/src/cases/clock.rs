@@ -7,7 +7,7 @@ use distlock_core::{Fence, Release};
 
 use super::{release_held, token_above};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// How far each step goes back: far more than any token leads the clock by, and less than
 /// a day, so every TTL a store honours still counts from a clock that reads a real date.

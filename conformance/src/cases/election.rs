@@ -20,7 +20,7 @@ use tokio::time::{Instant, sleep, timeout, timeout_at};
 
 use super::stale_value;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+use crate::support::{Ctx, Failure, Outcome, fit_ttl};
 
 /// The backoff of every campaigner: short, so hand-overs are quick.
 const RETRY: RetryPolicy = RetryPolicy {

@@ -10,7 +10,7 @@ use tokio::time::{Instant, timeout};
 
 use super::release_held;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// TTLs a backend with `caps` must refuse: zero, one a lease would be trusted for no
 /// time at all (the validity margin itself), below the minimum, above the maximum, and

@@ -9,7 +9,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 
 use super::{forged, late_write_rejected, release_held, stale_value, token_above};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// Two clients, the timing, and a lease of key `k` granted to the first.
 async fn held(
@@ -341,7 +341,7 @@ async fn takeover(
         distlock_core::Lease,
         std::sync::Arc<dyn distlock_core::LockBackend>,
         distlock_core::Lease,
-        crate::suite::Timing,
+        crate::support::Timing,
     ),
     Failure,
 > {

@@ -15,7 +15,7 @@ use tokio::time::{Instant, sleep, timeout_at};
 
 use super::{guard_released, release_held};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// How long a case waits past a deadline for a local event (a timer firing, a task
 /// being scheduled), beyond how late a [`ControlTimer`] for that deadline fired.

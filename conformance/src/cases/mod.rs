@@ -40,7 +40,7 @@ use std::sync::Arc;
 use distlock_core::{Admission, FencingToken, Lease, LockBackend, LockError, OwnerId, Release};
 
 use crate::history::FencedCounter;
-use crate::suite::{Ctx, Failure};
+use crate::support::{Ctx, Failure};
 
 /// Releases `lease`, which must still be held.
 async fn release_held(

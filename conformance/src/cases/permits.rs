@@ -22,7 +22,7 @@ use super::cancel::{BETWEEN_POLLS, MAX_POLLS, cut_after, never_completed};
 use super::locker::{GENEROUS_WAIT, locker, locker_on};
 use super::release_held;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// The link delay each way while the waiter's attempt is cut, where the factory has one.
 const ON_ITS_WAY: Duration = Duration::from_millis(20);

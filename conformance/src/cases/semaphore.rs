@@ -13,7 +13,7 @@ use tokio::time::{Instant, sleep};
 use super::locker::locker;
 use super::wake::{LONG_BACKOFF, WOKEN_WITHIN, waiting_locker};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// Permits of the semaphores the cases make: more than one, so a bug that counts one
 /// permit as the whole semaphore shows.

@@ -21,7 +21,7 @@ use super::token_above;
 use super::wake::WOKEN_WITHIN;
 use crate::factory::Factory;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Outcome, fit_ttl};
+use crate::support::{Ctx, Failure, Outcome, fit_ttl};
 
 /// Permits of the semaphore: more than one, so a store that keeps some of them and loses
 /// others shows.

@@ -14,7 +14,7 @@ use tokio::time::{Instant, sleep, sleep_until};
 use super::{late_write_rejected, release_held, stale_value, token_above};
 use crate::factory::Factory;
 use crate::history::FencedCounter;
-use crate::suite::{Ctx, Failure, Outcome, Timing, fit_ttl};
+use crate::support::{Ctx, Failure, Outcome, Timing, fit_ttl};
 
 /// How long after a server fault ends a client may keep failing while it reconnects (and
 /// a 3-member store elects a leader).

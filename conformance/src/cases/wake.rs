@@ -13,7 +13,7 @@ use super::locker::locker_on;
 use crate::deaf::Deaf;
 use crate::factory::Factory;
 use crate::history::{Op, Reply};
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// A backoff far longer than a woken handoff takes, so a waiter that polls is obvious.
 pub(super) const LONG_BACKOFF: Duration = Duration::from_secs(8);

@@ -3,7 +3,8 @@
 use std::future::Future;
 
 use crate::factory::Factory;
-use crate::suite::{CASES, Need, Outcome, missing_needs};
+use crate::registry::CASES;
+use crate::support::{Need, Outcome, missing_needs};
 
 /// A multi-threaded runtime with two workers, like
 /// `#[tokio::test(flavor = "multi_thread", worker_threads = 2)]`.

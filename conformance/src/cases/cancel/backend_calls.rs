@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use super::{BATCH, Clients, cut_after, each_cut};
 use crate::cases::release_held;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// An acquire dropped at any poll leaves no lease behind for longer than its TTL, and
 /// the backend serves the next call.

@@ -11,7 +11,7 @@ use super::{
 use crate::cases::locker::locker;
 use crate::cases::{guard_released, release_held};
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome};
+use crate::support::{Ctx, Failure, Outcome};
 
 /// The checks after a [`Locker`] call was dropped: its watchdog renews nothing (a lease
 /// it renewed would stay held), then [`after_the_cut`] on the locker's backend.

@@ -13,7 +13,7 @@ use tokio::time::{Instant, sleep};
 use super::{after_the_cut, record_given_up, served_within};
 use crate::cases::locker::locker;
 use crate::factory::Factory;
-use crate::suite::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing};
 
 /// A client and a [`Locker`] used from two tokio runtimes: the first use of both is on
 /// runtime A, a guard is taken on B, and A shuts down while it is running calls. The

@@ -9,7 +9,8 @@ use distlock_core::{Lease, LockBackend, LockError, LockKey, Locker, Semaphore};
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use super::{Failure, Outcome, Timing};
+use super::outcome::{Failure, Outcome};
+use super::timing::Timing;
 use crate::factory::{ClockFaults, Factory, Failover, LinkFaults, ServerFaults, SessionFaults};
 use crate::history::{
     CheckOptions, FencedCounter, History, Invariant, RecordingBackend, SemaphoreSpec, Violation,

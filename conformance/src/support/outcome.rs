@@ -9,8 +9,8 @@ use crate::history::Invariant;
 pub enum Outcome {
     /// Every check held.
     Passed,
-    /// Not run: the factory lacks something the case [needs](super::Case::needs). Only runners
-    /// that take any factory ([`Case::run`](super::Case::run), [`run_all`](super::run_all)) report this; the stamped tests
+    /// Not run: the factory lacks something the case [needs](crate::suite::Case::needs). Only runners
+    /// that take any factory ([`Case::run`](crate::suite::Case::run), [`run_all`](crate::suite::run_all)) report this; the stamped tests
     /// of [`crate::conformance_tests`] are never stamped for such a case.
     Skipped {
         /// Which need is missing.

@@ -6,11 +6,11 @@ use std::time::Duration;
 
 use distlock_core::LockKey;
 
-use super::fit_ttl;
+use super::timing::fit_ttl;
 use crate::factory::Factory;
 
 /// What a case needs from a factory beyond a store. A case runs only where the factory
-/// has every need: [`Case::run`](super::Case::run) checks before the case starts, and
+/// has every need: [`Case::run`](crate::suite::Case::run) checks before the case starts, and
 /// [`crate::conformance_tests`] stamps a case only for a factory declared with its needs.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 pub enum Need {

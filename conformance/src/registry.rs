@@ -1,5 +1,6 @@
 //! The registry of every case ([`CASES`]), and running cases by name ([`case`]) or all
-//! of them ([`run_all`]).
+//! of them ([`run_all`]). It names every case of [`crate::cases`], which use the
+//! suite's support (`support`), never the registry.
 
 use std::fmt;
 use std::future::Future;
@@ -8,8 +9,8 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::{Failure, Need, Outcome, missing_needs};
 use crate::factory::Factory;
+use crate::support::{Failure, Need, Outcome, missing_needs};
 
 /// The future a case returns.
 pub type CaseFuture<'a> = Pin<Box<dyn Future<Output = Result<Outcome, Failure>> + Send + 'a>>;
@@ -39,7 +40,7 @@ macro_rules! registry {
             use super::{CaseFuture, Factory, Need, gated};
             $(
                 pub(super) fn $case(factory: &dyn Factory) -> CaseFuture<'_> {
-                    let needs: &'static [Need] = &[$(crate::__conformance_need!($need)),*];
+                    let needs: &'static [Need] = &[$(__conformance_need!($need)),*];
                     Box::pin(gated(needs, factory, crate::cases::$case(factory)))
                 }
             )*
@@ -48,7 +49,7 @@ macro_rules! registry {
         /// Every case, in the order the suite runs them.
         pub const CASES: &[Case] = &[$(Case {
             name: stringify!($case),
-            needs: &[$(crate::__conformance_need!($need)),*],
+            needs: &[$(__conformance_need!($need)),*],
             run: boxed::$case,
         }),*];
     };
@@ -73,7 +74,7 @@ async fn gated(
     })
 }
 
-crate::__conformance_cases!([registry]);
+__conformance_cases!([registry]);
 
 /// The case called `name`, if there is one.
 pub fn case(name: &str) -> Option<&'static Case> {
