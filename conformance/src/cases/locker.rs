@@ -64,24 +64,24 @@ pub(super) fn locker(
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
-    locker_on(ctx, client, t.ttl, FAST_RETRIES, GENEROUS_WAIT)
+    locker_on(ctx, client, t.ttl, FAST_RETRIES, Some(GENEROUS_WAIT))
 }
 
 /// A locker on `client` whose leases last `ttl`, whose waits back off by `retry` and give
-/// up after `wait`; a builder error fails the case.
+/// up after `wait` (`None`: never); a builder error fails the case.
 pub(super) fn locker_on(
     ctx: &Ctx<'_>,
     client: Arc<dyn LockBackend>,
     ttl: Duration,
     retry: RetryPolicy,
-    wait: Duration,
+    wait: Option<Duration>,
 ) -> Result<Locker, Failure> {
     ctx.ok(
         "Locker::builder(..).build()",
         Locker::builder(client)
             .ttl(ttl)
             .retry(retry)
-            .wait_timeout(Some(wait))
+            .wait_timeout(wait)
             .build(),
     )
 }

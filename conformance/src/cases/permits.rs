@@ -61,7 +61,7 @@ fn long_lease_locker(
     client: Arc<dyn LockBackend>,
     t: &Timing,
 ) -> Result<Locker, Failure> {
-    locker_on(ctx, client, t.long_ttl, WAITER_RETRIES, GENEROUS_WAIT)
+    locker_on(ctx, client, t.long_ttl, WAITER_RETRIES, Some(GENEROUS_WAIT))
 }
 
 /// `holder` takes every slot of `semaphore` with the long TTL.

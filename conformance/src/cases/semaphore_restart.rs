@@ -8,14 +8,15 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use distlock_core::{
-    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Locker, Release, Renewal,
-    RetryPolicy, Semaphore,
+    BackendLayer, Layered, Lease, LockBackend, LockError, LockKey, Release, Renewal, RetryPolicy,
+    Semaphore,
 };
 use parking_lot::Mutex;
 use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, timeout_at};
 
+use super::locker::locker_on;
 use super::server_faults::{RECOVERY_GRACE, until_answered};
 use super::token_above;
 use super::wake::WOKEN_WITHIN;
@@ -75,17 +76,11 @@ pub async fn a_full_semaphore_keeps_its_permits_across_a_restart(
         Arc::new(Layered::new(ctx.client().await, Gate(open)));
     let t = ctx.timing(&waiter_client);
     let hold = fit_ttl(&waiter_client.capabilities(), HOLD);
-    let waiter_locker = ctx.ok(
-        "Locker::builder(..).build()",
-        Locker::builder(waiter_client)
-            .ttl(hold)
-            .retry(RetryPolicy {
-                initial: WAITER_BACKOFF,
-                max: WAITER_BACKOFF,
-            })
-            .wait_timeout(None)
-            .build(),
-    )?;
+    let waiter_retry = RetryPolicy {
+        initial: WAITER_BACKOFF,
+        max: WAITER_BACKOFF,
+    };
+    let waiter_locker = locker_on(&ctx, waiter_client, hold, waiter_retry, None)?;
     let semaphore = ctx.semaphore(&waiter_locker, "full", PERMITS)?;
     let slots: Vec<LockKey> = semaphore.slots().to_vec();
 

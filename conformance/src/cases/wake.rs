@@ -33,7 +33,7 @@ pub(super) fn waiting_locker(
         initial: backoff,
         max: backoff,
     };
-    locker_on(ctx, client, ttl, retry, backoff * 4)
+    locker_on(ctx, client, ttl, retry, Some(backoff * 4))
 }
 
 /// A holder on one client, a waiter in `Locker::lock` on another with an 8 s backoff:
