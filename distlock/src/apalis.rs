@@ -46,6 +46,7 @@
 //! | the job ran and failed | the handler's error, unchanged | what its own retry policy says |
 //! | the key held by another worker | [`RetryAfterError`] after a jittered, growing delay; the task marked pending | retries the job later |
 //! | the key held, under [`OnMiss::Skip`] | [`AbortError`]; the task marked done | does not run it (the storage records it done) |
+//! | under [`Until::ExecutingOrReplaced`], the job's claim replaced by a newer job's ([`JobError::Replaced`]) | [`AbortError`]; the task marked done | does not run it (the storage records it done) |
 //! | the key held on [`dead_letter_after`](ApalisLockLayer::dead_letter_after) deliveries in a row | [`AbortError`]; the task marked killed | stops retrying (killed) |
 //! | the lease lost while the job ran (the job stopped before its next step) | the [`JobError`]; the task marked failed | a failed attempt, retried by its policy |
 //! | the lock store unreachable, or its reply lost ([`LockError::is_retryable`]) | the [`JobError`]; the task marked failed | a failed attempt (the handler did not run, so the attempt count does not move: apalis-redis 1.0 schedules it again at once, apalis-postgres at its next fetch, until the store answers) |
@@ -347,7 +348,9 @@ where
                 match &e {
                     JobError::Busy { .. } => ctx.raw_status().store(Status::Pending),
                     JobError::DeadLetter { .. } => ctx.raw_status().store(Status::Killed),
-                    JobError::Skipped { .. } => ctx.raw_status().store(Status::Done),
+                    JobError::Skipped { .. } | JobError::Replaced { .. } => {
+                        ctx.raw_status().store(Status::Done);
+                    }
                     // What no retry can mend (an invalid key, a claim on another key,
                     // a call the store does not support): killed, to the dead letters.
                     JobError::Lock(e) if !e.is_retryable() => {
@@ -399,6 +402,12 @@ impl Outcomes {
             }
             JobError::Skipped { key } => {
                 return Box::new(AbortError::new(JobError::<Infallible>::Skipped { key }));
+            }
+            JobError::Replaced { key, by } => {
+                return Box::new(AbortError::new(JobError::<Infallible>::Replaced {
+                    key,
+                    by,
+                }));
             }
             JobError::Lost { key } => JobError::<Infallible>::Lost { key },
             JobError::Lock(e) if !e.is_retryable() => {

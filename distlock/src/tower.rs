@@ -21,8 +21,10 @@
 //! in a row (deliveries on which it ran and failed for its own reasons do not count)
 //! fails with [`JobError::DeadLetter`] instead, which says why, for the queue to stop
 //! retrying. Each outcome of a miss is counted in `distlock_job_lock_misses_total` with the
-//! label `outcome` (`retried`, `requeued`, `skipped`, `dead_lettered`), and each job stopped by a lost
-//! lease in `distlock_job_lost_total`.
+//! label `outcome` (`retried`, `requeued`, `skipped`, `dead_lettered`; `replaced` for a job
+//! a newer one of its key replaced in the queue, under
+//! [`LockLayer::claimed`]`(.., `[`Until::ExecutingOrReplaced`]`)`), and each job stopped by a
+//! lost lease in `distlock_job_lost_total`.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -80,7 +82,8 @@ mod misses;
 mod tick;
 
 pub use job::{
-    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, OnMiss, Until, run_key,
+    JOB_LOCK_MISSES_TOTAL, JOB_LOST_TOTAL, JobError, LockLayer, LockService, OnMiss, Until,
+    queue_key, run_key,
 };
 pub use leader::{LeaderLayer, LeaderService, TICKS_SKIPPED_TOTAL};
 pub use locked_service::{Locked, LockedService};

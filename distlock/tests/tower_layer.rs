@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use distlock::backend::Layered;
 use distlock::memory::{Faults, MemoryBackend};
-use distlock::tower::{JobError, LockLayer, Locked, OnMiss, run_key};
+use distlock::tower::{JobError, LockLayer, Locked, OnMiss, Until, queue_key, run_key};
 use distlock::{
     Admission, EnforcementMode, FencedResourceExt, FencingToken, LockBackend, LockError, LockKey,
     Locker, MemoryFencedResource, WriteFence,
@@ -1124,4 +1124,111 @@ async fn a_claim_that_ran_out_in_the_queue_leaves_the_job_to_take_its_key() {
         matches!(refused, Err(JobError::Lock(LockError::Config(_)))),
         "{refused:?}"
     );
+}
+
+/// The worker of [`until_executing_or_replaced_drops_the_job_a_newer_one_replaced`]: it
+/// counts its runs and answers each with the token of the claim it ran under.
+fn replaceable_worker(
+    locker: Locker,
+    until: Until,
+    runs: Arc<AtomicU32>,
+) -> impl Service<Enqueued, Response = Option<FencingToken>, Error = JobError<Infallible>> {
+    claimed_layer(locker, until).layer(Handler(move |locked: Locked<Enqueued>| {
+        runs.fetch_add(1, Ordering::SeqCst);
+        let token = locked.request.claim.as_ref().map(distlock::Claim::token);
+        async move { Ok::<_, Infallible>(token) }
+    }))
+}
+
+/// Replace: a job whose claim a newer job's producer took over is dropped when it is
+/// delivered, and the newer job runs; a job whose claim ran out in the queue with no newer
+/// claim after it still runs; and under plain `Until::Executing` nothing changes.
+#[tokio::test]
+async fn until_executing_or_replaced_drops_the_job_a_newer_one_replaced() {
+    let store = MemoryBackend::new();
+    let producer = locker(store.client(), Duration::from_secs(30));
+    let job = Job {
+        id: 12,
+        delivery: 1,
+    };
+    let queued = queue_key(&key_of(&job).unwrap()).unwrap();
+    let ttl = Duration::from_secs(60);
+    let first = producer.claim_replacing(&queued, ttl).await.unwrap();
+    let newer = producer.claim_replacing(&queued, ttl).await.unwrap();
+    let (first, newer) = (first.expect("a free key"), newer.expect("replaced"));
+    let enqueued = |claim: &distlock::Claim| Enqueued {
+        job: job.clone(),
+        claim: Some(claim.clone()),
+    };
+
+    let runs = Arc::new(AtomicU32::new(0));
+    let worker = locker(store.client(), Duration::from_secs(30));
+    let mut service = replaceable_worker(worker.clone(), Until::ExecutingOrReplaced, runs.clone());
+    // The superseded job, delivered first: dropped, not run.
+    let dropped = service.call(enqueued(&first)).await;
+    assert!(
+        matches!(&dropped, Err(JobError::Replaced { key, by }) if *key == queued && *by == newer.token()),
+        "{dropped:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "the superseded job ran");
+    // The newer one runs, and its claim stays: delivered again now, the superseded job
+    // still finds it.
+    let ran = service.call(enqueued(&newer)).await.unwrap();
+    assert_eq!(ran, Some(newer.token()));
+    let again = service.call(enqueued(&first)).await;
+    assert!(matches!(again, Err(JobError::Replaced { .. })), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A claim that ran out in the queue, nobody claiming after it: the job runs.
+    let other = Job {
+        id: 13,
+        delivery: 1,
+    };
+    let other_queued = queue_key(&key_of(&other).unwrap()).unwrap();
+    let short = Duration::from_millis(100);
+    let lapsed = producer
+        .claim_replacing(&other_queued, short)
+        .await
+        .unwrap();
+    let lapsed = lapsed.expect("a free key");
+    let claimed_at = Instant::now();
+    while store.inspect(&other_queued).await.unwrap().owner.is_some() {
+        assert!(claimed_at.elapsed() < short * 50, "the claim never ran out");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let ran = service
+        .call(Enqueued {
+            job: other,
+            claim: Some(lapsed.clone()),
+        })
+        .await
+        .unwrap();
+    assert_eq!(ran, Some(lapsed.token()));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // A claim on the job's own key is refused before anything runs.
+    let mine = Job {
+        id: 14,
+        delivery: 1,
+    };
+    let own = producer.claim(&key_of(&mine).unwrap(), ttl).await.unwrap();
+    let refused = service
+        .call(Enqueued {
+            job: mine,
+            claim: own,
+        })
+        .await;
+    assert!(
+        matches!(refused, Err(JobError::Lock(LockError::Config(_)))),
+        "{refused:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // Until executing as before, replace not chosen: the superseded job runs.
+    let mut plain = replaceable_worker(worker, Until::Executing, runs.clone());
+    assert_eq!(
+        plain.call(enqueued(&first)).await.unwrap(),
+        Some(first.token())
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
 }

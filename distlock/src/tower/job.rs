@@ -8,7 +8,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use distlock_core::{
-    Claim, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit, Release, RetryPolicy,
+    Claim, FencingToken, LockError, LockGuard, LockKey, Locker, MAX_PERMITS, Permit, Release,
+    RetryPolicy,
 };
 use tower_layer::Layer;
 use tower_service::Service;
@@ -17,7 +18,8 @@ use super::locked_service::{Locked, LockedService};
 use super::misses::Misses;
 
 /// The counter of lock misses, labelled `outcome`: `retried`, `requeued`, `skipped`,
-/// `dead_lettered`.
+/// `dead_lettered`, and `replaced` for a job dropped because a newer job of its key
+/// replaced it ([`Until::ExecutingOrReplaced`]).
 pub const JOB_LOCK_MISSES_TOTAL: &str = "distlock_job_lock_misses_total";
 /// The counter of jobs stopped because their lease was lost.
 pub const JOB_LOST_TOTAL: &str = "distlock_job_lost_total";
@@ -84,6 +86,16 @@ pub enum JobError<E> {
         /// The job's lock key.
         key: LockKey,
     },
+    /// Under [`Until::ExecutingOrReplaced`], a newer job of the key replaced this one
+    /// while it waited in the queue (its producer took the queue key with
+    /// [`Locker::claim_replacing`]): the job was dropped without running. Take it as
+    /// done, not as a failure to retry.
+    Replaced {
+        /// The job's queue key, which its claim was on.
+        key: LockKey,
+        /// The token of the newer claim on it.
+        by: FencingToken,
+    },
     /// The lease was lost while the job ran; the job was stopped before its next step.
     Lost {
         /// The job's lock key.
@@ -105,6 +117,12 @@ impl<E: fmt::Display> fmt::Display for JobError<E> {
             JobError::Skipped { key } => write!(
                 f,
                 "{key} is held by another worker: the job was dropped as a duplicate, not run"
+            ),
+            JobError::Replaced { key, by } => write!(
+                f,
+                "the claim on {key} was replaced by a newer job's (token {}): the job was \
+                 dropped, not run",
+                by.get()
             ),
             JobError::Lost { key } => {
                 write!(f, "the lease on {key} was lost; the job was stopped")
@@ -137,7 +155,8 @@ pub enum Until {
     /// Until the job starts (sidekiq-unique-jobs' `until_executing`): no duplicate is
     /// enqueued while the job waits in the queue; once it starts, the claim is released
     /// and the job runs under its own key, so a duplicate may be enqueued meanwhile. The
-    /// claim should be on a key of its own (`queued:<job key>`).
+    /// claim should be on a key of its own, the job's queue key ([`queue_key`]:
+    /// `queued:<job key>`).
     Executing,
     /// Until the job has run (`until_executed`): the claim is the job's lock, resumed by
     /// the worker and released when the job ends, so no duplicate is enqueued from the
@@ -156,7 +175,46 @@ pub enum Until {
     /// leaves its run key and its claim to run out at their TTL instead of releasing
     /// them: the claim is one lease for every delivery, and may be the next delivery's by
     /// now.
+    ///
+    /// Keep these job keys out of the `queued:` names too:
+    /// [`Locker::claim_replacing`] takes over a claim on such a name.
     Executed,
+    /// Until the job starts, or until a newer job of its key replaces it
+    /// (sidekiq-unique-jobs' `on_conflict: :replace`): the producer claims the job's queue
+    /// key ([`queue_key`]: `queued:<job key>`) with [`Locker::claim_replacing`], which
+    /// ends the claim of a job of the key still queued and takes the key under a higher
+    /// token. The superseded job stays in the queue until it is delivered; its worker
+    /// then finds a token above its claim's on the queue key (the store's
+    /// [`inspect`](distlock_core::LockBackend::inspect): the newest token it knows of the
+    /// key) and drops the job without running it ([`JobError::Replaced`], counted in
+    /// [`JOB_LOCK_MISSES_TOTAL`] as `replaced`; the apalis layer marks the task done). A
+    /// job whose claim is the newest, held or run out with no newer one after it, runs
+    /// under its key as under [`Until::Executing`].
+    ///
+    /// Unlike [`Until::Executing`], the claim is not released when the job starts, but
+    /// left to run out at its TTL: Redis forgets a free key's token, so a claim released
+    /// by a newer job that started first (two workers, one batch) would let the job it
+    /// superseded, delivered a moment later, run too; held, it shows its token to that
+    /// delivery. A replacing producer takes the key over all the same, so the next job
+    /// may be enqueued once this one has started; a plain [`Locker::claim`] finds the key
+    /// claimed until the TTL runs out. For the same reason a superseded job is known as
+    /// such on Redis only until the newer claim's TTL runs out: the TTL must cover a
+    /// job's longest wait in the queue, as for any claim.
+    ///
+    /// A newer claim means a newer job, whenever it was taken: a job that ran, failed
+    /// and comes back for a retry after a newer job of its key was enqueued is dropped
+    /// too, and the newer one runs instead. A worker that looks between the two requests
+    /// of a replacement (see [`Locker::claim_replacing`]) finds the claim ended with no
+    /// newer one and runs the job, as if it had started a moment earlier; the newer job
+    /// then runs as well.
+    ///
+    /// A claim on another key than the job's queue key is a [`LockError::Config`], and
+    /// the store must be able to inspect keys (every backend that adopts leases can).
+    /// Without this, a job whose claim was superseded runs as [`Until::Executing`]'s do:
+    /// the check costs a request per job, and drops jobs that a producer using plain
+    /// claims expects to run (one whose claim ran out in the queue before a duplicate
+    /// was claimed and enqueued).
+    ExecutingOrReplaced,
 }
 type DeliveriesOf<R> = Arc<dyn Fn(&R) -> u32 + Send + Sync>;
 
@@ -252,7 +310,8 @@ impl<R> LockLayer<R> {
     /// [`Locker::claim`] before it enqueues the job (and does not enqueue it when the key
     /// is claimed already), and puts the claim into the job; `claim_of` reads it back
     /// here. The worker resumes it ([`Locker::resume`]) and holds it as `until` says:
-    /// until the job starts ([`Until::Executing`]) or until it has run
+    /// until the job starts ([`Until::Executing`]), until it starts or a newer job
+    /// replaces it ([`Until::ExecutingOrReplaced`]), or until it has run
     /// ([`Until::Executed`]). A job without a claim, or whose claim ran out before a
     /// worker took the job, runs under its key as without this option. Not on a backend
     /// that cannot [`adopt`](distlock_core::LockBackend::adopt) leases (PostgreSQL
@@ -464,6 +523,18 @@ where
                 end_claim(&layer.locker, &claim).await?;
             }
         }
+        Some((claim_of, Until::ExecutingOrReplaced)) => {
+            if let Some(claim) = claim_of(&request) {
+                let replaced = replaced_by(&layer.locker, &key, &claim).await;
+                if let Some(by) = replaced.map_err(JobError::Lock)? {
+                    metrics::counter!(JOB_LOCK_MISSES_TOTAL, "outcome" => "replaced").increment(1);
+                    return Err(JobError::Replaced {
+                        key: claim.key().clone(),
+                        by,
+                    });
+                }
+            }
+        }
         Some((claim_of, Until::Executed)) => {
             run_of = Some(RunOf::new(&key, claim_of(&request)).map_err(JobError::Lock)?);
         }
@@ -567,6 +638,43 @@ async fn end_claim<E>(locker: &Locker, claim: &Claim) -> Result<(), JobError<E>>
         let _ = guard.release().await;
     }
     Ok(())
+}
+
+/// Until executing or replaced: the token of the newer claim that replaced the job's
+/// `claim`, if one did (the newest token the store knows on the claim's key is above the
+/// claim's); `None` while the claim is the newest, held or run out. The claim is left as
+/// it is. A claim on another key than the queue key of the job's `key` is a
+/// [`LockError::Config`].
+///
+/// The store's `inspect`, not `fence` on the claim's lease: for a free key Redis's fence
+/// answers its high-water token, which every key of the server (or hash slot) shares and
+/// which is above the claim's as soon as any other key was granted since, so a claim that
+/// simply ran out would read as replaced. `inspect` gives a key's own tokens only.
+async fn replaced_by(
+    locker: &Locker,
+    key: &LockKey,
+    claim: &Claim,
+) -> Result<Option<FencingToken>, LockError> {
+    let queued = queue_key(key)?;
+    if claim.key() != &queued {
+        return Err(LockError::Config(format!(
+            "the job's claim is on {}, but a job that may be replaced is claimed on its \
+             queue key, {queued}",
+            claim.key()
+        )));
+    }
+    let found = locker.backend().inspect(&queued).await?;
+    Ok(found.token.filter(|&newest| newest > claim.token()))
+}
+
+/// The queue key of a job whose key is `key`: `queued:<key>`, which its producer claims
+/// under [`LockLayer::claimed`]`(.., `[`Until::Executing`]`)` and
+/// [`Until::ExecutingOrReplaced`] (there with [`Locker::claim_replacing`], which takes
+/// only such names).
+///
+/// A [`LockError::InvalidKey`] when the prefixed name is too long for a key.
+pub fn queue_key(key: &LockKey) -> Result<LockKey, LockError> {
+    LockKey::new(format!("queued:{}", key.as_str()))
 }
 
 /// The run key of a job whose key is `key` under
