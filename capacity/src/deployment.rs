@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use distlock_core::{LockBackend, LockError, LockKey};
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::load::Sample;
 use crate::machine::Machine;
 use crate::plan::Plan;

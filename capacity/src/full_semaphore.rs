@@ -39,7 +39,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use distlock_core::{LockBackend, LockKey, Locker};
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::plan::Plan;
 use crate::subject::{SubjectId, TTL};
 use crate::target::Target;

@@ -14,7 +14,7 @@ use distlock_core::{
 use parking_lot::Mutex;
 use tokio::time::Instant;
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::load::new_histogram;
 use crate::subject::{SubjectId, TTL};
 

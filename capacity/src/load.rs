@@ -11,7 +11,7 @@ use std::time::Duration;
 use hdrhistogram::Histogram;
 use tokio::time::Instant;
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::subject::{BenchKey, Subject, SubjectId};
 
 /// Which keys the tasks use.

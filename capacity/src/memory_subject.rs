@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use distlock_core::LockBackend;
 use distlock_core::memory::MemoryBackend;
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId};
 
 /// Acquire + release on one in-memory backend, which it also hands out as its backend.

@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use distlock_core::{LockBackend, LockKey};
 use tokio::time::Instant;
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::load::{self, Keys};
 use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId, TTL};

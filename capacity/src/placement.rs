@@ -20,9 +20,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::BenchError;
 use crate::affinity;
 use crate::cpu::CpuReading;
+use crate::error::BenchError;
 use crate::load::{self, Keys};
 use crate::plan::Plan;
 use crate::subject::{Subject, SubjectId};

@@ -1,7 +1,6 @@
 //! Writes a run's results: `report.md` (machine, targets, tables), `capacity.csv` (one row
 //! per subject and concurrency) and SVG charts drawn with `plotters`.
 
-pub(crate) mod cells;
 mod full;
 mod sections;
 
@@ -10,7 +9,8 @@ use std::path::{Path, PathBuf};
 
 use plotters::prelude::*;
 
-use crate::BenchError;
+use crate::cells;
+use crate::error::BenchError;
 use crate::handoff::HandoffRow;
 use crate::load::Sample;
 use crate::machine::Machine;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use distlock_core::memory::MemoryBackend;
 use distlock_core::{LockBackend, LockKey, Locker, Renewal};
 
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::load::{self, Keys, Sample};
 use crate::subject::{SubjectId, TTL};
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use distlock_core::{LockBackend, LockKey, Release};
 
-use crate::BenchError;
+use crate::error::BenchError;
 
 /// The TTL every acquire asks for: long enough that no lease expires during a measurement,
 /// and whole seconds so that etcd accepts it.

@@ -37,8 +37,8 @@ use distlock_core::wake::ReleaseWatch;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 
-use crate::BenchError;
 use crate::cpu::CpuReading;
+use crate::error::BenchError;
 use crate::load::{self, Keys};
 use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId};

@@ -10,8 +10,8 @@ use distlock_core::{LockError, LockKey, Locker, Release, Semaphore};
 use tokio::time::Instant;
 
 use super::{CommandStats, Rounds};
-use crate::BenchError;
 use crate::cpu::CpuReading;
+use crate::error::BenchError;
 use crate::load::{self, Keys};
 use crate::plan::Plan;
 use crate::subject::{BenchKey, Cycle, Subject, SubjectId};

@@ -9,7 +9,7 @@ use distlock_core::{Lease, LockBackend, LockKey};
 use tokio::time::Instant;
 
 use super::attempts::Attempted;
-use crate::BenchError;
+use crate::error::BenchError;
 use crate::subject::SubjectId;
 
 /// The ballast's TTL: longer than any run, so its leases need no renewal.

@@ -4,7 +4,7 @@
 use std::fmt::Write;
 
 use super::{PlacedPairs, Placement};
-use crate::report::cells::micros;
+use crate::cells::micros;
 use crate::subject::SubjectId;
 use crate::waited::Side;
 

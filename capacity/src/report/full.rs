@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use super::cells;
+use crate::cells;
 use crate::full_semaphore::{Full, FullSemaphore, Rounds, wait_bound};
 use crate::plan::Plan;
 

@@ -2,9 +2,9 @@
 
 use std::fmt::Write as _;
 
-use super::cells;
 use super::full::write_full_semaphore;
 use super::{Report, write_header, write_permits, write_waited};
+use crate::cells;
 use crate::subject::SubjectId;
 
 impl Report {

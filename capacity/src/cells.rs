@@ -1,4 +1,4 @@
-//! How the report's tables write a figure that may be missing (`-`): one format per kind
+//! How the report's tables (and the placement table) write a figure that may be missing (`-`): one format per kind
 //! of figure, so every table writes the same kind alike.
 
 /// CPU µs (per cycle, per refusal): one decimal.
