@@ -146,9 +146,10 @@ impl Locker {
     /// before anything is sent. What holds a job's own key is its lock (a running job's,
     /// or under `Until::Executed` the claim the running job resumed as its lock), and
     /// ending it would let a second run of the key start beside the first; only a claim
-    /// that ends when its job starts (`Until::Executing`, `Until::ExecutingOrReplaced`)
-    /// may be taken over, and those live on the job's queue key. Keep every lock and
-    /// `Until::Executed` job key out of the `queued:` names.
+    /// that guards a job's wait in its queue, not its run (`Until::Executing`,
+    /// `Until::ExecutingOrReplaced`), may be taken over, and those live on the job's
+    /// queue key. Keep every lock and `Until::Executed` job key out of the `queued:`
+    /// names.
     ///
     /// A TTL the store cannot honour is [`LockError::InvalidTtl`], and a store that
     /// cannot inspect a key or adopt a lease (PostgreSQL advisory locks)
