@@ -139,6 +139,8 @@ fn count(tally: &mut Tally, event: &Event) {
         } => tally.releases_not_held += 1,
         // Counted with its error.
         Event::Release { released: None, .. } => {}
+        // Counted with its outcome.
+        Event::Releasing { .. } => {}
         Event::Error { .. } => tally.errors += 1,
     }
 }
@@ -160,7 +162,7 @@ fn grants(events: &[&Record], deaths: &Deaths) -> Vec<Grant> {
                 let e = valid.entry(lease(r, token)).or_insert(v);
                 *e = (*e).max(v);
             }
-            Event::Release { token, invoked, .. } => {
+            Event::Releasing { token, invoked, .. } | Event::Release { token, invoked, .. } => {
                 let e = released.entry(lease(r, token)).or_insert(invoked);
                 *e = (*e).min(invoked);
             }

@@ -37,6 +37,12 @@ pub enum Event {
     },
     /// At `at` the guard said the lease was no longer held; the job stopped.
     Lost { key: u32, token: u64, at: u64 },
+    /// The holder is about to release the lease (`invoked`, before the call): reported
+    /// before the request is sent, because a process killed once the store carried the
+    /// release out but before it reported the outcome would otherwise leave the lease's
+    /// window open to its death, and the next holder's grant, made after the release,
+    /// would look like an overlap.
+    Releasing { key: u32, token: u64, invoked: u64 },
     /// The lease's release was invoked at `invoked`: `Some(true)` released, `Some(false)`
     /// the store said it was no longer held by this owner, `None` the call failed (a store
     /// restarting) and the store may have carried it out all the same. From `invoked` on,
@@ -58,6 +64,7 @@ impl Event {
             Event::Grant { key, .. }
             | Event::Step { key, .. }
             | Event::Lost { key, .. }
+            | Event::Releasing { key, .. }
             | Event::Release { key, .. } => Some(*key),
             Event::Error { .. } => None,
         }

@@ -164,6 +164,11 @@ async fn critical_section(
         tokio::time::sleep(args.step_time).await;
     }
     let invoked = now();
+    report(&Event::Releasing {
+        key,
+        token,
+        invoked,
+    });
     match guard.release().await {
         Ok(released) => report(&Event::Release {
             key,

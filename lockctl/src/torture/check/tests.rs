@@ -143,6 +143,29 @@ fn a_release_that_failed_ends_the_window_and_counts_as_no_section() {
 }
 
 #[test]
+fn a_holder_killed_after_it_sent_its_release_holds_nothing_from_the_release_on() {
+    let mut records = clean();
+    // Token 13's holder (worker 1) says at 30 ms that it releases, and is killed at 40 ms
+    // before it can report the outcome. The store carried the release out: worker 0 is
+    // granted the key at 32 ms.
+    let last = records.pop().unwrap();
+    records.push(rec(
+        last.worker,
+        Event::Releasing {
+            key: 0,
+            token: 13,
+            invoked: 30 * MS,
+        },
+    ));
+    records.push(grant(0, 14, 31 * MS, 32 * MS, 600 * MS));
+    let mut deaths = Deaths::new();
+    deaths.insert((1, 0), 40 * MS);
+    let (tally, violations) = check(&records, &deaths, &[Some(5)]);
+    assert!(violations.is_empty(), "{violations:?}");
+    assert_eq!((tally.sections, tally.releases_not_held), (2, 0));
+}
+
+#[test]
 fn two_admitted_writes_of_one_read_are_a_lost_update() {
     let mut records = clean();
     records.push(step(1, 13, 28 * MS, 4, true));
