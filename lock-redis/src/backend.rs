@@ -24,6 +24,7 @@ use crate::config::RedisBackendBuilder;
 use crate::core::Core;
 use crate::error::NAME;
 use crate::keys::LockKeys;
+use crate::permits::PermitRun;
 
 /// How many single calls (or batches of them) of one kind (`acquire`, `release`) a
 /// backend on a single node has on their way at once; calls that come while that many
@@ -315,6 +316,12 @@ impl LockBackend for RedisBackend {
         self.core().caps.check_ttl(ttl)?;
         let core = self.core();
         if keys.len() > 1 && core.replica_acks.is_none() {
+            if let Some(run) = PermitRun::of(&core.calls.prefix, keys) {
+                // A semaphore's slots: through its index, whatever their number.
+                return core
+                    .acquire_permit_one(keys, run, ttl, Instant::now())
+                    .await;
+            }
             if let Some(locks) = core.calls.one_script(keys) {
                 // Sent directly: a coalesced batch takes one key per caller.
                 return core.acquire_any_one(keys, locks, ttl, Instant::now()).await;

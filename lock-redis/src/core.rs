@@ -35,6 +35,7 @@ pub(crate) use self::reply::{parse_token, release, renewal};
 use crate::conn::{Call, Conn};
 use crate::error::{KindName, NAME, is_refused_for_now, is_resendable, is_unreachable, map_error};
 use crate::keys::{LockKeys, Mark, parse_held};
+use crate::permits::PermitRun;
 use crate::releases::ReleaseListener;
 use crate::scripts::{
     FENCE_SCRIPT, Lua, RELEASE_MANY_SCRIPT, RELEASE_SCRIPT, RENEW_MANY_SCRIPT, RENEW_SCRIPT,
@@ -65,6 +66,9 @@ pub(crate) struct Core {
 pub(crate) struct AbandonOnDrop<'a> {
     core: &'a Core,
     attempts: Vec<(LockKeys, OwnerId)>,
+    /// The abandon call of a permit attempt through a semaphore's index, which finds the
+    /// slot it took by its owner id.
+    permit: Option<Call>,
     ttl: Duration,
     /// The connection of its own the attempt went over, if any: the cleanup goes over it
     /// too, so that it runs after the attempt.
@@ -75,6 +79,7 @@ impl AbandonOnDrop<'_> {
     /// The attempt's outcome is known: nothing is given back when this is dropped.
     pub(crate) fn settled(&mut self) {
         self.attempts.clear();
+        self.permit = None;
     }
 }
 
@@ -83,6 +88,9 @@ impl Drop for AbandonOnDrop<'_> {
         if !self.attempts.is_empty() {
             let attempts = std::mem::take(&mut self.attempts);
             self.core.abandon_over(self.over.take(), attempts, self.ttl);
+        }
+        if let Some(call) = self.permit.take() {
+            self.core.give_back(self.over.take(), vec![call], self.ttl);
         }
     }
 }
@@ -181,6 +189,16 @@ impl Core {
         attempts: Vec<(LockKeys, OwnerId)>,
         ttl: Duration,
     ) {
+        let calls = attempts
+            .into_iter()
+            .map(|(keys, owner)| self.calls.abandon_call(keys, owner))
+            .collect();
+        self.give_back(over, calls, ttl);
+    }
+
+    /// Sends the abandon `calls` in the background, over `over` if given (see
+    /// [`Self::abandon`]).
+    fn give_back(&self, over: Option<AckedConn>, calls: Vec<Call>, ttl: Duration) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -188,10 +206,6 @@ impl Core {
             .as_ref()
             .map_or_else(|| self.conn.clone(), |c| c.conn().clone());
         let node_timeout = self.request_timeout;
-        let calls = attempts
-            .into_iter()
-            .map(|(keys, owner)| self.calls.abandon_call(keys, owner))
-            .collect();
         runtime.spawn(async move {
             // Kept until the cleanup is done: it is not handed to another call meanwhile.
             let _over = over;
@@ -212,6 +226,7 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: vec![(keys, owner)],
+            permit: None,
             ttl,
             over: None,
         };
@@ -251,28 +266,11 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: locks.into_iter().map(|k| (k, owner)).collect(),
+            permit: None,
             ttl,
             over: None,
         };
-        // Sent again after a dropped connection, here (never by a cluster's retrying
-        // connection: the script runs once, see `ACQUIRE_ANY_SCRIPT`), with the flag that
-        // makes the script look for the slot this attempt took first (see
-        // `acquire_any.lua`).
-        let reply = self
-            .timed("acquire", Effect::Write("acquire"), async {
-                match self.conn.invoke::<Option<(usize, u64)>>(&call).await {
-                    Err(e) if e.is_connection_dropped() || e.is_io_error() => {
-                        debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
-                        let mut again = call.clone();
-                        again.args.push(b"R".to_vec());
-                        let reply =
-                            Box::pin(self.conn.invoke::<Option<(usize, u64)>>(&again)).await;
-                        resent(e, reply)
-                    }
-                    reply => reply,
-                }
-            })
-            .await;
+        let reply = self.send_any(&call).await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {
             Ok(None) => Ok(None),
@@ -296,6 +294,78 @@ impl Core {
                 Err(e)
             }
         }
+    }
+
+    /// One free slot of a semaphore's run `run` of slots (named by `keys`), through the
+    /// semaphore's index, with one script (`acquire_permit.lua`); see
+    /// [`LockBackend::acquire_any`].
+    pub(crate) async fn acquire_permit_one(
+        &self,
+        keys: &[LockKey],
+        run: PermitRun,
+        ttl: Duration,
+        called: Instant,
+    ) -> Result<Option<Lease>, LockError> {
+        let owner = OwnerId::random();
+        // A semaphore's waiters watch every slot: the first slot says whether any does.
+        let mark = self.mark(&keys[..1]);
+        let call = self.calls.acquire_permit_call(&run, owner, ttl, mark);
+        let mut pending = AbandonOnDrop {
+            core: self,
+            attempts: Vec::new(),
+            permit: Some(self.calls.abandon_permit_call(&run, owner)),
+            ttl,
+            over: None,
+        };
+        let reply = self.send_any(&call).await;
+        let abandon = pending.permit.take().into_iter().collect();
+        match reply {
+            Ok(None) => Ok(None),
+            Ok(Some((slot, token))) => {
+                let Some(key) = u32::try_from(slot)
+                    .ok()
+                    .and_then(|slot| run.position(slot))
+                    .and_then(|at| keys.get(at))
+                else {
+                    self.give_back(None, abandon, ttl);
+                    return Err(LockError::backend(
+                        NAME,
+                        format!(
+                            "the acquire_permit script took slot {slot}, not one of the {} asked for",
+                            run.len()
+                        ),
+                    ));
+                };
+                Ok(Some(self.lease(key, owner, token, ttl, called)))
+            }
+            Err(e) => {
+                if let LockError::OutcomeUnknown { .. } = e {
+                    self.give_back(None, abandon, ttl);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends an any-of acquire's `call` (`acquire_any.lua` or `acquire_permit.lua`, each
+    /// answering `{i, token}` or nil). Sent again after a dropped connection, here (never
+    /// by a cluster's retrying connection: the scripts run once, see
+    /// `ACQUIRE_ANY_SCRIPT`), with the flag that makes the script look first for the key
+    /// this attempt took (see `acquire_any.lua`).
+    async fn send_any(&self, call: &Call) -> Result<Option<(usize, u64)>, LockError> {
+        self.timed("acquire", Effect::Write("acquire"), async {
+            match self.conn.invoke::<Option<(usize, u64)>>(call).await {
+                Err(e) if e.is_connection_dropped() || e.is_io_error() => {
+                    debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
+                    let mut again = call.clone();
+                    again.args.push(b"R".to_vec());
+                    let reply = Box::pin(self.conn.invoke::<Option<(usize, u64)>>(&again)).await;
+                    resent(e, reply)
+                }
+                reply => reply,
+            }
+        })
+        .await
     }
 
     /// Sends an acquire script's `call` on the shared connection. A single node's
@@ -629,6 +699,7 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: vec![(keys, owner)],
+            permit: None,
             ttl,
             over: Some(acked),
         };

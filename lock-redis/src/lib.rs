@@ -79,6 +79,7 @@ mod error;
 mod eviction;
 mod fenced;
 mod keys;
+mod permits;
 mod releases;
 mod scripts;
 mod tcp;

@@ -53,6 +53,18 @@ macro_rules! with_tokens {
     };
 }
 
+/// The source of `src/scripts/<name>`, after `permits.lua`: how a semaphore's permit index
+/// is found from a slot key and kept (see that file), for the scripts that take, free or
+/// give back a permit slot.
+macro_rules! with_permits {
+    ($name:literal) => {
+        concat!(
+            include_str!("scripts/permits.lua"),
+            include_str!(concat!("scripts/", $name))
+        )
+    };
+}
+
 /// `SET NX PX` of `<owner id>:<token>`, the token one above the high-water key (raised to
 /// it) or the server's µs clock when that is higher.
 pub(crate) static ACQUIRE_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire.lua"));
@@ -60,9 +72,9 @@ pub(crate) static ACQUIRE_SCRIPT: Lua = Lua::resendable(with_tokens!("acquire.lu
 pub(crate) static RENEW_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew.lua"));
 /// Owner-checked `DEL`, and `PUBLISH` (or `SPUBLISH`) to waiters (best effort). A release
 /// sent again after it ran says "not held".
-pub(crate) static RELEASE_SCRIPT: Lua = Lua::once(include_str!("scripts/release.lua"));
+pub(crate) static RELEASE_SCRIPT: Lua = Lua::once(with_permits!("release.lua"));
 /// Owner-checked `DEL` for an acquire whose reply was lost.
-pub(crate) static ABANDON_SCRIPT: Lua = Lua::resendable(include_str!("scripts/abandon.lua"));
+pub(crate) static ABANDON_SCRIPT: Lua = Lua::resendable(with_permits!("abandon.lua"));
 /// Owner and token check; a stale lease learns the holder's token or the clock.
 pub(crate) static FENCE_SCRIPT: Lua = Lua::resendable(with_tokens!("fence.lua"));
 /// Highest admitted token of a fenced resource (check only: one that meets a newer token
@@ -81,10 +93,21 @@ pub(crate) static ACQUIRE_ANY_SCRIPT: Lua = Lua::once(with_tokens!("acquire_any.
 /// [`RENEW_SCRIPT`] for many leases of one hash slot.
 pub(crate) static RENEW_MANY_SCRIPT: Lua = Lua::resendable(include_str!("scripts/renew_many.lua"));
 /// [`RELEASE_SCRIPT`] for many leases of one hash slot.
-pub(crate) static RELEASE_MANY_SCRIPT: Lua = Lua::once(include_str!("scripts/release_many.lua"));
+pub(crate) static RELEASE_MANY_SCRIPT: Lua = Lua::once(with_permits!("release_many.lua"));
+/// [`ACQUIRE_ANY_SCRIPT`] for a run of one semaphore's permit slots, through the
+/// semaphore's index: a grant and a refusal cost the same whatever the number of permits.
+/// Only its caller sends it again, flagged `R`, as [`ACQUIRE_ANY_SCRIPT`].
+pub(crate) static ACQUIRE_PERMIT_SCRIPT: Lua = Lua::once(concat!(
+    include_str!("scripts/token.lua"),
+    include_str!("scripts/permits.lua"),
+    include_str!("scripts/acquire_permit.lua")
+));
+/// [`ABANDON_SCRIPT`] for an [`ACQUIRE_PERMIT_SCRIPT`] attempt: finds the slot by owner id
+/// among the held ones.
+pub(crate) static ABANDON_PERMIT_SCRIPT: Lua = Lua::resendable(with_permits!("abandon_permit.lua"));
 
 /// Every script, for loading them all when connecting.
-pub(crate) static ALL: [&Lua; 11] = [
+pub(crate) static ALL: [&Lua; 13] = [
     &ACQUIRE_SCRIPT,
     &RENEW_SCRIPT,
     &RELEASE_SCRIPT,
@@ -96,6 +119,8 @@ pub(crate) static ALL: [&Lua; 11] = [
     &ACQUIRE_ANY_SCRIPT,
     &RENEW_MANY_SCRIPT,
     &RELEASE_MANY_SCRIPT,
+    &ACQUIRE_PERMIT_SCRIPT,
+    &ABANDON_PERMIT_SCRIPT,
 ];
 
 impl Lua {

@@ -90,12 +90,12 @@ async fn scripts_are_loaded_once_when_connecting() {
     let first = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(first.iter().all(Option::is_some));
     // The eleven scripts were loaded by `build`; the batch needed no reload.
-    assert_eq!(command_calls(&f.server, "script|load").await, 11);
+    assert_eq!(command_calls(&f.server, "script|load").await, 13);
     let leases: Vec<_> = first.into_iter().flatten().collect();
     redis.release_many(&leases).await.unwrap();
     let again = redis.acquire_many(&keys, TTL).await.unwrap();
     assert!(again.iter().all(Option::is_some));
-    assert_eq!(command_calls(&f.server, "script|load").await, 11);
+    assert_eq!(command_calls(&f.server, "script|load").await, 13);
 }
 
 /// Eight permit slots of one semaphore: a permit behind seven held slots, then a full
@@ -134,12 +134,19 @@ async fn a_permit_is_one_evalsha_however_many_slots_are_held() {
     let redis = f.redis().await;
     let (slots, held) =
         a_permit_behind_seven_held_slots(&redis, || harness_reset(&f), || f.calls("evalsha")).await;
-    // The refusal marked every slot waited for: a release announces it.
+    // The refusal marked the semaphore waited for, once, not each slot: the next release
+    // of a slot announces it.
     for slot in &slots {
         let value = harness::require(f.server.command(&["GET", &redis.redis_key(slot)]).await);
         let value = value.as_text().unwrap_or_default();
-        assert!(value.ends_with(":w"), "{slot}: {value}");
+        assert!(!value.ends_with(":w"), "{slot}: {value}");
     }
+    let waited = harness::require(
+        f.server
+            .command(&["EXISTS", "distlock:{exports}:permits:waited"])
+            .await,
+    );
+    assert_eq!(waited, harness::redis::RespValue::Integer(1));
     redis.release_many(&held).await.unwrap();
 }
 

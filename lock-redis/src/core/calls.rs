@@ -14,8 +14,10 @@ use tracing::debug;
 use crate::conn::{Call, key_slot, reply_error};
 use crate::error::{KindName, is_unreachable, map_error};
 use crate::keys::{LockKeys, Mark};
+use crate::permits::PermitRun;
 use crate::scripts::{
-    ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_MANY_SCRIPT, ACQUIRE_SCRIPT, Lua,
+    ABANDON_PERMIT_SCRIPT, ABANDON_SCRIPT, ACQUIRE_ANY_SCRIPT, ACQUIRE_MANY_SCRIPT,
+    ACQUIRE_PERMIT_SCRIPT, ACQUIRE_SCRIPT, Lua,
 };
 
 /// The calls a backend sends, made from its key prefix and what its servers allow: which
@@ -115,6 +117,41 @@ impl Calls {
                 ttl.as_millis().to_string().into(),
                 vec![mark.arg()],
             ],
+        }
+    }
+
+    /// The call of `acquire_permit.lua` over `run`, its waiters marked as `mark` says.
+    pub(crate) fn acquire_permit_call(
+        &self,
+        run: &PermitRun,
+        owner: OwnerId,
+        ttl: Duration,
+        mark: Mark,
+    ) -> Call {
+        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
+        args.extend(run.args(mark));
+        Call {
+            script: &ACQUIRE_PERMIT_SCRIPT,
+            keys: run.keys(self.high_water(&run.index)),
+            args,
+        }
+    }
+
+    /// The call of `abandon_permit.lua` for an attempt of `owner` over `run`.
+    pub(crate) fn abandon_permit_call(&self, run: &PermitRun, owner: OwnerId) -> Call {
+        let mut keys = run.keys(String::new());
+        keys.pop();
+        Call {
+            script: &ABANDON_PERMIT_SCRIPT,
+            keys,
+            args: [
+                Some(owner.to_string().into()),
+                Some(run.slots.clone().into_bytes()),
+                self.announce_arg(),
+            ]
+            .into_iter()
+            .flatten()
+            .collect(),
         }
     }
 

@@ -4,6 +4,7 @@
 -- KEYS[1] = lock key, ARGV[1] = owner id, ARGV[2] = 'S' to announce with SPUBLISH or '-'
 -- not to announce, as release.lua's ARGV[2]
 -- Returns 1 when the key was deleted, 0 otherwise.
+-- A permit slot is freed in its semaphore's index too, as release.lua frees it.
 local held = redis.call('GET', KEYS[1])
 if not held then
   return 0
@@ -13,6 +14,10 @@ if owner ~= ARGV[1] then
   return 0
 end
 redis.call('DEL', KEYS[1])
+local index, slot = permit_index(KEYS[1])
+if index and permit_freed(index, slot) then
+  waited = 'w'
+end
 if waited ~= '' and ARGV[2] ~= '-' then
   redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
 end

@@ -3,6 +3,7 @@
 -- KEYS[i] = lock key i, ARGV[i] = '<owner id>:<token>' i, and after them 'S' to announce
 -- with SPUBLISH or '-' not to announce, as release.lua's ARGV[2]
 -- Returns one entry per lease: 1 when released, 0 when no longer held.
+-- A permit slot is freed in its semaphore's index too, as release.lua frees it.
 local how = ARGV[#KEYS + 1]
 local announce = how == 'S' and 'SPUBLISH' or 'PUBLISH'
 local out = {}
@@ -11,7 +12,12 @@ for i = 1, #KEYS do
   local held, lease = redis.call('GET', lock), ARGV[i]
   if held == lease or held == lease .. ':w' then
     redis.call('DEL', lock)
-    if held ~= lease and how ~= '-' then
+    local waited = held ~= lease
+    local index, slot = permit_index(lock)
+    if index and permit_freed(index, slot) then
+      waited = true
+    end
+    if waited and how ~= '-' then
       redis.pcall(announce, lock, '')
     end
     out[i] = 1

@@ -1,0 +1,117 @@
+-- Takes a free permit slot of one semaphore and issues its fencing token, in one atomic
+-- step: what acquire_any.lua does for a semaphore's slots, through the semaphore's index
+-- (see permits.lua), so that neither a grant nor a refusal reads the slot keys one by
+-- one: the first slot the index shows free is found in its bitmap (N bits), and only
+-- that slot's key is taken.
+-- KEYS[1] = the index `<prefix>:{<name>}:permits`, KEYS[2] = its due set (`:due`),
+-- KEYS[3] = its waiters' flag (`:waited`), KEYS[4] = the high-water key of the hash slot
+-- (as in acquire.lua)
+-- ARGV[1] = owner id (hex), ARGV[2] = ttl in ms, ARGV[3] = '1' when other waiters of
+-- the client's process wait for this semaphore, '-' to mark nothing (the client's
+-- process hears no releases), '0' otherwise (as acquire.lua's ARGV[3]);
+-- ARGV[4] = the slot keys' common part, `<prefix>:{<name>}:permit:`;
+-- ARGV[5], ARGV[6] = the first and last slot of the run tried first; ARGV[7] = the last
+-- slot of a second run, from slot 0, tried after it ('-1' for none): the slots asked for,
+-- in the order asked (a semaphore asks from a random slot onwards, wrapping to 0);
+-- ARGV[8] = 'R' when this attempt is sent again (a client retry after a lost reply)
+-- Returns {slot, token}: the first slot free in the order asked, taken. Sent again, it
+-- first returns the slot this attempt took the first time, if it took one. Returns nil
+-- when every slot asked for is held, and then (unless ARGV[3] is '-') sets the waiters'
+-- flag, so the next release of a slot is announced on that slot's key as a channel.
+--
+-- The token is issued as in acquire.lua.
+local index, due, waited, high_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local owner, ttl, mark, slots = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
+
+if ARGV[8] == 'R' then
+  local slot, held = permit_of(index, slots, owner)
+  if slot then
+    return {tonumber(slot), string.match(held, '^%x+:(%d+)')}
+  end
+end
+
+local now = redis.call('TIME')
+now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+
+-- Slots whose lease was due to run out by now: freed if their key is gone (a TTL ran
+-- out, a purge), else due again when their key's TTL (renewed since) runs out.
+for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
+  local left = redis.call('PTTL', slots .. slot)
+  if left == -2 then
+    redis.call('ZREM', due, slot)
+    redis.call('SETBIT', index, slot, 0)
+  else
+    redis.call('ZADD', due, now + (left > 0 and left or ttl), slot)
+  end
+end
+
+-- The first slot from `lo` to `hi` whose bit is clear, or nil. BITPOS starts at a byte:
+-- the bits of a byte started part way are read one by one. A bitmap that ends before
+-- `lo` (or is missing) has every bit after its end clear.
+local function first_clear(lo, hi)
+  local at = lo
+  while at <= hi do
+    if at % 8 ~= 0 then
+      if redis.call('GETBIT', index, at) == 0 then
+        return at
+      end
+      at = at + 1
+    else
+      local found = redis.call('BITPOS', index, 0, math.floor(at / 8))
+      if found < at then
+        found = at
+      end
+      if found > hi then
+        return nil
+      end
+      return found
+    end
+  end
+  return nil
+end
+
+-- The token, issued once a slot is to be taken (a refusal issues none).
+local token, value
+
+-- The first slot from `lo` to `hi` taken, or nil. A slot the index shows free but whose
+-- key is held is marked held, and the next one tried.
+local function take(lo, hi)
+  while lo <= hi do
+    local slot = first_clear(lo, hi)
+    if not slot then
+      return nil
+    end
+    if not token then
+      token = next_token(high_key)
+      value = owner .. ':' .. token
+    end
+    local key = slots .. slot
+    if redis.call('SET', key, value, 'NX', 'PX', ttl) then
+      redis.call('SETBIT', index, slot, 1)
+      redis.call('ZADD', due, now + ttl, slot)
+      return slot
+    end
+    local left = redis.call('PTTL', key)
+    redis.call('SETBIT', index, slot, 1)
+    redis.call('ZADD', due, now + (left > 0 and left or ttl), slot)
+    lo = slot + 1
+  end
+  return nil
+end
+
+local slot = take(tonumber(ARGV[5]), tonumber(ARGV[6]))
+local wrapped = tonumber(ARGV[7])
+if not slot and wrapped >= 0 then
+  slot = take(0, wrapped)
+end
+if slot then
+  redis.call('SET', high_key, token)
+  if mark == '1' then
+    redis.call('SET', waited, '1', 'PX', ttl)
+  end
+  return {slot, token}
+end
+if mark ~= '-' then
+  redis.call('SET', waited, '1', 'PX', ttl)
+end
+return false

@@ -1,0 +1,57 @@
+-- A semaphore's permit index; put before every script that takes, frees or gives back a
+-- permit slot.
+--
+-- A semaphore's permits are the lock keys of its slots, `<prefix>:{<name>}:permit:<i>`:
+-- they are the leases, renewed, released and fenced as any lock. Beside them, under the
+-- same hash tag, the semaphore keeps an index, so that taking a permit or being refused
+-- one does not read every slot:
+--   `<prefix>:{<name>}:permits`         a bitmap, bit i set while slot i is held;
+--   `<prefix>:{<name>}:permits:due`     a sorted set, slot i scored with the server time
+--                                       (ms) when its lease runs out unless renewed;
+--   `<prefix>:{<name>}:permits:waited`  set while a refused attempt waits to hear of a
+--                                       freed slot (it expires after that attempt's TTL).
+-- The slot keys are the truth and the index a guide, so the index being behind never
+-- grants a held slot: a grant is still `SET NX` on the slot key. A slot the index shows
+-- free but held (taken as a plain lock, or an index lost with a restart) is found so by
+-- that `SET NX` and marked held; a slot freed without the index hearing it (its TTL ran
+-- out, a purge) is marked free once its due time has passed. The scripts that free a slot
+-- (release, abandon) find the index from the slot key's name; the keys share its hash
+-- tag, so on a Cluster they are on the slot key's shard.
+
+-- The index of the semaphore whose permit slot `lock` is, and the slot's number, as the
+-- bitmap and the sorted set name it; nil for any other key. A slot is a canonical decimal
+-- number (`007` is a lock of its own, not slot 7).
+local function permit_index(lock)
+  if not string.find(lock, '}:permit:', 1, true) then
+    return nil
+  end
+  local index, slot = string.match(lock, '^(.*}):permit:(%d+)$')
+  if not index or (#slot > 1 and string.sub(slot, 1, 1) == '0') then
+    return nil
+  end
+  return index .. ':permits', slot
+end
+
+-- Slot `slot` of `index` was freed: the index shows it free. Returns whether a refused
+-- attempt waits to hear of it (the flag is cleared: the next refusal sets it again).
+-- Best effort, as an announcement is: a user the server refuses these commands (an ACL
+-- user set up before the index) still releases; the index then frees the slot when its
+-- due time has passed.
+local function permit_freed(index, slot)
+  redis.pcall('SETBIT', index, slot, 0)
+  redis.pcall('ZREM', index .. ':due', slot)
+  return redis.pcall('DEL', index .. ':waited') == 1
+end
+
+-- The slot of the index `index` whose key (`slots` .. slot) holds a lease of `owner`, and
+-- the key's value; nil when none does. Reads the held slots only: for an attempt sent
+-- again, or given back, whose reply was lost.
+local function permit_of(index, slots, owner)
+  for _, slot in ipairs(redis.call('ZRANGE', index .. ':due', 0, -1)) do
+    local held = redis.call('GET', slots .. slot)
+    if held and string.match(held, '^(%x+):') == owner then
+      return slot, held
+    end
+  end
+  return nil
+end

@@ -1,0 +1,265 @@
+//! A semaphore's permit index (`scripts/permits.lua`): an attempt on a semaphore's slots
+//! reads the index, not every slot key, and the index never makes the backend grant a held
+//! slot, nor refuse a free one for longer than the lease it missed would have run.
+
+mod common;
+
+use std::time::Duration;
+
+use common::RedisFactory;
+use distlock_core::{Lease, LockBackend, LockKey};
+use harness::redis::RespValue;
+use lock_redis::RedisBackend;
+
+const TTL: Duration = Duration::from_secs(30);
+
+/// The scripts as the backend sends them.
+const ACQUIRE_PERMIT: &str = concat!(
+    include_str!("../src/scripts/token.lua"),
+    include_str!("../src/scripts/permits.lua"),
+    include_str!("../src/scripts/acquire_permit.lua")
+);
+const ABANDON_PERMIT: &str = concat!(
+    include_str!("../src/scripts/permits.lua"),
+    include_str!("../src/scripts/abandon_permit.lua")
+);
+
+fn slots(name: &str, n: u32) -> Vec<LockKey> {
+    (0..n)
+        .map(|i| LockKey::new(format!("{name}:permit:{i}")).unwrap())
+        .collect()
+}
+
+/// Takes `n` permits of `slots` one by one, as a semaphore does.
+async fn fill(redis: &RedisBackend, slots: &[LockKey], n: usize, ttl: Duration) -> Vec<Lease> {
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..n {
+        held.push(
+            redis
+                .acquire_any(slots, ttl)
+                .await
+                .unwrap()
+                .expect("a free slot"),
+        );
+    }
+    held
+}
+
+async fn reset(f: &RedisFactory) {
+    harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
+}
+
+/// A refusal of a full semaphore of 256 permits reads no slot key: the server runs no
+/// `GET`, `SET NX` or `PTTL` per slot (it did 256 `SET NX` and 256 `GET` before the index),
+/// only the index's bitmap and the waiters' flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_semaphores_refusal_reads_no_slot_key() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("wide", 256);
+    let held = fill(&redis, &slots, 256, TTL).await;
+    reset(&f).await;
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    assert_eq!(f.calls("evalsha").await, 1);
+    assert_eq!(f.calls("get").await, 0, "GET");
+    assert_eq!(f.calls("pttl").await, 0, "PTTL");
+    assert_eq!(f.calls("append").await, 0, "APPEND");
+    // One SET: the waiters' flag, not a slot.
+    assert_eq!(f.calls("set").await, 1, "SET");
+    assert_eq!(f.calls("bitpos").await, 1, "BITPOS");
+    // The waiters' flag is set, and the slot keys hold their leases unmarked.
+    let index = harness::require(
+        f.server
+            .command(&["EXISTS", "distlock:{wide}:permits:waited"])
+            .await,
+    );
+    assert_eq!(index, RespValue::Integer(1));
+    redis.release_many(&held).await.unwrap();
+    // Each release freed its slot in the index; the first, heard by the flag, cleared it.
+    assert_eq!(
+        harness::require(
+            f.server
+                .command(&["BITCOUNT", "distlock:{wide}:permits"])
+                .await
+        ),
+        RespValue::Integer(0)
+    );
+    assert_eq!(
+        harness::require(
+            f.server
+                .command(&["EXISTS", "distlock:{wide}:permits:waited"])
+                .await
+        ),
+        RespValue::Integer(0)
+    );
+}
+
+/// A released slot is free at once, though its lease would have run for 30 s more: the
+/// release frees it in the index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_slot_is_granted_again_at_once() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("released", 4);
+    let mut held = fill(&redis, &slots, 4, TTL).await;
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    let freed = held.remove(2);
+    assert_eq!(
+        redis.release(&freed).await.unwrap(),
+        distlock_core::Release::Released
+    );
+    let again = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("the released slot");
+    assert_eq!(again.key(), freed.key());
+    assert!(again.token() > freed.token());
+    held.push(again);
+    // The batch release frees slots in the index too.
+    let batch: Vec<Lease> = held.drain(..2).collect();
+    redis.release_many(&batch).await.unwrap();
+    let a = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("freed");
+    let b = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("freed");
+    let mut got = vec![a.key().clone(), b.key().clone()];
+    got.sort();
+    let mut want = vec![batch[0].key().clone(), batch[1].key().clone()];
+    want.sort();
+    assert_eq!(got, want);
+    held.extend([a, b]);
+    redis.release_many(&held).await.unwrap();
+}
+
+/// A slot whose lease ran out (its holder gone, nothing released) is granted again once
+/// its due time has passed: the index looks at the slot key then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_whose_lease_ran_out_is_granted_again() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("lapsed", 3);
+    let short = Duration::from_millis(300);
+    let lapsing = fill(&redis, &slots, 1, short).await;
+    assert_eq!(lapsing[0].key(), &slots[0]);
+    let held = fill(&redis, &slots, 2, TTL).await;
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let again = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("the lapsed slot");
+    assert_eq!(again.key(), &slots[0]);
+    redis.release_many(&held).await.unwrap();
+    redis.release(&again).await.unwrap();
+}
+
+/// The index is a guide, the slot keys the truth: slots taken without it (as plain locks)
+/// and an index lost altogether never make it grant a held slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_never_grants_a_slot_it_did_not_see_taken() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("unseen", 4);
+    let plain = [
+        redis.acquire(&slots[0], TTL).await.unwrap().unwrap(),
+        redis.acquire(&slots[2], TTL).await.unwrap().unwrap(),
+    ];
+    let held = fill(&redis, &slots, 2, TTL).await;
+    let mut got: Vec<&LockKey> = held.iter().map(Lease::key).collect();
+    got.sort();
+    assert_eq!(got, [&slots[1], &slots[3]]);
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    // The index lost (a restart without persistence of it, a FLUSH of those keys).
+    harness::require(
+        f.server
+            .command(&[
+                "DEL",
+                "distlock:{unseen}:permits",
+                "distlock:{unseen}:permits:due",
+            ])
+            .await,
+    );
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    for (slot, holder) in slots.iter().zip([&plain[0], &held[0], &plain[1], &held[1]]) {
+        assert_eq!(holder.key(), slot);
+        assert_eq!(
+            redis.inspect(slot).await.unwrap().owner,
+            Some(holder.owner()),
+            "{slot}"
+        );
+    }
+    redis.release_many(&plain).await.unwrap();
+    redis.release_many(&held).await.unwrap();
+}
+
+/// An attempt sent again (flagged `R`) returns the slot it took, even with a slot before
+/// it freed meanwhile; its abandon gives that slot back and frees it in the index.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_sent_again_returns_its_slot_and_its_abandon_gives_it_back() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("again", 3);
+    let first = redis.acquire_any(&slots, TTL).await.unwrap().unwrap();
+    assert_eq!(first.key(), &slots[0]);
+    let lease = redis.acquire_any(&slots, TTL).await.unwrap().unwrap();
+    assert_eq!(lease.key(), &slots[1]);
+    redis.release(&first).await.unwrap();
+
+    let owner = lease.owner().to_string();
+    let index = [
+        "distlock:{again}:permits",
+        "distlock:{again}:permits:due",
+        "distlock:{again}:permits:waited",
+    ];
+    let mut args = vec!["EVAL", ACQUIRE_PERMIT, "4"];
+    args.extend(index);
+    args.extend([
+        "distlock:tokens",
+        owner.as_str(),
+        "30000",
+        "0",
+        "distlock:{again}:permit:",
+        "0",
+        "2",
+        "-1",
+        "R",
+    ]);
+    let again = harness::require(f.server.command(&args).await);
+    assert_eq!(
+        again,
+        RespValue::Array(Some(vec![
+            RespValue::Integer(1),
+            RespValue::Bulk(Some(lease.token().get().to_string().into_bytes())),
+        ]))
+    );
+    // Slot 0 stayed free: the resent attempt took nothing more.
+    assert_eq!(redis.inspect(&slots[0]).await.unwrap().owner, None);
+
+    let mut args = vec!["EVAL", ABANDON_PERMIT, "3"];
+    args.extend(index);
+    args.extend([owner.as_str(), "distlock:{again}:permit:", "-"]);
+    assert_eq!(
+        harness::require(f.server.command(&args).await),
+        RespValue::Integer(1)
+    );
+    assert_eq!(redis.inspect(&slots[1]).await.unwrap().owner, None);
+    // Freed in the index: all three slots are granted again.
+    let all = fill(&redis, &slots, 3, TTL).await;
+    redis.release_many(&all).await.unwrap();
+    // Another owner's abandon gives back nothing.
+    let mut args = vec!["EVAL", ABANDON_PERMIT, "3"];
+    args.extend(index);
+    args.extend(["00ff", "distlock:{again}:permit:", "-"]);
+    assert_eq!(
+        harness::require(f.server.command(&args).await),
+        RespValue::Integer(0)
+    );
+}
