@@ -7,13 +7,16 @@
 //! and release is reported with its time on the host's monotonic clock. Meanwhile the
 //! nemesis stops a worker (SIGSTOP) for longer than the TTL and lets it go on, or kills
 //! one (SIGKILL) and starts another in its place. At the end the ledger is read and
-//! [`check`] judges the history. The run works under a random name prefix
+//! [`check`] judges the history; on a violation the report shows the first violating
+//! locks' events around it, with what the nemesis did to their workers meanwhile
+//! ([`check::timeline`]). The run works under a random name prefix
 //! (`torture:<16 hex digits>:`) and purges its locks when it ends; the ledger entries (one
 //! small value per lock) stay, for inspection.
 
 mod broken;
 mod check;
 mod event;
+mod fault;
 mod store;
 pub mod worker;
 mod workers;
@@ -34,7 +37,9 @@ pub use broken::Break;
 pub use store::{Fsync, Own};
 pub use worker::WorkerArgs;
 
+use check::timeline::{self, KeyHistory};
 use check::{Property, Tally, Violation};
+use fault::FaultKind;
 use store::OwnStore;
 use workers::{History, Workers};
 
@@ -92,6 +97,10 @@ pub struct Report {
     pub violated: BTreeMap<Property, usize>,
     /// The first [`SHOWN`] violations found.
     pub violations: Vec<Violation>,
+    /// The events of the first few violating locks around their first violation, and the
+    /// nemesis's actions on the workers involved ([`timeline`]); none on a clean run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub histories: Vec<KeyHistory>,
 }
 
 /// How many violations a report lists (it counts them all).
@@ -179,6 +188,8 @@ async fn run_on(
         r#break: options.r#break,
     };
     let history = Arc::new(History::default());
+    // The origin of the printed histories' times: before any worker reports.
+    let origin = event::now();
     let mut workers = Workers::start(args, options.workers, history.clone())
         .map_err(|e| LockError::Config(format!("cannot start the worker processes: {e}")))?;
     let shown = distlock::redact_url(url);
@@ -200,8 +211,9 @@ async fn run_on(
         }
     }
     let records = std::mem::take(&mut *history.records.lock());
-    let deaths = std::mem::take(&mut *history.deaths.lock());
-    let (tally, mut violations) = check::check(&records, &deaths, &finals);
+    let faults = std::mem::take(&mut *history.faults.lock());
+    let (tally, mut violations) = check::check(&records, &fault::deaths(&faults), &finals);
+    let histories = timeline::histories(&records, &faults, &violations, origin);
     let mut violated = BTreeMap::new();
     for v in &violations {
         *violated.entry(v.property).or_insert(0) += 1;
@@ -221,6 +233,7 @@ async fn run_on(
         restarts: done.restarts,
         violated,
         violations,
+        histories,
     };
     print(&report, options.json);
     Ok(if report.violated.is_empty() {
@@ -301,7 +314,10 @@ async fn nemesis(
             let worker = rng.random_range(0..workers.len());
             let pause = options.pauses && (!options.kills || rng.random_bool(0.6));
             if let Some(store) = own.as_deref_mut().filter(|_| rng.random_bool(0.25)) {
+                let at = event::now();
                 store.restart().await.map_err(io_error)?;
+                let up = event::now();
+                history.fault(at, FaultKind::StoreRestart { up });
                 done.restarts += 1;
             } else if workers.is_paused(worker) {
                 // Already stopped: leave it to its pause.
@@ -397,6 +413,9 @@ fn print(report: &Report, json: bool) {
         println!("  violations: {}", counts.join(", "));
         for v in report.violations.iter().take(20) {
             println!("    {} on lock {}: {}", v.property, v.key, v.detail);
+        }
+        for history in &report.histories {
+            print!("{history}");
         }
     }
 }

@@ -57,6 +57,7 @@ fn n(report: &Value, field: &str) -> u64 {
 /// stopped or dead workers: a loaded run on two cores made 5 where an idle one makes 45.)
 fn assert_clean_run(code: i32, report: &Value) {
     assert_eq!(report["violations"], Value::Array(vec![]), "{report:#}");
+    assert_eq!(report.get("histories"), None, "{report:#}");
     assert_eq!(code, 0, "{report:#}");
     for done in ["grants", "writes_admitted", "pauses", "kills"] {
         assert!(n(report, done) > 0, "{done}: {report:#}");
@@ -146,6 +147,33 @@ mod on_redis {
             .filter(|v| v["property"] == "overlap")
             .count();
         assert!(overlaps > 0, "{report:#}");
+        // Each violating lock's history (of the 2 locks, at most 3 shown), in the order
+        // of the locks, the first one's the lock of the first violation: its events
+        // around its first violation, which is marked. (The report lists the first 100
+        // violations only: the other lock's may all be past them.)
+        let histories = report["histories"].as_array().expect("histories");
+        let keys: Vec<u64> = histories
+            .iter()
+            .map(|h| h["key"].as_u64().expect("key"))
+            .collect();
+        assert!(
+            keys.is_sorted_by(|a, b| a < b) && keys.iter().all(|&k| k < 2),
+            "{keys:?}"
+        );
+        assert_eq!(
+            histories.first().map(|h| &h["key"]),
+            Some(&report["violations"][0]["key"]),
+            "{report:#}"
+        );
+        for history in histories {
+            let entries = history["entries"].as_array().expect("entries");
+            let events = entries.iter().filter(|e| e["by"] == "worker").count();
+            assert!(events > 0 && events <= 60, "{history:#}");
+            assert!(
+                entries.iter().any(|e| e.get("caught").is_some()),
+                "{history:#}"
+            );
+        }
     }
 }
 

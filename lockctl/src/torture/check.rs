@@ -26,6 +26,8 @@ use serde::Serialize;
 use super::event::Event;
 use super::workers::Record;
 
+pub mod timeline;
+
 /// A property of [the list above](self) that the run broke.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -56,6 +58,12 @@ pub struct Violation {
     /// The lock's index among the run's keys.
     pub key: u32,
     pub detail: String,
+    /// When (ns of the monotonic clock) the event it was caught at happened: the later
+    /// grant, the step. The lock's printed history is centred on it; left out of the JSON
+    /// report, whose times are the workers' (the printed history gives them from the
+    /// run's start).
+    #[serde(skip)]
+    pub at: u64,
 }
 
 /// What the events say, counted.
@@ -238,6 +246,7 @@ fn check_tokens(key: u32, grants: &[Grant], out: &mut Vec<Violation>) {
                     describe(first),
                     describe(g)
                 ),
+                at: g.granted,
             });
         }
         if let Some(earlier) = highest_before(grants, &best, g.invoked)
@@ -251,6 +260,7 @@ fn check_tokens(key: u32, grants: &[Grant], out: &mut Vec<Violation>) {
                     describe(earlier),
                     describe(g)
                 ),
+                at: g.granted,
             });
         }
     }
@@ -273,6 +283,7 @@ fn check_windows(key: u32, grants: &[Grant], out: &mut Vec<Violation>) {
                     (a.end - g.granted) / 1000,
                     describe(a)
                 ),
+                at: g.granted,
             });
         }
         if open.is_none_or(|a| g.end > a.end) {
@@ -299,27 +310,30 @@ fn check_steps(key: u32, events: &[&Record], grants: &[Grant], out: &mut Vec<Vio
                     r.incarnation,
                     describe(newer)
                 ),
+                at: checked,
             });
         }
     }
 }
 
 fn check_ledger(key: u32, events: &[&Record], last: Option<u64>, out: &mut Vec<Violation>) {
-    let mut admitted: Vec<(u64, u64, (u32, u32))> = events
+    // (read, token, who, checked): in the order of the values read.
+    let mut admitted: Vec<(u64, u64, (u32, u32), u64)> = events
         .iter()
         .filter_map(|r| match r.event {
             Event::Step {
                 read: Some(read),
                 admitted: true,
                 token,
+                checked,
                 ..
-            } => Some((read, token, (r.worker, r.incarnation))),
+            } => Some((read, token, (r.worker, r.incarnation), checked)),
             _ => None,
         })
         .collect();
     admitted.sort_unstable();
     for pair in admitted.windows(2) {
-        let ((read_a, token_a, who_a), (read_b, token_b, who_b)) = (pair[0], pair[1]);
+        let ((read_a, token_a, who_a, _), (read_b, token_b, who_b, at)) = (pair[0], pair[1]);
         if read_a == read_b {
             out.push(Violation {
                 property: Property::LostUpdate,
@@ -329,6 +343,7 @@ fn check_ledger(key: u32, events: &[&Record], last: Option<u64>, out: &mut Vec<V
                      and token {token_b} (worker {} process {})",
                     who_a.0, who_a.1, who_b.0, who_b.1
                 ),
+                at,
             });
         } else if token_b < token_a {
             out.push(Violation {
@@ -340,10 +355,11 @@ fn check_ledger(key: u32, events: &[&Record], last: Option<u64>, out: &mut Vec<V
                     read_b + 1,
                     read_a + 1
                 ),
+                at,
             });
         }
     }
-    if let Some(&(read, token, _)) = admitted.last()
+    if let Some(&(read, token, _, at)) = admitted.last()
         && last.unwrap_or(0) < read + 1
     {
         out.push(Violation {
@@ -354,6 +370,7 @@ fn check_ledger(key: u32, events: &[&Record], last: Option<u64>, out: &mut Vec<V
                 last.unwrap_or(0),
                 read + 1
             ),
+            at,
         });
     }
 }

@@ -3,7 +3,6 @@
 //! into the run's history; a pause is SIGSTOP then SIGCONT, a kill is SIGKILL and a new
 //! process in its place.
 
-use std::collections::HashMap;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,6 +15,7 @@ use tokio::process::{Child, Command};
 use tokio::task::JoinHandle;
 
 use super::event::{Event, now};
+use super::fault::{Fault, FaultKind};
 use super::worker::WorkerArgs;
 
 /// One event and who reported it: the worker's place and which of its processes.
@@ -39,8 +39,9 @@ pub struct Counts {
 #[derive(Debug, Default)]
 pub struct History {
     pub records: Mutex<Vec<Record>>,
-    /// When each killed process died: (worker, incarnation) and the time of the kill.
-    pub deaths: Mutex<HashMap<(u32, u32), u64>>,
+    /// What the nemesis did to the workers and the store, in the order done; the deaths
+    /// of the processes it killed are taken from it.
+    pub faults: Mutex<Vec<Fault>>,
     pub counts: Counts,
 }
 
@@ -55,6 +56,11 @@ impl History {
             _ => 0,
         };
         self.records.lock().push(record);
+    }
+
+    /// Notes that the nemesis did `kind` at `at`.
+    pub fn fault(&self, at: u64, kind: FaultKind) {
+        self.faults.lock().push(Fault { at, kind });
     }
 }
 
@@ -165,14 +171,26 @@ impl Workers {
 
     /// Stops worker `worker` where it is (SIGSTOP).
     pub fn pause(&mut self, worker: u32) {
+        let (at, incarnation) = (now(), self.slots[worker as usize].incarnation);
         self.signal(worker, Signal::SIGSTOP);
         self.slots[worker as usize].paused = true;
+        let kind = FaultKind::Pause {
+            worker,
+            incarnation,
+        };
+        self.history.fault(at, kind);
     }
 
     /// Lets a paused worker go on (SIGCONT).
     pub fn resume(&mut self, worker: u32) {
+        let (at, incarnation) = (now(), self.slots[worker as usize].incarnation);
         self.signal(worker, Signal::SIGCONT);
         self.slots[worker as usize].paused = false;
+        let kind = FaultKind::Resume {
+            worker,
+            incarnation,
+        };
+        self.history.fault(at, kind);
     }
 
     /// Kills worker `worker` (SIGKILL), whatever it holds, and starts a new process in
@@ -182,12 +200,19 @@ impl Workers {
         let at = now();
         slot.child.start_kill()?;
         slot.child.wait().await?;
-        self.history
-            .deaths
-            .lock()
-            .insert((worker, slot.incarnation), at);
+        let kind = FaultKind::Kill {
+            worker,
+            incarnation: slot.incarnation,
+        };
+        self.history.fault(at, kind);
         let incarnation = slot.incarnation + 1;
+        let at = now();
         let replacement = self.spawn(worker, incarnation)?;
+        let kind = FaultKind::Restart {
+            worker,
+            incarnation,
+        };
+        self.history.fault(at, kind);
         let old = std::mem::replace(&mut self.slots[worker as usize], replacement);
         // What the killed process wrote before it died is still read to the end.
         let _ = old.reader.await;
@@ -223,10 +248,11 @@ impl Workers {
                 .await
                 .is_err()
             {
-                self.history
-                    .deaths
-                    .lock()
-                    .insert((worker as u32, slot.incarnation), now());
+                let kind = FaultKind::KillAtEnd {
+                    worker: worker as u32,
+                    incarnation: slot.incarnation,
+                };
+                self.history.fault(now(), kind);
                 let _ = slot.child.start_kill();
                 let _ = slot.child.wait().await;
                 killed += 1;
