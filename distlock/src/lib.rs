@@ -196,8 +196,9 @@ pub use distlock_core::{
     Admission, Capabilities, Claim, ELECTION_PREFIX, Election, ElectionBuilder, EnforcementMode,
     Fence, FencedResource, FencedResourceExt, FencingToken, Leader, Leadership, Lease, LeaseStatus,
     LockBackend, LockError, LockGuard, LockInfo, LockKey, Locker, LockerBuilder, MAX_KEY_BYTES,
-    MAX_PERMITS, MemoryFencedResource, OwnerId, Permit, Permits, Release, Renewal, RetryPolicy,
-    Semaphore, WriteFence, election_key, memory, redact_url, telemetry, url_userinfo_is_ambiguous,
+    MAX_PERMITS, MemoryFencedResource, OwnerId, Permit, Permits, QUEUE_KEY_PREFIX, Release,
+    Renewal, RetryPolicy, Semaphore, WriteFence, election_key, memory, redact_url, telemetry,
+    url_userinfo_is_ambiguous,
 };
 
 /// What implementing a store, or a layer around one, needs beyond the user's surface:

@@ -31,7 +31,7 @@ pub use fencing::{
 pub use key::{FencingToken, LockKey, MAX_KEY_BYTES, OwnerId};
 pub use layer::instrumented::Instrumented;
 pub use layer::{BackendLayer, Layered};
-pub use locker::claim::Claim;
+pub use locker::claim::{Claim, QUEUE_KEY_PREFIX};
 pub use locker::election::{
     ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key,
 };

@@ -18,7 +18,9 @@ use crate::telemetry::Kind;
 
 /// The prefix of the queue keys [`Locker::claim_replacing`] takes: `queued:<job key>`, a
 /// key of its own for the time a job waits in its queue, never a running job's lock.
-const QUEUE_KEY_PREFIX: &str = "queued:";
+/// Public so that whatever names queue keys (distlock's tower layer, `queue_key`) and
+/// what takes them agree on one prefix.
+pub const QUEUE_KEY_PREFIX: &str = "queued:";
 
 /// A key taken by [`Locker::claim`] and not renewed by anyone until a process resumes it
 /// with [`Locker::resume`]: what a job's producer puts into the job, for its worker.
@@ -222,7 +224,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::Claim;
+    use super::{Claim, QUEUE_KEY_PREFIX};
     use crate::backend::LockBackend;
     use crate::backend::lease::Capabilities;
     use crate::error::LockError;
@@ -234,7 +236,7 @@ mod tests {
     const TTL: Duration = Duration::from_secs(60);
 
     fn queued(job: &str) -> LockKey {
-        LockKey::new(format!("queued:{job}")).unwrap()
+        LockKey::new(format!("{QUEUE_KEY_PREFIX}{job}")).unwrap()
     }
 
     fn locker(backend: impl LockBackend) -> Locker {

@@ -3,7 +3,8 @@
 //! under: ended when the job starts, or read to see whether a newer job replaced it.
 
 use distlock_core::{
-    Claim, FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, Permit, Release,
+    Claim, FencingToken, LeaseStatus, LockError, LockGuard, LockKey, Locker, Permit,
+    QUEUE_KEY_PREFIX, Release,
 };
 
 use super::{JobError, LockLayer};
@@ -45,14 +46,15 @@ pub(super) async fn replaced_by(
     Ok(found.token.filter(|&newest| newest > claim.token()))
 }
 
-/// The queue key of a job whose key is `key`: `queued:<key>`, which its producer claims
-/// under [`LockLayer::claimed`]`(.., `[`Until::Executing`](super::Until::Executing)`)` and
-/// [`Until::ExecutingOrReplaced`](super::Until::ExecutingOrReplaced) (there with [`Locker::claim_replacing`], which takes
-/// only such names).
+/// The queue key of a job whose key is `key`: `queued:<key>` ([`QUEUE_KEY_PREFIX`] and
+/// the key), which its producer claims under
+/// [`LockLayer::claimed`]`(.., `[`Until::Executing`](super::Until::Executing)`)` and
+/// [`Until::ExecutingOrReplaced`](super::Until::ExecutingOrReplaced) (there with
+/// [`Locker::claim_replacing`], which takes only names with that prefix).
 ///
 /// A [`LockError::InvalidKey`] when the prefixed name is too long for a key.
 pub fn queue_key(key: &LockKey) -> Result<LockKey, LockError> {
-    LockKey::new(format!("queued:{}", key.as_str()))
+    LockKey::new(format!("{QUEUE_KEY_PREFIX}{}", key.as_str()))
 }
 
 /// The run key of a job whose key is `key` under
