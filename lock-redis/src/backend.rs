@@ -298,6 +298,8 @@ impl LockBackend for RedisBackend {
 
     /// Deletes the lock key with one `DEL`, whoever holds it. The next grant's token is
     /// still above the purged one: a `DEL` and a new grant take longer than a microsecond.
+    /// A semaphore's permit slot is deleted with its semaphore's index (the next attempts
+    /// rebuild it from the slot keys).
     async fn purge(&self, key: &LockKey) -> Result<(), LockError> {
         self.core().purge(key).await
     }

@@ -792,6 +792,11 @@ impl Core {
         let keys = self.calls.keys(key);
         let mut del = redis::cmd("DEL");
         del.arg(&keys.lock);
+        // A permit slot's semaphore index goes with it (same hash tag, one DEL): the next
+        // attempt rebuilds what it needs from the slot keys.
+        if let Some(index) = crate::permits::index_keys(&self.calls.prefix, key) {
+            del.arg(&index);
+        }
         let _deleted: i64 = self
             .timed("purge", Effect::Write("purge"), self.conn.command(&del))
             .await?;

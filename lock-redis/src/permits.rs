@@ -48,10 +48,7 @@ impl PermitRun {
                 _ => return None,
             }
         }
-        // The slots' keys, as `LockKeys` names them: the slot number after this.
-        let slot0 = LockKeys::new(prefix, &LockKey::new(format!("{name}:permit:0")).ok()?).lock;
-        let slots = slot0.strip_suffix('0')?.to_owned();
-        let index = format!("{}s", slots.strip_suffix(':')?);
+        let (index, slots) = names(prefix, name)?;
         Some(Self {
             index,
             slots,
@@ -98,6 +95,25 @@ impl PermitRun {
                 .into_bytes(),
         ]
     }
+}
+
+/// The index keys of the semaphore whose permit slot `key` is (the bitmap, its due set,
+/// its waiters' flag), or `None` for any other key: what a purge of the slot deletes with
+/// it (the index is rebuilt from the slot keys as attempts meet them).
+pub(crate) fn index_keys(prefix: &str, key: &LockKey) -> Option<[String; 3]> {
+    let (name, slot) = key.permit_slot()?;
+    slot_number(slot)?;
+    let (index, _) = names(prefix, name)?;
+    Some([format!("{index}:due"), format!("{index}:waited"), index])
+}
+
+/// The index of semaphore `name` and what its slot keys start with, as `LockKeys` names
+/// a slot: `<prefix>:{<name>}:permits` and `<prefix>:{<name>}:permit:`.
+fn names(prefix: &str, name: &str) -> Option<(String, String)> {
+    let slot0 = LockKeys::new(prefix, &LockKey::new(format!("{name}:permit:0")).ok()?).lock;
+    let slots = slot0.strip_suffix('0')?.to_owned();
+    let index = format!("{}s", slots.strip_suffix(':')?);
+    Some((index, slots))
 }
 
 /// A slot's number, when written canonically (`07` is not slot 7: it is a key of its own,

@@ -75,11 +75,12 @@ async fn a_full_semaphores_refusal_reads_no_slot_key() {
     );
     assert_eq!(index, RespValue::Integer(1));
     redis.release_many(&held).await.unwrap();
-    // Each release freed its slot in the index; the first, heard by the flag, cleared it.
+    // Each release freed its slot in the index, and the idle semaphore keeps none; the
+    // first release, heard by the flag, cleared it.
     assert_eq!(
         harness::require(
             f.server
-                .command(&["BITCOUNT", "distlock:{wide}:permits"])
+                .command(&["EXISTS", "distlock:{wide}:permits"])
                 .await
         ),
         RespValue::Integer(0)
@@ -262,4 +263,35 @@ async fn an_attempt_sent_again_returns_its_slot_and_its_abandon_gives_it_back() 
         harness::require(f.server.command(&args).await),
         RespValue::Integer(0)
     );
+}
+
+/// A purge of a slot takes the semaphore's index with it (`lockctl check` purges what it
+/// used and leaves nothing behind); the slots still held are found held by the next
+/// attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_purged_slot_takes_the_index_with_it() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("purged", 3);
+    let held = fill(&redis, &slots, 3, TTL).await;
+    redis.purge(&slots[0]).await.unwrap();
+    let left = harness::require(
+        f.server
+            .command(&[
+                "EXISTS",
+                "distlock:{purged}:permits",
+                "distlock:{purged}:permits:due",
+            ])
+            .await,
+    );
+    assert_eq!(left, RespValue::Integer(0));
+    let again = redis
+        .acquire_any(&slots, TTL)
+        .await
+        .unwrap()
+        .expect("slot 0");
+    assert_eq!(again.key(), &slots[0]);
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    redis.release_many(&held[1..]).await.unwrap();
+    redis.release(&again).await.unwrap();
 }

@@ -33,6 +33,16 @@ end
 local now = redis.call('TIME')
 now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 
+-- When a held slot is next due, from its key's `PTTL` (`left`): when that runs out (0 is
+-- this very millisecond: the key expires in the next one), or, for a key without a TTL
+-- (set by hand), after this attempt's TTL.
+local function due_after(now, left)
+  if left >= 0 then
+    return now + left
+  end
+  return now + ttl
+end
+
 -- Slots whose lease was due to run out by now: freed if their key is gone (a TTL ran
 -- out, a purge), else due again when their key's TTL (renewed since) runs out.
 for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
@@ -41,7 +51,7 @@ for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
     redis.call('ZREM', due, slot)
     redis.call('SETBIT', index, slot, 0)
   else
-    redis.call('ZADD', due, now + (left > 0 and left or ttl), slot)
+    redis.call('ZADD', due, due_after(now, left), slot)
   end
 end
 
@@ -91,9 +101,8 @@ local function take(lo, hi)
       redis.call('ZADD', due, now + ttl, slot)
       return slot
     end
-    local left = redis.call('PTTL', key)
     redis.call('SETBIT', index, slot, 1)
-    redis.call('ZADD', due, now + (left > 0 and left or ttl), slot)
+    redis.call('ZADD', due, due_after(now, redis.call('PTTL', key)), slot)
     lo = slot + 1
   end
   return nil

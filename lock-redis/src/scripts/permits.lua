@@ -39,6 +39,10 @@ end
 -- due time has passed.
 local function permit_freed(index, slot)
   redis.pcall('SETBIT', index, slot, 0)
+  if redis.pcall('BITCOUNT', index) == 0 then
+    -- No slot held: an idle semaphore keeps no index.
+    redis.pcall('DEL', index)
+  end
   redis.pcall('ZREM', index .. ':due', slot)
   return redis.pcall('DEL', index .. ':waited') == 1
 end
