@@ -119,8 +119,10 @@ fn names(prefix: &str, name: &str) -> Option<(String, String)> {
 /// A slot's number, when written canonically (`07` is not slot 7: it is a key of its own,
 /// which the index does not cover).
 fn slot_number(slot: &str) -> Option<u32> {
-    let n: u32 = slot.parse().ok()?;
-    (n.to_string() == slot).then_some(n)
+    if slot.len() > 1 && slot.starts_with('0') {
+        return None;
+    }
+    slot.parse().ok()
 }
 
 #[cfg(test)]

@@ -67,6 +67,7 @@ async fn a_full_semaphores_refusal_reads_no_slot_key() {
     // One SET: the waiters' flag, not a slot.
     assert_eq!(f.calls("set").await, 1, "SET");
     assert_eq!(f.calls("bitpos").await, 1, "BITPOS");
+    assert_eq!(f.calls("getbit").await, 0, "GETBIT");
     // The waiters' flag is set, and the slot keys hold their leases unmarked.
     let index = harness::require(
         f.server

@@ -71,7 +71,10 @@ pub const MAX_PERMITS: u32 = 1024;
 pub struct Semaphore {
     locker: Locker,
     name: LockKey,
-    slots: Arc<[LockKey]>,
+    /// The permit slots twice over (`<name>:permit:0` to `N-1`, then again), so that the
+    /// slots from any one onwards, wrapping to slot 0, are one slice of it: an attempt asks
+    /// for them without copying N keys.
+    ring: Arc<[LockKey]>,
 }
 
 impl Locker {
@@ -96,11 +99,12 @@ impl Locker {
         }
         let slots = (0..permits)
             .map(|slot| LockKey::new(format!("{name}:permit:{slot}")))
-            .collect::<Result<Arc<[LockKey]>, LockError>>()?;
+            .collect::<Result<Vec<LockKey>, LockError>>()?;
+        let ring = slots.iter().chain(&slots).cloned().collect();
         Ok(Semaphore {
             locker: self.clone(),
             name: name.clone(),
-            slots,
+            ring,
         })
     }
 }
@@ -113,13 +117,13 @@ impl Semaphore {
 
     /// How many permits it has.
     pub fn permits(&self) -> u32 {
-        u32::try_from(self.slots.len()).unwrap_or(MAX_PERMITS)
+        u32::try_from(self.slots().len()).unwrap_or(MAX_PERMITS)
     }
 
     /// Its permit slots, `<name>:permit:0` onwards: the keys the store holds for its
     /// permits.
     pub fn slots(&self) -> &[LockKey] {
-        &self.slots
+        &self.ring[..self.ring.len() / 2]
     }
 
     /// Takes a permit if one is free, without waiting; `Ok(None)` when all are held.
@@ -259,7 +263,7 @@ impl Semaphore {
         let sent = Instant::now();
         let k = usize::try_from(k).unwrap_or(usize::MAX);
         let backend = self.locker.backend().clone();
-        let leases = match Taking::new(backend, self.slots.clone(), k, self.locker.ttl()).await? {
+        let leases = match Taking::new(backend, self.ring.clone(), k, self.locker.ttl()).await? {
             Taken::All(leases) => leases,
             Taken::TooFew { given_back } => return Ok(Err(given_back)),
         };
@@ -275,10 +279,11 @@ impl Semaphore {
             .collect()))
     }
 
-    /// The index of `key` among the slots (a key [`Taking`] checked).
+    /// The index of `key` among the slots (a key [`Taking`] checked: one of them).
     fn slot_of(&self, key: &LockKey) -> u32 {
-        let slot = self.slots.iter().position(|s| s == key).unwrap_or_default();
-        u32::try_from(slot).unwrap_or_default()
+        key.permit_slot()
+            .and_then(|(_, slot)| slot.parse().ok())
+            .unwrap_or_default()
     }
 
     /// [`Semaphore::acquire`] up to `wait` (`None`: no deadline).
@@ -304,7 +309,7 @@ impl Semaphore {
     /// release its watch hears, and would otherwise wake it at once, again and again.
     async fn wait_for(&self, k: u32, wait: Option<Duration>) -> Result<Vec<Permit>, LockError> {
         let locker = &self.locker;
-        let waiting = Waiting::any_of(locker.backend().as_ref(), &self.slots, locker.retry());
+        let waiting = Waiting::any_of(locker.backend().as_ref(), self.slots(), locker.retry());
         let gave_back = AtomicU32::new(0);
         let attempt = || async {
             match self.attempt(k).await? {
@@ -345,8 +350,8 @@ impl Semaphore {
     /// Cancel safe: it only reads.
     pub async fn holders(&self) -> Result<Vec<LockInfo>, LockError> {
         let backend = self.locker.backend();
-        let mut out = Vec::with_capacity(self.slots.len());
-        for slot in self.slots.iter() {
+        let mut out = Vec::with_capacity(self.slots().len());
+        for slot in self.slots() {
             out.push(backend.inspect(slot).await?);
         }
         Ok(out)
@@ -357,7 +362,7 @@ impl fmt::Debug for Semaphore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Semaphore")
             .field("name", &self.name)
-            .field("permits", &self.slots.len())
+            .field("permits", &self.slots().len())
             .finish_non_exhaustive()
     }
 }

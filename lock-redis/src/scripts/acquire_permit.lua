@@ -108,10 +108,15 @@ local function take(lo, hi)
   return nil
 end
 
-local slot = take(tonumber(ARGV[5]), tonumber(ARGV[6]))
-local wrapped = tonumber(ARGV[7])
-if not slot and wrapped >= 0 then
-  slot = take(0, wrapped)
+local first, last, wrapped = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local slot
+-- The lowest clear bit above the run's highest slot: every slot of the run is held (the
+-- run lies within 0..last), and a full semaphore is refused on this one look.
+if redis.call('BITPOS', index, 0) <= last then
+  slot = take(first, last)
+  if not slot and wrapped >= 0 then
+    slot = take(0, wrapped)
+  end
 end
 if slot then
   redis.call('SET', high_key, token)

@@ -47,15 +47,16 @@ pub(super) struct Taking {
 }
 
 impl Taking {
-    /// Starts taking `k` (1 to `slots.len()`) of `slots` for `ttl` on `backend`, trying
+    /// Starts taking `k` (1 to N) of a semaphore's N slots for `ttl` on `backend`, trying
     /// them from a random one onwards, so that processes do not all contend for slot 0.
+    /// `ring` is the slots twice over (see `Semaphore`).
     pub(super) fn new(
         backend: Arc<dyn LockBackend>,
-        slots: Arc<[LockKey]>,
+        ring: Arc<[LockKey]>,
         k: usize,
         ttl: Duration,
     ) -> Self {
-        let call = Box::pin(take(backend.clone(), slots, k, ttl));
+        let call = Box::pin(take(backend.clone(), ring, k, ttl));
         Self {
             call: Some(call),
             backend,
@@ -108,22 +109,24 @@ impl Drop for Taking {
 }
 
 /// [`Taking`]'s call: `acquire_any` over the slots not yet tried, until `k` are taken or
-/// one finds none free; then all of them are kept, or all given back.
+/// one finds none free; then all of them are kept, or all given back. The slots asked for
+/// are always one slice of `ring` (the N slots twice over): from a random slot, N of them,
+/// and after a grant, those after the granted one; no key is copied.
 async fn take(
     backend: Arc<dyn LockBackend>,
-    slots: Arc<[LockKey]>,
+    ring: Arc<[LockKey]>,
     k: usize,
     ttl: Duration,
 ) -> Result<Taken, LockError> {
-    let start = rand::random_range(0..slots.len());
-    let mut order: Vec<LockKey> = slots[start..]
-        .iter()
-        .chain(&slots[..start])
-        .cloned()
-        .collect();
+    let n = ring.len() / 2;
+    let (mut from, to) = {
+        let start = rand::random_range(0..n);
+        (start, start + n)
+    };
     let mut taken: Vec<Lease> = Vec::with_capacity(k);
     while taken.len() < k {
-        let granted = match backend.acquire_any(&order, ttl).await {
+        let order = &ring[from..to];
+        let granted = match backend.acquire_any(order, ttl).await {
             Ok(Some(lease)) => lease,
             Ok(None) => {
                 give_back(backend.as_ref(), &taken, "too few free permits").await;
@@ -138,7 +141,7 @@ async fn take(
         };
         // The slots before the granted one were held when asked: the next call starts
         // after it.
-        let Some(at) = order.iter().position(|slot| slot == granted.key()) else {
+        let Some(at) = position(order, from % n, n, granted.key()) else {
             // Not one of ours: give it back rather than count it as a permit.
             let stray = granted.key().clone();
             taken.push(granted);
@@ -151,10 +154,18 @@ async fn take(
                 .into(),
             });
         };
-        order.drain(..=at);
+        from += at + 1;
         taken.push(granted);
     }
     Ok(Taken::All(taken))
+}
+
+/// Where `key` is in `order`, the slots of a semaphore of `n` from slot `first` onwards:
+/// read from the slot number its name ends with, and checked against the key there.
+fn position(order: &[LockKey], first: usize, n: usize, key: &LockKey) -> Option<usize> {
+    let slot: usize = key.permit_slot()?.1.parse().ok()?;
+    let at = (slot + n - first) % n;
+    (order.get(at) == Some(key)).then_some(at)
 }
 
 /// Releases `leases` (best effort: what fails frees itself when its TTL runs out); `why`
@@ -165,5 +176,33 @@ async fn give_back(backend: &dyn LockBackend, leases: &[Lease], why: &str) {
     }
     if let Err(error) = backend.release_many(leases).await {
         debug!(leases = leases.len(), %error, why, "giving back permit slots failed; they run out on their own");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_granted_slot_is_found_where_it_is_in_the_slice_asked_for() {
+        let ring: Vec<LockKey> = (0..8)
+            .chain(0..8)
+            .map(|i| LockKey::new(format!("s:permit:{i}")).unwrap())
+            .collect();
+        let key = |name: &str| LockKey::new(name).unwrap();
+        // From slot 5: 5 6 7 0 1 2 3 4.
+        let order = &ring[5..13];
+        assert_eq!(position(order, 5, 8, &key("s:permit:5")), Some(0));
+        assert_eq!(position(order, 5, 8, &key("s:permit:6")), Some(1));
+        assert_eq!(position(order, 5, 8, &key("s:permit:0")), Some(3));
+        assert_eq!(position(order, 5, 8, &key("s:permit:4")), Some(7));
+        // After a grant at slot 7: 0 1 2 3 4 left; slot 5 is no longer asked for.
+        let order = &ring[8..13];
+        assert_eq!(position(order, 0, 8, &key("s:permit:2")), Some(2));
+        assert_eq!(position(order, 0, 8, &key("s:permit:5")), None);
+        // Not one of the slots: another semaphore's, beyond N, not canonical, not a slot.
+        for stray in ["t:permit:2", "s:permit:9", "s:permit:02", "s"] {
+            assert_eq!(position(&ring[0..8], 0, 8, &key(stray)), None, "{stray}");
+        }
     }
 }
