@@ -30,17 +30,15 @@ impl PermitRun {
     /// order (or fewer than two).
     pub(crate) fn of(prefix: &str, keys: &[LockKey]) -> Option<Self> {
         let (name, first) = keys.first()?.permit_slot()?;
-        let first = slot_number(first)?;
         if keys.len() < 2 {
             return None;
         }
+        // What each slot's name starts with, `<name>:permit:`: the rest is its number.
+        let stem = &keys[0].as_str()[..name.len() + ":permit:".len()];
+        let first = slot_number(first)?;
         let (mut last, mut wrapped) = (first, None);
         for key in &keys[1..] {
-            let (n, slot) = key.permit_slot()?;
-            let slot = slot_number(slot)?;
-            if n != name {
-                return None;
-            }
+            let slot = slot_number(key.as_str().strip_prefix(stem)?)?;
             match wrapped {
                 None if slot == last.checked_add(1)? => last = slot,
                 None if slot == 0 && first > 0 => wrapped = Some(0),
@@ -119,7 +117,8 @@ fn names(prefix: &str, name: &str) -> Option<(String, String)> {
 /// A slot's number, when written canonically (`07` is not slot 7: it is a key of its own,
 /// which the index does not cover).
 fn slot_number(slot: &str) -> Option<u32> {
-    if slot.len() > 1 && slot.starts_with('0') {
+    let digits = !slot.is_empty() && slot.bytes().all(|b| b.is_ascii_digit());
+    if !digits || (slot.len() > 1 && slot.starts_with('0')) {
         return None;
     }
     slot.parse().ok()
@@ -178,6 +177,14 @@ mod tests {
         // `07` is a key of its own, not slot 7.
         assert_eq!(run(&["s:permit:06", "s:permit:07"]), None);
         assert_eq!(run(&["s:permit:6", "s:permit:07"]), None);
+        // Another semaphore whose name ends like a slot, a sign, a longer name.
+        assert_eq!(run(&["s:permit:0", "s:permit:1:permit:2"]), None);
+        assert_eq!(run(&["s:permit:0", "s:permit:+1"]), None);
+        assert_eq!(run(&["s:permit:0", "xs:permit:1"]), None);
+        assert_eq!(
+            run(&["a:permit:1:permit:0", "a:permit:1:permit:1"]).map(|r| r.last),
+            Some(1)
+        );
     }
 
     #[test]
