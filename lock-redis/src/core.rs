@@ -66,9 +66,9 @@ pub(crate) struct Core {
 pub(crate) struct AbandonOnDrop<'a> {
     core: &'a Core,
     attempts: Vec<(LockKeys, OwnerId)>,
-    /// The abandon call of a permit attempt through a semaphore's index, which finds the
-    /// slot it took by its owner id.
-    permit: Option<Call>,
+    /// A permit attempt through a semaphore's index: its run and owner id, from which
+    /// `abandon_permit.lua` finds the slot it took (the call is built only if needed).
+    permit: Option<(&'a PermitRun, OwnerId)>,
     ttl: Duration,
     /// The connection of its own the attempt went over, if any: the cleanup goes over it
     /// too, so that it runs after the attempt.
@@ -89,7 +89,8 @@ impl Drop for AbandonOnDrop<'_> {
             let attempts = std::mem::take(&mut self.attempts);
             self.core.abandon_over(self.over.take(), attempts, self.ttl);
         }
-        if let Some(call) = self.permit.take() {
+        if let Some((run, owner)) = self.permit.take() {
+            let call = self.core.calls.abandon_permit_call(run, owner);
             self.core.give_back(self.over.take(), vec![call], self.ttl);
         }
     }
@@ -313,12 +314,13 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: Vec::new(),
-            permit: Some(self.calls.abandon_permit_call(&run, owner)),
+            permit: Some((&run, owner)),
             ttl,
             over: None,
         };
         let reply = self.send_any(&call).await;
-        let abandon = pending.permit.take().into_iter().collect();
+        pending.settled();
+        let abandon = || vec![self.calls.abandon_permit_call(&run, owner)];
         match reply {
             Ok(None) => Ok(None),
             Ok(Some((slot, token))) => {
@@ -327,7 +329,7 @@ impl Core {
                     .and_then(|slot| run.position(slot))
                     .and_then(|at| keys.get(at))
                 else {
-                    self.give_back(None, abandon, ttl);
+                    self.give_back(None, abandon(), ttl);
                     return Err(LockError::backend(
                         NAME,
                         format!(
@@ -340,7 +342,7 @@ impl Core {
             }
             Err(e) => {
                 if let LockError::OutcomeUnknown { .. } = e {
-                    self.give_back(None, abandon, ttl);
+                    self.give_back(None, abandon(), ttl);
                 }
                 Err(e)
             }

@@ -71,13 +71,13 @@ impl PermitRun {
         }
     }
 
-    /// The script's keys: the index, its due set, its waiters' flag, and `high_water`.
-    pub(crate) fn keys(&self, high_water: String) -> Vec<String> {
+    /// The index's keys, as the scripts take them: the bitmap, its due set, its waiters'
+    /// flag.
+    pub(crate) fn keys(&self) -> Vec<String> {
         vec![
             self.index.clone(),
             format!("{}:due", self.index),
             format!("{}:waited", self.index),
-            high_water,
         ]
     }
 
@@ -198,12 +198,11 @@ mod tests {
         assert_eq!(format!("{}2", r.slots), slot2);
         assert_eq!(r.index, "p:{a%7Db}:permits");
         assert_eq!(
-            r.keys("p:tokens".into()),
+            r.keys(),
             [
                 "p:{a%7Db}:permits",
                 "p:{a%7Db}:permits:due",
                 "p:{a%7Db}:permits:waited",
-                "p:tokens"
             ]
         );
     }

@@ -130,20 +130,20 @@ impl Calls {
     ) -> Call {
         let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
         args.extend(run.args(mark));
+        let mut keys = run.keys();
+        keys.push(self.high_water(&run.index));
         Call {
             script: &ACQUIRE_PERMIT_SCRIPT,
-            keys: run.keys(self.high_water(&run.index)),
+            keys,
             args,
         }
     }
 
     /// The call of `abandon_permit.lua` for an attempt of `owner` over `run`.
     pub(crate) fn abandon_permit_call(&self, run: &PermitRun, owner: OwnerId) -> Call {
-        let mut keys = run.keys(String::new());
-        keys.pop();
         Call {
             script: &ABANDON_PERMIT_SCRIPT,
-            keys,
+            keys: run.keys(),
             args: [
                 Some(owner.to_string().into()),
                 Some(run.slots.clone().into_bytes()),
