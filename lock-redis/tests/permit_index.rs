@@ -296,3 +296,40 @@ async fn a_purged_slot_takes_the_index_with_it() {
     redis.release_many(&held[1..]).await.unwrap();
     redis.release(&again).await.unwrap();
 }
+
+/// A permit attempt whose reply is lost (it ran: the link is slower than the request
+/// timeout) gives back the slot it took, found by its owner id, long before the slot's
+/// 30 s lease would run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_permit_attempt_whose_reply_is_lost_gives_its_slot_back() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("lost", 3);
+    let held = fill(&redis, &slots, 2, TTL).await;
+    // Each way slower than half the 300 ms request timeout: the attempt reaches the server
+    // and takes slot 2, its reply comes too late.
+    f.proxy.delay(Duration::from_millis(200));
+    let outcome = redis.acquire_any(&slots, TTL).await;
+    assert!(
+        matches!(
+            outcome,
+            Err(distlock_core::LockError::OutcomeUnknown { .. })
+        ),
+        "{outcome:?}"
+    );
+    f.proxy.delay(Duration::ZERO);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let back = loop {
+        if let Some(lease) = redis.acquire_any(&slots, TTL).await.unwrap() {
+            break lease;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "slot 2 still held 5 s after the lost reply (its lease is 30 s)"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(back.key(), &slots[2]);
+    redis.release_many(&held).await.unwrap();
+    redis.release(&back).await.unwrap();
+}
