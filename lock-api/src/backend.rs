@@ -112,6 +112,24 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         None
     }
 
+    /// One watch of every permit slot of a semaphore, for a waiter that takes whichever
+    /// frees first: `slots` are the slots in order, `<name>:permit:0` to
+    /// `<name>:permit:<N-1>` (see [`LockKey::permit_slot`]). It is woken as a
+    /// [`Self::watch_releases`] of any one slot would be, with the same hints and
+    /// fallbacks; watchers of one semaphore in one backend instance share one subscription
+    /// per slot, made when the first comes and dropped after the last goes, so a waiter
+    /// costs the same whatever N is.
+    ///
+    /// The default, `None`, has [`crate::Semaphore`] watch each slot with
+    /// [`Self::watch_releases`] instead: right, at a cost per waiter that grows with N. A
+    /// backend with a [`crate::backend::wake::ReleaseHub`] returns
+    /// [`ReleaseHub::watch_permits`](crate::backend::wake::ReleaseHub::watch_permits). A
+    /// wrapper forwards it as it forwards [`Self::watch_releases`].
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        let _ = slots;
+        None
+    }
+
     /// The keys this instance's waiters are watching for releases right now: what it is
     /// subscribed to. Empty for a backend that does not announce releases (the default),
     /// and once no one waits (a cancelled waiter leaves nothing behind).

@@ -125,6 +125,15 @@ pub trait BackendLayer: Debug + Send + Sync + 'static {
         next.watch_releases(key)
     }
 
+    /// [`LockBackend::watch_permit_releases`].
+    fn watch_permit_releases(
+        &self,
+        next: &dyn LockBackend,
+        slots: &[LockKey],
+    ) -> Option<ReleaseWatch> {
+        next.watch_permit_releases(slots)
+    }
+
     /// [`LockBackend::watched_keys`].
     fn watched_keys(&self, next: &dyn LockBackend) -> Vec<LockKey> {
         next.watched_keys()
@@ -229,6 +238,14 @@ impl<L: BackendLayer + ?Sized> BackendLayer for Arc<L> {
 
     fn watch_releases(&self, next: &dyn LockBackend, key: &LockKey) -> Option<ReleaseWatch> {
         (**self).watch_releases(next, key)
+    }
+
+    fn watch_permit_releases(
+        &self,
+        next: &dyn LockBackend,
+        slots: &[LockKey],
+    ) -> Option<ReleaseWatch> {
+        (**self).watch_permit_releases(next, slots)
     }
 
     fn watched_keys(&self, next: &dyn LockBackend) -> Vec<LockKey> {
@@ -345,6 +362,10 @@ impl<L: BackendLayer> LockBackend for Layered<L> {
 
     fn watch_releases(&self, key: &LockKey) -> Option<ReleaseWatch> {
         self.layer.watch_releases(&*self.inner, key)
+    }
+
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        self.layer.watch_permit_releases(&*self.inner, slots)
     }
 
     fn watched_keys(&self) -> Vec<LockKey> {

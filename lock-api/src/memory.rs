@@ -212,6 +212,14 @@ impl LockBackend for MemoryBackend {
             .then(|| self.releases.watch(key))
     }
 
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        if self.capabilities.wakes_waiters {
+            self.releases.watch_permits(slots)
+        } else {
+            None
+        }
+    }
+
     /// The keys waiters watch on every client of this store (they share one hub).
     fn watched_keys(&self) -> Vec<LockKey> {
         self.releases.watched_keys()

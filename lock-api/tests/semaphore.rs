@@ -219,3 +219,61 @@ async fn a_lock_named_like_a_permit_slot_is_refused_and_takes_no_permit() {
         assert!(matches!(guard, Ok(Some(_))), "{name}: {guard:?}");
     }
 }
+
+/// A layer that counts the watches asked for, by kind.
+#[derive(Debug, Default)]
+struct CountWatches {
+    keys: AtomicUsize,
+    semaphores: AtomicUsize,
+}
+
+#[async_trait]
+impl BackendLayer for CountWatches {
+    fn watch_releases(
+        &self,
+        next: &dyn LockBackend,
+        key: &LockKey,
+    ) -> Option<distlock_core::wake::ReleaseWatch> {
+        self.keys.fetch_add(1, Ordering::SeqCst);
+        next.watch_releases(key)
+    }
+
+    fn watch_permit_releases(
+        &self,
+        next: &dyn LockBackend,
+        slots: &[LockKey],
+    ) -> Option<distlock_core::wake::ReleaseWatch> {
+        self.semaphores.fetch_add(1, Ordering::SeqCst);
+        next.watch_permit_releases(slots)
+    }
+}
+
+#[tokio::test]
+async fn a_waiter_watches_all_the_slots_with_one_watch_whatever_their_number() {
+    let store: Arc<dyn LockBackend> = Arc::new(MemoryBackend::new());
+    let count = Arc::new(CountWatches::default());
+    let counted: Arc<dyn LockBackend> = Arc::new(Layered::new(store.clone(), count.clone()));
+    let full = locker_on(store.clone(), Duration::from_millis(5))
+        .semaphore(&key("exports"), MAX_PERMITS)
+        .unwrap();
+    let held = full.try_acquire_many(MAX_PERMITS).await.unwrap().unwrap();
+
+    let semaphore = locker_on(counted, Duration::from_millis(5))
+        .semaphore(&key("exports"), MAX_PERMITS)
+        .unwrap();
+    for _ in 0..4 {
+        let waited = semaphore.acquire_timeout(Duration::from_millis(30)).await;
+        assert!(
+            matches!(waited, Err(LockError::Timeout { .. })),
+            "{waited:?}"
+        );
+    }
+    assert_eq!(
+        count.semaphores.load(Ordering::SeqCst),
+        4,
+        "one watch per wait"
+    );
+    assert_eq!(count.keys.load(Ordering::SeqCst), 0, "no watch per slot");
+    assert!(store.watched_keys().is_empty(), "nothing left watched");
+    drop(held);
+}

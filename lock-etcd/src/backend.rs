@@ -455,6 +455,10 @@ impl LockBackend for EtcdBackend {
         self.inner.releases.watch(key)
     }
 
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        self.inner.releases.watch_permits(slots)
+    }
+
     /// The keys waiters on this backend (and its clones) are watching for releases.
     fn watched_keys(&self) -> Vec<LockKey> {
         self.inner.releases.watched_keys()

@@ -393,6 +393,10 @@ impl LockBackend for PgAdvisoryBackend {
         self.releases.watch(key)
     }
 
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        self.releases.watch_permits(slots)
+    }
+
     fn watched_keys(&self) -> Vec<LockKey> {
         self.releases.watched_keys()
     }

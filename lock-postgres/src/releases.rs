@@ -186,6 +186,14 @@ impl ReleaseListener {
         self.listener.watch(key)
     }
 
+    /// Starts watching a semaphore's slots with one watch, as [`Self::watch`] a key.
+    pub(crate) fn watch_permits(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        if self.pooling == PgPooling::Transaction {
+            return None;
+        }
+        self.listener.watch_permits(slots)
+    }
+
     /// The keys waiters of this backend are watching.
     pub(crate) fn watched_keys(&self) -> Vec<LockKey> {
         self.listener.watched_keys()

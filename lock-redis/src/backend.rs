@@ -285,6 +285,10 @@ impl LockBackend for RedisBackend {
         self.core().listener.watch(key)
     }
 
+    fn watch_permit_releases(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        self.core().listener.watch_permits(slots)
+    }
+
     fn watched_keys(&self) -> Vec<LockKey> {
         self.core().listener.watched_keys()
     }

@@ -135,6 +135,11 @@ impl ReleaseListener {
         self.0.as_ref()?.watch(key)
     }
 
+    /// Starts watching a semaphore's slots with one watch, as [`Self::watch`] a key.
+    pub(crate) fn watch_permits(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        self.0.as_ref()?.watch_permits(slots)
+    }
+
     /// Whether an acquire of `key` grants it marked waited for: more than one waiter of
     /// this process watches it (see [`distlock_core::wake::ReleaseHub::watchers`]). One may
     /// be the caller itself, in `Locker::lock`, whose own grant needs no announcement; any

@@ -63,13 +63,40 @@ pub struct ReleaseHub {
 }
 
 struct HubInner {
-    keys: Mutex<HashMap<LockKey, Watched>>,
+    watched: Mutex<Watched>,
     subscriptions: Box<dyn Subscriptions>,
 }
 
+/// What the hub's lock guards: the watched keys, and the semaphores watched as one.
+#[derive(Default)]
 struct Watched {
+    keys: HashMap<LockKey, KeyWatch>,
+    semaphores: HashMap<Semaphore, GroupWatch>,
+}
+
+/// A semaphore's slots as [`ReleaseHub::watch_permits`] names them: its first slot and
+/// how many there are.
+type Semaphore = (LockKey, usize);
+
+/// One key's watchers, and the semaphores whose slot it is and that are watched.
+struct KeyWatch {
     watchers: usize,
     notify: Arc<Notify>,
+    semaphores: Vec<Semaphore>,
+}
+
+/// One semaphore's watchers (each watches every slot at once), and the slots they watch.
+struct GroupWatch {
+    watchers: usize,
+    notify: Arc<Notify>,
+    slots: Arc<[LockKey]>,
+}
+
+/// What one [`ReleaseWatch`] watches.
+#[derive(Clone, Debug)]
+enum Target {
+    Key(LockKey),
+    Permits(Semaphore),
 }
 
 impl fmt::Debug for ReleaseHub {
@@ -80,12 +107,41 @@ impl fmt::Debug for ReleaseHub {
     }
 }
 
+impl Watched {
+    /// Counts one more interest in `key` (a watcher, or a watched semaphore it is a slot
+    /// of); `true` when it is the first, and the key is to be subscribed to.
+    fn enter(&mut self, key: &LockKey) -> (&mut KeyWatch, bool) {
+        let mut first = false;
+        let watch = self.keys.entry(key.clone()).or_insert_with(|| {
+            first = true;
+            KeyWatch {
+                watchers: 0,
+                notify: Arc::new(Notify::new()),
+                semaphores: Vec::new(),
+            }
+        });
+        (watch, first)
+    }
+
+    /// Drops the key's entry once nothing watches it; `true` when it is to be unsubscribed.
+    fn leave(&mut self, key: &LockKey) -> bool {
+        let idle = self
+            .keys
+            .get(key)
+            .is_some_and(|w| w.watchers == 0 && w.semaphores.is_empty());
+        if idle {
+            self.keys.remove(key);
+        }
+        idle
+    }
+}
+
 impl ReleaseHub {
     /// A hub that tells `subscriptions` which keys are watched.
     pub fn new(subscriptions: impl Subscriptions) -> Self {
         Self {
             inner: Arc::new(HubInner {
-                keys: Mutex::new(HashMap::new()),
+                watched: Mutex::new(Watched::default()),
                 subscriptions: Box::new(subscriptions),
             }),
         }
@@ -95,108 +151,200 @@ impl ReleaseHub {
     /// watcher of the same key in this process).
     pub fn watch(&self, key: &LockKey) -> ReleaseWatch {
         let (notify, first) = {
-            let mut keys = self.inner.keys.lock();
-            let watched = keys.entry(key.clone()).or_insert_with(|| Watched {
-                watchers: 0,
-                notify: Arc::new(Notify::new()),
-            });
-            watched.watchers += 1;
-            (watched.notify.clone(), watched.watchers == 1)
+            let mut watched = self.inner.watched.lock();
+            let (watch, first) = watched.enter(key);
+            watch.watchers += 1;
+            (watch.notify.clone(), first)
         };
         if first {
             self.inner.subscriptions.subscribe(key);
         }
         ReleaseWatch {
             hub: self.clone(),
-            key: key.clone(),
+            target: Target::Key(key.clone()),
             notify,
         }
     }
 
-    /// `key` was released (or may have been): wakes one of its watchers in this process.
-    /// A key nobody watches is ignored.
-    pub fn notify(&self, key: &LockKey) {
-        let notify = self.inner.keys.lock().get(key).map(|w| w.notify.clone());
-        if let Some(notify) = notify {
-            notify.notify_one();
+    /// Starts watching every slot of a semaphore at once, with one watch: `slots` are its
+    /// permit slots in order (`<name>:permit:0` to `<name>:permit:<N-1>`, see
+    /// [`crate::LockBackend::watch_permit_releases`]). A release of any slot wakes one
+    /// watcher of the semaphore in this process (and one of the slot's own
+    /// [`Self::watch`]ers, if it has some).
+    ///
+    /// The slots are subscribed to when the semaphore gains its first watcher and
+    /// unsubscribed from after its last, as a key is: work proportional to N once, not per
+    /// watcher. Semaphores are told apart by their first slot and N, so two
+    /// [`crate::Semaphore`]s of one name with different N in one process are watched apart.
+    pub fn watch_permits(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        let semaphore: Semaphore = (slots.first()?.clone(), slots.len());
+        let mut subscribe = Vec::new();
+        let notify = {
+            let mut watched = self.inner.watched.lock();
+            if let Some(group) = watched.semaphores.get_mut(&semaphore) {
+                group.watchers += 1;
+                group.notify.clone()
+            } else {
+                for slot in slots {
+                    let (watch, first) = watched.enter(slot);
+                    watch.semaphores.push(semaphore.clone());
+                    if first {
+                        subscribe.push(slot.clone());
+                    }
+                }
+                let notify = Arc::new(Notify::new());
+                watched.semaphores.insert(
+                    semaphore.clone(),
+                    GroupWatch {
+                        watchers: 1,
+                        notify: notify.clone(),
+                        slots: slots.into(),
+                    },
+                );
+                notify
+            }
+        };
+        for slot in &subscribe {
+            self.inner.subscriptions.subscribe(slot);
         }
+        Some(ReleaseWatch {
+            hub: self.clone(),
+            target: Target::Permits(semaphore),
+            notify,
+        })
     }
 
-    /// Wakes one watcher of every watched key: after a reconnect, when releases may have
-    /// been missed, so each waiter looks at the store again.
-    pub fn notify_all(&self) {
-        let notifies: Vec<Arc<Notify>> = self
-            .inner
-            .keys
-            .lock()
-            .values()
-            .map(|w| w.notify.clone())
-            .collect();
+    /// `key` was released (or may have been): wakes one of its watchers in this process,
+    /// and one watcher of each watched semaphore it is a slot of. A key nobody watches is
+    /// ignored.
+    pub fn notify(&self, key: &LockKey) {
+        let notifies: Vec<Arc<Notify>> = {
+            let watched = self.inner.watched.lock();
+            let Some(watch) = watched.keys.get(key) else {
+                return;
+            };
+            let own = (watch.watchers > 0).then(|| watch.notify.clone());
+            own.into_iter()
+                .chain(
+                    watch
+                        .semaphores
+                        .iter()
+                        .filter_map(|s| watched.semaphores.get(s).map(|g| g.notify.clone())),
+                )
+                .collect()
+        };
         for notify in notifies {
             notify.notify_one();
         }
     }
 
-    /// How many watchers `key` has in this process. A backend whose releases are announced
-    /// only when an attempt has marked the key waited for (Redis) asks this when it grants
-    /// the key: a release wakes one watcher per process, and the others, asleep in their
-    /// backoff, make no attempt that would mark the key the woken one is granted.
-    pub fn watchers(&self, key: &LockKey) -> usize {
-        self.inner.keys.lock().get(key).map_or(0, |w| w.watchers)
-    }
-
-    /// The keys with at least one watcher: what a listener subscribes to again after a
-    /// reconnect.
-    pub fn watched_keys(&self) -> Vec<LockKey> {
-        self.inner.keys.lock().keys().cloned().collect()
-    }
-
-    fn unwatch(&self, key: &LockKey) {
-        let last = {
-            let mut keys = self.inner.keys.lock();
-            match keys.get_mut(key) {
-                Some(watched) if watched.watchers > 1 => {
-                    watched.watchers -= 1;
-                    false
-                }
-                Some(_) => {
-                    keys.remove(key);
-                    true
-                }
-                None => false,
-            }
+    /// Wakes one watcher of every watched key and semaphore: after a reconnect, when
+    /// releases may have been missed, so each waiter looks at the store again.
+    pub fn notify_all(&self) {
+        let notifies: Vec<Arc<Notify>> = {
+            let watched = self.inner.watched.lock();
+            let keys = watched.keys.values().filter(|w| w.watchers > 0);
+            keys.map(|w| w.notify.clone())
+                .chain(watched.semaphores.values().map(|g| g.notify.clone()))
+                .collect()
         };
-        if last {
+        for notify in notifies {
+            notify.notify_one();
+        }
+    }
+
+    /// How many watchers `key` has in this process, counting those of the watched
+    /// semaphores it is a slot of. A backend whose releases are announced only when an
+    /// attempt has marked the key waited for (Redis) asks this when it grants the key: a
+    /// release wakes one watcher per process, and the others, asleep in their backoff,
+    /// make no attempt that would mark the key the woken one is granted.
+    pub fn watchers(&self, key: &LockKey) -> usize {
+        let watched = self.inner.watched.lock();
+        watched.keys.get(key).map_or(0, |w| {
+            let of_semaphores = w
+                .semaphores
+                .iter()
+                .filter_map(|s| watched.semaphores.get(s));
+            w.watchers + of_semaphores.map(|g| g.watchers).sum::<usize>()
+        })
+    }
+
+    /// The keys with at least one watcher (their own, or a watched semaphore's): what a
+    /// listener subscribes to again after a reconnect.
+    pub fn watched_keys(&self) -> Vec<LockKey> {
+        self.inner.watched.lock().keys.keys().cloned().collect()
+    }
+
+    fn unwatch(&self, target: &Target) {
+        let mut unsubscribe = Vec::new();
+        {
+            let mut watched = self.inner.watched.lock();
+            match target {
+                Target::Key(key) => {
+                    if let Some(watch) = watched.keys.get_mut(key) {
+                        watch.watchers -= 1;
+                    }
+                    if watched.leave(key) {
+                        unsubscribe.push(key.clone());
+                    }
+                }
+                Target::Permits(semaphore) => {
+                    let Some(group) = watched.semaphores.get_mut(semaphore) else {
+                        return;
+                    };
+                    group.watchers -= 1;
+                    if group.watchers == 0 {
+                        let slots = watched
+                            .semaphores
+                            .remove(semaphore)
+                            .map(|g| g.slots)
+                            .unwrap_or_default();
+                        for slot in slots.iter() {
+                            if let Some(watch) = watched.keys.get_mut(slot) {
+                                watch.semaphores.retain(|s| s != semaphore);
+                            }
+                            if watched.leave(slot) {
+                                unsubscribe.push(slot.clone());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for key in &unsubscribe {
             self.inner.subscriptions.unsubscribe(key);
         }
     }
 }
 
-/// One waiter's interest in the releases of one key; dropping it ends the interest (the
-/// backend unsubscribes when the last watcher of a key goes).
+/// One waiter's interest in the releases of one key, or of a semaphore's slots; dropping
+/// it ends the interest (the backend unsubscribes when the last watcher of a key goes).
 #[must_use = "a watch does nothing unless awaited"]
 pub struct ReleaseWatch {
     hub: ReleaseHub,
-    key: LockKey,
+    target: Target,
     notify: Arc<Notify>,
 }
 
 impl fmt::Debug for ReleaseWatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ReleaseWatch")
-            .field("key", &self.key)
+            .field("key", self.key())
             .finish()
     }
 }
 
 impl ReleaseWatch {
-    /// The watched key.
+    /// The watched key (a semaphore's first slot, for a watch of its slots).
     pub fn key(&self) -> &LockKey {
-        &self.key
+        match &self.target {
+            Target::Key(key) | Target::Permits((key, _)) => key,
+        }
     }
 
-    /// Resolves when a release of the key is announced (possibly one announced since
-    /// the last call, and possibly spuriously: the caller checks the store).
+    /// Resolves when a release of the key (of any slot, for a semaphore's) is announced
+    /// (possibly one announced since the last call, and possibly spuriously: the caller
+    /// checks the store).
     ///
     /// # Cancel safety
     /// Cancel safe: a wake received by a cancelled call is passed to another watcher of
@@ -208,7 +356,7 @@ impl ReleaseWatch {
 
 impl Drop for ReleaseWatch {
     fn drop(&mut self) {
-        self.hub.unwatch(&self.key);
+        self.hub.unwatch(&self.target);
     }
 }
 
@@ -316,5 +464,80 @@ mod tests {
         hub.notify_all();
         assert!(woken(&mut a).await);
         assert!(woken(&mut b).await);
+    }
+
+    fn slots(name: &str, n: usize) -> Vec<LockKey> {
+        (0..n).map(|i| key(&format!("{name}:permit:{i}"))).collect()
+    }
+
+    #[test]
+    fn a_semaphores_watchers_share_one_subscription_per_slot() {
+        let counts = Arc::new(Counting::default());
+        let hub = ReleaseHub::new(counts.clone());
+        let slots = slots("exports", 4);
+        let watches: Vec<_> = (0..16)
+            .map(|_| hub.watch_permits(&slots).unwrap())
+            .collect();
+        assert_eq!(counts.subscribed.load(Ordering::SeqCst), 4);
+        let own = hub.watch(&slots[2]);
+        assert_eq!(counts.subscribed.load(Ordering::SeqCst), 4);
+        assert_eq!(hub.watched_keys().len(), 4);
+        drop(watches);
+        assert_eq!(counts.unsubscribed.load(Ordering::SeqCst), 3);
+        assert_eq!(hub.watched_keys(), vec![slots[2].clone()]);
+        drop(own);
+        assert_eq!(counts.unsubscribed.load(Ordering::SeqCst), 4);
+        assert!(hub.watched_keys().is_empty());
+        assert!(hub.watch_permits(&[]).is_none());
+    }
+
+    #[tokio::test]
+    async fn a_release_of_any_slot_wakes_one_watcher_of_the_semaphore() {
+        let hub = ReleaseHub::new(AllKeys);
+        let slots = slots("exports", 4);
+        let mut a = hub.watch_permits(&slots).unwrap();
+        let mut b = hub.watch_permits(&slots).unwrap();
+        let mut other = hub.watch(&key("job:1"));
+        hub.notify(&slots[3]);
+        let woke = [woken(&mut a).await, woken(&mut b).await];
+        assert_eq!(woke.iter().filter(|w| **w).count(), 1, "{woke:?}");
+        assert!(!woken(&mut other).await);
+        hub.notify(&key("exports:permit:4"));
+        assert!(!woken(&mut a).await && !woken(&mut b).await);
+        hub.notify_all();
+        let woke = [woken(&mut a).await, woken(&mut b).await];
+        assert_eq!(woke.iter().filter(|w| **w).count(), 1, "{woke:?}");
+    }
+
+    #[tokio::test]
+    async fn semaphores_of_one_name_and_different_sizes_are_watched_apart() {
+        let hub = ReleaseHub::new(AllKeys);
+        let mut small = hub.watch_permits(&slots("exports", 2)).unwrap();
+        let mut large = hub.watch_permits(&slots("exports", 8)).unwrap();
+        let mut slot = hub.watch(&key("exports:permit:1"));
+        hub.notify(&key("exports:permit:5"));
+        assert!(!woken(&mut small).await);
+        assert!(woken(&mut large).await);
+        assert!(!woken(&mut slot).await);
+        hub.notify(&key("exports:permit:1"));
+        assert!(woken(&mut small).await);
+        assert!(woken(&mut large).await);
+        assert!(woken(&mut slot).await);
+        drop(large);
+        assert_eq!(hub.watched_keys().len(), 2);
+    }
+
+    #[test]
+    fn watchers_of_a_slot_count_the_semaphores_watchers() {
+        let hub = ReleaseHub::new(AllKeys);
+        let slots = slots("exports", 3);
+        let group = [hub.watch_permits(&slots), hub.watch_permits(&slots)];
+        let own = hub.watch(&slots[1]);
+        assert_eq!(hub.watchers(&slots[0]), 2);
+        assert_eq!(hub.watchers(&slots[1]), 3);
+        drop(group);
+        assert_eq!(hub.watchers(&slots[0]), 0);
+        assert_eq!(hub.watchers(&slots[1]), 1);
+        drop(own);
     }
 }

@@ -250,6 +250,22 @@ impl BackendLayer for Faults {
         next.watch_releases(key)
     }
 
+    fn watch_permit_releases(
+        &self,
+        next: &dyn LockBackend,
+        slots: &[LockKey],
+    ) -> Option<ReleaseWatch> {
+        // As `watch_releases`: a lost announcement is lost for a semaphore's waiters too.
+        if self.lose_notifications.load(Ordering::SeqCst) {
+            return next
+                .capabilities()
+                .wakes_waiters
+                .then(|| self.silent.watch_permits(slots))
+                .flatten();
+        }
+        next.watch_permit_releases(slots)
+    }
+
     fn watched_keys(&self, next: &dyn LockBackend) -> Vec<LockKey> {
         let mut keys = next.watched_keys();
         keys.extend(self.silent.watched_keys());

@@ -309,7 +309,7 @@ impl Semaphore {
     /// release its watch hears, and would otherwise wake it at once, again and again.
     async fn wait_for(&self, k: u32, wait: Option<Duration>) -> Result<Vec<Permit>, LockError> {
         let locker = &self.locker;
-        let waiting = Waiting::any_of(locker.backend().as_ref(), self.slots(), locker.retry());
+        let waiting = Waiting::permits(locker.backend().as_ref(), self.slots(), locker.retry());
         let gave_back = AtomicU32::new(0);
         let attempt = || async {
             match self.attempt(k).await? {

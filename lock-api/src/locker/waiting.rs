@@ -29,15 +29,31 @@ impl Waiting {
     /// Starts watching `key`'s releases. Call it before the first attempt, so that a
     /// release between a refused attempt and the wait after it still wakes this waiter.
     pub(crate) fn new(backend: &dyn LockBackend, key: &LockKey, retry: RetryPolicy) -> Self {
-        Self::any_of(backend, std::slice::from_ref(key), retry)
+        Self {
+            releases: backend.watch_releases(key).map(|watch| vec![watch]),
+            retry,
+            attempt: 0,
+        }
     }
 
-    /// Starts watching the releases of every key of `keys`, for a waiter that takes
-    /// whichever frees first (a semaphore's permit slots). A backend that returns no watch
-    /// for one of them is polled, as one that announces nothing.
-    pub(crate) fn any_of(backend: &dyn LockBackend, keys: &[LockKey], retry: RetryPolicy) -> Self {
+    /// Starts watching the releases of a semaphore's permit slots, for a waiter that takes
+    /// whichever frees first: with one watch of them all where the backend offers it
+    /// ([`LockBackend::watch_permit_releases`]), else one per slot. A backend that returns
+    /// no watch for one of them is polled, as one that announces nothing.
+    pub(crate) fn permits(
+        backend: &dyn LockBackend,
+        slots: &[LockKey],
+        retry: RetryPolicy,
+    ) -> Self {
+        let releases = match backend.watch_permit_releases(slots) {
+            Some(watch) => Some(vec![watch]),
+            None => slots
+                .iter()
+                .map(|key| backend.watch_releases(key))
+                .collect(),
+        };
         Self {
-            releases: keys.iter().map(|key| backend.watch_releases(key)).collect(),
+            releases,
             retry,
             attempt: 0,
         }
@@ -62,7 +78,13 @@ impl Waiting {
     /// or stays for the next one, and so does a wake of a second key that arrived
     /// together with the one that ended the wait.
     pub(crate) async fn wait(&mut self, wait: Duration) {
-        match self.releases.as_mut() {
+        match self.releases.as_deref_mut() {
+            Some([watch]) => {
+                tokio::select! {
+                    () = watch.released() => {}
+                    () = sleep(wait) => {}
+                }
+            }
             Some(watches) if !watches.is_empty() => {
                 let released = select_all(watches.iter_mut().map(|w| Box::pin(w.released())));
                 tokio::select! {

@@ -163,6 +163,17 @@ impl<F: FollowReleases> ReleaseListener<F> {
         self.ensure_running().then(|| self.releases.hub.watch(key))
     }
 
+    /// Starts watching a semaphore's slots with one watch (see
+    /// [`ReleaseHub::watch_permits`]), and the listener if it does not run. `None` as
+    /// [`Self::watch`] returns it, and for no slots.
+    pub fn watch_permits(&self, slots: &[LockKey]) -> Option<ReleaseWatch> {
+        if self.ensure_running() {
+            self.releases.hub.watch_permits(slots)
+        } else {
+            None
+        }
+    }
+
     /// How many waiters of this process watch `key` (see [`ReleaseHub::watchers`]).
     pub fn watchers(&self, key: &LockKey) -> usize {
         self.releases.hub.watchers(key)
