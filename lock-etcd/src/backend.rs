@@ -21,6 +21,7 @@ mod acquire;
 mod batch;
 mod found;
 mod lease;
+mod permits;
 pub(crate) mod retention;
 mod spare;
 
@@ -265,6 +266,27 @@ impl LockBackend for EtcdBackend {
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         let seconds = self.check_ttl(ttl)?;
         self.acquire_sent(key, ttl, seconds, Instant::now()).await
+    }
+
+    /// A semaphore's slots (all `<name>:permit:<digits>` of one name): one range read of
+    /// their keys, then `acquire` on the first it shows free, in order, so a refusal is one
+    /// round trip whatever their number. Any other list is asked key by key.
+    #[instrument(level = "debug", skip_all, fields(backend = NAME, keys = keys.len()))]
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        let seconds = self.check_ttl(ttl)?;
+        match self.slots_prefix(keys) {
+            Some(prefix) => self.acquire_free_slot(keys, prefix, ttl, seconds).await,
+            None => {
+                distlock_core::acquire_first_free(keys, |key| {
+                    self.acquire_sent(key, ttl, seconds, Instant::now())
+                })
+                .await
+            }
+        }
     }
 
     #[instrument(level = "debug", skip(self), fields(backend = NAME))]
