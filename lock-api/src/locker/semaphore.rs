@@ -132,6 +132,12 @@ impl Semaphore {
     /// contend for slot 0; one round trip per held slot where the store has no
     /// [`acquire_any`](crate::LockBackend::acquire_any) of its own.
     ///
+    /// "All held" is what one atomic look saw on Redis (one script). Where the slots are
+    /// asked one by one (advisory locks) or taken from a snapshot (etcd, the lease table),
+    /// it is what the walk saw: while other holders move from slot to slot, a walk can
+    /// find each slot held as it passes though one was free all along. `acquire` asks
+    /// again; a caller of `try_acquire` that must not miss a free permit does too.
+    ///
     /// # Cancel safety
     /// Cancel safe: if dropped while the store is asked, the call finishes in a task of
     /// its own and gives back the slot it took, on every backend.
