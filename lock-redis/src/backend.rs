@@ -322,11 +322,17 @@ impl LockBackend for RedisBackend {
         self.core().caps.check_ttl(ttl)?;
         let core = self.core();
         if keys.len() > 1 && core.replica_acks.is_none() {
-            if let Some(run) = PermitRun::of(&core.calls.prefix, keys) {
-                // A semaphore's slots: through its index, whatever their number.
-                return core
+            if let Some(run) = PermitRun::of(&core.calls.prefix, keys)
+                && !core.index_refused()
+            {
+                // A semaphore's slots: through its index, whatever their number, unless
+                // the server refuses this user the index's commands.
+                if let Some(taken) = core
                     .acquire_permit_one(keys, run, ttl, Instant::now())
-                    .await;
+                    .await
+                {
+                    return taken;
+                }
             }
             if let Some(locks) = core.calls.one_script(keys) {
                 // Sent directly: a coalesced batch takes one key per caller.

@@ -561,6 +561,7 @@ fn assemble(
         .wakes_waiters(heard.servers.is_some());
     Core {
         conn,
+        index_refused: std::sync::atomic::AtomicBool::new(false),
         listener: ReleaseListener::new(
             heard.servers,
             b.prefix.clone(),

@@ -15,6 +15,7 @@ mod reply;
 
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use distlock_core::{
@@ -24,7 +25,7 @@ use distlock_core::{
 use futures::FutureExt;
 use redis::{RedisError, RedisResult, Value};
 use tokio::time::Instant;
-use tracing::debug;
+use tracing::{debug, warn};
 
 pub use self::acked::ACKED_CONNECTIONS;
 pub(crate) use self::acked::{AckedConn, AckedConns, Connector};
@@ -33,7 +34,10 @@ use self::calls::{lease_outcomes, resent};
 use self::cleanup::RESEND_PAUSE;
 pub(crate) use self::reply::{parse_token, release, renewal};
 use crate::conn::{Call, Conn};
-use crate::error::{KindName, NAME, is_refused_for_now, is_resendable, is_unreachable, map_error};
+use crate::error::{
+    KindName, NAME, is_refused_for_now, is_refused_in_script, is_resendable, is_unreachable,
+    map_error,
+};
 use crate::keys::{LockKeys, Mark, parse_held};
 use crate::permits::PermitRun;
 use crate::releases::ReleaseListener;
@@ -58,6 +62,9 @@ pub(crate) struct Core {
     pub(crate) cluster: bool,
     /// Hears the releases of the keys this instance's waiters watch.
     pub(crate) listener: ReleaseListener,
+    /// Set once the server refused this user a command of a semaphore's index: permit
+    /// attempts then take the slot keys without it (see [`Core::acquire_permit_one`]).
+    pub(crate) index_refused: AtomicBool,
 }
 
 /// An acquire on its way: if its future is dropped before the reply, whatever it may have
@@ -271,7 +278,7 @@ impl Core {
             ttl,
             over: None,
         };
-        let reply = self.send_any(&call).await;
+        let reply = self.send_any(&call, None).await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {
             Ok(None) => Ok(None),
@@ -300,13 +307,19 @@ impl Core {
     /// One free slot of a semaphore's run `run` of slots (named by `keys`), through the
     /// semaphore's index, with one script (`acquire_permit.lua`); see
     /// [`LockBackend::acquire_any`].
+    ///
+    /// `None` when the server refused this user one of the index's commands (`NOPERM`:
+    /// an ACL user set up before the index): the script is refused before it writes any
+    /// slot key, so nothing was taken, and the caller takes the slot keys without the
+    /// index. The first refusal is logged once; from then on [`Self::index_refused`] says
+    /// so and the index is not tried again.
     pub(crate) async fn acquire_permit_one(
         &self,
         keys: &[LockKey],
         run: PermitRun,
         ttl: Duration,
         called: Instant,
-    ) -> Result<Option<Lease>, LockError> {
+    ) -> Option<Result<Option<Lease>, LockError>> {
         let owner = OwnerId::random();
         // A semaphore's waiters watch every slot: the first slot says whether any does.
         let mark = self.mark(&keys[..1]);
@@ -318,10 +331,22 @@ impl Core {
             ttl,
             over: None,
         };
-        let reply = self.send_any(&call).await;
+        let mut refused = None;
+        let reply = self.send_any(&call, Some(&mut refused)).await;
         pending.settled();
+        if let Some(kind) = refused {
+            if !self.index_refused.swap(true, Ordering::Relaxed) {
+                warn!(
+                    error = %kind,
+                    "the server refuses this user a command of the semaphores' index; \
+                     semaphore attempts read the slot keys one by one instead (grant the \
+                     user the index's commands, as the README's ACL line does)"
+                );
+            }
+            return None;
+        }
         let abandon = || vec![self.calls.abandon_permit_call(&run, owner)];
-        match reply {
+        Some(match reply {
             Ok(None) => Ok(None),
             Ok(Some((slot, token))) => {
                 let Some(key) = u32::try_from(slot)
@@ -330,13 +355,13 @@ impl Core {
                     .and_then(|at| keys.get(at))
                 else {
                     self.give_back(None, abandon(), ttl);
-                    return Err(LockError::backend(
+                    return Some(Err(LockError::backend(
                         NAME,
                         format!(
                             "the acquire_permit script took slot {slot}, not one of the {} asked for",
                             run.len()
                         ),
-                    ));
+                    )));
                 };
                 Ok(Some(self.lease(key, owner, token, ttl, called)))
             }
@@ -346,7 +371,13 @@ impl Core {
                 }
                 Err(e)
             }
-        }
+        })
+    }
+
+    /// Whether the server refused this user a command of a semaphore's index (see
+    /// [`Self::acquire_permit_one`]).
+    pub(crate) fn index_refused(&self) -> bool {
+        self.index_refused.load(Ordering::Relaxed)
     }
 
     /// Sends an any-of acquire's `call` (`acquire_any.lua` or `acquire_permit.lua`, each
@@ -354,9 +385,16 @@ impl Core {
     /// by a cluster's retrying connection: the scripts run once, see
     /// `ACQUIRE_ANY_SCRIPT`), with the flag that makes the script look first for the key
     /// this attempt took (see `acquire_any.lua`).
-    async fn send_any(&self, call: &Call) -> Result<Option<(usize, u64)>, LockError> {
+    ///
+    /// With `refused`, a command of the script refused by the user's ACL is not an
+    /// error: its kind is put there instead.
+    async fn send_any(
+        &self,
+        call: &Call,
+        refused: Option<&mut Option<String>>,
+    ) -> Result<Option<(usize, u64)>, LockError> {
         self.timed("acquire", Effect::Write("acquire"), async {
-            match self.conn.invoke::<Option<(usize, u64)>>(call).await {
+            let reply = match self.conn.invoke::<Option<(usize, u64)>>(call).await {
                 Err(e) if e.is_connection_dropped() || e.is_io_error() => {
                     debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
                     let mut again = call.clone();
@@ -365,6 +403,13 @@ impl Core {
                     resent(e, reply)
                 }
                 reply => reply,
+            };
+            match (reply, refused) {
+                (Err(e), Some(refused)) if is_refused_in_script(&e) => {
+                    *refused = Some(e.kind_name());
+                    Ok(None)
+                }
+                (reply, _) => reply,
             }
         })
         .await

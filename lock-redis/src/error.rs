@@ -101,6 +101,20 @@ pub(crate) fn is_refused_for_now(e: &RedisError) -> bool {
     ) || e.code().is_some_and(|c| c == "BUSY" || c == "OOM")
 }
 
+/// `NOPERM`: the user's ACL does not allow the command (or the key, or the channel).
+pub(crate) fn is_no_permission(e: &RedisError) -> bool {
+    matches!(e.kind(), ErrorKind::Server(ServerErrorKind::NoPerm))
+}
+
+/// A script's command refused by the user's ACL: `NOPERM`, or the error reply a script's
+/// `redis.call` gets for a command the user lacks on servers that do not say `NOPERM`
+/// there ("The user executing the script can't run this command or subcommand").
+pub(crate) fn is_refused_in_script(e: &RedisError) -> bool {
+    is_no_permission(e)
+        || e.detail()
+            .is_some_and(|d| d.contains("can't run this command or subcommand"))
+}
+
 fn is_auth_error(e: &RedisError) -> bool {
     matches!(
         e.kind(),

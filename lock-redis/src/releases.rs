@@ -66,13 +66,13 @@ use futures::StreamExt;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{ErrorKind, PushInfo, PushKind, RedisError, RedisResult, ServerErrorKind, Value};
+use redis::{PushInfo, PushKind, RedisError, RedisResult, Value};
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::conn::{Conn, Sentinels};
-use crate::error::KindName;
+use crate::error::{KindName, is_no_permission};
 use crate::keys::LockKeys;
 
 /// The release subscriptions of one backend (shared by its clones); none when this user
@@ -179,7 +179,7 @@ impl FollowReleases for Follower {
             },
             Servers::Shards(client) => self.follow_shards(client, releases, &mut connected).await,
         };
-        if is_refused(&e) {
+        if is_no_permission(&e) {
             warn!(
                 error = %e.kind_name(),
                 "release wake-ups are off: the server refuses this user's SUBSCRIBE (or \
@@ -435,7 +435,7 @@ pub(crate) async fn announcements_refused(
     publish.arg(&channel).arg("");
     match conn.command::<i64>(&publish).await {
         Ok(_) => Ok(None),
-        Err(e) if is_refused(&e) => Ok(Some(format!(
+        Err(e) if is_no_permission(&e) => Ok(Some(format!(
             "the server refuses {command} to {channel} for this user ({})",
             e.kind_name()
         ))),
@@ -467,7 +467,7 @@ pub(crate) async fn subscriptions_refused(
     };
     match subscribed {
         Ok(()) => Ok(None),
-        Err(e) if is_refused(&e) => Ok(Some(format!(
+        Err(e) if is_no_permission(&e) => Ok(Some(format!(
             "the server refuses {command} to {channel} for this user ({})",
             e.kind_name()
         ))),
@@ -478,9 +478,4 @@ pub(crate) async fn subscriptions_refused(
 /// `SUBSCRIBE` to `channel` over a pub/sub connection of `client`'s, closed after.
 async fn subscribe_on(client: &redis::Client, channel: &str) -> RedisResult<()> {
     client.get_async_pubsub().await?.subscribe(channel).await
-}
-
-/// `NOPERM`: the user's ACL does not allow it.
-fn is_refused(e: &RedisError) -> bool {
-    matches!(e.kind(), ErrorKind::Server(ServerErrorKind::NoPerm))
 }

@@ -480,3 +480,94 @@ async fn a_user_who_may_publish_but_not_subscribe_runs_without_wake_ups_from_bui
         "the probe's"
     );
 }
+
+/// The commands of the semaphores' index, which a user set up by README's line before the
+/// index lacks.
+const INDEX_COMMANDS: [&str; 8] = [
+    "-setbit",
+    "-getbit",
+    "-bitpos",
+    "-bitcount",
+    "-zadd",
+    "-zrem",
+    "-zrange",
+    "-zrangebyscore",
+];
+
+/// A user set up before the semaphores' index (README's line without the index's
+/// commands) still takes and gives back permits after an upgrade: the first attempt is
+/// refused before it writes a slot key, and the backend takes the slot keys without the
+/// index from then on. Never more permits than the semaphore has, and nothing left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_the_index_commands_still_takes_permits() {
+    let server = harness::require(RedisServer::start().await);
+    set_user(&server, "old", true, &INDEX_COMMANDS).await;
+    let url = format!("redis://old:{PASSWORD}@127.0.0.1:{}/", server.port());
+    let redis = RedisBackend::builder().url(url).build().await.unwrap();
+    let locker = distlock_core::Locker::builder(std::sync::Arc::new(redis.clone()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let semaphore = locker
+        .semaphore(&LockKey::new("exports").unwrap(), 3)
+        .unwrap();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        let permit = semaphore
+            .try_acquire()
+            .await
+            .expect("no error")
+            .expect("free");
+        held.push(permit);
+    }
+    assert!(
+        semaphore.try_acquire().await.unwrap().is_none(),
+        "a 4th of 3"
+    );
+    let mut slots: Vec<u32> = held.iter().map(|p| p.slot()).collect();
+    slots.sort_unstable();
+    assert_eq!(slots, [0, 1, 2]);
+    let freed = held.pop().unwrap();
+    assert_eq!(freed.release().await.unwrap(), Release::Released);
+    let again = semaphore
+        .try_acquire()
+        .await
+        .unwrap()
+        .expect("the freed permit");
+    held.push(again);
+    for permit in held {
+        assert_eq!(permit.release().await.unwrap(), Release::Released);
+    }
+    assert_nothing_held(&server).await;
+    // Refused once by an attempt: the index is not asked again (releases still try to
+    // free their slot there, best effort, and are refused `SETBIT`).
+    assert_eq!(refused_times(&server, "zrangebyscore").await, 1);
+}
+
+/// How many times `ACL LOG` says the server refused `command` (it counts repeats of one
+/// refusal in one entry).
+async fn refused_times(server: &RedisServer, command: &str) -> i64 {
+    let RespValue::Array(Some(entries)) = harness::require(server.command(&["ACL", "LOG"]).await)
+    else {
+        panic!("ACL LOG is not an array");
+    };
+    let mut times = 0;
+    for entry in entries {
+        let RespValue::Array(Some(fields)) = entry else {
+            panic!("an ACL LOG entry is not an array: {entry:?}");
+        };
+        let field = |name: &str| {
+            let at = fields
+                .iter()
+                .position(|f| f.as_text().as_deref() == Some(name));
+            at.and_then(|i| fields.get(i + 1))
+        };
+        if field("object").and_then(RespValue::as_text).as_deref() == Some(command) {
+            match field("count") {
+                Some(RespValue::Integer(n)) => times += n,
+                other => panic!("an ACL LOG entry's count is {other:?}"),
+            }
+        }
+    }
+    times
+}

@@ -96,12 +96,14 @@ local function take(lo, hi)
       value = owner .. ':' .. token
     end
     local key = slots .. slot
+    -- The index first, then the slot key: a user the server refuses one of the index's
+    -- commands is refused before this script wrote any slot key, so the client may take
+    -- the slot keys without the index instead (see permits.rs).
+    redis.call('SETBIT', index, slot, 1)
+    redis.call('ZADD', due, now + ttl, slot)
     if redis.call('SET', key, value, 'NX', 'PX', ttl) then
-      redis.call('SETBIT', index, slot, 1)
-      redis.call('ZADD', due, now + ttl, slot)
       return slot
     end
-    redis.call('SETBIT', index, slot, 1)
     redis.call('ZADD', due, due_after(now, redis.call('PTTL', key)), slot)
     lo = slot + 1
   end
