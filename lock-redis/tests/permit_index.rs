@@ -333,3 +333,64 @@ async fn a_permit_attempt_whose_reply_is_lost_gives_its_slot_back() {
     redis.release_many(&held).await.unwrap();
     redis.release(&back).await.unwrap();
 }
+
+/// From every slot a semaphore may start at, the index grants the first slot free in the
+/// order asked (onwards, then from 0), wherever the free slots lie in the bitmap's bytes:
+/// before the start in the start's own byte, after it, in a later byte, or only before
+/// the start (found by the run from 0).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_start_gets_the_first_free_slot_in_the_order_asked() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let n = 20;
+    let slots = slots("ordered", n);
+    let ring: Vec<LockKey> = slots.iter().chain(&slots).cloned().collect();
+    let free = [3, 9, 10, 17];
+    let mut held = Vec::new();
+    for (i, slot) in slots.iter().enumerate() {
+        if !free.contains(&i) {
+            held.push(redis.acquire(slot, TTL).await.unwrap().expect("free"));
+        }
+    }
+    // The index learns of the plain locks as attempts find them held.
+    for _ in 0..2 {
+        let probe = redis.acquire_any(&slots, TTL).await.unwrap().expect("free");
+        redis.release(&probe).await.unwrap();
+    }
+    for start in 0..n as usize {
+        let want = (0..n as usize)
+            .map(|i| (start + i) % n as usize)
+            .find(|i| free.contains(i))
+            .unwrap();
+        let order = &ring[start..start + n as usize];
+        let lease = redis.acquire_any(order, TTL).await.unwrap().expect("free");
+        assert_eq!(lease.key(), &slots[want], "from slot {start}");
+        redis.release(&lease).await.unwrap();
+    }
+    redis.release_many(&held).await.unwrap();
+}
+
+/// A grant reads the server's clock once (for the due times and the token alike) and
+/// finds the first free slot from a start inside a byte of the bitmap with one `BITPOS`,
+/// not a `GETBIT` per bit up to the byte's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_reads_the_clock_once_and_no_bit_by_bit() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("counted", 64);
+    let ring: Vec<LockKey> = slots.iter().chain(&slots).cloned().collect();
+    // Slots 0 to 9 held: the index has a bitmap, and slot 10 is inside its second byte.
+    let held = fill(&redis, &slots, 10, TTL).await;
+    reset(&f).await;
+    let lease = redis
+        .acquire_any(&ring[10..10 + 64], TTL)
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(lease.key(), &slots[10]);
+    assert_eq!(f.calls("evalsha").await, 1);
+    assert_eq!(f.calls("time").await, 1, "TIME");
+    assert_eq!(f.calls("getbit").await, 0, "GETBIT");
+    redis.release(&lease).await.unwrap();
+    redis.release_many(&held).await.unwrap();
+}

@@ -30,8 +30,9 @@ if ARGV[8] == 'R' then
   end
 end
 
-local now = redis.call('TIME')
-now = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+-- One clock read for the due times (ms) and the token (µs).
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- When a held slot is next due, from its key's `PTTL` (`left`): when that runs out (0 is
 -- this very millisecond: the key expires in the next one), or, for a key without a TTL
@@ -55,10 +56,19 @@ for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
   end
 end
 
--- The first slot from `lo` to `hi` whose bit is clear, or nil. BITPOS starts at a byte:
--- the bits of a byte started part way are read one by one. A bitmap that ends before
--- `lo` (or is missing) has every bit after its end clear.
+-- The first slot from `lo` to `hi` whose bit is clear, or nil. BITPOS starts at a byte,
+-- so one BITPOS from `lo`'s byte answers unless it finds a clear bit of that byte before
+-- `lo` (or the bitmap is missing: 0); then the bits of the byte from `lo` are read one
+-- by one. A bitmap that ends before `lo` (-1) has every bit after its end clear.
 local function first_clear(lo, hi)
+  local found = redis.call('BITPOS', index, 0, math.floor(lo / 8))
+  if found >= lo or found == -1 then
+    found = math.max(found, lo)
+    if found > hi then
+      return nil
+    end
+    return found
+  end
   local at = lo
   while at <= hi do
     if at % 8 ~= 0 then
@@ -92,7 +102,7 @@ local function take(lo, hi)
       return nil
     end
     if not token then
-      token = next_token(high_key)
+      token = next_token(high_key, time)
       value = owner .. ':' .. token
     end
     local key = slots .. slot

@@ -13,9 +13,10 @@
 -- for integers up to 2^53 (a clock in µs reaches that in the year 2255), and '%.0f'
 -- prints them without an exponent.
 
--- The server's clock in microseconds, as decimal text.
-local function clock_us()
-  local now = redis.call('TIME')
+-- The server's clock in microseconds, as decimal text: `now`, a `TIME` reply the script
+-- already read, or a new one.
+local function clock_us(now)
+  now = now or redis.call('TIME')
   local us = now[2]
   if #us < 6 then
     us = string.sub('00000' .. us, -6)
@@ -24,9 +25,9 @@ local function clock_us()
 end
 
 -- The token of a grant whose locks share the high-water key `high_key`, which the caller
--- sets to it once it granted.
-local function next_token(high_key)
-  local token = clock_us()
+-- sets to it once it granted; `now` as clock_us takes it.
+local function next_token(high_key, now)
+  local token = clock_us(now)
   local high = redis.call('GET', high_key)
   if high and (#high > #token or (#high == #token and high >= token)) and tonumber(high) then
     token = string.format('%.0f', tonumber(high) + 1)
