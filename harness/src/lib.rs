@@ -58,6 +58,7 @@
 
 mod binary;
 mod clock;
+mod command;
 mod error;
 #[cfg(feature = "etcd")]
 pub mod etcd;

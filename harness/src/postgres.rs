@@ -11,11 +11,11 @@
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use crate::binary::find_binary;
 use crate::clock::ShiftedClock;
+use crate::command::run;
 use crate::error::HarnessError;
 use crate::ports::{free_port, start_on_free_ports};
 use crate::process::Spec;
@@ -52,40 +52,6 @@ pub(crate) fn run_as() -> Result<Option<(u32, u32)>, HarnessError> {
             )
         })?;
     Ok(Some((user.uid.as_raw(), user.gid.as_raw())))
-}
-
-/// Runs a helper command to completion with a time limit, returning its stdout.
-pub(crate) async fn run(
-    mut cmd: tokio::process::Command,
-    command_line: String,
-    timeout: Duration,
-) -> Result<String, HarnessError> {
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    let output = tokio::time::timeout(timeout, cmd.output())
-        .await
-        .map_err(|_| HarnessError::Timeout {
-            what: command_line.clone(),
-            after: timeout,
-        })?
-        .map_err(|e| HarnessError::io(format!("running {command_line}"), e))?;
-    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-    if output.status.success() {
-        Ok(stdout)
-    } else {
-        let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
-        Err(HarnessError::CommandFailed {
-            command: command_line,
-            status: output.status.to_string(),
-            stderr: if stderr.trim().is_empty() {
-                stdout
-            } else {
-                stderr
-            },
-        })
-    }
 }
 
 /// Removes the single trailing newline psql prints.

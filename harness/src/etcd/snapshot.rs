@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use super::member::EtcdServer;
 use crate::binary::find_binary;
+use crate::command::run;
 use crate::error::HarnessError;
-use crate::postgres::run;
 
 /// Time limit for one `etcdctl snapshot` command.
 const SNAPSHOT_TIMEOUT: Duration = Duration::from_secs(60);
