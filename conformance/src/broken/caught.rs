@@ -27,7 +27,8 @@ use futures::future::join_all;
 
 use crate::factory::Factory;
 use crate::history::Invariant;
-use crate::suite::{CASES, Failure, Outcome};
+use crate::registry::CASES;
+use crate::support::{Failure, Outcome};
 
 /// The name and result of every case in [`CASES`], each run on a fresh factory from
 /// `make`, all at once: a case's link and server faults reach only its own factory's
