@@ -19,6 +19,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 pub mod cron;
+pub mod heartbeat;
 pub mod ledger;
 pub mod queue_state;
 pub mod scenario;

@@ -14,8 +14,9 @@ use std::future::Future;
 use std::time::Duration;
 
 use apalis::layers::WorkerBuilderExt;
-use apalis_core::backend::TaskSink;
+use apalis_core::backend::{BackendConfig, TaskSink};
 use apalis_core::error::BoxDynError;
+use apalis_core::task::builder::TaskBuilder;
 use apalis_core::worker::builder::WorkerBuilder;
 use apalis_core::worker::context::WorkerContext;
 use apalis_core::worker::event::Event;
@@ -31,6 +32,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::task::JoinHandle;
 
+use crate::heartbeat::Heartbeats;
 use crate::{BoxError, queue_config};
 
 /// Which apalis storage a scenario runs on.
@@ -97,6 +99,14 @@ impl Server {
         }
     }
 
+    /// The server's TCP port on 127.0.0.1: the one of [`Self::url`].
+    pub fn port(&self) -> u16 {
+        match &self.running {
+            Running::Redis(server) => server.port(),
+            Running::Postgres(server) => server.port(),
+        }
+    }
+
     /// A locker on this server, with leases of `ttl`.
     pub async fn locker(&self, ttl: Duration) -> Result<Locker, BoxError> {
         Ok(Locker::builder(distlock::connect(&self.url()).await?)
@@ -159,6 +169,14 @@ impl<Args> Queue<Args> {
         };
         Ok(Queue { storage })
     }
+
+    /// A queue on apalis-redis `storage`, configured by the caller (its connection's
+    /// timeouts, its heartbeats).
+    pub fn on_redis(storage: RedisStorage<Args>) -> Self {
+        Queue {
+            storage: Queues::Redis(storage),
+        }
+    }
 }
 
 impl<Args> Queue<Args>
@@ -170,6 +188,16 @@ where
         match &mut self.storage {
             Queues::Redis(storage) => storage.push(args).await?,
             Queues::Postgres(storage) => storage.push(args).await?,
+        }
+        Ok(())
+    }
+
+    /// Pushes a job due `delay` from now: no worker takes it before.
+    pub async fn push_after(&mut self, args: Args, delay: Duration) -> Result<(), BoxError> {
+        let task = TaskBuilder::new(args).run_after(delay).build();
+        match &mut self.storage {
+            Queues::Redis(storage) => storage.push_task(task).await?,
+            Queues::Postgres(storage) => storage.push_task(task).await?,
         }
         Ok(())
     }
@@ -271,8 +299,10 @@ where
         // The same worker on either storage; the builder's type differs with it.
         macro_rules! spawn_on {
             ($storage:expr) => {{
+                // See `Heartbeats`: apalis alone can leave an idle worker waiting for ever.
+                let interval = BackendConfig::config($storage).heartbeat_interval;
                 let worker = WorkerBuilder::new(name.as_str())
-                    .backend($storage.clone())
+                    .backend(Heartbeats::new($storage.clone(), interval))
                     .on_event(say_misses)
                     .concurrency(concurrency)
                     .layer(lock)

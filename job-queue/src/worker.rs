@@ -26,6 +26,7 @@ use nix::sys::signal::{Signal, raise};
 use tower_layer::Layer;
 use tower_service::Service;
 
+use crate::heartbeat::Heartbeats;
 use crate::ledger::{Ledger, Outcome};
 use crate::{BoxError, Payout, queue_config};
 
@@ -100,8 +101,9 @@ pub async fn run(args: WorkerArgs) -> Result<(), BoxError> {
     };
     loop {
         // Two jobs at a time per worker, so that every worker gets its share.
+        let interval = storage.get_config().heartbeat_interval;
         let builder = WorkerBuilder::new(args.name.as_str())
-            .backend(storage.clone())
+            .backend(Heartbeats::new(storage.clone(), interval))
             .concurrency(2);
         let stopped = match &lock {
             Some(lock) => {
