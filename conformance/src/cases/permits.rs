@@ -22,7 +22,7 @@ use super::cancel::{BETWEEN_POLLS, MAX_POLLS, cut_after, never_completed};
 use super::locker::{GENEROUS_WAIT, locker, locker_on};
 use super::release_held;
 use crate::factory::Factory;
-use crate::support::{Ctx, Failure, Outcome, Timing};
+use crate::support::{Ctx, Failure, Outcome, Timing, fit_ttl};
 
 /// The link delay each way while the waiter's attempt is cut, where the factory has one.
 const ON_ITS_WAY: Duration = Duration::from_millis(20);
@@ -64,18 +64,26 @@ fn long_lease_locker(
     locker_on(ctx, client, t.long_ttl, WAITER_RETRIES, Some(GENEROUS_WAIT))
 }
 
-/// `holder` takes every slot of `semaphore` with the long TTL.
+/// `holder` takes every slot of `semaphore`, for longer than any case lasts.
+///
+/// The holder keeps its leases through the whole case, however long the load makes it:
+/// with the long TTL (20 s on etcd) `timed_out_permit_acquire_leaves_no_permit_held`
+/// took 50 s on a three-member etcd cluster beside two CPU-bound processes (its cut
+/// waits, up to [`MAX_POLLS`], each check the freed slot), and the release of a held lease
+/// at its end found it `NotHeld`: run out, 20 s after it was taken. So they last 30 long
+/// TTLs.
 async fn fill(
     ctx: &Ctx<'_>,
     holder: &Arc<dyn LockBackend>,
     semaphore: &Semaphore,
     t: &Timing,
 ) -> Result<Vec<Lease>, Failure> {
+    let ttl = fit_ttl(&holder.capabilities(), t.long_ttl * 30);
     let mut held = Vec::new();
     for _ in semaphore.slots() {
         let lease = ctx.ok(
             "acquire_any",
-            holder.acquire_any(semaphore.slots(), t.long_ttl).await,
+            holder.acquire_any(semaphore.slots(), ttl).await,
         )?;
         held.push(
             lease.ok_or_else(|| {
