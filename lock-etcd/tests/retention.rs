@@ -358,7 +358,19 @@ async fn one_off_names_fit_an_etcd_with_a_small_quota() {
     };
     let server = require(EtcdServer::start_with_space(space).await);
     let mut client = raw(&server).await;
-    let backend = backend(&server, PREFIX, Duration::from_secs(1)).await;
+    // A batch's 500 acquires wait their turn behind etcd's fsyncs. In a workspace run
+    // beside two CPU-bound processes one came back not taken (`None`: its call failed with
+    // a retryable error, as the batch contract allows), 129 s into the case; the default
+    // 5 s request timeout is the error such a wait makes likely. This case measures
+    // space, not time: its calls may take as long as a hang guard allows.
+    let backend = EtcdBackend::builder()
+        .endpoint(server.endpoint())
+        .key_prefix(PREFIX)
+        .token_retention(Duration::from_secs(1))
+        .request_timeout(Duration::from_secs(60))
+        .build()
+        .await
+        .unwrap();
     let started = Instant::now();
     let mut sizes = Vec::new();
     for batch in 0..NAMES / BATCH {

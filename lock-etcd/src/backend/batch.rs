@@ -2,6 +2,7 @@
 //! the batch's answer as the batch contract says.
 
 use distlock_core::{Lease, LockBackend, LockError, LockKey};
+use tracing::debug;
 
 use super::EtcdBackend;
 
@@ -28,6 +29,8 @@ pub(super) fn per_item<T: Clone>(
         .into_iter()
         .map(|result| {
             result.unwrap_or_else(|e| {
+                // Said here, or nobody learns why an item came back not done.
+                debug!(error = %e, "a call of a batch failed");
                 let fatal = !e.is_retryable();
                 let first_fatal = fatal && failure.as_ref().is_none_or(LockError::is_retryable);
                 if first_fatal || (!answered && failure.is_none()) {
