@@ -39,6 +39,10 @@ struct State {
     paused: bool,
     /// Processes of the tree killed last time; a restart waits until they are gone.
     killed: Vec<u32>,
+    /// How the process ended on its own, once reaped (by whichever call saw it first), for
+    /// [`ManagedProcess::check_alive`] to report with its log: a server that could not
+    /// bind its port says so there, and a start is retried on that.
+    exited: Option<String>,
 }
 
 /// A server process in its own process group (pgid == pid). Signals reach the whole tree:
@@ -63,6 +67,7 @@ impl ManagedProcess {
                 child: Some(child),
                 paused: false,
                 killed: Vec::new(),
+                exited: None,
             }),
         })
     }
@@ -174,33 +179,27 @@ impl ManagedProcess {
         let mut st = self.state.lock();
         st.child = Some(child);
         st.paused = false;
+        st.exited = None;
         Ok(())
     }
 
-    /// A readiness probe step: fails fatally when the process has exited.
+    /// A readiness probe step: fails fatally when the process has exited, with its exit
+    /// status and the end of its log, even when another call (a probe asking for the pid)
+    /// reaped it first.
     pub fn check_alive<T>(&self) -> Option<Probe<T>> {
         let mut st = self.state.lock();
-        let Some(child) = st.child.as_mut() else {
-            return Some(Probe::Fatal(HarnessError::Setup(format!(
-                "{} is not running",
-                self.spec.what
-            ))));
-        };
-        match child.try_wait() {
-            Ok(None) => None,
-            Ok(Some(status)) => {
-                st.child = None;
-                Some(Probe::Fatal(HarnessError::Exited {
-                    what: self.spec.what.clone(),
-                    status: status.to_string(),
-                    log: log_tail(&self.spec.log),
-                }))
-            }
-            Err(e) => Some(Probe::Fatal(HarnessError::io(
-                format!("checking whether {} runs", self.spec.what),
-                e,
-            ))),
+        reap_if_exited(&mut st);
+        if st.child.is_some() {
+            return None;
         }
+        Some(Probe::Fatal(match st.exited.clone() {
+            Some(status) => HarnessError::Exited {
+                what: self.spec.what.clone(),
+                status,
+                log: log_tail(&self.spec.log),
+            },
+            None => HarnessError::Setup(format!("{} is not running", self.spec.what)),
+        }))
     }
 
     /// The last lines of the process log.
@@ -250,14 +249,14 @@ fn start(spec: &Spec) -> Result<Child, HarnessError> {
 }
 
 fn reap_if_exited(st: &mut State) {
-    let exited = match st.child.as_mut() {
-        Some(child) => !matches!(child.try_wait(), Ok(None)),
-        None => false,
+    let exited = match st.child.as_mut().map(Child::try_wait) {
+        None | Some(Ok(None)) => return,
+        Some(Ok(Some(status))) => status.to_string(),
+        Some(Err(e)) => format!("unknown (waiting for it failed: {e})"),
     };
-    if exited {
-        st.child = None;
-        st.paused = false;
-    }
+    st.child = None;
+    st.paused = false;
+    st.exited = Some(exited);
 }
 
 fn kill_and_reap(st: &mut State, what: &str) -> Result<(), HarnessError> {
@@ -370,4 +369,49 @@ pub(crate) fn log_tail(path: &Path) -> String {
     let text = String::from_utf8_lossy(&buf);
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ports::is_port_clash;
+
+    /// A server that could not bind its port exits at once; a probe asking for its pid
+    /// reaps it before the next liveness check. That check must still report the exit
+    /// with the log, which names the port clash the start is retried on; it used to say
+    /// only "not running", and a loaded workspace run failed a Redis case that way.
+    #[test]
+    fn an_exit_reaped_by_a_pid_query_is_reported_with_its_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = Spec {
+            what: "a server that cannot bind".into(),
+            program: "/bin/sh".into(),
+            args: vec![
+                "-c".into(),
+                "echo 'bind: Address already in use'; exit 1".into(),
+            ],
+            envs: Vec::new(),
+            cwd: dir.path().to_path_buf(),
+            user: None,
+            log: dir.path().join("server.log"),
+        };
+        let process = ManagedProcess::spawn(spec).unwrap();
+        // A hang guard: `sh` exits as soon as it has written its line.
+        let started = std::time::Instant::now();
+        while process.pid().is_some() {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the shell did not exit"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        match process.check_alive::<()>() {
+            Some(Probe::Fatal(e)) => assert!(
+                is_port_clash(&e),
+                "the exit reported without the log's port clash: {e}"
+            ),
+            Some(_) => panic!("an exited process reported as not fatal"),
+            None => panic!("an exited process reported alive"),
+        }
+    }
 }
