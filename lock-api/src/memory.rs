@@ -101,6 +101,36 @@ impl MemoryBackend {
     fn check_lease(&self, lease: &Lease) -> Result<(), LockError> {
         lease.check_backend(self.id, NAME)
     }
+
+    /// `key` taken for `ttl` at `now` (asked at `sent`), unless a live holder has it.
+    fn take(
+        &self,
+        keys: &mut HashMap<LockKey, KeyState>,
+        key: &LockKey,
+        ttl: Duration,
+        sent: Instant,
+        now: Instant,
+    ) -> Option<Lease> {
+        let state = keys.entry(key.clone()).or_default();
+        if state.live_holder(now).is_some() {
+            return None;
+        }
+        state.last_token += 1;
+        let holder = Holder {
+            owner: OwnerId::random(),
+            token: FencingToken(state.last_token),
+            expires_at: now + ttl,
+        };
+        state.holder = Some(holder);
+        Some(Lease::new(
+            self.id,
+            key.clone(),
+            holder.owner,
+            holder.token,
+            ttl,
+            valid_until(sent, ttl),
+        ))
+    }
 }
 
 #[async_trait]
@@ -116,31 +146,28 @@ impl LockBackend for MemoryBackend {
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
         self.capabilities.check_ttl(ttl)?;
         let sent = Instant::now();
-        let lease = {
-            let now = Instant::now();
-            let mut keys = self.keys.lock();
-            let state = keys.entry(key.clone()).or_default();
-            if state.live_holder(now).is_some() {
-                None
-            } else {
-                state.last_token += 1;
-                let holder = Holder {
-                    owner: OwnerId::random(),
-                    token: FencingToken(state.last_token),
-                    expires_at: now + ttl,
-                };
-                state.holder = Some(holder);
-                Some(Lease::new(
-                    self.id,
-                    key.clone(),
-                    holder.owner,
-                    holder.token,
-                    ttl,
-                    valid_until(sent, ttl),
-                ))
-            }
-        };
-        Ok(lease)
+        let now = Instant::now();
+        let mut keys = self.keys.lock();
+        Ok(self.take(&mut keys, key, ttl, sent, now))
+    }
+
+    /// The first free key of `keys`, in order, taken under one lock of the store: no key
+    /// is cloned or entered before a free one is found.
+    async fn acquire_any(
+        &self,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.capabilities.check_ttl(ttl)?;
+        let sent = Instant::now();
+        let now = Instant::now();
+        let mut table = self.keys.lock();
+        let free = keys.iter().find(|key| {
+            table
+                .get(*key)
+                .is_none_or(|state| state.live_holder(now).is_none())
+        });
+        Ok(free.and_then(|key| self.take(&mut table, key, ttl, sent, now)))
     }
 
     async fn renew(&self, lease: &Lease) -> Result<Renewal, LockError> {
