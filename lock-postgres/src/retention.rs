@@ -20,6 +20,7 @@
 //! reached the end leaves the first name.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use distlock_core::chore::{Periodic, sweep_interval};
@@ -42,8 +43,12 @@ pub const MIN_TOKEN_RETENTION: Duration = Duration::from_secs(1);
 /// The longest retention the builder accepts (ten years).
 pub const MAX_TOKEN_RETENTION: Duration = Duration::from_secs(3650 * 24 * 3600);
 
-/// Names looked at per statement.
+/// Names looked at per statement, at most.
 const BATCH: i64 = 10_000;
+
+/// The fewest names a statement looks at: a batch that ran out of time is halved down to
+/// this.
+const MIN_BATCH: i64 = 100;
 
 /// Which table a sweeper clears.
 #[derive(Clone, Copy, Debug)]
@@ -140,8 +145,10 @@ struct Inner {
     lock: i64,
     retention: Duration,
     sweeps: Periodic,
-    /// Names looked at per statement.
-    batch: i64,
+    /// Names looked at per statement: [`BATCH`], halved (down to [`MIN_BATCH`]) after a
+    /// statement ran out of the request time, doubled back after one that took under an
+    /// eighth of it.
+    batch: AtomicI64,
     /// The last name the previous sweep looked at when it stopped before the end of the
     /// table; empty once one reached the end.
     resume: std::sync::Mutex<String>,
@@ -156,7 +163,7 @@ impl Inner {
             lock: sweep_lock(&client.schema, table),
             retention: client.token_retention,
             sweeps: Periodic::new(sweep_interval(client.token_retention)),
-            batch: BATCH,
+            batch: AtomicI64::new(BATCH),
             resume: std::sync::Mutex::new(String::new()),
         }
     }
@@ -246,18 +253,25 @@ async fn sweep(client: &PgClient, inner: &Inner) -> Result<Swept, distlock_core:
 
 /// One batch, from the name the sweep reached; moves that name on (back to the first one
 /// at the end of the table). A failed statement leaves it where it was.
+///
+/// A statement that runs out of the request time (the server cancels it too: see
+/// `PgPooling`) halves the batch for the next: with a fixed batch, a server too slow to
+/// delete one batch within that time would have been sent the same batch for ever, and
+/// the table would only grow.
 async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::LockError> {
     let retention_us = i64::try_from(inner.retention.as_micros()).unwrap_or(i64::MAX);
     let after = inner.resume().clone();
+    let batch = inner.batch.load(Ordering::Relaxed);
     let mut conn = client.conn(inner.backend).await?;
     let mut query = Statement::new(&inner.sql)
         .bind(Value::Int8(retention_us))
         .bind(Value::Text(after.as_str()))
         .bind(Value::Int8(inner.lock))
-        .bind(Value::Int8(inner.batch));
+        .bind(Value::Int8(batch));
     if let Table::AdvisoryTokens = inner.table {
         query = query.bind(Value::Text(client.schema.as_str()));
     }
+    let sent = tokio::time::Instant::now();
     let row = client
         .timed(
             inner.backend,
@@ -265,6 +279,7 @@ async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::L
             query.send::<Option<PgRow>>(client.sending(), &mut conn),
         )
         .await;
+    let took = sent.elapsed();
     let row = match row {
         Ok(Some(row)) => row,
         // The statement always returns one row.
@@ -273,9 +288,22 @@ async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::L
             if failed.broken {
                 conn.close_on_drop();
             }
+            if took >= client.request_timeout && batch > MIN_BATCH {
+                let smaller = (batch / 2).max(MIN_BATCH);
+                inner.batch.store(smaller, Ordering::Relaxed);
+                warn!(
+                    backend = inner.backend,
+                    batch,
+                    next = smaller,
+                    "a sweep's batch ran out of the request time; the next looks at fewer names"
+                );
+            }
             return Err(failed.error);
         }
     };
+    if batch < BATCH && took < client.request_timeout / 8 {
+        inner.batch.store((batch * 2).min(BATCH), Ordering::Relaxed);
+    }
     let decode = |e| crate::error::from_sqlx(inner.backend, Operation::Purge, &client.schema, e);
     let locked: bool = row.try_get("locked").map_err(decode)?;
     if !locked {
@@ -284,7 +312,7 @@ async fn step(client: &PgClient, inner: &Inner) -> Result<Step, distlock_core::L
     let last: Option<String> = row.try_get("last").map_err(decode)?;
     let scanned: i64 = row.try_get("scanned").map_err(decode)?;
     let gone: i64 = row.try_get("deleted").map_err(decode)?;
-    let more = scanned == inner.batch && last.is_some();
+    let more = scanned == batch && last.is_some();
     *inner.resume() = if more {
         last.unwrap_or_default()
     } else {
@@ -415,8 +443,8 @@ mod tests {
                 ))
                 .await,
         );
-        let mut inner = Inner::new(&client, "postgres-lease", Table::Leases);
-        inner.batch = KEPT as i64;
+        let inner = Inner::new(&client, "postgres-lease", Table::Leases);
+        inner.batch.store(KEPT as i64, Ordering::Relaxed);
 
         // A sweep's first batch: the kept names.
         assert_eq!(
@@ -461,6 +489,83 @@ mod tests {
             }
         );
         other.close().await.unwrap();
+    }
+
+    /// A server too slow to delete a batch within the request time (here a trigger that
+    /// sleeps 2 ms per deleted row, with a 1 s request time: 1,000 free rows past their
+    /// retention take 2 s, 625 take 1.25 s, 312 take 0.62 s) still gets swept: each batch
+    /// that runs out of time halves the next, until one fits. With a fixed batch every
+    /// sweep sent the same batch again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_runs_out_of_time_is_halved_until_the_sweep_goes_on() {
+        const ROWS: u64 = 1_000;
+        let server = harness::require(PostgresServer::start().await);
+        harness::require(
+            server
+                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
+                .await,
+        );
+        let builder = PgBuilder::new(server.url())
+            .schema("slow")
+            .request_timeout(Duration::from_secs(1))
+            .token_retention(RETENTION);
+        builder
+            .build_lease_backend()
+            .unwrap()
+            .setup()
+            .await
+            .unwrap();
+        harness::require(
+            server
+                .psql(&format!(
+                    "INSERT INTO slow.distlock_leases (name, owner, token, expires_at) \
+                     SELECT 'job:' || lpad(i::text, 4, '0'), NULL, 1, NULL \
+                       FROM generate_series(1, {ROWS}) i; \
+                     CREATE FUNCTION slow.slow_delete() RETURNS trigger LANGUAGE plpgsql AS \
+                       $$ BEGIN PERFORM pg_sleep(0.002); RETURN OLD; END $$; \
+                     CREATE TRIGGER slow_delete BEFORE DELETE ON slow.distlock_leases \
+                       FOR EACH ROW EXECUTE FUNCTION slow.slow_delete()"
+                ))
+                .await,
+        );
+        let client = builder.client(2).unwrap();
+        let inner = Inner::new(&client, "postgres-lease", Table::Leases);
+        // Each sweep that runs out of time halves the batch: 10,000 → 100 is seven, and
+        // one more may fail at 100 (0.2 s here) only on a machine 5 times slower.
+        let mut timed_out = 0;
+        let swept = loop {
+            let batch = inner.batch.load(Ordering::Relaxed);
+            match sweep(&client, &inner).await {
+                Ok(swept) => break swept,
+                Err(e) => {
+                    timed_out += 1;
+                    assert!(
+                        batch > MIN_BATCH,
+                        "sweep {timed_out} failed with the smallest batch, {batch}: {e}"
+                    );
+                    assert!(
+                        inner.batch.load(Ordering::Relaxed) < batch,
+                        "a batch of {batch} ran out of time and the next is no smaller: {e}"
+                    );
+                }
+            }
+        };
+        assert_eq!(
+            swept,
+            Swept {
+                scanned: ROWS,
+                deleted: ROWS
+            }
+        );
+        assert!(
+            timed_out > 0,
+            "no batch ran out of time: the case shows nothing"
+        );
+        let left = server
+            .psql("SELECT count(*) FROM slow.distlock_leases")
+            .await
+            .unwrap();
+        assert_eq!(left, "0");
     }
 
     /// Rows of `table` the plan's scans read, from `EXPLAIN (ANALYZE, FORMAT JSON)`.
