@@ -339,23 +339,40 @@ mod tests {
 
     const RETENTION: Duration = Duration::from_secs(1);
 
-    /// A sweep of one schema's lease table runs while another session holds the sweep
-    /// lock of another schema's (as a long sweep there would, statement after statement),
-    /// and of its own advisory token table: the free row past its retention goes.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_sweep_is_not_stopped_by_the_sweep_of_another_schema_or_table() {
+    /// A server of its own whose login role may create schemas, and a builder of
+    /// `schema` on it (tokens kept for [`RETENTION`], then `configure`d) whose tables
+    /// `setup()` made.
+    async fn set_up(
+        schema: &str,
+        configure: impl FnOnce(PgBuilder) -> PgBuilder,
+    ) -> (PostgresServer, PgBuilder) {
         let server = harness::require(PostgresServer::start().await);
         harness::require(
             server
                 .psql("GRANT CREATE ON DATABASE postgres TO distlock")
                 .await,
         );
-        let backend = PgBuilder::new(server.url())
-            .schema("swept")
-            .token_retention(RETENTION)
+        let builder = configure(
+            PgBuilder::new(server.url())
+                .schema(schema)
+                .token_retention(RETENTION),
+        );
+        builder
             .build_lease_backend()
+            .unwrap()
+            .setup()
+            .await
             .unwrap();
-        backend.setup().await.unwrap();
+        (server, builder)
+    }
+
+    /// A sweep of one schema's lease table runs while another session holds the sweep
+    /// lock of another schema's (as a long sweep there would, statement after statement),
+    /// and of its own advisory token table: the free row past its retention goes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_sweep_is_not_stopped_by_the_sweep_of_another_schema_or_table() {
+        let (server, builder) = set_up("swept", |b| b).await;
+        let backend = builder.build_lease_backend().unwrap();
         let k = LockKey::new("sweep:released").unwrap();
         let lease = backend
             .acquire(&k, Duration::from_secs(30))
@@ -412,21 +429,7 @@ mod tests {
     async fn a_sweep_cut_off_is_taken_up_where_it_stopped() {
         const KEPT: u64 = 100;
         const PAST: u64 = 150;
-        let server = harness::require(PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
-        let builder = PgBuilder::new(server.url())
-            .schema("resumed")
-            .token_retention(RETENTION);
-        builder
-            .build_lease_backend()
-            .unwrap()
-            .setup()
-            .await
-            .unwrap();
+        let (server, builder) = set_up("resumed", |b| b).await;
         let client = builder.client(2).unwrap();
         // KEPT names first whose tokens are an hour ahead (kept), then PAST names whose
         // tokens are long past the retention.
@@ -499,22 +502,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_that_runs_out_of_time_is_halved_until_the_sweep_goes_on() {
         const ROWS: u64 = 1_000;
-        let server = harness::require(PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
-        let builder = PgBuilder::new(server.url())
-            .schema("slow")
-            .request_timeout(Duration::from_secs(1))
-            .token_retention(RETENTION);
-        builder
-            .build_lease_backend()
-            .unwrap()
-            .setup()
-            .await
-            .unwrap();
+        let (server, builder) = set_up("slow", |b| b.request_timeout(Duration::from_secs(1))).await;
         harness::require(
             server
                 .psql(&format!(
@@ -592,20 +580,8 @@ mod tests {
     async fn a_batch_reads_only_its_own_rows_of_a_large_table() {
         // Twenty batches of the size sweeps use.
         const ROWS: u64 = 200_000;
-        let server = harness::require(PostgresServer::start().await);
-        harness::require(
-            server
-                .psql("GRANT CREATE ON DATABASE postgres TO distlock")
-                .await,
-        );
+        let (server, _) = set_up("planned", |b| b).await;
         let schema = Schema::new("planned").unwrap();
-        PgBuilder::new(server.url())
-            .schema(schema.as_str())
-            .build_lease_backend()
-            .unwrap()
-            .setup()
-            .await
-            .unwrap();
         harness::require(
             server
                 .psql_within(
