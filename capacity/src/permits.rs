@@ -107,7 +107,7 @@ pub async fn permit_cycles(
     let permits: Arc<dyn Subject> = Arc::new(Permits {
         id,
         backend,
-        slots: slots.into(),
+        ring: slots.iter().chain(&slots).cloned().collect(),
     });
     // The permit subject ignores its keys; each task still gets one, as the load asks.
     let permit_keys = load::keys_for(id, "permit-task", tasks, Keys::PerTask)?;
@@ -139,7 +139,9 @@ const MOST_REFUSALS: u32 = 100;
 struct Permits {
     id: SubjectId,
     backend: Arc<dyn LockBackend>,
-    slots: Arc<[LockKey]>,
+    /// The slots twice over, as `Semaphore` keeps them: the slots from any one onwards,
+    /// wrapping to slot 0, are one slice of it, handed over without copying a key.
+    ring: Arc<[LockKey]>,
 }
 
 #[async_trait]
@@ -161,15 +163,11 @@ impl Subject for Permits {
         // again. Only a run of refusals no churn explains is an error.
         let mut refused = 0;
         let permit = loop {
-            let start = rand::random_range(0..self.slots.len());
-            let order: Vec<LockKey> = self.slots[start..]
-                .iter()
-                .chain(&self.slots[..start])
-                .cloned()
-                .collect();
+            let n = self.ring.len() / 2;
+            let start = rand::random_range(0..n);
             match self
                 .backend
-                .acquire_any(&order, TTL)
+                .acquire_any(&self.ring[start..start + n], TTL)
                 .await
                 .map_err(lock_err)?
             {
