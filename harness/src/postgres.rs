@@ -372,6 +372,34 @@ impl PostgresServer {
         })
     }
 
+    /// Polls `pg_stat_activity` every `every` until no session but the asking one matches
+    /// `condition` (SQL on its columns), for at most `within`. `Ok` with the sessions the
+    /// first poll found (each as `<backend type>: <query>`, `; `-separated; empty when none
+    /// matched), what the caller waited for; `Err` with those still matching when it gave
+    /// up.
+    pub async fn until_no_session(
+        &self,
+        condition: &str,
+        every: Duration,
+        within: Duration,
+    ) -> Result<Result<String, String>, HarnessError> {
+        let deadline = tokio::time::Instant::now() + within;
+        let sql = format!(
+            "SELECT coalesce(string_agg(backend_type || ': ' || coalesce(query, ''), '; '), '') \
+               FROM pg_stat_activity WHERE pid <> pg_backend_pid() AND ({condition})"
+        );
+        let first = self.psql(&sql).await?;
+        let mut seen = first.clone();
+        while !seen.is_empty() {
+            if tokio::time::Instant::now() >= deadline {
+                return Ok(Err(seen));
+            }
+            tokio::time::sleep(every).await;
+            seen = self.psql(&sql).await?;
+        }
+        Ok(Ok(first))
+    }
+
     /// Runs `sql` with `psql` as [`SUPERUSER`] over the Unix socket (trust) in database
     /// `postgres`, stopping at the first error, and returns the unaligned, tuples-only
     /// output (`|`-separated columns, one row per line). Gives up after 30 s; a statement

@@ -541,22 +541,18 @@ mod tests {
                     // server, holding the sweep lock: a sweep sent now would find it
                     // taken and stop at once (as the next one in a process does, a
                     // sweep interval later). So the next is sent once it has ended.
-                    let deadline = Instant::now() + Duration::from_secs(30);
-                    while server
-                        .psql(
-                            "SELECT count(*) FROM pg_stat_activity \
-                              WHERE state = 'active' AND pid <> pg_backend_pid() \
-                                AND query LIKE '%pg_try_advisory_xact_lock%'",
+                    let ended = server
+                        .until_no_session(
+                            "state = 'active' AND query LIKE '%pg_try_advisory_xact_lock%'",
+                            Duration::from_millis(20),
+                            Duration::from_secs(30),
                         )
                         .await
-                        .unwrap()
-                        != "0"
-                    {
-                        assert!(
-                            Instant::now() < deadline,
-                            "the sweep's statement still ran 30 s after it ran out of time"
+                        .unwrap();
+                    if let Err(running) = ended {
+                        panic!(
+                            "the sweep's statement still ran 30 s after it ran out of time: {running}"
                         );
-                        tokio::time::sleep(Duration::from_millis(20)).await;
                     }
                 }
             }

@@ -205,26 +205,20 @@ async fn advisory_free_rows_past_their_retention_go_and_held_ones_stay() {
 /// the `VACUUM`; what held the rows was not recorded then, and this prints it now.
 async fn heap_bytes(server: &PostgresServer, kind: Kind, schema: &str) -> u64 {
     let t = format!("{schema}.{}", table(kind));
-    let deadline = Instant::now() + BULK_GUARD;
-    loop {
-        let others = server
-            .psql(
-                "SELECT coalesce(string_agg(backend_type || ': ' || coalesce(query, ''), '; '), '') \
-                   FROM pg_stat_activity \
-                  WHERE pid <> pg_backend_pid() \
-                    AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)",
-            )
-            .await
-            .unwrap();
-        if others.is_empty() {
-            break;
+    let snapshots = server
+        .until_no_session(
+            "backend_xmin IS NOT NULL OR backend_xid IS NOT NULL",
+            Duration::from_millis(200),
+            BULK_GUARD,
+        )
+        .await
+        .unwrap();
+    match snapshots {
+        Ok(waited) if !waited.is_empty() => {
+            println!("waited for the sessions with a snapshot to end: {waited}");
         }
-        assert!(
-            Instant::now() < deadline,
-            "sessions kept a snapshot for {BULK_GUARD:?}: {others}"
-        );
-        println!("waiting for the sessions with a snapshot to end: {others}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        Ok(_) => {}
+        Err(others) => panic!("sessions kept a snapshot for {BULK_GUARD:?}: {others}"),
     }
     server
         .psql_within(&format!("VACUUM {t}"), BULK_GUARD)
