@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -214,17 +214,27 @@ async fn every_connection_has_tcp_keepalive() {
         sleep(Duration::from_millis(10)).await;
     };
     let ours = own_sockets();
-    let timers: Vec<(u16, u8)> = tcp_table()
-        .into_iter()
-        .filter(|s| {
-            s.remote_port == server.port()
-                && backend_ports.contains(&s.local_port)
-                && ours.contains(&s.inode)
-        })
-        .map(|s| (s.local_port, s.timer))
-        .collect();
+    // `/proc/net/tcp` is read a page at a time and each read resumes at a position in a
+    // table other tests' sockets come and go from, so a socket may be listed twice (seen
+    // in CI: each of the two, twice) or not at all in one read: one entry per socket
+    // (inode), and the table read again until both are in it.
+    let timers: BTreeMap<u64, (u16, u8)> = loop {
+        let timers: BTreeMap<u64, (u16, u8)> = tcp_table()
+            .into_iter()
+            .filter(|s| {
+                s.remote_port == server.port()
+                    && backend_ports.contains(&s.local_port)
+                    && ours.contains(&s.inode)
+            })
+            .map(|s| (s.inode, (s.local_port, s.timer)))
+            .collect();
+        if timers.len() >= 2 || Instant::now() >= deadline {
+            break timers;
+        }
+        sleep(Duration::from_millis(10)).await;
+    };
     assert_eq!(timers.len(), 2, "{timers:?}");
-    for (port, timer) in timers {
+    for (port, timer) in timers.into_values() {
         assert_eq!(
             timer, 2,
             "the connection from port {port} runs no keepalive timer"
