@@ -541,7 +541,7 @@ async fn a_user_without_the_index_commands_still_takes_permits() {
     assert_nothing_held(&server).await;
     // Refused once by an attempt: the index is not asked again (releases still try to
     // free their slot there, best effort, and are refused `SETBIT`).
-    assert_eq!(refused_times(&server, "zrangebyscore").await, 1);
+    assert_eq!(refused_times(&server, "bitpos").await, 1);
 }
 
 /// How many times `ACL LOG` says the server refused `command` (it counts repeats of one

@@ -394,3 +394,96 @@ async fn a_grant_reads_the_clock_once_and_no_bit_by_bit() {
     redis.release(&lease).await.unwrap();
     redis.release_many(&held).await.unwrap();
 }
+
+/// A grant of the first slot asked for passes over no slot, so it looks at no due slot
+/// (no `ZRANGEBYSCORE`), and finds that slot with one `BITPOS`; its release leaves the slot
+/// in the due set (no `ZREM`), and the last release of an idle semaphore deletes the due
+/// set with the bitmap.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grant_of_the_first_slot_asked_and_its_release_send_only_what_they_need() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("lean", 64);
+    let ring: Vec<LockKey> = slots.iter().chain(&slots).cloned().collect();
+    let held = fill(&redis, &slots, 10, TTL).await;
+    reset(&f).await;
+    let lease = redis
+        .acquire_any(&ring[10..10 + 64], TTL)
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(lease.key(), &slots[10]);
+    let grant = [
+        ("time", 1),
+        ("zrangebyscore", 0),
+        ("bitpos", 1),
+        ("get", 1),
+        ("setbit", 1),
+        ("zadd", 1),
+        ("set", 2),
+    ];
+    for (command, calls) in grant {
+        assert_eq!(f.calls(command).await, calls, "{command} in a grant");
+    }
+    reset(&f).await;
+    redis.release(&lease).await.unwrap();
+    for (command, calls) in [("zrem", 0), ("setbit", 1), ("bitcount", 1)] {
+        assert_eq!(f.calls(command).await, calls, "{command} in a release");
+    }
+    redis.release_many(&held).await.unwrap();
+    let left = harness::require(
+        f.server
+            .command(&[
+                "EXISTS",
+                "distlock:{lean}:permits",
+                "distlock:{lean}:permits:due",
+            ])
+            .await,
+    );
+    assert_eq!(left, RespValue::Integer(0), "an idle semaphore's index");
+}
+
+/// A slot whose lease ran out is granted before a free slot after it in the order asked:
+/// an attempt that would pass over a slot the index shows held first frees the due ones,
+/// whether the index shows a later slot free, or shows the first slot free and its key is
+/// found held (taken as a plain lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lapsed_slot_is_granted_before_a_free_one_after_it() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let short = Duration::from_millis(300);
+
+    // Slot 0 lapsing, slot 1 released (shown free), slot 2 held.
+    let slots = slots("skipped", 3);
+    let lapsing = fill(&redis, &slots, 1, short).await;
+    let mut held = fill(&redis, &slots, 2, TTL).await;
+    assert_eq!((lapsing[0].key(), held[0].key()), (&slots[0], &slots[1]));
+    redis.release(&held.remove(0)).await.unwrap();
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let lease = redis.acquire_any(&slots, TTL).await.unwrap().expect("free");
+    assert_eq!(lease.key(), &slots[0], "the lapsed slot, first in order");
+    held.push(lease);
+
+    // Slot 0 shown free but held as a plain lock, slot 1 lapsing, slot 2 released.
+    let slots = self::slots("found", 3);
+    let first = fill(&redis, &slots, 1, TTL).await.remove(0);
+    let lapsing = fill(&redis, &slots, 1, short).await;
+    let third = fill(&redis, &slots, 1, TTL).await.remove(0);
+    assert_eq!(
+        (first.key(), lapsing[0].key(), third.key()),
+        (&slots[0], &slots[1], &slots[2])
+    );
+    redis.release(&first).await.unwrap();
+    let plain = redis.acquire(&slots[0], TTL).await.unwrap().expect("free");
+    redis.release(&third).await.unwrap();
+    tokio::time::sleep(short + Duration::from_millis(100)).await;
+    let lease = redis.acquire_any(&slots, TTL).await.unwrap().expect("free");
+    assert_eq!(
+        lease.key(),
+        &slots[1],
+        "the lapsed slot, before the free slot 2"
+    );
+    redis.release(&plain).await.unwrap();
+    redis.release(&lease).await.unwrap();
+    redis.release_many(&held).await.unwrap();
+}

@@ -45,15 +45,30 @@ local function due_after(now, left)
 end
 
 -- Slots whose lease was due to run out by now: freed if their key is gone (a TTL ran
--- out, a purge), else due again when their key's TTL (renewed since) runs out.
-for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
-  local left = redis.call('PTTL', slots .. slot)
-  if left == -2 then
-    redis.call('ZREM', due, slot)
-    redis.call('SETBIT', index, slot, 0)
-  else
-    redis.call('ZADD', due, due_after(now, left), slot)
+-- out, a purge), else due again when their key's TTL (renewed since) runs out. Returns
+-- whether a slot the index showed held was freed. Run at most once per attempt, and only
+-- when the attempt would otherwise pass over a slot the index shows held (a grant after
+-- the run's first slot, a slot key found held, a refusal): a grant of the run's first
+-- slot passes over nothing, whatever is due.
+local swept = false
+local function sweep()
+  if swept then
+    return false
   end
+  swept = true
+  local freed = false
+  for _, slot in ipairs(redis.call('ZRANGEBYSCORE', due, '-inf', now)) do
+    local left = redis.call('PTTL', slots .. slot)
+    if left == -2 then
+      redis.call('ZREM', due, slot)
+      if redis.call('SETBIT', index, slot, 0) == 1 then
+        freed = true
+      end
+    else
+      redis.call('ZADD', due, due_after(now, left), slot)
+    end
+  end
+  return freed
 end
 
 -- The first slot from `lo` to `hi` whose bit is clear, or nil. BITPOS starts at a byte,
@@ -61,6 +76,9 @@ end
 -- `lo` (or the bitmap is missing: 0); then the bits of the byte from `lo` are read one
 -- by one. A bitmap that ends before `lo` (-1) has every bit after its end clear.
 local function first_clear(lo, hi)
+  if lo > hi then
+    return nil
+  end
   local found = redis.call('BITPOS', index, 0, math.floor(lo / 8))
   if found >= lo or found == -1 then
     found = math.max(found, lo)
@@ -90,17 +108,40 @@ local function first_clear(lo, hi)
   return nil
 end
 
+local first, last, wrapped = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+
+-- The first slot of the run the index shows free, and whether it is in the second part
+-- (from 0), or nil. Starts from the lowest clear bit of the whole bitmap, one BITPOS that
+-- often answers alone: above the run's last slot, every slot of the run is shown held (the
+-- run lies within 0..last, so a full semaphore is refused on this one look); from the
+-- run's first slot on, it is the answer; before it, the first part is looked at from its
+-- first slot, and the second part's answer is that lowest bit.
+local function first_shown_free()
+  local lowest = redis.call('BITPOS', index, 0)
+  if lowest > last then
+    return nil
+  end
+  if lowest >= first then
+    return lowest, false
+  end
+  local found = first_clear(first, last)
+  if found then
+    return found, false
+  end
+  if lowest <= wrapped then
+    return lowest, true
+  end
+  return nil
+end
+
 -- The token, issued once a slot is to be taken (a refusal issues none).
 local token, value
 
--- The first slot from `lo` to `hi` taken, or nil. A slot the index shows free but whose
--- key is held is marked held, and the next one tried.
-local function take(lo, hi)
-  while lo <= hi do
-    local slot = first_clear(lo, hi)
-    if not slot then
-      return nil
-    end
+-- Takes `slot`, the first slot up to `hi` the index shows free, or the next shown free
+-- after it whose key is free; nil when none is. A slot the index shows free but whose key
+-- is held is marked held, and, due slots freed, the next one tried.
+local function take(slot, hi)
+  while slot do
     if not token then
       token = next_token(high_key, time)
       value = owner .. ':' .. token
@@ -115,20 +156,23 @@ local function take(lo, hi)
       return slot
     end
     redis.call('ZADD', due, due_after(now, redis.call('PTTL', key)), slot)
-    lo = slot + 1
+    sweep()
+    slot = first_clear(slot + 1, hi)
   end
   return nil
 end
 
-local first, last, wrapped = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local slot
--- The lowest clear bit above the run's highest slot: every slot of the run is held (the
--- run lies within 0..last), and a full semaphore is refused on this one look.
-if redis.call('BITPOS', index, 0) <= last then
-  slot = take(first, last)
+local slot, second = first_shown_free()
+if slot ~= first and sweep() then
+  slot, second = first_shown_free()
+end
+if slot and not second then
+  slot = take(slot, last)
   if not slot and wrapped >= 0 then
-    slot = take(0, wrapped)
+    slot = take(first_clear(0, wrapped), wrapped)
   end
+elseif slot then
+  slot = take(slot, wrapped)
 end
 if slot then
   redis.call('SET', high_key, token)

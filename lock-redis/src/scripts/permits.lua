@@ -7,14 +7,16 @@
 -- one does not read every slot:
 --   `<prefix>:{<name>}:permits`         a bitmap, bit i set while slot i is held;
 --   `<prefix>:{<name>}:permits:due`     a sorted set, slot i scored with the server time
---                                       (ms) when its lease runs out unless renewed;
+--                                       (ms) when its lease runs out unless renewed (a
+--                                       released slot stays in it until then);
 --   `<prefix>:{<name>}:permits:waited`  set while a refused attempt waits to hear of a
 --                                       freed slot (it expires after that attempt's TTL).
 -- The slot keys are the truth and the index a guide, so the index being behind never
 -- grants a held slot: a grant is still `SET NX` on the slot key. A slot the index shows
 -- free but held (taken as a plain lock, or an index lost with a restart) is found so by
 -- that `SET NX` and marked held; a slot freed without the index hearing it (its TTL ran
--- out, a purge) is marked free once its due time has passed. The scripts that free a slot
+-- out, a purge) is marked free once its due time has passed, by the next attempt that
+-- would pass over it as held or be refused. The scripts that free a slot
 -- (release, abandon) find the index from the slot key's name; the keys share its hash
 -- tag, so on a Cluster they are on the slot key's shard.
 
@@ -36,20 +38,22 @@ end
 -- attempt waits to hear of it (the flag is cleared: the next refusal sets it again).
 -- Best effort, as an announcement is: a user the server refuses these commands (an ACL
 -- user set up before the index) still releases; the index then frees the slot when its
--- due time has passed.
+-- due time has passed. The slot stays in the due set: the next grant of the slot gives it
+-- its new due time, and an attempt that looks at due slots drops it once that time has
+-- passed with the key gone, so a release costs no `ZREM`.
 local function permit_freed(index, slot)
   redis.pcall('SETBIT', index, slot, 0)
   if redis.pcall('BITCOUNT', index) == 0 then
     -- No slot held: an idle semaphore keeps no index.
-    redis.pcall('DEL', index)
+    redis.pcall('DEL', index, index .. ':due')
   end
-  redis.pcall('ZREM', index .. ':due', slot)
   return redis.pcall('DEL', index .. ':waited') == 1
 end
 
 -- The slot of the index `index` whose key (`slots` .. slot) holds a lease of `owner`, and
--- the key's value; nil when none does. Reads the held slots only: for an attempt sent
--- again, or given back, whose reply was lost.
+-- the key's value; nil when none does. Reads the slots of the due set only (the held
+-- ones, and the released ones not yet dropped): for an attempt sent again, or given back,
+-- whose reply was lost.
 local function permit_of(index, slots, owner)
   for _, slot in ipairs(redis.call('ZRANGE', index .. ':due', 0, -1)) do
     local held = redis.call('GET', slots .. slot)
