@@ -18,7 +18,7 @@ use distlock_core::{
 };
 use tokio::time::Instant;
 
-use self::coalesced::Acquire;
+use self::coalesced::{Acquire, PermitAttempt};
 use crate::coalesce::Coalescer;
 use crate::config::RedisBackendBuilder;
 use crate::core::Core;
@@ -75,6 +75,9 @@ struct Inner {
     acquires: Coalescer<Acquire, Option<Lease>>,
     /// Single releases, coalesced (single node only).
     releases: Coalescer<Lease, Release>,
+    /// Permit attempts through a semaphore's index, coalesced (single node only); `None`
+    /// answers that the server refused the index.
+    permits: Coalescer<PermitAttempt, Option<Option<Lease>>>,
 }
 
 impl fmt::Debug for RedisBackend {
@@ -120,6 +123,7 @@ impl RedisBackend {
                 core: Arc::new(core),
                 acquires: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
                 releases: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
+                permits: Coalescer::new(SENT_AT_ONCE, coalesced_patience),
             }),
         })
     }
@@ -326,11 +330,30 @@ impl LockBackend for RedisBackend {
                 && !core.index_refused()
             {
                 // A semaphore's slots: through its index, whatever their number, unless
-                // the server refuses this user the index's commands.
-                if let Some(taken) = core
-                    .acquire_permit_one(keys, run, ttl, Instant::now())
-                    .await
-                {
+                // the server refuses this user the index's commands; on a single node
+                // coalesced with the other permit attempts in flight.
+                let called = Instant::now();
+                let taken = if core.cluster {
+                    core.acquire_permit_one(keys, run, ttl, called).await
+                } else {
+                    let batched = || PermitAttempt {
+                        run: run.clone(),
+                        first: keys[0].clone(),
+                        ttl,
+                        mark: core.mark(&keys[..1]),
+                        called,
+                    };
+                    self.inner
+                        .permits
+                        .run(&self.inner.core, batched, || async {
+                            core.acquire_permit_one(keys, run.clone(), ttl, called)
+                                .await
+                                .transpose()
+                        })
+                        .await
+                        .transpose()
+                };
+                if let Some(taken) = taken {
                     return taken;
                 }
             }

@@ -73,9 +73,9 @@ pub(crate) struct Core {
 pub(crate) struct AbandonOnDrop<'a> {
     core: &'a Core,
     attempts: Vec<(LockKeys, OwnerId)>,
-    /// A permit attempt through a semaphore's index: its run and owner id, from which
-    /// `abandon_permit.lua` finds the slot it took (the call is built only if needed).
-    permit: Option<(&'a PermitRun, OwnerId)>,
+    /// Permit attempts through a semaphore's index: their run and owner id, from which
+    /// `abandon_permit.lua` finds the slot each took (the calls are built only if needed).
+    permits: Vec<(&'a PermitRun, OwnerId)>,
     ttl: Duration,
     /// The connection of its own the attempt went over, if any: the cleanup goes over it
     /// too, so that it runs after the attempt.
@@ -86,7 +86,7 @@ impl AbandonOnDrop<'_> {
     /// The attempt's outcome is known: nothing is given back when this is dropped.
     pub(crate) fn settled(&mut self) {
         self.attempts.clear();
-        self.permit = None;
+        self.permits.clear();
     }
 }
 
@@ -96,9 +96,13 @@ impl Drop for AbandonOnDrop<'_> {
             let attempts = std::mem::take(&mut self.attempts);
             self.core.abandon_over(self.over.take(), attempts, self.ttl);
         }
-        if let Some((run, owner)) = self.permit.take() {
-            let call = self.core.calls.abandon_permit_call(run, owner);
-            self.core.give_back(self.over.take(), vec![call], self.ttl);
+        if !self.permits.is_empty() {
+            let calls = self
+                .permits
+                .drain(..)
+                .map(|(run, owner)| self.core.calls.abandon_permit_call(run, owner))
+                .collect();
+            self.core.give_back(self.over.take(), calls, self.ttl);
         }
     }
 }
@@ -124,7 +128,7 @@ impl Core {
     /// this backend hears no release (wake-ups off, or its listener refused), granted
     /// marked when other waiters of this process watch one of them, and otherwise marked
     /// only if held.
-    fn mark(&self, keys: &[LockKey]) -> Mark {
+    pub(crate) fn mark(&self, keys: &[LockKey]) -> Mark {
         let listener = &self.listener;
         if !listener.hears_releases() {
             Mark::Never
@@ -234,7 +238,7 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: vec![(keys, owner)],
-            permit: None,
+            permits: Vec::new(),
             ttl,
             over: None,
         };
@@ -274,11 +278,11 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: locks.into_iter().map(|k| (k, owner)).collect(),
-            permit: None,
+            permits: Vec::new(),
             ttl,
             over: None,
         };
-        let reply = self.send_any(&call, None).await;
+        let reply = self.send_any::<Option<(usize, u64)>>(&call, None).await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {
             Ok(None) => Ok(None),
@@ -308,11 +312,8 @@ impl Core {
     /// semaphore's index, with one script (`acquire_permit.lua`); see
     /// [`LockBackend::acquire_any`].
     ///
-    /// `None` when the server refused this user one of the index's commands (`NOPERM`:
-    /// an ACL user set up before the index): the script is refused before it writes any
-    /// slot key, so nothing was taken, and the caller takes the slot keys without the
-    /// index. The first refusal is logged once; from then on [`Self::index_refused`] says
-    /// so and the index is not tried again.
+    /// `None` when the server refused this user one of the index's commands, as
+    /// [`Self::acquire_permits`] says.
     pub(crate) async fn acquire_permit_one(
         &self,
         keys: &[LockKey],
@@ -323,18 +324,56 @@ impl Core {
         let owner = OwnerId::random();
         // A semaphore's waiters watch every slot: the first slot says whether any does.
         let mark = self.mark(&keys[..1]);
-        let call = self.calls.acquire_permit_call(&run, owner, ttl, mark);
+        let replies = self
+            .acquire_permits(&run, &[(&run, owner, ttl, mark)])
+            .await?;
+        Some(replies.and_then(|replies| {
+            let Some((slot, token)) = replies.into_iter().next().flatten() else {
+                return Ok(None);
+            };
+            let key = run.position(slot).and_then(|at| keys.get(at));
+            match key {
+                Some(key) => Ok(Some(self.lease(key, owner, token, ttl, called))),
+                None => Err(self.not_asked(&run, owner, slot, ttl)),
+            }
+        }))
+    }
+
+    /// Permit attempts on the semaphore of `run` (each over a run of its slots, by an
+    /// owner, for a TTL, marking as it says), with one script call (`acquire_permit.lua`)
+    /// served in order: per attempt, the slot it took and its token.
+    ///
+    /// `None` when the server refused this user one of the index's commands (`NOPERM`:
+    /// an ACL user set up before the index): the script is refused before it writes any
+    /// slot key, so nothing was taken, and the caller takes the slot keys without the
+    /// index. The first refusal is logged once; from then on [`Self::index_refused`] says
+    /// so and the index is not tried again. If the outcome is unknown (or the future
+    /// dropped before it is known), what the attempts may have taken is given back in the
+    /// background, found by their owner ids.
+    pub(crate) async fn acquire_permits(
+        &self,
+        run: &PermitRun,
+        attempts: &[(&PermitRun, OwnerId, Duration, Mark)],
+    ) -> Option<Result<Vec<Option<(u32, u64)>>, LockError>> {
+        let call = self
+            .calls
+            .acquire_permit_call(run, attempts.iter().copied());
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: Vec::new(),
-            permit: Some((&run, owner)),
-            ttl,
+            permits: attempts
+                .iter()
+                .map(|&(run, owner, ..)| (run, owner))
+                .collect(),
+            ttl: attempts.iter().map(|a| a.2).max().unwrap_or_default(),
             over: None,
         };
         let mut refused = None;
-        let reply = self.send_any(&call, Some(&mut refused)).await;
-        pending.settled();
+        let reply = self
+            .send_any::<Vec<Option<(u32, u64)>>>(&call, Some(&mut refused))
+            .await;
         if let Some(kind) = refused {
+            pending.settled();
             if !self.index_refused.swap(true, Ordering::Relaxed) {
                 warn!(
                     error = %kind,
@@ -345,33 +384,44 @@ impl Core {
             }
             return None;
         }
-        let abandon = || vec![self.calls.abandon_permit_call(&run, owner)];
-        Some(match reply {
-            Ok(None) => Ok(None),
-            Ok(Some((slot, token))) => {
-                let Some(key) = u32::try_from(slot)
-                    .ok()
-                    .and_then(|slot| run.position(slot))
-                    .and_then(|at| keys.get(at))
-                else {
-                    self.give_back(None, abandon(), ttl);
-                    return Some(Err(LockError::backend(
-                        NAME,
-                        format!(
-                            "the acquire_permit script took slot {slot}, not one of the {} asked for",
-                            run.len()
-                        ),
-                    )));
-                };
-                Ok(Some(self.lease(key, owner, token, ttl, called)))
+        let reply = reply.and_then(|replies| {
+            if replies.len() == attempts.len() {
+                Ok(replies)
+            } else {
+                Err(LockError::outcome_unknown(
+                    NAME,
+                    "acquire",
+                    format!(
+                        "the acquire_permit script answered {} of {} attempts",
+                        replies.len(),
+                        attempts.len()
+                    ),
+                ))
             }
-            Err(e) => {
-                if let LockError::OutcomeUnknown { .. } = e {
-                    self.give_back(None, abandon(), ttl);
-                }
-                Err(e)
-            }
-        })
+        });
+        if !matches!(reply, Err(LockError::OutcomeUnknown { .. })) {
+            pending.settled();
+        }
+        Some(reply)
+    }
+
+    /// The error of a permit attempt the script answered with `slot`, not one of its
+    /// run's; the slot is given back in the background.
+    pub(crate) fn not_asked(
+        &self,
+        run: &PermitRun,
+        owner: OwnerId,
+        slot: u32,
+        ttl: Duration,
+    ) -> LockError {
+        self.give_back(None, vec![self.calls.abandon_permit_call(run, owner)], ttl);
+        LockError::backend(
+            NAME,
+            format!(
+                "the acquire_permit script took slot {slot}, not one of the {} asked for",
+                run.len()
+            ),
+        )
     }
 
     /// Whether the server refused this user a command of a semaphore's index (see
@@ -380,26 +430,26 @@ impl Core {
         self.index_refused.load(Ordering::Relaxed)
     }
 
-    /// Sends an any-of acquire's `call` (`acquire_any.lua` or `acquire_permit.lua`, each
-    /// answering `{i, token}` or nil). Sent again after a dropped connection, here (never
+    /// Sends an any-of acquire's `call` (`acquire_any.lua`, answering `{i, token}` or nil,
+    /// or `acquire_permit.lua`, answering that per attempt). Sent again after a dropped connection, here (never
     /// by a cluster's retrying connection: the scripts run once, see
     /// `ACQUIRE_ANY_SCRIPT`), with the flag that makes the script look first for the key
     /// this attempt took (see `acquire_any.lua`).
     ///
     /// With `refused`, a command of the script refused by the user's ACL is not an
-    /// error: its kind is put there instead.
-    async fn send_any(
+    /// error: its kind is put there instead (and the reply is `T::default()`).
+    async fn send_any<T: redis::FromRedisValue + Default>(
         &self,
         call: &Call,
         refused: Option<&mut Option<String>>,
-    ) -> Result<Option<(usize, u64)>, LockError> {
+    ) -> Result<T, LockError> {
         self.timed("acquire", Effect::Write("acquire"), async {
-            let reply = match self.conn.invoke::<Option<(usize, u64)>>(call).await {
+            let reply = match self.conn.invoke::<T>(call).await {
                 Err(e) if e.is_connection_dropped() || e.is_io_error() => {
                     debug!(error = %e.kind_name(), "acquire_any: connection lost; sending it again");
                     let mut again = call.clone();
                     again.args.push(b"R".to_vec());
-                    let reply = Box::pin(self.conn.invoke::<Option<(usize, u64)>>(&again)).await;
+                    let reply = Box::pin(self.conn.invoke::<T>(&again)).await;
                     resent(e, reply)
                 }
                 reply => reply,
@@ -407,7 +457,7 @@ impl Core {
             match (reply, refused) {
                 (Err(e), Some(refused)) if is_refused_in_script(&e) => {
                     *refused = Some(e.kind_name());
-                    Ok(None)
+                    Ok(T::default())
                 }
                 (reply, _) => reply,
             }
@@ -746,7 +796,7 @@ impl Core {
         let mut pending = AbandonOnDrop {
             core: self,
             attempts: vec![(keys, owner)],
-            permit: None,
+            permits: Vec::new(),
             ttl,
             over: Some(acked),
         };

@@ -23,7 +23,9 @@
 //! * **Coalescing.** A script call costs the server a few microseconds whatever it does,
 //!   and under concurrency that cost, not the network, caps throughput; so on a single
 //!   node, `acquire` and `release` calls that arrive together go together as one
-//!   multi-key script call, each caller getting its own result, without a timer: a
+//!   multi-key script call, and so do a semaphore's permit attempts (one call per
+//!   semaphore, served in the order they came), each caller getting its own result,
+//!   without a timer: a
 //!   caller that finds no call of its kind in flight sends at once; one that finds some
 //!   yields to the runtime once and takes along the calls that arrive meanwhile; while
 //!   [`SENT_AT_ONCE`] calls of a kind are on their way, later ones wait and go together

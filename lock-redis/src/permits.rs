@@ -8,7 +8,9 @@
 //! `acquire_any` promises, without the list being sent or each key read. Any other list of
 //! keys goes to `acquire_any.lua`.
 
-use distlock_core::LockKey;
+use std::time::Duration;
+
+use distlock_core::{LockKey, OwnerId};
 
 use crate::keys::{LockKeys, Mark};
 
@@ -81,11 +83,13 @@ impl PermitRun {
         ]
     }
 
-    /// `acquire_permit.lua`'s arguments after the owner id and the TTL.
-    pub(crate) fn args(&self, mark: Mark) -> [Vec<u8>; 5] {
+    /// `acquire_permit.lua`'s six arguments of one attempt over this run, by `owner` for
+    /// `ttl`, marking as `mark` says.
+    pub(crate) fn attempt_args(&self, owner: OwnerId, ttl: Duration, mark: Mark) -> [Vec<u8>; 6] {
         [
+            owner.to_string().into_bytes(),
+            ttl.as_millis().to_string().into_bytes(),
             vec![mark.arg()],
-            self.slots.clone().into_bytes(),
             self.first.to_string().into_bytes(),
             self.last.to_string().into_bytes(),
             self.wrapped

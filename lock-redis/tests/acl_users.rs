@@ -544,6 +544,32 @@ async fn a_user_without_the_index_commands_still_takes_permits() {
     assert_eq!(refused_times(&server, "bitpos").await, 1);
 }
 
+/// The same user's permit attempts made at once, so that they are coalesced: the calls
+/// the server refuses the index take the slot keys without it, every attempt is answered
+/// without an error, and never more permits are granted than the semaphore has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_without_the_index_commands_takes_permits_in_coalesced_attempts() {
+    let server = harness::require(RedisServer::start().await);
+    set_user(&server, "old", true, &INDEX_COMMANDS).await;
+    let url = format!("redis://old:{PASSWORD}@127.0.0.1:{}/", server.port());
+    let redis = RedisBackend::builder().url(url).build().await.unwrap();
+    let slots: Vec<LockKey> = (0..3)
+        .map(|i| LockKey::new(format!("exports:permit:{i}")).unwrap())
+        .collect();
+    let attempts = futures::future::join_all((0..8).map(|_| redis.acquire_any(&slots, TTL))).await;
+    let held: Vec<_> = attempts
+        .into_iter()
+        .filter_map(|a| a.expect("no error"))
+        .collect();
+    let mut taken: Vec<&LockKey> = held.iter().map(|l| l.key()).collect();
+    taken.sort();
+    assert_eq!(taken, slots.iter().collect::<Vec<_>>());
+    for lease in &held {
+        assert_eq!(redis.release(lease).await.unwrap(), Release::Released);
+    }
+    assert_nothing_held(&server).await;
+}
+
 /// How many times `ACL LOG` says the server refused `command` (it counts repeats of one
 /// refusal in one entry).
 async fn refused_times(server: &RedisServer, command: &str) -> i64 {

@@ -225,10 +225,10 @@ async fn an_attempt_sent_again_returns_its_slot_and_its_abandon_gives_it_back() 
     args.extend(index);
     args.extend([
         "distlock:tokens",
+        "distlock:{again}:permit:",
         owner.as_str(),
         "30000",
         "0",
-        "distlock:{again}:permit:",
         "0",
         "2",
         "-1",
@@ -237,10 +237,10 @@ async fn an_attempt_sent_again_returns_its_slot_and_its_abandon_gives_it_back() 
     let again = harness::require(f.server.command(&args).await);
     assert_eq!(
         again,
-        RespValue::Array(Some(vec![
+        RespValue::Array(Some(vec![RespValue::Array(Some(vec![
             RespValue::Integer(1),
             RespValue::Bulk(Some(lease.token().get().to_string().into_bytes())),
-        ]))
+        ]))]))
     );
     // Slot 0 stayed free: the resent attempt took nothing more.
     assert_eq!(redis.inspect(&slots[0]).await.unwrap().owner, None);

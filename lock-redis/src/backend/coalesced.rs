@@ -1,6 +1,7 @@
-//! The coalesced path of `acquire` and `release` on a single node: how a batch of
-//! single calls that the [`Coalescer`](crate::coalesce::Coalescer) gathered is sent (one
-//! multi-key script call, through [`Core`]) and each of its callers answered.
+//! The coalesced path of `acquire`, a semaphore's permit attempts (`acquire_any` over its
+//! slots) and `release` on a single node: how a batch of single calls that the
+//! [`Coalescer`](crate::coalesce::Coalescer) gathered is sent (one multi-key script call,
+//! or one per semaphore, through [`Core`]) and each of its callers answered.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +12,8 @@ use tokio::time::Instant;
 use crate::coalesce::{SendBatch, Waiting};
 use crate::core::{Core, Extra, parse_token, release, spread};
 use crate::error::{NAME, is_resendable, map_error};
-use crate::keys::LockKeys;
+use crate::keys::{LockKeys, Mark};
+use crate::permits::PermitRun;
 use crate::scripts::RELEASE_MANY_SCRIPT;
 
 /// One caller's acquire as it goes in a coalesced batch, with the instant its caller
@@ -85,6 +87,105 @@ impl SendBatch<Acquire, Option<Lease>> for Arc<Core> {
     fn unread(&self, answer: Option<Lease>) {
         release_orphans(self, answer.into_iter().collect());
     }
+}
+
+/// One caller's permit attempt as it goes in a coalesced batch: the run of slots it asks
+/// for, the first of them (it names the semaphore), its TTL and mark, and the instant its
+/// caller called.
+pub(crate) struct PermitAttempt {
+    pub(crate) run: PermitRun,
+    pub(crate) first: LockKey,
+    pub(crate) ttl: Duration,
+    pub(crate) mark: Mark,
+    pub(crate) called: Instant,
+}
+
+/// Coalesced permit attempts go as one `acquire_permit.lua` call per semaphore, the
+/// attempts served in the order they came. Each caller is answered `Some(lease or none)`,
+/// or `None` when the server refused this user the index's commands (nothing was taken:
+/// the caller takes the slot keys without the index). A lease whose caller has gone is
+/// released in the background, not left to expire.
+impl SendBatch<PermitAttempt, Option<Option<Lease>>> for Arc<Core> {
+    const BACKEND: &'static str = NAME;
+    const OPERATION: &'static str = "acquire";
+
+    async fn send(self, batch: Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>) {
+        let mut semaphores: Vec<Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>> = Vec::new();
+        for w in batch {
+            match semaphores
+                .iter_mut()
+                .find(|s| s[0].call.run.index == w.call.run.index)
+            {
+                Some(same) => same.push(w),
+                None => semaphores.push(vec![w]),
+            }
+        }
+        futures::future::join_all(semaphores.into_iter().map(|s| send_permits(&self, s))).await;
+    }
+
+    fn unread(&self, answer: Option<Option<Lease>>) {
+        release_orphans(self, answer.flatten().into_iter().collect());
+    }
+}
+
+/// Sends the permit attempts of one semaphore as one call, and answers their callers.
+async fn send_permits(
+    core: &Arc<Core>,
+    attempts: Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>,
+) {
+    let owners: Vec<OwnerId> = attempts.iter().map(|_| OwnerId::random()).collect();
+    let replies = {
+        let sent: Vec<_> = attempts
+            .iter()
+            .zip(&owners)
+            .map(|(w, &owner)| (&w.call.run, owner, w.call.ttl, w.call.mark))
+            .collect();
+        core.acquire_permits(&attempts[0].call.run, &sent).await
+    };
+    let replies = match replies {
+        Some(Ok(replies)) => replies,
+        Some(Err(e)) => {
+            for w in attempts {
+                let _ = w.answer(Err(duplicate(&e)));
+            }
+            return;
+        }
+        None => {
+            for w in attempts {
+                let _ = w.answer(Ok(None));
+            }
+            return;
+        }
+    };
+    let mut orphans = Vec::new();
+    for ((w, owner), reply) in attempts.into_iter().zip(owners).zip(replies) {
+        let PermitAttempt {
+            run,
+            first,
+            ttl,
+            called,
+            ..
+        } = &w.call;
+        let outcome = match reply {
+            None => Ok(Some(None)),
+            Some((slot, token)) => match slot_key(run, first, slot) {
+                Some(key) => Ok(Some(Some(core.lease(&key, owner, token, *ttl, *called)))),
+                None => Err(core.not_asked(run, owner, slot, *ttl)),
+            },
+        };
+        if let Err(Ok(Some(Some(lease)))) = w.answer(outcome) {
+            orphans.push(lease);
+        }
+    }
+    release_orphans(core, orphans);
+}
+
+/// The key of permit slot `slot` of the semaphore whose slot `first` is, when `slot` is in
+/// `run`.
+fn slot_key(run: &PermitRun, first: &LockKey, slot: u32) -> Option<LockKey> {
+    run.position(slot)?;
+    let (semaphore, _) = first.permit_slot()?;
+    LockKey::new(format!("{semaphore}:permit:{slot}")).ok()
 }
 
 /// Releases, in the background, the leases of acquires whose callers had gone; left to

@@ -120,18 +120,20 @@ impl Calls {
         }
     }
 
-    /// The call of `acquire_permit.lua` over `run`, its waiters marked as `mark` says.
-    pub(crate) fn acquire_permit_call(
+    /// The call of `acquire_permit.lua` for `attempts` on the semaphore of `run` (each
+    /// over a run of that semaphore's slots, by an owner for a TTL, marking as its mark
+    /// says), served in order.
+    pub(crate) fn acquire_permit_call<'a>(
         &self,
         run: &PermitRun,
-        owner: OwnerId,
-        ttl: Duration,
-        mark: Mark,
+        attempts: impl IntoIterator<Item = (&'a PermitRun, OwnerId, Duration, Mark)>,
     ) -> Call {
-        let mut args = vec![owner.to_string().into(), ttl.as_millis().to_string().into()];
-        args.extend(run.args(mark));
         let mut keys = run.keys();
         keys.push(self.high_water(&run.index));
+        let mut args = vec![run.slots.clone().into_bytes()];
+        for (run, owner, ttl, mark) in attempts {
+            args.extend(run.attempt_args(owner, ttl, mark));
+        }
         Call {
             script: &ACQUIRE_PERMIT_SCRIPT,
             keys,

@@ -1,34 +1,32 @@
--- Takes a free permit slot of one semaphore and issues its fencing token, in one atomic
--- step: what acquire_any.lua does for a semaphore's slots, through the semaphore's index
--- (see permits.lua), so that neither a grant nor a refusal reads the slot keys one by
--- one: the first slot the index shows free is found in its bitmap (N bits), and only
--- that slot's key is taken.
+-- Takes a free permit slot of one semaphore for each of one or more attempts and issues
+-- their fencing token, in one atomic step: what acquire_any.lua does for a semaphore's
+-- slots, through the semaphore's index (see permits.lua), so that neither a grant nor a
+-- refusal reads the slot keys one by one: the first slot the index shows free is found in
+-- its bitmap (N bits), and only that slot's key is taken. The attempts of one call (single
+-- calls coalesced, as acquires are) share its clock read, its token and its look at the
+-- due slots, and are served in order, each as if it came alone after the ones before it.
 -- KEYS[1] = the index `<prefix>:{<name>}:permits`, KEYS[2] = its due set (`:due`),
 -- KEYS[3] = its waiters' flag (`:waited`), KEYS[4] = the high-water key of the hash slot
 -- (as in acquire.lua)
--- ARGV[1] = owner id (hex), ARGV[2] = ttl in ms, ARGV[3] = '1' when other waiters of
--- the client's process wait for this semaphore, '-' to mark nothing (the client's
--- process hears no releases), '0' otherwise (as acquire.lua's ARGV[3]);
--- ARGV[4] = the slot keys' common part, `<prefix>:{<name>}:permit:`;
--- ARGV[5], ARGV[6] = the first and last slot of the run tried first; ARGV[7] = the last
--- slot of a second run, from slot 0, tried after it ('-1' for none): the slots asked for,
--- in the order asked (a semaphore asks from a random slot onwards, wrapping to 0);
--- ARGV[8] = 'R' when this attempt is sent again (a client retry after a lost reply)
--- Returns {slot, token}: the first slot free in the order asked, taken. Sent again, it
--- first returns the slot this attempt took the first time, if it took one. Returns nil
--- when every slot asked for is held, and then (unless ARGV[3] is '-') sets the waiters'
--- flag, so the next release of a slot is announced on that slot's key as a channel.
+-- ARGV[1] = the slot keys' common part, `<prefix>:{<name>}:permit:`; then six values per
+-- attempt: its owner id (hex); its ttl in ms; '1' when other waiters of the client's
+-- process wait for this semaphore, '-' to mark nothing (the client's process hears no
+-- releases), '0' otherwise (as acquire.lua's ARGV[3]); the first and last slot of the run
+-- tried first; the last slot of a second run, from slot 0, tried after it ('-1' for none):
+-- the slots asked for, in the order asked (a semaphore asks from a random slot onwards,
+-- wrapping to 0); last, 'R' when the call is sent again (a client retry after a lost
+-- reply)
+-- Returns one reply per attempt, in order: {slot, token}, the first slot free in the order
+-- asked, taken; or false when every slot it asked for is held (then, unless its mark is
+-- '-', the waiters' flag is set, so the next release of a slot is announced on that slot's
+-- key as a channel). Sent again, an attempt first returns the slot it took the first time,
+-- if it took one.
 --
 -- The token is issued as in acquire.lua.
 local index, due, waited, high_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local owner, ttl, mark, slots = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-
-if ARGV[8] == 'R' then
-  local slot, held = permit_of(index, slots, owner)
-  if slot then
-    return {tonumber(slot), string.match(held, '^%x+:(%d+)')}
-  end
-end
+local slots = ARGV[1]
+local attempts = math.floor((#ARGV - 1) / 6)
+local again = ARGV[#ARGV] == 'R' and #ARGV == 2 + 6 * attempts
 
 -- One clock read for the due times (ms) and the token (µs).
 local time = redis.call('TIME')
@@ -36,8 +34,8 @@ local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 
 -- When a held slot is next due, from its key's `PTTL` (`left`): when that runs out (0 is
 -- this very millisecond: the key expires in the next one), or, for a key without a TTL
--- (set by hand), after this attempt's TTL.
-local function due_after(now, left)
+-- (set by hand), after the attempt's `ttl`.
+local function due_after(left, ttl)
   if left >= 0 then
     return now + left
   end
@@ -46,12 +44,12 @@ end
 
 -- Slots whose lease was due to run out by now: freed if their key is gone (a TTL ran
 -- out, a purge), else due again when their key's TTL (renewed since) runs out. Returns
--- whether a slot the index showed held was freed. Run at most once per attempt, and only
--- when the attempt would otherwise pass over a slot the index shows held (a grant after
--- the run's first slot, a slot key found held, a refusal): a grant of the run's first
+-- whether a slot the index showed held was freed. Run at most once per call, and only
+-- when an attempt would otherwise pass over a slot the index shows held (a grant after
+-- its run's first slot, a slot key found held, a refusal): a grant of the run's first
 -- slot passes over nothing, whatever is due.
 local swept = false
-local function sweep()
+local function sweep(ttl)
   if swept then
     return false
   end
@@ -65,7 +63,7 @@ local function sweep()
         freed = true
       end
     else
-      redis.call('ZADD', due, due_after(now, left), slot)
+      redis.call('ZADD', due, due_after(left, ttl), slot)
     end
   end
   return freed
@@ -108,15 +106,13 @@ local function first_clear(lo, hi)
   return nil
 end
 
-local first, last, wrapped = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-
--- The first slot of the run the index shows free, and whether it is in the second part
--- (from 0), or nil. Starts from the lowest clear bit of the whole bitmap, one BITPOS that
--- often answers alone: above the run's last slot, every slot of the run is shown held (the
--- run lies within 0..last, so a full semaphore is refused on this one look); from the
--- run's first slot on, it is the answer; before it, the first part is looked at from its
--- first slot, and the second part's answer is that lowest bit.
-local function first_shown_free()
+-- The first slot of the run `first..=last`, then `0..=wrapped`, that the index shows free,
+-- and whether it is in the second part; or nil. Starts from the lowest clear bit of the
+-- whole bitmap, one BITPOS that often answers alone: above the run's last slot, every slot
+-- of the run is shown held (the run lies within 0..last, so a full semaphore is refused on
+-- this one look); from the run's first slot on, it is the answer; before it, the first
+-- part is looked at from its first slot, and the second part's answer is that lowest bit.
+local function first_shown_free(first, last, wrapped)
   local lowest = redis.call('BITPOS', index, 0)
   if lowest > last then
     return nil
@@ -134,17 +130,18 @@ local function first_shown_free()
   return nil
 end
 
--- The token, issued once a slot is to be taken (a refusal issues none).
-local token, value
+-- The token, issued once a slot is to be taken (a call that refuses every attempt issues
+-- none), and shared by the call's grants (each is of another slot key).
+local token
 
 -- Takes `slot`, the first slot up to `hi` the index shows free, or the next shown free
--- after it whose key is free; nil when none is. A slot the index shows free but whose key
--- is held is marked held, and, due slots freed, the next one tried.
-local function take(slot, hi)
+-- after it whose key is free, for `owner` for `ttl` ms; nil when none is. A slot the index
+-- shows free but whose key is held is marked held, and, due slots freed, the next one
+-- tried.
+local function take(slot, hi, owner, ttl)
   while slot do
     if not token then
       token = next_token(high_key, time)
-      value = owner .. ':' .. token
     end
     local key = slots .. slot
     -- The index first, then the slot key: a user the server refuses one of the index's
@@ -152,36 +149,62 @@ local function take(slot, hi)
     -- the slot keys without the index instead (see permits.rs).
     redis.call('SETBIT', index, slot, 1)
     redis.call('ZADD', due, now + ttl, slot)
-    if redis.call('SET', key, value, 'NX', 'PX', ttl) then
+    if redis.call('SET', key, owner .. ':' .. token, 'NX', 'PX', ttl) then
       return slot
     end
-    redis.call('ZADD', due, due_after(now, redis.call('PTTL', key)), slot)
-    sweep()
+    redis.call('ZADD', due, due_after(redis.call('PTTL', key), ttl), slot)
+    sweep(ttl)
     slot = first_clear(slot + 1, hi)
   end
   return nil
 end
 
-local slot, second = first_shown_free()
-if slot ~= first and sweep() then
-  slot, second = first_shown_free()
-end
-if slot and not second then
-  slot = take(slot, last)
-  if not slot and wrapped >= 0 then
-    slot = take(first_clear(0, wrapped), wrapped)
+-- One attempt: the slot it took, or nil.
+local function attempt(owner, ttl, first, last, wrapped)
+  local slot, second = first_shown_free(first, last, wrapped)
+  if slot ~= first and sweep(ttl) then
+    slot, second = first_shown_free(first, last, wrapped)
   end
-elseif slot then
-  slot = take(slot, wrapped)
+  if slot and not second then
+    slot = take(slot, last, owner, ttl)
+    if not slot and wrapped >= 0 then
+      slot = take(first_clear(0, wrapped), wrapped, owner, ttl)
+    end
+  elseif slot then
+    slot = take(slot, wrapped, owner, ttl)
+  end
+  return slot
 end
-if slot then
+
+local replies = {}
+-- The longest TTL of the attempts that set the waiters' flag, if any does.
+local flag
+for i = 0, attempts - 1 do
+  local at = 2 + 6 * i
+  local owner, ttl, mark = ARGV[at], tonumber(ARGV[at + 1]), ARGV[at + 2]
+  local first, last, wrapped = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
+  local reply = false
+  if again then
+    local slot, held = permit_of(index, slots, owner)
+    if slot then
+      reply = {tonumber(slot), string.match(held, '^%x+:(%d+)')}
+    end
+  end
+  if not reply then
+    local slot = attempt(owner, ttl, first, last, wrapped)
+    if slot then
+      reply = {slot, token}
+    end
+    if (slot and mark == '1') or (not slot and mark ~= '-') then
+      flag = math.max(flag or 0, ttl)
+    end
+  end
+  replies[i + 1] = reply
+end
+if token then
   redis.call('SET', high_key, token)
-  if mark == '1' then
-    redis.call('SET', waited, '1', 'PX', ttl)
-  end
-  return {slot, token}
 end
-if mark ~= '-' then
-  redis.call('SET', waited, '1', 'PX', ttl)
+if flag then
+  redis.call('SET', waited, '1', 'PX', flag)
 end
-return false
+return replies
