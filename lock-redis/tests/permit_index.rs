@@ -487,3 +487,40 @@ async fn a_lapsed_slot_is_granted_before_a_free_one_after_it() {
     redis.release(&lease).await.unwrap();
     redis.release_many(&held).await.unwrap();
 }
+
+/// A batch release of several slots of one semaphore looks at its index once: one
+/// `BITCOUNT` (is it idle?) and one `DEL` of its waiters' flag, whose release is the one
+/// announced; the idle index is deleted with its due set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_release_of_one_semaphores_slots_looks_at_its_index_once() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("batched", 4);
+    let held = fill(&redis, &slots, 4, TTL).await;
+    // A refusal sets the waiters' flag.
+    assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
+    reset(&f).await;
+    let released = redis.release_many(&held).await.unwrap();
+    assert!(
+        released
+            .iter()
+            .all(|r| *r == distlock_core::Release::Released)
+    );
+    assert_eq!(f.calls("evalsha").await, 1);
+    assert_eq!(f.calls("setbit").await, 4, "SETBIT");
+    assert_eq!(f.calls("bitcount").await, 1, "BITCOUNT");
+    // Four slot keys, the flag, and the idle index with its due set in one.
+    assert_eq!(f.calls("del").await, 6, "DEL");
+    assert_eq!(f.calls("publish").await, 1, "PUBLISH");
+    let left = harness::require(
+        f.server
+            .command(&[
+                "EXISTS",
+                "distlock:{batched}:permits",
+                "distlock:{batched}:permits:due",
+                "distlock:{batched}:permits:waited",
+            ])
+            .await,
+    );
+    assert_eq!(left, RespValue::Integer(0));
+}

@@ -21,4 +21,5 @@ end
 if waited ~= '' and ARGV[2] ~= '-' then
   redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
 end
+permits_freed()
 return 1

@@ -16,4 +16,5 @@ redis.call('DEL', lock)
 if permit_freed(KEYS[1], slot) and ARGV[3] ~= '-' then
   redis.pcall(ARGV[3] == 'S' and 'SPUBLISH' or 'PUBLISH', lock, '')
 end
+permits_freed()
 return 1

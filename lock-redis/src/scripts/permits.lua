@@ -34,20 +34,36 @@ local function permit_index(lock)
   return index .. ':permits', slot
 end
 
+-- The indexes a call freed slots of (see permit_freed).
+local freed_in = {}
+
 -- Slot `slot` of `index` was freed: the index shows it free. Returns whether a refused
--- attempt waits to hear of it (the flag is cleared: the next refusal sets it again).
--- Best effort, as an announcement is: a user the server refuses these commands (an ACL
--- user set up before the index) still releases; the index then frees the slot when its
--- due time has passed. The slot stays in the due set: the next grant of the slot gives it
--- its new due time, and an attempt that looks at due slots drops it once that time has
--- passed with the key gone, so a release costs no `ZREM`.
+-- attempt waits to hear of it: the flag is cleared by the first slot a call frees of an
+-- index, which is the one announced (the next refusal sets it again). A call that frees
+-- slots ends with permits_freed. Best effort, as an announcement is: a user the server
+-- refuses these commands (an ACL user set up before the index) still releases; the index
+-- then frees the slot when its due time has passed. The slot stays in the due set: the
+-- next grant of the slot gives it its new due time, and an attempt that looks at due
+-- slots drops it once that time has passed with the key gone, so a release costs no
+-- `ZREM`.
 local function permit_freed(index, slot)
   redis.pcall('SETBIT', index, slot, 0)
-  if redis.pcall('BITCOUNT', index) == 0 then
-    -- No slot held: an idle semaphore keeps no index.
-    redis.pcall('DEL', index, index .. ':due')
+  if freed_in[index] then
+    return false
   end
+  freed_in[index] = true
   return redis.pcall('DEL', index .. ':waited') == 1
+end
+
+-- After the last slot a call frees: an index that shows no slot held is deleted with its
+-- due set (an idle semaphore keeps no index), once per index, however many of its slots
+-- the call freed.
+local function permits_freed()
+  for index in pairs(freed_in) do
+    if redis.pcall('BITCOUNT', index) == 0 then
+      redis.pcall('DEL', index, index .. ':due')
+    end
+  end
 end
 
 -- The slot of the index `index` whose key (`slots` .. slot) holds a lease of `owner`, and

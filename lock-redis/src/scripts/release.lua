@@ -25,6 +25,7 @@ if held == ARGV[1] or held == ARGV[1] .. ':w' then
   if waited and ARGV[2] ~= '-' then
     redis.pcall(ARGV[2] == 'S' and 'SPUBLISH' or 'PUBLISH', KEYS[1], '')
   end
+  permits_freed()
   return 1
 end
 return 0

@@ -3,7 +3,9 @@
 -- KEYS[i] = lock key i, ARGV[i] = '<owner id>:<token>' i, and after them 'S' to announce
 -- with SPUBLISH or '-' not to announce, as release.lua's ARGV[2]
 -- Returns one entry per lease: 1 when released, 0 when no longer held.
--- A permit slot is freed in its semaphore's index too, as release.lua frees it.
+-- A permit slot is freed in its semaphore's index too, as release.lua frees it; an index
+-- whose slots the call frees is looked at once for being idle, and its waiters' flag
+-- cleared once (the first slot freed is announced).
 local how = ARGV[#KEYS + 1]
 local announce = how == 'S' and 'SPUBLISH' or 'PUBLISH'
 local out = {}
@@ -25,4 +27,5 @@ for i = 1, #KEYS do
     out[i] = 0
   end
 end
+permits_freed()
 return out
