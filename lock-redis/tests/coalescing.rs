@@ -421,23 +421,20 @@ async fn queued_releases_whose_connection_dropped_are_settled_and_free_their_key
     }
 }
 
-/// A backend whose replies take 200 ms each way, with [`SENT_AT_ONCE`] acquires of its own
-/// on their way (a round trip takes 400 ms): a caller that comes now is queued.
+/// A backend with [`SENT_AT_ONCE`] acquires of its own on their way, each round trip
+/// taking 400 ms: a caller that comes now is queued.
 async fn calls_in_flight_filled() -> (
     RedisFactory,
     RedisBackend,
     Vec<tokio::task::JoinHandle<Result<Option<Lease>, LockError>>>,
 ) {
     let f = RedisFactory::start().await;
-    let redis = f.redis_with(Duration::from_secs(2)).await;
-    f.proxy.delay(Duration::from_millis(200));
-    let mut in_flight = Vec::new();
-    for key in keys("in-flight", SENT_AT_ONCE) {
-        let redis = redis.clone();
-        in_flight.push(tokio::spawn(async move { redis.acquire(&key, TTL).await }));
-        // Apart, so that each is sent on its own and they fill the calls in flight.
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (redis, in_flight) = f
+        .calls_in_flight(|redis, i| async move {
+            let key = LockKey::new(format!("in-flight-{i}")).unwrap();
+            redis.acquire(&key, TTL).await
+        })
+        .await;
     (f, redis, in_flight)
 }
 

@@ -92,8 +92,8 @@ async fn concurrent_permit_attempts_never_take_more_than_the_permits() {
     redis.release_many(&leases).await.unwrap();
 }
 
-/// A backend whose replies take 200 ms each way, with [`SENT_AT_ONCE`] permit attempts of
-/// its own on their way (a round trip takes 400 ms): an attempt that comes now is queued.
+/// A backend with [`SENT_AT_ONCE`] permit attempts of its own on their way, each round
+/// trip taking 400 ms: an attempt that comes now is queued.
 async fn attempts_in_flight(
     slots: &[LockKey],
 ) -> (
@@ -102,17 +102,12 @@ async fn attempts_in_flight(
     Vec<tokio::task::JoinHandle<Result<Option<Lease>, LockError>>>,
 ) {
     let f = RedisFactory::start().await;
-    let redis = f.redis_with(Duration::from_secs(2)).await;
-    f.proxy.delay(Duration::from_millis(200));
-    let mut in_flight = Vec::new();
-    for _ in 0..SENT_AT_ONCE {
-        let (redis, slots) = (redis.clone(), slots.to_vec());
-        in_flight.push(tokio::spawn(
-            async move { redis.acquire_any(&slots, TTL).await },
-        ));
-        // Apart, so that each is sent on its own and they fill the calls in flight.
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (redis, in_flight) = f
+        .calls_in_flight(|redis, _| {
+            let slots = slots.to_vec();
+            async move { redis.acquire_any(&slots, TTL).await }
+        })
+        .await;
     (f, redis, in_flight)
 }
 

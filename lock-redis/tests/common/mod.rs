@@ -91,6 +91,29 @@ impl RedisFactory {
     pub async fn calls(&self, command: &str) -> u64 {
         command_calls(&self.server, command).await
     }
+
+    /// A backend whose replies take 200 ms each way (a round trip takes 400 ms, its
+    /// request timeout is 2 s), with [`lock_redis::SENT_AT_ONCE`] calls of its own, `call(i)`,
+    /// on their way: a call of the same kind that comes now is queued.
+    pub async fn calls_in_flight<T, F, Fut>(
+        &self,
+        call: F,
+    ) -> (RedisBackend, Vec<tokio::task::JoinHandle<T>>)
+    where
+        F: Fn(RedisBackend, usize) -> Fut,
+        Fut: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let redis = self.redis_with(Duration::from_secs(2)).await;
+        self.proxy.delay(Duration::from_millis(200));
+        let mut in_flight = Vec::new();
+        for i in 0..lock_redis::SENT_AT_ONCE {
+            in_flight.push(tokio::spawn(call(redis.clone(), i)));
+            // Apart, so that each is sent on its own and they fill the calls in flight.
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        (redis, in_flight)
+    }
 }
 
 #[async_trait]
