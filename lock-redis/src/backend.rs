@@ -314,8 +314,11 @@ impl LockBackend for RedisBackend {
 
     /// One script over every key (`acquire_any.lua`): one round trip however many of
     /// them are held, on a single node and, where the keys share one hash slot, on a
-    /// Cluster (a semaphore's permit slots do: see [`RedisBackend::redis_key`]). Keys of
-    /// several hash slots, and every call with
+    /// Cluster (a semaphore's permit slots do: see [`RedisBackend::redis_key`]). A run of
+    /// one semaphore's slots, as a `Semaphore` asks, goes through the semaphore's index
+    /// (`acquire_permit.lua`, reading no slot key one by one) and, on a single node, is
+    /// coalesced with the permit attempts that arrive together, as `acquire` calls are.
+    /// Keys of several hash slots, and every call with
     /// [`replica_acks`](crate::RedisBackendBuilder::replica_acks) (each grant waits for its
     /// replicas), are asked key by key, as the trait's default does.
     async fn acquire_any(
@@ -334,7 +337,7 @@ impl LockBackend for RedisBackend {
                 // coalesced with the other permit attempts in flight.
                 let called = Instant::now();
                 let taken = if core.cluster {
-                    core.acquire_permit_one(keys, run, ttl, called).await
+                    core.acquire_permit_one(keys, &run, ttl, called).await
                 } else {
                     let batched = || PermitAttempt {
                         run: run.clone(),
@@ -346,7 +349,7 @@ impl LockBackend for RedisBackend {
                     self.inner
                         .permits
                         .run(&self.inner.core, batched, || async {
-                            core.acquire_permit_one(keys, run.clone(), ttl, called)
+                            core.acquire_permit_one(keys, &run, ttl, called)
                                 .await
                                 .transpose()
                         })

@@ -63,7 +63,7 @@ pub(crate) struct Core {
     /// Hears the releases of the keys this instance's waiters watch.
     pub(crate) listener: ReleaseListener,
     /// Set once the server refused this user a command of a semaphore's index: permit
-    /// attempts then take the slot keys without it (see [`Core::acquire_permit_one`]).
+    /// attempts then take the slot keys without it (see [`Core::acquire_permits`]).
     pub(crate) index_refused: AtomicBool,
 }
 
@@ -317,7 +317,7 @@ impl Core {
     pub(crate) async fn acquire_permit_one(
         &self,
         keys: &[LockKey],
-        run: PermitRun,
+        run: &PermitRun,
         ttl: Duration,
         called: Instant,
     ) -> Option<Result<Option<Lease>, LockError>> {
@@ -325,7 +325,7 @@ impl Core {
         // A semaphore's waiters watch every slot: the first slot says whether any does.
         let mark = self.mark(&keys[..1]);
         let replies = self
-            .acquire_permits(&run, &[(&run, owner, ttl, mark)])
+            .acquire_permits(run, &[(run, owner, ttl, mark)])
             .await?;
         Some(replies.and_then(|replies| {
             let Some((slot, token)) = replies.into_iter().next().flatten() else {
@@ -334,7 +334,7 @@ impl Core {
             let key = run.position(slot).and_then(|at| keys.get(at));
             match key {
                 Some(key) => Ok(Some(self.lease(key, owner, token, ttl, called))),
-                None => Err(self.not_asked(&run, owner, slot, ttl)),
+                None => Err(self.not_asked(run, owner, slot, ttl)),
             }
         }))
     }
@@ -425,7 +425,7 @@ impl Core {
     }
 
     /// Whether the server refused this user a command of a semaphore's index (see
-    /// [`Self::acquire_permit_one`]).
+    /// [`Self::acquire_permits`]).
     pub(crate) fn index_refused(&self) -> bool {
         self.index_refused.load(Ordering::Relaxed)
     }
