@@ -504,3 +504,49 @@ async fn a_batch_release_of_one_semaphores_slots_looks_at_its_index_once() {
     );
     assert_eq!(left, RespValue::Integer(0));
 }
+
+/// A call of several attempts sent again (flagged `R`) answers each attempt that took a
+/// slot the first time with that slot and token, and tries the others afresh, reading the
+/// semaphore's due set once for them all, not once per attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_sent_again_reads_the_due_set_once_for_all_its_attempts() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let slots = slots("resent", 4);
+    let held = fill(&redis, &slots, 3, TTL).await;
+    let owners: Vec<String> = held.iter().map(|l| l.owner().to_string()).collect();
+    let mut args = vec![
+        "EVAL",
+        ACQUIRE_PERMIT,
+        "4",
+        "distlock:{resent}:permits",
+        "distlock:{resent}:permits:due",
+        "distlock:{resent}:permits:waited",
+        "distlock:tokens",
+        "distlock:{resent}:permit:",
+    ];
+    // The first and the third holder, and an owner that took nothing the first time.
+    for owner in [owners[0].as_str(), owners[2].as_str(), "00ff"] {
+        args.extend([owner, "30000", "0", "0", "3", "-1"]);
+    }
+    args.push("R");
+    reset(&f).await;
+    let replies = harness::require(f.server.command(&args).await);
+    let RespValue::Array(Some(replies)) = replies else {
+        panic!("{replies:?}");
+    };
+    let answer = |slot: i64, token: String| {
+        RespValue::Array(Some(vec![
+            RespValue::Integer(slot),
+            RespValue::Bulk(Some(token.into_bytes())),
+        ]))
+    };
+    assert_eq!(replies[0], answer(0, held[0].token().get().to_string()));
+    assert_eq!(replies[1], answer(2, held[2].token().get().to_string()));
+    // The third attempt took the free slot 3.
+    let RespValue::Array(Some(third)) = &replies[2] else {
+        panic!("{:?}", replies[2]);
+    };
+    assert_eq!(third[0], RespValue::Integer(3));
+    assert_eq!(f.calls("zrange").await, 1, "ZRANGE");
+}

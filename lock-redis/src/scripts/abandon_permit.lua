@@ -7,10 +7,11 @@
 -- ARGV[4]), ARGV[3] = 'S' to announce with SPUBLISH or '-' not to announce, as
 -- release.lua's ARGV[2]
 -- Returns 1 when a slot was given back, 0 otherwise.
-local slot = permit_of(KEYS[1], ARGV[2], ARGV[1])
-if not slot then
+local found = permits_of(KEYS[1], ARGV[2], {[ARGV[1]] = true})[ARGV[1]]
+if not found then
   return 0
 end
+local slot = found[1]
 local lock = ARGV[2] .. slot
 redis.call('DEL', lock)
 if permit_freed(KEYS[1], slot) and ARGV[3] ~= '-' then

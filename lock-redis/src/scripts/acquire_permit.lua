@@ -176,6 +176,16 @@ local function attempt(owner, ttl, first, last, wrapped)
   return slot
 end
 
+-- Sent again: the slots the call's attempts took the first time, read once for them all.
+local took = {}
+if again then
+  local owners = {}
+  for i = 0, attempts - 1 do
+    owners[ARGV[2 + 6 * i]] = true
+  end
+  took = permits_of(index, slots, owners)
+end
+
 local replies = {}
 -- The longest TTL of the attempts that set the waiters' flag, if any does.
 local flag
@@ -184,13 +194,9 @@ for i = 0, attempts - 1 do
   local owner, ttl, mark = ARGV[at], tonumber(ARGV[at + 1]), ARGV[at + 2]
   local first, last, wrapped = tonumber(ARGV[at + 3]), tonumber(ARGV[at + 4]), tonumber(ARGV[at + 5])
   local reply = false
-  if again then
-    local slot, held = permit_of(index, slots, owner)
-    if slot then
-      reply = {tonumber(slot), string.match(held, '^%x+:(%d+)')}
-    end
-  end
-  if not reply then
+  if took[owner] then
+    reply = {tonumber(took[owner][1]), string.match(took[owner][2], '^%x+:(%d+)')}
+  else
     local slot = attempt(owner, ttl, first, last, wrapped)
     if slot then
       reply = {slot, token}

@@ -66,16 +66,19 @@ local function permits_freed()
   end
 end
 
--- The slot of the index `index` whose key (`slots` .. slot) holds a lease of `owner`, and
--- the key's value; nil when none does. Reads the slots of the due set only (the held
--- ones, and the released ones not yet dropped): for an attempt sent again, or given back,
--- whose reply was lost.
-local function permit_of(index, slots, owner)
+-- The slots of the index `index` whose keys (`slots` .. slot) hold a lease of one of
+-- `owners` (a set of owner ids), as owner id -> {slot, the key's value}; an owner holding
+-- none is not in it. Reads the slots of the due set only (the held ones, and the released
+-- ones not yet dropped), once however many owners are asked for: for attempts sent again,
+-- or given back, whose reply was lost.
+local function permits_of(index, slots, owners)
+  local found = {}
   for _, slot in ipairs(redis.call('ZRANGE', index .. ':due', 0, -1)) do
     local held = redis.call('GET', slots .. slot)
-    if held and string.match(held, '^(%x+):') == owner then
-      return slot, held
+    local owner = held and string.match(held, '^(%x+):')
+    if owner and owners[owner] then
+      found[owner] = {slot, held}
     end
   end
-  return nil
+  return found
 end
