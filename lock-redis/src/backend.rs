@@ -341,7 +341,6 @@ impl LockBackend for RedisBackend {
                 } else {
                     let batched = || PermitAttempt {
                         run: run.clone(),
-                        first: keys[0].clone(),
                         ttl,
                         mark: core.mark(&keys[..1]),
                         called,

@@ -331,9 +331,8 @@ impl Core {
             let Some((slot, token)) = replies.into_iter().next().flatten() else {
                 return Ok(None);
             };
-            let key = run.position(slot).and_then(|at| keys.get(at));
-            match key {
-                Some(key) => Ok(Some(self.lease(key, owner, token, ttl, called))),
+            match run.slot_key(slot) {
+                Some(key) => Ok(Some(self.lease(&key, owner, token, ttl, called))),
                 None => Err(self.not_asked(run, owner, slot, ttl)),
             }
         }))
@@ -431,8 +430,8 @@ impl Core {
     }
 
     /// Sends an any-of acquire's `call` (`acquire_any.lua`, answering `{i, token}` or nil,
-    /// or `acquire_permit.lua`, answering that per attempt). Sent again after a dropped connection, here (never
-    /// by a cluster's retrying connection: the scripts run once, see
+    /// or `acquire_permit.lua`, answering that per attempt). Sent again after a dropped
+    /// connection, here (never by a cluster's retrying connection: the scripts run once, see
     /// `ACQUIRE_ANY_SCRIPT`), with the flag that makes the script look first for the key
     /// this attempt took (see `acquire_any.lua`).
     ///

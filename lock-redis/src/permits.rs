@@ -18,6 +18,8 @@ use crate::keys::{LockKeys, Mark};
 /// `0..=wrapped` if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct PermitRun {
+    /// The semaphore's name: its slot `i` is the key `<semaphore>:permit:<i>`.
+    pub(crate) semaphore: String,
     /// The semaphore's index (the bitmap); its due set and waiters' flag are named after it.
     pub(crate) index: String,
     /// What every slot key starts with, `<prefix>:{<name>}:permit:`.
@@ -50,6 +52,7 @@ impl PermitRun {
         }
         let (index, slots) = names(prefix, name)?;
         Some(Self {
+            semaphore: name.to_owned(),
             index,
             slots,
             first,
@@ -71,6 +74,12 @@ impl PermitRun {
             let w = self.wrapped?;
             (slot <= w).then(|| (self.last - self.first) as usize + 1 + slot as usize)
         }
+    }
+
+    /// The key of slot `slot`, when the run asks for it.
+    pub(crate) fn slot_key(&self, slot: u32) -> Option<LockKey> {
+        self.position(slot)?;
+        LockKey::new(format!("{}:permit:{slot}", self.semaphore)).ok()
     }
 
     /// The index's keys, as the scripts take them: the bitmap, its due set, its waiters'
@@ -156,6 +165,11 @@ mod tests {
             assert_eq!(r.position(slot), Some(at), "slot {slot}");
         }
         assert_eq!(r.position(8), None);
+        assert_eq!(
+            r.slot_key(6),
+            Some(LockKey::new("exports:permit:6").unwrap())
+        );
+        assert_eq!(r.slot_key(8), None);
         // From slot 0, and what is left after a grant (k permits): no wrap.
         let r = of("exports", 0..8).unwrap();
         assert_eq!((r.first, r.last, r.wrapped), (0, 7, None));

@@ -90,11 +90,9 @@ impl SendBatch<Acquire, Option<Lease>> for Arc<Core> {
 }
 
 /// One caller's permit attempt as it goes in a coalesced batch: the run of slots it asks
-/// for, the first of them (it names the semaphore), its TTL and mark, and the instant its
-/// caller called.
+/// for, its TTL and mark, and the instant its caller called.
 pub(crate) struct PermitAttempt {
     pub(crate) run: PermitRun,
-    pub(crate) first: LockKey,
     pub(crate) ttl: Duration,
     pub(crate) mark: Mark,
     pub(crate) called: Instant,
@@ -160,15 +158,11 @@ async fn send_permits(
     let mut orphans = Vec::new();
     for ((w, owner), reply) in attempts.into_iter().zip(owners).zip(replies) {
         let PermitAttempt {
-            run,
-            first,
-            ttl,
-            called,
-            ..
+            run, ttl, called, ..
         } = &w.call;
         let outcome = match reply {
             None => Ok(Some(None)),
-            Some((slot, token)) => match slot_key(run, first, slot) {
+            Some((slot, token)) => match run.slot_key(slot) {
                 Some(key) => Ok(Some(Some(core.lease(&key, owner, token, *ttl, *called)))),
                 None => Err(core.not_asked(run, owner, slot, *ttl)),
             },
@@ -178,14 +172,6 @@ async fn send_permits(
         }
     }
     release_orphans(core, orphans);
-}
-
-/// The key of permit slot `slot` of the semaphore whose slot `first` is, when `slot` is in
-/// `run`.
-fn slot_key(run: &PermitRun, first: &LockKey, slot: u32) -> Option<LockKey> {
-    run.position(slot)?;
-    let (semaphore, _) = first.permit_slot()?;
-    LockKey::new(format!("{semaphore}:permit:{slot}")).ok()
 }
 
 /// Releases, in the background, the leases of acquires whose callers had gone; left to
