@@ -49,6 +49,35 @@ async fn reset(f: &RedisFactory) {
     harness::require(f.server.command(&["CONFIG", "RESETSTAT"]).await);
 }
 
+/// `acquire_permit.lua` run as a call sent again (flagged `R`) on semaphore `name`, with
+/// one attempt per `(owner, last)`: each over slots `0..=last`, for 30 s, marking nothing
+/// it did not find held.
+async fn sent_again(f: &RedisFactory, name: &str, attempts: &[(&str, u32)]) -> RespValue {
+    let mut args: Vec<String> = vec![
+        "EVAL".into(),
+        ACQUIRE_PERMIT.into(),
+        "4".into(),
+        format!("distlock:{{{name}}}:permits"),
+        format!("distlock:{{{name}}}:permits:due"),
+        format!("distlock:{{{name}}}:permits:waited"),
+        "distlock:tokens".into(),
+        format!("distlock:{{{name}}}:permit:"),
+    ];
+    for (owner, last) in attempts {
+        args.extend([
+            owner.to_string(),
+            "30000".into(),
+            "0".into(),
+            "0".into(),
+            last.to_string(),
+            "-1".into(),
+        ]);
+    }
+    args.push("R".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    harness::require(f.server.command(&args).await)
+}
+
 /// A refusal of a full semaphore of 256 permits reads no slot key: the server runs no
 /// `GET`, `SET NX` or `PTTL` per slot (it did 256 `SET NX` and 256 `GET` before the index),
 /// only the index's bitmap and the waiters' flag.
@@ -221,20 +250,7 @@ async fn an_attempt_sent_again_returns_its_slot_and_its_abandon_gives_it_back() 
         "distlock:{again}:permits:due",
         "distlock:{again}:permits:waited",
     ];
-    let mut args = vec!["EVAL", ACQUIRE_PERMIT, "4"];
-    args.extend(index);
-    args.extend([
-        "distlock:tokens",
-        "distlock:{again}:permit:",
-        owner.as_str(),
-        "30000",
-        "0",
-        "0",
-        "2",
-        "-1",
-        "R",
-    ]);
-    let again = harness::require(f.server.command(&args).await);
+    let again = sent_again(&f, "again", &[(owner.as_str(), 2)]).await;
     assert_eq!(
         again,
         RespValue::Array(Some(vec![RespValue::Array(Some(vec![
@@ -515,23 +531,18 @@ async fn a_call_sent_again_reads_the_due_set_once_for_all_its_attempts() {
     let slots = slots("resent", 4);
     let held = fill(&redis, &slots, 3, TTL).await;
     let owners: Vec<String> = held.iter().map(|l| l.owner().to_string()).collect();
-    let mut args = vec![
-        "EVAL",
-        ACQUIRE_PERMIT,
-        "4",
-        "distlock:{resent}:permits",
-        "distlock:{resent}:permits:due",
-        "distlock:{resent}:permits:waited",
-        "distlock:tokens",
-        "distlock:{resent}:permit:",
-    ];
-    // The first and the third holder, and an owner that took nothing the first time.
-    for owner in [owners[0].as_str(), owners[2].as_str(), "00ff"] {
-        args.extend([owner, "30000", "0", "0", "3", "-1"]);
-    }
-    args.push("R");
     reset(&f).await;
-    let replies = harness::require(f.server.command(&args).await);
+    // The first and the third holder, and an owner that took nothing the first time.
+    let replies = sent_again(
+        &f,
+        "resent",
+        &[
+            (owners[0].as_str(), 3),
+            (owners[2].as_str(), 3),
+            ("00ff", 3),
+        ],
+    )
+    .await;
     let RespValue::Array(Some(replies)) = replies else {
         panic!("{replies:?}");
     };

@@ -98,6 +98,10 @@ pub(crate) struct PermitAttempt {
     pub(crate) called: Instant,
 }
 
+/// A permit attempt waiting in a batch: answered `Some(lease or none)`, or `None` when the
+/// server refused the index.
+type WaitingPermit = Waiting<PermitAttempt, Option<Option<Lease>>>;
+
 /// Coalesced permit attempts go as one `acquire_permit.lua` call per semaphore, the
 /// attempts served in the order they came. Each caller is answered `Some(lease or none)`,
 /// or `None` when the server refused this user the index's commands (nothing was taken:
@@ -107,8 +111,8 @@ impl SendBatch<PermitAttempt, Option<Option<Lease>>> for Arc<Core> {
     const BACKEND: &'static str = NAME;
     const OPERATION: &'static str = "acquire";
 
-    async fn send(self, batch: Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>) {
-        let mut semaphores: Vec<Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>> = Vec::new();
+    async fn send(self, batch: Vec<WaitingPermit>) {
+        let mut semaphores: Vec<Vec<WaitingPermit>> = Vec::new();
         for w in batch {
             match semaphores
                 .iter_mut()
@@ -127,10 +131,7 @@ impl SendBatch<PermitAttempt, Option<Option<Lease>>> for Arc<Core> {
 }
 
 /// Sends the permit attempts of one semaphore as one call, and answers their callers.
-async fn send_permits(
-    core: &Arc<Core>,
-    attempts: Vec<Waiting<PermitAttempt, Option<Option<Lease>>>>,
-) {
+async fn send_permits(core: &Arc<Core>, attempts: Vec<WaitingPermit>) {
     let owners: Vec<OwnerId> = attempts.iter().map(|_| OwnerId::random()).collect();
     let replies = {
         let sent: Vec<_> = attempts
