@@ -5,7 +5,8 @@
 //!
 //! `tasks` tasks share one semaphore of as many permits, `bench:<backend>:permits`. Each
 //! task takes a permit as [`distlock_core::Semaphore::try_acquire`] does (its slots, from
-//! a random one onwards, to [`LockBackend::acquire_any`]) and releases it, back to back.
+//! slot 0 on a backend with a permit index, else from a random one onwards, to
+//! [`LockBackend::acquire_any`]) and releases it, back to back.
 //! Every attempt finds a permit (a task holds none when it asks, and there are as many
 //! permits as tasks), but the slots it tries first may be held by the others: on a
 //! backend that asks key by key, every held slot it meets costs a round trip; on one
@@ -134,8 +135,8 @@ pub async fn permit_cycles(
 /// slots refuses a walk that often.
 const MOST_REFUSALS: u32 = 100;
 
-/// A permit of one semaphore per cycle: `acquire_any` over its slots from a random one,
-/// then release.
+/// A permit of one semaphore per cycle: `acquire_any` over its slots from the one
+/// `Semaphore` asks first, then release.
 struct Permits {
     id: SubjectId,
     backend: Arc<dyn LockBackend>,
@@ -164,7 +165,7 @@ impl Subject for Permits {
         let mut refused = 0;
         let permit = loop {
             let n = self.ring.len() / 2;
-            let start = rand::random_range(0..n);
+            let start = distlock_core::permit_first_asked(self.backend.as_ref(), n);
             match self
                 .backend
                 .acquire_any(&self.ring[start..start + n], TTL)

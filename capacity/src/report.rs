@@ -279,9 +279,10 @@ fn write_permits(md: &mut String, plan: &Plan, rows: &[PermitCycles]) {
         md,
         "\n## Semaphore permits\n\n\
          N tasks share one semaphore of N permits; each takes a permit as \
-         `Semaphore::try_acquire` does (`LockBackend::acquire_any` over its slots, from a \
-         random one) and releases it. Every attempt gets a permit, but the slots it tries \
-         first may be held: a backend that asks slot by slot pays a round trip for each, \
+         `Semaphore::try_acquire` does (`LockBackend::acquire_any` over its slots, from \
+         slot 0 where the store keeps a permit index, else from a random one) and \
+         releases it. Every attempt gets a permit, but the slots it tries first may be \
+         held: a backend that asks slot by slot pays a round trip for each, \
          one with a script of its own (Redis single node) none. Beside it, the same \
          backend's lock cycles on a key per task. The two alternate, {} rounds of {:?} \
          after {:?} of warm-up, order swapped every round; the ratio is the median \

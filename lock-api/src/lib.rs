@@ -36,6 +36,10 @@ pub use locker::election::{
     ELECTION_PREFIX, Election, ElectionBuilder, Leader, Leadership, election_key,
 };
 pub use locker::guard::{LeaseStatus, LockGuard};
+/// The slot a semaphore's attempt asks for first on a backend (for benchmarks that take
+/// permits as [`Semaphore`] does).
+#[doc(hidden)]
+pub use locker::semaphore::first_asked as permit_first_asked;
 pub use locker::semaphore::{MAX_PERMITS, Permit, Permits, Semaphore};
 pub use locker::{Locker, LockerBuilder, RetryPolicy};
 

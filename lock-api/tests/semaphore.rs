@@ -277,3 +277,65 @@ async fn a_waiter_watches_all_the_slots_with_one_watch_whatever_their_number() {
     assert!(store.watched_keys().is_empty(), "nothing left watched");
     drop(held);
 }
+
+/// A layer that declares a permit index (or not) and records the first key of each
+/// `acquire_any` a semaphore sends.
+#[derive(Debug, Default)]
+struct FirstAsked {
+    index: bool,
+    firsts: std::sync::Mutex<Vec<LockKey>>,
+}
+
+#[async_trait]
+impl BackendLayer for FirstAsked {
+    fn capabilities(&self, next: &dyn LockBackend) -> distlock_core::Capabilities {
+        next.capabilities().permit_index(self.index)
+    }
+
+    async fn acquire_any(
+        &self,
+        next: &dyn LockBackend,
+        keys: &[LockKey],
+        ttl: Duration,
+    ) -> Result<Option<Lease>, LockError> {
+        self.firsts.lock().unwrap().push(keys[0].clone());
+        next.acquire_any(keys, ttl).await
+    }
+}
+
+/// Where the store keeps a permit index, a semaphore asks from slot 0 (the lowest free slot
+/// is one look there); elsewhere from a random slot, so that stores asked slot by slot are
+/// not all asked slot 0 first.
+#[tokio::test]
+async fn a_semaphore_asks_from_slot_0_only_where_the_store_keeps_an_index() {
+    for index in [true, false] {
+        let layer = Arc::new(FirstAsked {
+            index,
+            ..FirstAsked::default()
+        });
+        let locker = locker_on(
+            Arc::new(Layered::new(Arc::new(MemoryBackend::new()), layer.clone())),
+            Duration::from_millis(10),
+        );
+        let semaphore = locker.semaphore(&key("exports"), 16).unwrap();
+        for _ in 0..40 {
+            let permit = semaphore.try_acquire().await.unwrap().expect("free");
+            permit.release().await.unwrap();
+        }
+        let firsts = std::mem::take(&mut *layer.firsts.lock().unwrap());
+        assert_eq!(firsts.len(), 40);
+        let mut distinct = firsts.clone();
+        distinct.sort();
+        distinct.dedup();
+        if index {
+            assert_eq!(
+                distinct,
+                [semaphore.slots()[0].clone()],
+                "index: {firsts:?}"
+            );
+        } else {
+            // 40 random starts of 16 all alike: one chance in 16^39.
+            assert!(distinct.len() > 1, "no index: {firsts:?}");
+        }
+    }
+}

@@ -225,8 +225,16 @@ impl LockBackend for RedisBackend {
         NAME
     }
 
+    /// What the builder found; [`Capabilities::permit_index`] turns false once the server
+    /// refused this user the index's commands (permit attempts then take the slot keys
+    /// without it).
     fn capabilities(&self) -> Capabilities {
-        self.core().caps.clone()
+        let core = self.core();
+        let caps = core.caps.clone();
+        if caps.permit_index && core.index_refused() {
+            return caps.permit_index(false);
+        }
+        caps
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {

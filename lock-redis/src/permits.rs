@@ -1,8 +1,10 @@
 //! A semaphore's permit index (see `scripts/permits.lua`): which `acquire_any` calls it
 //! serves, and its Redis keys.
 //!
-//! A semaphore asks for its slots from a random one onwards, wrapping to slot 0, and, for
-//! `k` permits, asks again for the slots after the one it was granted. Such a list is a
+//! A semaphore asks for its slots from slot 0 here (the backend declares
+//! `Capabilities::permit_index`), or from a random one onwards, wrapping to slot 0, where it
+//! does not (a user the server refuses the index), and, for `k` permits, asks again for
+//! the slots after the one it was granted. Such a list is a
 //! [`PermitRun`]: one semaphore's slots `first..=last`, then, optionally, `0..=wrapped`.
 //! The index script takes the first free slot of that run in that order, which is what
 //! `acquire_any` promises, without the list being sent or each key read. Any other list of

@@ -511,6 +511,8 @@ async fn a_user_without_the_index_commands_still_takes_permits() {
     let semaphore = locker
         .semaphore(&LockKey::new("exports").unwrap(), 3)
         .unwrap();
+    // Declared at build; once refused, a semaphore no longer asks from slot 0 first.
+    assert!(redis.capabilities().permit_index, "before the refusal");
     let mut held = Vec::new();
     for _ in 0..3 {
         let permit = semaphore
@@ -520,6 +522,7 @@ async fn a_user_without_the_index_commands_still_takes_permits() {
             .expect("free");
         held.push(permit);
     }
+    assert!(!redis.capabilities().permit_index, "after the refusal");
     assert!(
         semaphore.try_acquire().await.unwrap().is_none(),
         "a 4th of 3"

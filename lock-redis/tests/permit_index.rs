@@ -561,3 +561,42 @@ async fn a_call_sent_again_reads_the_due_set_once_for_all_its_attempts() {
     assert_eq!(third[0], RespValue::Integer(3));
     assert_eq!(f.calls("zrange").await, 1, "ZRANGE");
 }
+
+/// A semaphore asks the index from slot 0 (the backend declares `permit_index`): each grant
+/// is the lowest free slot, found with one `BITPOS` and no bit read one by one, wherever
+/// the holes are. From a random start it would take a later slot most of the time (here
+/// 6 starts in 64 reach slot 5 first), and a start inside a byte reads bits one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_takes_the_lowest_free_slot_in_one_look() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    assert!(redis.capabilities().permit_index);
+    let locker = distlock_core::Locker::builder(std::sync::Arc::new(redis.clone()))
+        .ttl(TTL)
+        .build()
+        .unwrap();
+    let semaphore = locker
+        .semaphore(&LockKey::new("lowest").unwrap(), 64)
+        .unwrap();
+    // Slots 0 to 39 held, then 5 and 30 freed: holes at 5 and 30, 40 onwards free.
+    let mut held = fill(&redis, semaphore.slots(), 40, TTL).await;
+    for slot in [30, 5] {
+        let lease = held.remove(slot);
+        redis.release(&lease).await.unwrap();
+    }
+    for round in 0..3 {
+        reset(&f).await;
+        let permit = semaphore.try_acquire().await.unwrap().expect("free");
+        assert_eq!(permit.slot(), 5, "round {round}: the lowest free slot");
+        for (command, calls) in [("bitpos", 1), ("getbit", 0), ("evalsha", 1)] {
+            assert_eq!(f.calls(command).await, calls, "round {round}: {command}");
+        }
+        permit.release().await.unwrap();
+    }
+    let two = semaphore.try_acquire_many(2).await.unwrap().expect("free");
+    let mut taken: Vec<u32> = two.iter().map(|p| p.slot()).collect();
+    taken.sort_unstable();
+    assert_eq!(taken, [5, 30], "k permits: the lowest free ones");
+    two.release().await.unwrap();
+    redis.release_many(&held).await.unwrap();
+}

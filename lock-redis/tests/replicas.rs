@@ -87,6 +87,9 @@ async fn replicated_with(
         .build()
         .await
         .expect("connect");
+    // Each slot of a semaphore is asked on its own (each grant waits for its replicas):
+    // no index, so a semaphore spreads its first slot asked.
+    assert!(!redis.capabilities().permit_index);
     (master, replica, redis)
 }
 

@@ -235,6 +235,12 @@ pub struct Capabilities {
     /// [`crate::LockBackend::watch_releases`] announces releases, so waiters are woken
     /// instead of polling.
     pub wakes_waiters: bool,
+    /// [`crate::LockBackend::acquire_any`] over a semaphore's permit slots finds the first
+    /// free one from an index the store keeps, without looking at the slots before it, in
+    /// one atomic step: a [`crate::Semaphore`] then asks for its slots from slot 0 (the
+    /// lowest free slot is one look), not from a random one (which spreads callers that
+    /// look slot by slot).
+    pub permit_index: bool,
 }
 
 impl Capabilities {
@@ -250,6 +256,7 @@ impl Capabilities {
             max_held: None,
             inspect: false,
             wakes_waiters: false,
+            permit_index: false,
         }
     }
 
@@ -287,6 +294,12 @@ impl Capabilities {
     #[must_use]
     pub fn wakes_waiters(mut self, yes: bool) -> Self {
         self.wakes_waiters = yes;
+        self
+    }
+    /// Sets [`Capabilities::permit_index`].
+    #[must_use]
+    pub fn permit_index(mut self, yes: bool) -> Self {
+        self.permit_index = yes;
         self
     }
 

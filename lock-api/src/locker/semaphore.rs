@@ -13,6 +13,8 @@ mod permit;
 mod take;
 
 pub use permit::{Permit, Permits};
+#[doc(hidden)]
+pub use take::first_asked;
 
 use std::fmt;
 use std::future::Future;
@@ -129,8 +131,10 @@ impl Semaphore {
     /// Takes a permit if one is free, without waiting; `Ok(None)` when all are held.
     ///
     /// The slots are tried from a random one onwards, so that processes do not all
-    /// contend for slot 0; one round trip per held slot where the store has no
-    /// [`acquire_any`](crate::LockBackend::acquire_any) of its own.
+    /// contend for slot 0, except where the store keeps an index of them
+    /// ([`Capabilities::permit_index`](crate::Capabilities::permit_index), Redis): there the
+    /// lowest free slot is found in one look, and taken. One round trip per held slot
+    /// where the store has no [`acquire_any`](crate::LockBackend::acquire_any) of its own.
     ///
     /// "All held" is what one atomic look saw on Redis (one script). Where the slots are
     /// asked one by one (advisory locks) or taken from a snapshot (etcd, the lease table),

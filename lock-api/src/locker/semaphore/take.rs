@@ -48,8 +48,10 @@ pub(super) struct Taking {
 
 impl Taking {
     /// Starts taking `k` (1 to N) of a semaphore's N slots for `ttl` on `backend`, trying
-    /// them from a random one onwards, so that processes do not all contend for slot 0.
-    /// `ring` is the slots twice over (see `Semaphore`).
+    /// them from slot 0 where the store finds the first free slot from an index
+    /// ([`Capabilities::permit_index`](crate::Capabilities::permit_index)), else from a
+    /// random one onwards, so that processes do not all contend for slot 0. `ring` is the
+    /// slots twice over (see `Semaphore`).
     pub(super) fn new(
         backend: Arc<dyn LockBackend>,
         ring: Arc<[LockKey]>,
@@ -110,8 +112,9 @@ impl Drop for Taking {
 
 /// [`Taking`]'s call: `acquire_any` over the slots not yet tried, until `k` are taken or
 /// one finds none free; then all of them are kept, or all given back. The slots asked for
-/// are always one slice of `ring` (the N slots twice over): from a random slot, N of them,
-/// and after a grant, those after the granted one; no key is copied.
+/// are always one slice of `ring` (the N slots twice over): from the first slot (see
+/// [`first_asked`]), N of them, and after a grant, those after the granted one; no key is
+/// copied.
 async fn take(
     backend: Arc<dyn LockBackend>,
     ring: Arc<[LockKey]>,
@@ -120,7 +123,7 @@ async fn take(
 ) -> Result<Taken, LockError> {
     let n = ring.len() / 2;
     let (mut from, to) = {
-        let start = rand::random_range(0..n);
+        let start = first_asked(backend.as_ref(), n);
         (start, start + n)
     };
     let mut taken: Vec<Lease> = Vec::with_capacity(k);
@@ -158,6 +161,18 @@ async fn take(
         taken.push(granted);
     }
     Ok(Taken::All(taken))
+}
+
+/// The slot an attempt on a semaphore of `n` slots asks for first: slot 0 where the store
+/// finds the first free slot from an index, in one look whatever is held before it (on
+/// Redis one `BITPOS`, where a later start also needs the slots from there); else a random
+/// one, so that stores that look slot by slot are not all asked slot 0 first.
+pub fn first_asked(backend: &dyn LockBackend, n: usize) -> usize {
+    if backend.capabilities().permit_index {
+        0
+    } else {
+        rand::random_range(0..n)
+    }
 }
 
 /// Where `key` is in `order`, the slots of a semaphore of `n` from slot `first` onwards:
