@@ -13,9 +13,9 @@
 -- process wait for this semaphore, '-' to mark nothing (the client's process hears no
 -- releases), '0' otherwise (as acquire.lua's ARGV[3]); the first and last slot of the run
 -- tried first; the last slot of a second run, from slot 0, tried after it ('-1' for none):
--- the slots asked for, in the order asked (a semaphore asks from a random slot onwards,
--- wrapping to 0); last, 'R' when the call is sent again (a client retry after a lost
--- reply)
+-- the slots asked for, in the order asked (a semaphore asks from slot 0, and for k permits
+-- from the slot after the one granted; a caller may ask from any slot onwards, wrapping
+-- to 0); last, 'R' when the call is sent again (a client retry after a lost reply)
 -- Returns one reply per attempt, in order: {slot, token}, the first slot free in the order
 -- asked, taken; or false when every slot it asked for is held (then, unless its mark is
 -- '-', the waiters' flag is set, so the next release of a slot is announced on that slot's
