@@ -89,14 +89,17 @@ async fn a_full_semaphores_refusal_reads_no_slot_key() {
     let held = fill(&redis, &slots, 256, TTL).await;
     reset(&f).await;
     assert!(redis.acquire_any(&slots, TTL).await.unwrap().is_none());
-    assert_eq!(f.calls("evalsha").await, 1);
-    assert_eq!(f.calls("get").await, 0, "GET");
-    assert_eq!(f.calls("pttl").await, 0, "PTTL");
-    assert_eq!(f.calls("append").await, 0, "APPEND");
     // One SET: the waiters' flag, not a slot.
-    assert_eq!(f.calls("set").await, 1, "SET");
-    assert_eq!(f.calls("bitpos").await, 1, "BITPOS");
-    assert_eq!(f.calls("getbit").await, 0, "GETBIT");
+    let refusal = [
+        ("evalsha", 1),
+        ("get", 0),
+        ("pttl", 0),
+        ("append", 0),
+        ("set", 1),
+        ("bitpos", 1),
+        ("getbit", 0),
+    ];
+    f.assert_calls(&refusal, "in a refusal").await;
     // The waiters' flag is set, and the slot keys hold their leases unmarked.
     let index = harness::require(
         f.server
@@ -418,14 +421,14 @@ async fn a_grant_of_the_first_slot_asked_and_its_release_send_only_what_they_nee
         ("zadd", 1),
         ("set", 2),
     ];
-    for (command, calls) in grant {
-        assert_eq!(f.calls(command).await, calls, "{command} in a grant");
-    }
+    f.assert_calls(&grant, "in a grant").await;
     reset(&f).await;
     redis.release(&lease).await.unwrap();
-    for (command, calls) in [("zrem", 0), ("setbit", 1), ("bitcount", 1)] {
-        assert_eq!(f.calls(command).await, calls, "{command} in a release");
-    }
+    f.assert_calls(
+        &[("zrem", 0), ("setbit", 1), ("bitcount", 1)],
+        "in a release",
+    )
+    .await;
     redis.release_many(&held).await.unwrap();
     let left = harness::require(
         f.server
@@ -502,12 +505,15 @@ async fn a_batch_release_of_one_semaphores_slots_looks_at_its_index_once() {
             .iter()
             .all(|r| *r == distlock_core::Release::Released)
     );
-    assert_eq!(f.calls("evalsha").await, 1);
-    assert_eq!(f.calls("setbit").await, 4, "SETBIT");
-    assert_eq!(f.calls("bitcount").await, 1, "BITCOUNT");
-    // Four slot keys, the flag, and the idle index with its due set in one.
-    assert_eq!(f.calls("del").await, 6, "DEL");
-    assert_eq!(f.calls("publish").await, 1, "PUBLISH");
+    // DEL: four slot keys, the flag, and the idle index with its due set in one.
+    let batch = [
+        ("evalsha", 1),
+        ("setbit", 4),
+        ("bitcount", 1),
+        ("del", 6),
+        ("publish", 1),
+    ];
+    f.assert_calls(&batch, "in a batch release").await;
     let left = harness::require(
         f.server
             .command(&[
@@ -559,7 +565,8 @@ async fn a_call_sent_again_reads_the_due_set_once_for_all_its_attempts() {
         panic!("{:?}", replies[2]);
     };
     assert_eq!(third[0], RespValue::Integer(3));
-    assert_eq!(f.calls("zrange").await, 1, "ZRANGE");
+    f.assert_calls(&[("zrange", 1)], "in a call sent again")
+        .await;
 }
 
 /// A semaphore asks the index from slot 0 (the backend declares `permit_index`): each grant
@@ -588,9 +595,8 @@ async fn a_semaphore_takes_the_lowest_free_slot_in_one_look() {
         reset(&f).await;
         let permit = semaphore.try_acquire().await.unwrap().expect("free");
         assert_eq!(permit.slot(), 5, "round {round}: the lowest free slot");
-        for (command, calls) in [("bitpos", 1), ("getbit", 0), ("evalsha", 1)] {
-            assert_eq!(f.calls(command).await, calls, "round {round}: {command}");
-        }
+        let grant = [("bitpos", 1), ("getbit", 0), ("evalsha", 1)];
+        f.assert_calls(&grant, &format!("in round {round}")).await;
         permit.release().await.unwrap();
     }
     let two = semaphore.try_acquire_many(2).await.unwrap().expect("free");

@@ -92,6 +92,14 @@ impl RedisFactory {
         command_calls(&self.server, command).await
     }
 
+    /// Asserts how many times the server ran each command of `expected` since its stats
+    /// were last reset (`INFO commandstats`); `during` says what ran, for the message.
+    pub async fn assert_calls(&self, expected: &[(&str, u64)], during: &str) {
+        for &(command, calls) in expected {
+            assert_eq!(self.calls(command).await, calls, "{command} {during}");
+        }
+    }
+
     /// A backend whose replies take 200 ms each way (a round trip takes 400 ms, its
     /// request timeout is 2 s), with [`lock_redis::SENT_AT_ONCE`] calls of its own, `call(i)`,
     /// on their way: a call of the same kind that comes now is queued.
