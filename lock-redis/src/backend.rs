@@ -225,16 +225,12 @@ impl LockBackend for RedisBackend {
         NAME
     }
 
-    /// What the builder found; [`Capabilities::permit_index`] turns false once the server
-    /// refused this user the index's commands (permit attempts then take the slot keys
-    /// without it).
+    /// What the builder found, and [`Capabilities::permit_index`] as `acquire_any` decides
+    /// it: false with `replica_acks`, and once the server refused this user the index's
+    /// commands (permit attempts then take the slot keys without it).
     fn capabilities(&self) -> Capabilities {
         let core = self.core();
-        let caps = core.caps.clone();
-        if caps.permit_index && core.index_refused() {
-            return caps.permit_index(false);
-        }
-        caps
+        core.caps.clone().permit_index(core.permit_index())
     }
 
     async fn acquire(&self, key: &LockKey, ttl: Duration) -> Result<Option<Lease>, LockError> {
@@ -337,8 +333,8 @@ impl LockBackend for RedisBackend {
         self.core().caps.check_ttl(ttl)?;
         let core = self.core();
         if keys.len() > 1 && core.replica_acks.is_none() {
-            if let Some(run) = PermitRun::of(&core.calls.prefix, keys)
-                && !core.index_refused()
+            if core.permit_index()
+                && let Some(run) = PermitRun::of(&core.calls.prefix, keys)
             {
                 // A semaphore's slots: through its index, whatever their number, unless
                 // the server refuses this user the index's commands; on a single node

@@ -558,10 +558,7 @@ fn assemble(
         .native_batch(true)
         .server_side_ttl(true)
         .inspect(true)
-        .wakes_waiters(heard.servers.is_some())
-        // With replica acks each slot is asked on its own, so that each grant waits for
-        // its replicas (see `acquire_any`).
-        .permit_index(b.replica_acks.is_none());
+        .wakes_waiters(heard.servers.is_some());
     Core {
         conn,
         index_refused: std::sync::atomic::AtomicBool::new(false),

@@ -429,6 +429,14 @@ impl Core {
         self.index_refused.load(Ordering::Relaxed)
     }
 
+    /// Whether a semaphore's slots are asked through its index: not with `replica_acks`
+    /// (each slot is then asked on its own, so that each grant waits for its replicas),
+    /// nor once the server refused this user the index's commands. What
+    /// `Capabilities::permit_index` says.
+    pub(crate) fn permit_index(&self) -> bool {
+        self.replica_acks.is_none() && !self.index_refused()
+    }
+
     /// Sends an any-of acquire's `call` (`acquire_any.lua`, answering `{i, token}` or nil,
     /// or `acquire_permit.lua`, answering that per attempt). Sent again after a dropped
     /// connection, here (never by a cluster's retrying connection: the scripts run once, see
