@@ -36,7 +36,7 @@ pub(crate) use self::reply::{parse_token, release, renewal};
 use crate::conn::{Call, Conn};
 use crate::error::{
     KindName, NAME, is_refused_for_now, is_refused_in_script, is_resendable, is_unreachable,
-    map_error,
+    map_error, may_have_written,
 };
 use crate::keys::{LockKeys, Mark, parse_held};
 use crate::permits::PermitRun;
@@ -665,7 +665,11 @@ impl Core {
     /// `acquire_many` without replica acknowledgements: one acquire batch for all keys.
     /// In a cluster, the keys of a node that did not answer while another did are `None`
     /// (what their attempts may have taken is given back in the background); any other
-    /// failure fails the batch, and the keys it took are released.
+    /// failure fails the batch, and the keys it took are released. A call that failed
+    /// after it may have run (its reply lost, or an error that stopped its script part
+    /// way, such as a key of another type or one the user may not write) has its attempts
+    /// given back by owner id: a script stopped part way keeps what it wrote before the
+    /// error.
     pub(crate) async fn acquire_batch(
         &self,
         keys: &[LockKey],
@@ -682,7 +686,7 @@ impl Core {
         let replies = match replies {
             Ok(r) => r,
             Err(e) => {
-                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                if may_have_written(&e) {
                     self.abandon(attempts, ttl);
                 }
                 return Err(e);
@@ -714,7 +718,7 @@ impl Core {
                     out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
                 }
                 Err(e) => {
-                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    if may_have_written(&e) {
                         unknown.push((lock_keys, owner));
                     }
                     failure.get_or_insert(e);

@@ -127,6 +127,15 @@ pub(crate) fn map_error(operation: &'static str, effect: Effect, e: &RedisError)
     classify(operation, e).into_error(NAME, effect)
 }
 
+/// Whether a write that failed with `e` may have written: anything but a refusal before it
+/// ran ([`LockError::Unavailable`]). Besides a lost reply, an error can stop a script part
+/// way (a key of another type, a key the user may not write), and the script keeps what it
+/// wrote before it: the attempts of a multi-key call so stopped are given back by owner id,
+/// as those of a call whose reply was lost.
+pub(crate) fn may_have_written(e: &LockError) -> bool {
+    !matches!(e, LockError::Unavailable { .. })
+}
+
 /// What a failed request's error says about it. The client error is kept as the source
 /// where its text was already shown (I/O errors and server replies); a refused
 /// connection's text may name the node's URL, so it is left out.

@@ -279,6 +279,44 @@ async fn a_lost_reply_fails_every_caller_of_the_batch_with_an_unknown_outcome() 
     }
 }
 
+/// Three queued acquires go as one script call: a fresh key, a key holding a hash, another
+/// fresh key. The script stops with an error at the hash, after it took the first key;
+/// every caller of the call gets the error, and the first key, whose lease nobody got, is
+/// given back at once, not held until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_call_stopped_part_way_gives_back_what_it_took() {
+    let (f, redis, in_flight) = calls_in_flight_filled().await;
+    harness::require(
+        f.server
+            .command(&["HSET", "distlock:{stopped-hash}", "field", "value"])
+            .await,
+    );
+    let keys: Vec<LockKey> = ["stopped-first", "stopped-hash", "stopped-last"]
+        .into_iter()
+        .map(|name| LockKey::new(name).unwrap())
+        .collect();
+    let mut queued = Vec::new();
+    for key in keys.clone() {
+        let redis = redis.clone();
+        queued.push(tokio::spawn(async move { redis.acquire(&key, TTL).await }));
+        // Apart, so that they queue in this order.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for result in join_all(queued).await {
+        let result = result.unwrap();
+        assert!(
+            matches!(result, Err(LockError::Backend { .. })),
+            "one call for the three, stopped by the hash: {result:?}"
+        );
+    }
+    freed(&redis, &keys[0], "the key the stopped call took").await;
+    assert!(redis.inspect(&keys[2]).await.unwrap().owner.is_none());
+    for lease in join_all(in_flight).await {
+        let lease = lease.unwrap().unwrap().unwrap();
+        redis.release(&lease).await.unwrap();
+    }
+}
+
 #[derive(Clone, Copy, PartialEq)]
 enum Call {
     Acquire,

@@ -1,5 +1,6 @@
 //! Fault cases on real servers, one test each: a paused server, a partitioned link while
-//! the watchdog runs, `SCRIPT FLUSH`, a restart that loses every key, a dead cluster master.
+//! the watchdog runs, `SCRIPT FLUSH`, a restart that loses every key, a dead cluster master,
+//! a batch whose call stops part way.
 
 mod common;
 
@@ -111,6 +112,58 @@ async fn a_blackholed_link_loses_the_guard_and_the_locker_recovers_after_heal() 
     let other = locker.try_lock(&key("partition-2")).await.unwrap();
     assert!(other.is_some());
     again.release().await.unwrap();
+}
+
+/// A batch of 300 keys goes out as three calls (128, 128, 44 keys); key 200, in the
+/// second, holds a hash, so that call's script stops there with an error, after it set
+/// keys 128 to 199. The batch fails and holds nothing: the first and third calls' keys are
+/// released, and the second's, which no lease ever named, are given back by owner id,
+/// long before their TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_whose_call_stops_part_way_holds_none_of_its_keys() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys: Vec<LockKey> = (0..300).map(|i| key(&format!("part-way-{i}"))).collect();
+    harness::require(
+        f.server
+            .command(&["HSET", "distlock:{part-way-200}", "field", "value"])
+            .await,
+    );
+    let ttl = Duration::from_secs(60);
+    let failed = redis.acquire_many(&keys, ttl).await;
+    assert!(
+        matches!(failed, Err(LockError::Backend { .. })),
+        "a key of another type stops the batch: {failed:?}"
+    );
+    let mut others = keys.clone();
+    others.remove(200);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut held = Vec::new();
+        for (i, k) in others.iter().enumerate() {
+            let value = harness::require(
+                f.server
+                    .command(&["GET", &format!("distlock:{{{}}}", k.as_str())])
+                    .await,
+            );
+            if value.as_text().is_some() {
+                held.push(if i < 200 { i } else { i + 1 });
+            }
+        }
+        if held.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "5 s after the failed batch (TTL 60 s), keys still held: {held:?}"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+    // The keys are free for the next batch.
+    let taken = redis.acquire_many(&others, ttl).await.unwrap();
+    assert!(taken.iter().all(Option::is_some));
+    let taken: Vec<_> = taken.into_iter().flatten().collect();
+    redis.release_many(&taken).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

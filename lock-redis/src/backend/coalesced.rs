@@ -11,7 +11,7 @@ use tokio::time::Instant;
 
 use crate::coalesce::{SendBatch, Waiting};
 use crate::core::{Core, Extra, parse_token, release, spread};
-use crate::error::{NAME, is_resendable, map_error};
+use crate::error::{NAME, is_resendable, map_error, may_have_written};
 use crate::keys::{LockKeys, Mark};
 use crate::permits::PermitRun;
 use crate::scripts::RELEASE_MANY_SCRIPT;
@@ -45,7 +45,7 @@ impl SendBatch<Acquire, Option<Lease>> for Arc<Core> {
         let replies = match self.send_acquires("acquire", &attempts).await {
             Ok(replies) => replies,
             Err(e) => {
-                if matches!(e, LockError::OutcomeUnknown { .. }) {
+                if may_have_written(&e) {
                     self.abandon(
                         attempts.into_iter().map(|(k, o, _)| (k, o)).collect(),
                         longest,
@@ -67,7 +67,7 @@ impl SendBatch<Acquire, Option<Lease>> for Arc<Core> {
             {
                 Ok(token) => Ok(token.map(|t| self.lease(key, owner, t, *ttl, *called))),
                 Err(e) => {
-                    if matches!(e, LockError::OutcomeUnknown { .. }) {
+                    if may_have_written(&e) {
                         unknown.push((keys, owner));
                     }
                     Err(e)
