@@ -22,7 +22,8 @@ use distlock_core::{
     BackendId, Capabilities, DriverFailure, Effect, FailureKind, Fence, FencingToken, Lease,
     LockError, LockInfo, LockKey, OwnerId, Release, Renewal, valid_until,
 };
-use futures::FutureExt;
+use futures::stream::FuturesOrdered;
+use futures::{FutureExt, StreamExt};
 use redis::{RedisError, RedisResult, Value};
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -662,42 +663,57 @@ impl Core {
         Ok(spread(&groups, replies, attempts.len()))
     }
 
-    /// `acquire_many` without replica acknowledgements: one acquire batch for all keys.
-    /// In a cluster, the keys of a node that did not answer while another did are `None`
-    /// (what their attempts may have taken is given back in the background); any other
-    /// failure fails the batch, and the keys it took are released. A call that failed
-    /// after it may have run (its reply lost, or an error that stopped its script part
-    /// way, such as a key of another type or one the user may not write) has its attempts
-    /// given back by owner id: a script stopped part way keeps what it wrote before the
-    /// error.
+    /// `acquire_many` without replica acknowledgements. On one node each multi-key call
+    /// (at most [`calls::CHUNK`] keys) goes out as soon as it is built, so the server runs
+    /// one call while the client builds the next and reads the replies of the one before
+    /// (built whole and sent as one pipeline, a batch of 1,000 kept the server idle while
+    /// the client built it); in a cluster, one pipeline per node. In a cluster, the keys of
+    /// a node that did not answer while another did are `None` (what their attempts may
+    /// have taken is given back in the background); any other failure fails the batch,
+    /// and the keys it took are released. A call that failed after it may have run (its
+    /// reply lost, or an error that stopped its script part way, such as a key of another
+    /// type or one the user may not write) has its attempts given back by owner id: a
+    /// script stopped part way keeps what it wrote before the error.
     pub(crate) async fn acquire_batch(
         &self,
         keys: &[LockKey],
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
-        let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
-            .iter()
-            .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
-            .collect();
         let sent = Instant::now();
-        let replies = self.send_acquires("acquire_many", &with_ttl).await;
-        let attempts: Vec<(LockKeys, OwnerId)> =
-            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
-        let replies = match replies {
-            Ok(r) => r,
-            Err(e) => {
-                if may_have_written(&e) {
-                    self.abandon(attempts, ttl);
-                }
-                return Err(e);
-            }
+        let parts: Vec<AcquirePart> = if self.calls.slotted {
+            vec![self.acquire_part(keys, ttl).await]
+        } else {
+            keys.chunks(calls::CHUNK)
+                .map(|part| self.acquire_part(part, ttl))
+                .collect::<FuturesOrdered<_>>()
+                .collect()
+                .await
         };
-        let mut out = Vec::with_capacity(keys.len());
         let mut failure = None;
         let mut unknown = Vec::new();
+        // Each attempt with its reply; `None` for the attempts of a part nothing is known
+        // of (given back when their reply may have been lost).
+        let mut replied = Vec::with_capacity(keys.len());
+        for (attempts, replies) in parts {
+            match replies {
+                Ok(replies) => replied.extend(attempts.into_iter().zip(replies).map(Some)),
+                Err(e) => {
+                    replied.extend(attempts.iter().map(|_| None));
+                    if may_have_written(&e) {
+                        unknown.extend(attempts);
+                    }
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        let mut out = Vec::with_capacity(keys.len());
         let mut unreachable = None;
-        let mut answered = 0usize;
-        for ((key, (lock_keys, owner)), reply) in keys.iter().zip(attempts).zip(replies) {
+        let mut granted = 0usize;
+        for (key, replied) in keys.iter().zip(replied) {
+            let Some(((lock_keys, owner), reply)) = replied else {
+                out.push(None);
+                continue;
+            };
             let reply = match reply {
                 // A cluster node that did not answer: its keys are `None`, and whatever an
                 // attempt that reached it may have taken is given back in the background.
@@ -714,7 +730,7 @@ impl Core {
                 .and_then(|v| parse_token(Some(v)))
             {
                 Ok(token) => {
-                    answered += 1;
+                    granted += 1;
                     out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
                 }
                 Err(e) => {
@@ -726,7 +742,7 @@ impl Core {
                 }
             }
         }
-        if failure.is_none() && answered == 0 {
+        if failure.is_none() && granted == 0 {
             failure =
                 unreachable.map(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e));
         }
@@ -743,6 +759,20 @@ impl Core {
             self.abandon(unknown, ttl);
         }
         Ok(out)
+    }
+
+    /// One part of an acquire batch: an attempt with a new owner id for each of `keys`,
+    /// sent as [`Self::send_acquires`] sends them.
+    async fn acquire_part(&self, keys: &[LockKey], ttl: Duration) -> AcquirePart {
+        let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
+            .iter()
+            .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
+            .collect();
+        let replies = self.send_acquires("acquire_many", &with_ttl).await;
+        (
+            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect(),
+            replies,
+        )
     }
 
     /// A renew or release batch: one multi-key call per group, one reply per lease.
@@ -952,3 +982,10 @@ impl Core {
             .collect())
     }
 }
+
+/// A part of an acquire batch: its attempts, and their replies in the same order (or the
+/// error that left nothing known of any of them).
+type AcquirePart = (
+    Vec<(LockKeys, OwnerId)>,
+    Result<Vec<RedisResult<Value>>, LockError>,
+);

@@ -16,7 +16,9 @@
 //! * **Batches.** `acquire_many`, `renew_many` and `release_many` send one pipeline per
 //!   node of multi-key script calls (one per hash slot in a cluster, at most 128 locks
 //!   each), so a watchdog renews thousands of leases in one round trip and a few script
-//!   calls. In a cluster, the
+//!   calls. On a single node `acquire_many` sends each call as soon as it is built, so the
+//!   server runs one while the client builds the next (new owner ids, arguments). In a
+//!   cluster, the
 //!   items of a node that does not answer (dead, or silent past the request timeout)
 //!   while another node does are `None` / [`distlock_core::Renewal::Unreachable`] /
 //!   [`distlock_core::Release::Unreachable`]; when no node answers, the call fails.

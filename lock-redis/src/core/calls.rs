@@ -331,7 +331,7 @@ pub(crate) fn spread(
 
 /// Most locks in one multi-key script call. A script runs atomically and holds the server
 /// meanwhile, so a long batch is split into several calls (pipelined together).
-const CHUNK: usize = 128;
+pub(crate) const CHUNK: usize = 128;
 
 /// The items of a batch (given by the slots of their keys) grouped into multi-key
 /// script calls: where hash slots divide the keys (a cluster, or a node in cluster
