@@ -124,7 +124,8 @@ impl FullSemaphore {
     /// those sizes).
     pub fn targets(&self) -> Vec<Target> {
         let (slug, tasks) = (self.subject.slug(), self.tasks);
-        let mut out = vec![
+        let why = why_missed(self.subject);
+        let mut out: Vec<Target> = [
             Target::ratio(
                 &format!("{slug} full semaphore permits/s, N=1024 / N=64 ({tasks} waiting)"),
                 0.5,
@@ -137,7 +138,13 @@ impl FullSemaphore {
                 true,
                 self.ratio(1024, 64, |f| &f.refusals.side.per_sec),
             ),
-        ];
+        ]
+        .into_iter()
+        .map(|target| match why {
+            Some(why) => target.because(why),
+            None => target,
+        })
+        .collect();
         if self.subject == SubjectId::Redis {
             out.push(Target::ratio(
                 "redis server µs per refusal, N=1024 / N=64",
@@ -147,6 +154,31 @@ impl FullSemaphore {
             ));
         }
         out
+    }
+}
+
+/// What the profiles found to make a full semaphore of 1024 permits on `subject` cost
+/// more than one of 64; `None` where they found no cause.
+fn why_missed(subject: SubjectId) -> Option<&'static str> {
+    match subject {
+        SubjectId::Memory => Some(
+            "`acquire_any` gets the N slot keys and looks each up in the table until one \
+             is free: a refusal at N = 1024 looks at 1,024 keys. An index of the \
+             semaphore's held slots needs the trait to pass the run (the semaphore, N, the \
+             first slot) rather than N keys.",
+        ),
+        SubjectId::PgLease => Some(
+            "The statement probes each of the N names for a free one (in psql, with every \
+             slot held: 0.2 ms at N = 64, 1.2 ms at N = 1024). A cost independent of N \
+             needs a per-semaphore summary row kept in each grant's transaction: a schema \
+             change, and a row every attempt on the semaphore would lock.",
+        ),
+        SubjectId::Etcd => Some(
+            "The range read returns the key of every held slot, 1,024 at N = 1024; a \
+             count alone cannot tell which of the N slots are held when other processes \
+             name more permits.",
+        ),
+        _ => None,
     }
 }
 

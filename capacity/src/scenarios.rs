@@ -585,12 +585,23 @@ impl Results {
             .iter()
             .find(|b| b.subject == SubjectId::Redis && b.size == 1_000)
             .and_then(|b| b.acquire_keys_per_sec);
-        out.push(Target {
-            what: "Redis acquire_many(1000) keys/s".into(),
-            goal: ">= 250,000".into(),
-            measured: many.map_or("not measured in this run".into(), |k| format!("{k:.0}")),
-            met: many.map(|k| k >= 250_000.0),
-        });
+        out.push(
+            Target::judged(
+                "Redis acquire_many(1000) keys/s",
+                ">= 500,000".into(),
+                500_000.0,
+                true,
+                many,
+                |k| format!("{k:.0}"),
+            )
+            .because(
+                "Each key is a `SET NX PX` inside the batch script, with its owner id and TTL \
+                 as arguments: about 1.3 µs of script time per key on the server (165 µs per \
+                 125-key call in `INFO commandstats`, redis-server 7.0.15), which alone \
+                 allows ~750k keys/s, while the client builds, sends and reads its part on \
+                 the same two cores (each call goes out as soon as it is built).",
+            ),
+        );
         // PostgreSQL: the store as deployed (`fsync=on`), against its own SQL sent raw.
         for (backend, tasks, goal) in [
             (SubjectId::Etcd, 1, 0.9),
@@ -617,16 +628,25 @@ impl Results {
         // PostgreSQL: announcing waited releases must not cost their throughput.
         for backend in [SubjectId::PgLease, SubjectId::PgAdvisory] {
             let measured = self.waited.iter().find(|w| w.subject == backend);
-            out.push(ratio(
-                &format!(
-                    "{} cycles/s with a waiter on every key / with none ({} tasks)",
-                    backend.slug(),
-                    crate::waited::TASKS
+            out.push(
+                ratio(
+                    &format!(
+                        "{} cycles/s with a waiter on every key / with none ({} tasks)",
+                        backend.slug(),
+                        crate::waited::TASKS
+                    ),
+                    0.9,
+                    true,
+                    measured.and_then(crate::waited::WaitedReleases::ratio),
+                )
+                .because(
+                    "Each waited release is announced: the announcer's `pg_notify` \
+                     statement and the listener session's deliveries on the server, the \
+                     listener and the woken waiter in the client (the CPU columns of \
+                     \"Releases with a waiter on every key\" below). Where client and \
+                     server share two cores the rate follows the CPU per cycle.",
                 ),
-                0.9,
-                true,
-                measured.and_then(crate::waited::WaitedReleases::ratio),
-            ));
+            );
         }
         // Semaphores: a free permit near a lock's cost, a full one's not growing with N.
         out.extend(crate::permits::targets(&self.permits));
@@ -637,11 +657,16 @@ impl Results {
             out.extend(placed.targets());
         }
         let per_guard = self.memory.as_ref().map(GuardMemory::bytes_beyond_store);
+        let met = per_guard.map(|b| b < 1024.0);
         out.push(Target {
             what: "memory per held guard with the watchdog (beyond the store entry)".into(),
             goal: "< 1024 B".into(),
             measured: per_guard.map_or("not measured in this run".into(), |b| format!("{b:.0} B")),
-            met: per_guard.map(|b| b < 1024.0),
+            met,
+            short_by: per_guard
+                .zip(met)
+                .and_then(|(b, met)| (!met).then_some(b / 1024.0 - 1.0)),
+            why: None,
         });
         out
     }

@@ -41,7 +41,8 @@ impl Report {
             md,
             "| target | goal | measured | result |\n|---|---|---|---|"
         );
-        for t in self.targets() {
+        let targets = self.targets();
+        for t in &targets {
             let result = match t.met {
                 Some(true) => "met",
                 Some(false) => "**missed**",
@@ -53,6 +54,7 @@ impl Report {
                 t.what, t.goal, t.measured, result
             );
         }
+        md.push_str(&crate::target::misses_markdown(&targets));
     }
 
     /// The interleaved pairs the target ratios come from.

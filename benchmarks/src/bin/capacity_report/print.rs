@@ -4,12 +4,13 @@ use benchmarks::target::Target;
 use capacity::full_semaphore::Full;
 use capacity::waited::Side;
 
-/// Prints one target with its verdict.
+/// Prints one target with its verdict (a miss with how far short of its goal it fell).
 pub(crate) fn print_target(t: &Target) {
-    let verdict = match t.met {
-        Some(true) => "met",
-        Some(false) => "MISSED",
-        None => "not measured",
+    let verdict = match (t.met, t.short_by) {
+        (Some(true), _) => "met".to_owned(),
+        (Some(false), Some(short)) => format!("MISSED ({:.0} % short)", short * 100.0),
+        (Some(false), None) => "MISSED".to_owned(),
+        (None, _) => "not measured".to_owned(),
     };
     println!(
         "  {:<72} goal {:<12} measured {:<14} {verdict}",
