@@ -708,7 +708,7 @@ impl Core {
         }
         let mut out = Vec::with_capacity(keys.len());
         let mut unreachable = None;
-        let mut granted = 0usize;
+        let mut answered = 0usize;
         for (key, replied) in keys.iter().zip(replied) {
             let Some(((lock_keys, owner), reply)) = replied else {
                 out.push(None);
@@ -730,7 +730,7 @@ impl Core {
                 .and_then(|v| parse_token(Some(v)))
             {
                 Ok(token) => {
-                    granted += 1;
+                    answered += 1;
                     out.push(token.map(|t| self.lease(key, owner, t, ttl, sent)));
                 }
                 Err(e) => {
@@ -742,7 +742,7 @@ impl Core {
                 }
             }
         }
-        if failure.is_none() && granted == 0 {
+        if failure.is_none() && answered == 0 {
             failure =
                 unreachable.map(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e));
         }
