@@ -296,11 +296,11 @@ impl PlacedPairs {
 fn why_missed(level: usize, other: SubjectId) -> Option<&'static str> {
     match (level, other) {
         (16, _) => Some(
-            "At 16 tasks a cycle costs both sides more than `rslock`'s: the acquire is a \
-             script that reads the server's clock and the high-water key and writes the \
-             lock and the high-water key (what a fencing token that survives a restart and \
-             a clock step costs on Redis 7.0), where `rslock` sends a bare `SET NX` and \
-             issues no token; coalescing, which more than pays for that at 64 tasks, finds \
+            "At 16 tasks a distlock cycle costs both sides more than the others': the \
+             acquire is a script that reads the server's clock and the high-water key and \
+             writes the lock and the high-water key (what a fencing token that survives a \
+             restart and a clock step costs on Redis 7.0), where `rslock` and the baselines \
+             send a bare `SET NX` (the two-step design then an `INCR`); coalescing, which more than pays for that at 64 tasks, finds \
              about 3 calls to share each script call at 16, and the client's runtime parks \
              and wakes more often between bursts of replies. No single hot spot: the \
              profile by cause, and the levers measured and not taken, are in \

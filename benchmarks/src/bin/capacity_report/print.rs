@@ -8,7 +8,7 @@ use capacity::waited::Side;
 pub(crate) fn print_target(t: &Target) {
     let verdict = match (t.met, t.short_by) {
         (Some(true), _) => "met".to_owned(),
-        (Some(false), Some(short)) => format!("MISSED ({:.0} % short)", short * 100.0),
+        (Some(false), Some(short)) => format!("MISSED ({:.1} % short)", short * 100.0),
         (Some(false), None) => "MISSED".to_owned(),
         (None, _) => "not measured".to_owned(),
     };
