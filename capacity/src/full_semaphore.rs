@@ -140,10 +140,7 @@ impl FullSemaphore {
             ),
         ]
         .into_iter()
-        .map(|target| match why {
-            Some(why) => target.because(why),
-            None => target,
-        })
+        .map(|target| target.because(why))
         .collect();
         if self.subject == SubjectId::Redis {
             out.push(Target::ratio(

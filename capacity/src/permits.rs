@@ -69,7 +69,7 @@ pub fn targets(rows: &[PermitCycles]) -> Vec<Target> {
     rows.iter()
         .filter(|p| p.tasks == 64)
         .map(|p| {
-            let target = Target::ratio(
+            Target::ratio(
                 &format!(
                     "{} permit cycles/s / lock cycles/s (64 tasks, 64 permits)",
                     p.subject.slug()
@@ -77,11 +77,8 @@ pub fn targets(rows: &[PermitCycles]) -> Vec<Target> {
                 0.7,
                 true,
                 p.ratio(),
-            );
-            match why_missed(p.subject) {
-                Some(why) => target.because(why),
-                None => target,
-            }
+            )
+            .because(why_missed(p.subject))
         })
         .collect()
 }

@@ -273,17 +273,16 @@ impl PlacedPairs {
                         (Placement::Pinned, Some(reason)) => format!("not measured: {reason}"),
                         _ => "not measured in this run".into(),
                     };
-                    let target = Target::ratio(
-                        &format!("Redis {what} ({level} tasks, {})", placement.name()),
-                        goal,
-                        at_least,
-                        value,
-                    )
-                    .unmeasured_because(why_not);
-                    out.push(match why_missed(level, other) {
-                        Some(why) => target.because(why),
-                        None => target,
-                    });
+                    out.push(
+                        Target::ratio(
+                            &format!("Redis {what} ({level} tasks, {})", placement.name()),
+                            goal,
+                            at_least,
+                            value,
+                        )
+                        .unmeasured_because(why_not)
+                        .because(why_missed(level, other)),
+                    );
                 }
             }
         }
@@ -300,11 +299,11 @@ fn why_missed(level: usize, other: SubjectId) -> Option<&'static str> {
              acquire is a script that reads the server's clock and the high-water key and \
              writes the lock and the high-water key (what a fencing token that survives a \
              restart and a clock step costs on Redis 7.0), where `rslock` and the baselines \
-             send a bare `SET NX` (the two-step design then an `INCR`); coalescing, which more than pays for that at 64 tasks, finds \
-             about 3 calls to share each script call at 16, and the client's runtime parks \
-             and wakes more often between bursts of replies. No single hot spot: the \
-             profile by cause, and the levers measured and not taken, are in \
-             docs/DESIGN.md (\"Shared, 16 tasks\").",
+             send a bare `SET NX` (the two-step design then an `INCR`); coalescing, which \
+             more than pays for that at 64 tasks, finds about 3 calls to share each script \
+             call at 16, and the client's runtime parks and wakes more often between \
+             bursts of replies. No single hot spot: the profile by cause, and the levers \
+             measured and not taken, are in docs/DESIGN.md (\"Shared, 16 tasks\").",
         ),
         (_, SubjectId::RedisSetNx) => Some(
             "Raw `SET NX` + `DEL` issues no token and checks no owner: two bare commands \

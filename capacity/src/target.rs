@@ -68,9 +68,10 @@ impl Target {
         self
     }
 
-    /// The same target, with what the profiles found a miss of it to come from.
-    pub fn because(mut self, why: &'static str) -> Target {
-        self.why = Some(why);
+    /// The same target, with what the profiles found a miss of it to come from (`None`:
+    /// nothing found).
+    pub fn because(mut self, why: impl Into<Option<&'static str>>) -> Target {
+        self.why = why.into();
         self
     }
 }
