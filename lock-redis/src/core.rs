@@ -746,17 +746,14 @@ impl Core {
             failure =
                 unreachable.map(|e| map_error("acquire_many", Effect::Write("acquire_many"), &e));
         }
+        if !unknown.is_empty() {
+            self.abandon(unknown, ttl);
+        }
         if let Some(e) = failure {
             // A failed batch holds nothing: give back what it took.
             let taken: Vec<Lease> = out.into_iter().flatten().collect();
             let _ = self.release_leases(&taken).await;
-            if !unknown.is_empty() {
-                self.abandon(unknown, ttl);
-            }
             return Err(e);
-        }
-        if !unknown.is_empty() {
-            self.abandon(unknown, ttl);
         }
         Ok(out)
     }
