@@ -18,6 +18,14 @@ pub fn pin(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, 
     imp::pin(server, server_cpu, client_cpu)
 }
 
+/// Pins every thread of `server` to `server_cpu`, this process's first tokio worker
+/// thread (`tokio-rt-worker`) beside it, and every other thread of this process to
+/// `client_cpu`: one of the places a scheduler may put three busy threads on two cores,
+/// held still, to measure what it costs a client (docs/DESIGN.md, "Shared, 64 tasks").
+pub fn pin_beside(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
+    imp::pin_beside(server, server_cpu, client_cpu)
+}
+
 /// Pinned threads and the CPUs each was allowed before; dropping it restores them.
 #[derive(Debug)]
 pub struct Pinned {
@@ -63,7 +71,7 @@ mod imp {
         }
     }
 
-    fn threads(pid: u32) -> Vec<i32> {
+    pub(super) fn threads(pid: u32) -> Vec<i32> {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             return Vec::new();
         };
@@ -73,9 +81,8 @@ mod imp {
             .collect()
     }
 
-    fn pin_process(pid: u32, cpu: usize) -> Result<Saved, String> {
-        let mut only = CpuSet::new();
-        only.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+    /// Pins each thread of `pid` to the CPU `cpu_of` picks for its id.
+    fn pin_process(pid: u32, cpu_of: impl Fn(i32) -> usize) -> Result<Saved, String> {
         let main = sched_getaffinity(Pid::from_raw(pid as i32))
             .map_err(|e| format!("reading the CPUs of process {pid}: {e}"))?;
         let mut saved = Saved {
@@ -84,6 +91,9 @@ mod imp {
             threads: Vec::new(),
         };
         for tid in threads(pid) {
+            let cpu = cpu_of(tid);
+            let mut only = CpuSet::new();
+            only.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
             // A thread that ended since the listing has nothing to pin.
             let Ok(before) = sched_getaffinity(Pid::from_raw(tid)) else {
                 continue;
@@ -100,8 +110,36 @@ mod imp {
     }
 
     pub fn pin(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
-        let server = pin_process(server, server_cpu)?;
-        match pin_process(std::process::id(), client_cpu) {
+        pin_both(server, server_cpu, |_| client_cpu)
+    }
+
+    pub fn pin_beside(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
+        let me = std::process::id();
+        let beside = threads(me)
+            .into_iter()
+            .filter(|tid| {
+                std::fs::read_to_string(format!("/proc/{me}/task/{tid}/comm"))
+                    .is_ok_and(|name| name.trim_end() == "tokio-rt-worker")
+            })
+            .min()
+            .ok_or("this process has no tokio worker thread to put beside the server")?;
+        pin_both(server, server_cpu, |tid| {
+            if tid == beside {
+                server_cpu
+            } else {
+                client_cpu
+            }
+        })
+    }
+
+    /// Pins `server` to `server_cpu` and this process's threads as `cpu_of` picks.
+    fn pin_both(
+        server: u32,
+        server_cpu: usize,
+        cpu_of: impl Fn(i32) -> usize,
+    ) -> Result<Pinned, String> {
+        let server = pin_process(server, |_| server_cpu)?;
+        match pin_process(std::process::id(), cpu_of) {
             Ok(client) => Ok(Pinned {
                 before: vec![server, client],
             }),
@@ -144,6 +182,10 @@ mod imp {
         Err(pick().unwrap_err())
     }
 
+    pub fn pin_beside(_: u32, _: usize, _: usize) -> Result<Pinned, String> {
+        Err(pick().unwrap_err())
+    }
+
     pub fn restore(_: &[Saved]) {}
 }
 
@@ -166,5 +208,50 @@ mod tests {
             assert!(!now.is_set(first).unwrap());
         }
         assert_eq!(sched_getaffinity(Pid::from_raw(0)).unwrap(), before);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn beside_the_server_is_the_first_worker_and_only_it() {
+        let Ok((first, second)) = super::pick() else {
+            return; // One CPU: nothing to pin apart.
+        };
+        let me = std::process::id();
+        let workers = || -> Vec<i32> {
+            super::imp::threads(me)
+                .into_iter()
+                .filter(|tid| {
+                    std::fs::read_to_string(format!("/proc/{me}/task/{tid}/comm"))
+                        .is_ok_and(|name| name.trim_end() == "tokio-rt-worker")
+                })
+                .collect()
+        };
+        // The runtime starts its workers' threads as it starts, not before it runs this.
+        let started = std::time::Instant::now();
+        while workers().len() < 2 && started.elapsed() < std::time::Duration::from_secs(10) {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        let workers = workers();
+        assert_eq!(workers.len(), 2, "{workers:?}");
+        let cpus = |tid: i32| sched_getaffinity(Pid::from_raw(tid)).unwrap();
+        let before: Vec<_> = workers.iter().map(|&tid| cpus(tid)).collect();
+        let beside = *workers.iter().min().unwrap();
+        {
+            // This process as its own server: pinned to `first`, then its threads placed.
+            let _pinned = super::pin_beside(me, first, second).unwrap();
+            for &tid in &workers {
+                let (on, off) = if tid == beside {
+                    (first, second)
+                } else {
+                    (second, first)
+                };
+                assert!(cpus(tid).is_set(on).unwrap(), "thread {tid} on CPU {on}");
+                assert!(
+                    !cpus(tid).is_set(off).unwrap(),
+                    "thread {tid} not on CPU {off}"
+                );
+            }
+        }
+        let after: Vec<_> = workers.iter().map(|&tid| cpus(tid)).collect();
+        assert_eq!(after, before, "every worker's CPUs given back");
     }
 }

@@ -1,6 +1,8 @@
 //! CPU time of this process and of a server's process tree, from `/proc` (Linux; elsewhere
-//! nothing is read; the time each thread ran, from its `schedstat`): what a measurement costs the machine, which a busy machine changes
-//! far less than it changes throughput.
+//! nothing is read; the time each thread ran, from its `schedstat`): what a measurement
+//! costs the machine, which a busy machine changes far less than it changes throughput.
+//! Beside it, what the scheduler made each side wait (the time ready to run, on a run
+//! queue) and how many requests each of the server's reads found.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -15,7 +17,16 @@ pub struct CpuReading {
     /// How many times this process's threads were put on a CPU (the third field of each
     /// thread's `schedstat`): each time one slept and was woken, or was preempted.
     client_switches: Option<u64>,
+    /// How long this process's threads waited on a CPU's run queue, ready to run (the
+    /// second field of each thread's `schedstat`).
+    client_waited: Option<Duration>,
     server: HashMap<u32, Duration>,
+    /// How long the server's main thread waited on a run queue, ready to run, and how many
+    /// `read`-family calls its process made (`syscr` of `/proc/<pid>/io`): a server that
+    /// reads each request alone makes a call per request, one reading a pipeline of them
+    /// makes one.
+    server_waited: Option<Duration>,
+    server_reads: Option<u64>,
 }
 
 impl CpuReading {
@@ -25,8 +36,26 @@ impl CpuReading {
         Self {
             client: cpu_of("self"),
             client_switches: switches_of("self"),
+            client_waited: schedstat_sum("self", 1).map(Duration::from_nanos),
             server: server.map(tree_cpu).unwrap_or_default(),
+            server_waited: server.and_then(main_thread_waited),
+            server_reads: server.and_then(reads_of),
         }
+    }
+
+    /// How long this process's threads waited, ready to run, since `before`.
+    pub fn client_waited_since(&self, before: &CpuReading) -> Option<Duration> {
+        Some(self.client_waited?.saturating_sub(before.client_waited?))
+    }
+
+    /// How long the server's main thread waited, ready to run, since `before`.
+    pub fn server_waited_since(&self, before: &CpuReading) -> Option<Duration> {
+        Some(self.server_waited?.saturating_sub(before.server_waited?))
+    }
+
+    /// How many `read`-family calls the server's process made since `before`.
+    pub fn server_reads_since(&self, before: &CpuReading) -> Option<u64> {
+        Some(self.server_reads?.saturating_sub(before.server_reads?))
     }
 
     /// CPU this process used since `before`.
@@ -98,6 +127,22 @@ fn schedstat_sum(pid: &str, field: usize) -> Option<u64> {
         }
     }
     read.then_some(sum)
+}
+
+/// The second field of `/proc/<pid>/task/<pid>/schedstat`: how long the process's main
+/// thread waited on a run queue.
+fn main_thread_waited(pid: u32) -> Option<Duration> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/schedstat")).ok()?;
+    let ns = text.split_whitespace().nth(1)?.parse::<u64>().ok()?;
+    Some(Duration::from_nanos(ns))
+}
+
+/// `syscr` of `/proc/<pid>/io`: the `read`-family calls of every thread of the process.
+fn reads_of(pid: u32) -> Option<u64> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    io.lines()
+        .find_map(|line| line.strip_prefix("syscr:"))
+        .and_then(|n| n.trim().parse().ok())
 }
 
 /// User + system time of `/proc/<pid>/stat`.
@@ -188,6 +233,14 @@ mod tests {
             reading.client_since(&reading),
             Some(Duration::ZERO),
             "no time passes between a reading and itself"
+        );
+        assert!(reading.client_waited.is_some());
+        assert!(reading.server_waited.is_some());
+        std::fs::read("/proc/self/stat").unwrap();
+        let later = CpuReading::now(Some(std::process::id()));
+        assert!(
+            later.server_reads_since(&reading).is_some_and(|n| n >= 1),
+            "a read made between two readings is counted"
         );
     }
 }

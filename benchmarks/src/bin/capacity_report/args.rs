@@ -61,6 +61,11 @@ pub(crate) struct Args {
     /// this process on another, for the whole run.
     #[arg(long, requires = "profile")]
     pub(crate) pinned: bool,
+    /// With `--profile`: redis-server (or the subject's server) on one CPU, the first of
+    /// this process's runtime workers beside it, its other threads on another CPU: one of
+    /// the places the scheduler picks when nothing is pinned, held for the whole run.
+    #[arg(long, requires = "profile", conflicts_with = "pinned")]
+    pub(crate) beside: bool,
     /// Internal: measure memory per held guard in this process and print one line.
     #[arg(long, hide = true)]
     pub(crate) guard_memory: Option<usize>,

@@ -6,6 +6,9 @@ use benchmarks::subjects::{self, Servers, Store, SubjectId};
 use crate::args::{Args, plan};
 use crate::print::us;
 
+/// How `--pinned` and `--beside` place the server (its pid) and this process on two CPUs.
+type Pin = fn(u32, usize, usize) -> Result<capacity::affinity::Pinned, String>;
+
 /// One subject in closed loop, round after round, shared or pinned: for profiling.
 pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
     let name = args.profile.as_deref().unwrap_or_default();
@@ -20,13 +23,23 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
     let servers = Servers::start(&[id.store()]).await?;
     let server = servers.pid(id.store());
     let subject = subjects::open(id, &servers).await?;
-    let pinned = if args.pinned {
+    let pin = match (args.pinned, args.beside) {
+        (true, _) => Some(capacity::affinity::pin as Pin),
+        (_, true) => Some(capacity::affinity::pin_beside as Pin),
+        _ => None,
+    };
+    let pinned = pin.and_then(|pin| {
         match capacity::affinity::pick()
             .and_then(|(s, c)| Ok((s, c, server.ok_or("the server's pid is unknown")?)))
-            .and_then(|(s, c, pid)| Ok((s, c, capacity::affinity::pin(pid, s, c)?)))
+            .and_then(|(s, c, pid)| Ok((s, c, pin(pid, s, c)?)))
         {
             Ok((s, c, pinned)) => {
-                println!("pinned: server on CPU {s}, this process on CPU {c}");
+                let beside = if args.beside {
+                    format!(" (its first runtime worker on CPU {s})")
+                } else {
+                    String::new()
+                };
+                println!("pinned: server on CPU {s}, this process on CPU {c}{beside}");
                 Some(pinned)
             }
             Err(reason) => {
@@ -34,10 +47,9 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
                 None
             }
         }
-    } else {
-        None
-    };
-    // Pinned, a Redis subject runs on a runtime of the client's one CPU, as the pairs do.
+    });
+    // Pinned, a Redis subject runs on a runtime of the client's one CPU, as the pairs do;
+    // beside the server, on this process's runtime, whose first worker is there.
     let on_own_runtime = match id.store() {
         Store::Redis => Some(benchmarks::placed::open_on_redis(servers.redis_url()?)),
         _ => None,
@@ -55,7 +67,7 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
     );
     for round in 1..=plan.pair_rounds {
         let m = match (&pinned, &on_own_runtime) {
-            (Some(_), Some(open)) => {
+            (Some(_), Some(open)) if args.pinned => {
                 capacity::placement::measure_on_own_runtime(
                     open,
                     id,
@@ -86,11 +98,15 @@ pub(crate) async fn run(args: &Args) -> Result<(), BenchError> {
         };
         println!(
             "round {round:>3}: {:>9.0} cycles/s  client {:>6} µs CPU/cycle  server {:>6} µs \
-             CPU/cycle  client {:>5} switches/cycle",
+             CPU/cycle  client {:>5} switches/cycle  waited on a run queue: client {:>6} \
+             server {:>6} µs/cycle  server {:>5} reads/cycle",
             m.per_sec,
             us(m.client_us),
             us(m.server_us),
-            m.client_switches.map_or("-".into(), |v| format!("{v:.2}"))
+            m.client_switches.map_or("-".into(), |v| format!("{v:.2}")),
+            us(m.client_waited_us),
+            us(m.server_waited_us),
+            m.server_reads.map_or("-".into(), |v| format!("{v:.2}"))
         );
     }
     subject.close().await;
