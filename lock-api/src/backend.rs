@@ -213,6 +213,11 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     ///
     /// If the call fails part way, the keys it already took are released (best effort)
     /// before the error is returned.
+    ///
+    /// # Cancel safety
+    /// As [`LockBackend::acquire`], for each key: a cancelled call may have taken some of
+    /// them, which then free themselves when the TTL runs out (a backend may give them
+    /// back sooner, and says so).
     async fn acquire_many(
         &self,
         keys: &[LockKey],

@@ -371,6 +371,15 @@ impl LockBackend for RedisBackend {
         distlock_core::acquire_first_free(keys, |key| self.acquire(key, ttl)).await
     }
 
+    /// One multi-key script call per 128 keys, as `acquire_many` says (see
+    /// [`RedisBackend`]); with [`replica_acks`](crate::RedisBackendBuilder::replica_acks),
+    /// key by key, each grant waiting for its replicas.
+    ///
+    /// # Cancel safety
+    /// A call whose future is dropped holds nothing for long: what each of its script
+    /// calls on its way may have taken is given back in the background, checked against
+    /// its owner ids, as a dropped `acquire`'s is; so are the grants of a failed batch
+    /// whose release was on its way.
     async fn acquire_many(
         &self,
         keys: &[LockKey],

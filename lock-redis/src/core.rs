@@ -680,7 +680,7 @@ impl Core {
         ttl: Duration,
     ) -> Result<Vec<Option<Lease>>, LockError> {
         let sent = Instant::now();
-        let parts: Vec<AcquirePart> = if self.calls.slotted {
+        let parts: Vec<AcquirePart<'_>> = if self.calls.slotted {
             vec![self.acquire_part(keys, ttl).await]
         } else {
             keys.chunks(calls::CHUNK)
@@ -694,7 +694,10 @@ impl Core {
         // Each attempt with its reply; `None` for the attempts of a part nothing is known
         // of (given back when their reply may have been lost).
         let mut replied = Vec::with_capacity(keys.len());
-        for (attempts, replies) in parts {
+        for (mut pending, replies) in parts {
+            // Settled here: from now on nothing waits before the leases are returned,
+            // except a failed batch's release, which has a guard of its own.
+            let attempts = std::mem::take(&mut pending.attempts);
             match replies {
                 Ok(replies) => replied.extend(attempts.into_iter().zip(replies).map(Some)),
                 Err(e) => {
@@ -750,26 +753,48 @@ impl Core {
             self.abandon(unknown, ttl);
         }
         if let Some(e) = failure {
-            // A failed batch holds nothing: give back what it took.
+            // A failed batch holds nothing: give back what it took, in the background if
+            // this future is dropped before the release returns.
             let taken: Vec<Lease> = out.into_iter().flatten().collect();
+            let mut pending = AbandonOnDrop {
+                core: self,
+                attempts: taken
+                    .iter()
+                    .map(|lease| (self.calls.keys(lease.key()), lease.owner()))
+                    .collect(),
+                permits: Vec::new(),
+                ttl,
+                over: None,
+            };
             let _ = self.release_leases(&taken).await;
+            pending.settled();
             return Err(e);
         }
         Ok(out)
     }
 
     /// One part of an acquire batch: an attempt with a new owner id for each of `keys`,
-    /// sent as [`Self::send_acquires`] sends them.
-    async fn acquire_part(&self, keys: &[LockKey], ttl: Duration) -> AcquirePart {
+    /// sent as [`Self::send_acquires`] sends them, and held by a guard that gives them
+    /// back in the background if it is dropped before the batch settles them (the batch's
+    /// future dropped while this part, or another, is on its way).
+    async fn acquire_part(&self, keys: &[LockKey], ttl: Duration) -> AcquirePart<'_> {
         let with_ttl: Vec<(LockKeys, OwnerId, Duration)> = keys
             .iter()
             .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
             .collect();
-        let replies = self.send_acquires("acquire_many", &with_ttl).await;
-        (
-            with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect(),
-            replies,
-        )
+        let (groups, calls) = self.calls.acquire_calls(&with_ttl);
+        let pending = AbandonOnDrop {
+            core: self,
+            attempts: with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect(),
+            permits: Vec::new(),
+            ttl,
+            over: None,
+        };
+        let replies = self
+            .timed_batch("acquire_many", &calls)
+            .await
+            .map(|replies| spread(&groups, replies, pending.attempts.len()));
+        (pending, replies)
     }
 
     /// A renew or release batch: one multi-key call per group, one reply per lease.
@@ -980,9 +1005,9 @@ impl Core {
     }
 }
 
-/// A part of an acquire batch: its attempts, and their replies in the same order (or the
-/// error that left nothing known of any of them).
-type AcquirePart = (
-    Vec<(LockKeys, OwnerId)>,
+/// A part of an acquire batch: its attempts, held until the batch settles them, and their
+/// replies in the same order (or the error that left nothing known of any of them).
+type AcquirePart<'a> = (
+    AbandonOnDrop<'a>,
     Result<Vec<RedisResult<Value>>, LockError>,
 );

@@ -166,6 +166,62 @@ async fn a_batch_whose_call_stops_part_way_holds_none_of_its_keys() {
     redis.release_many(&taken).await.unwrap();
 }
 
+/// `acquire_many` of 300 keys (three calls) whose future is dropped while its calls are
+/// on their way: the server, paused for writes when the first poll sent them, runs them
+/// once it is let go, and the keys they took are given back by owner id long before their
+/// TTL, whether each call's reply had come back (and waited, unread) or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_dropped_on_its_way_holds_none_of_its_keys() {
+    let f = RedisFactory::start().await;
+    let redis = f.redis().await;
+    let keys: Vec<LockKey> = (0..300).map(|i| key(&format!("dropped-{i}"))).collect();
+    let held = |k: &LockKey| {
+        let name = format!("distlock:{{{}}}", k.as_str());
+        let server = &f.server;
+        async move {
+            harness::require(server.command(&["GET", &name]).await)
+                .as_text()
+                .is_some()
+        }
+    };
+    let ttl = Duration::from_secs(60);
+    harness::require(
+        f.server
+            .command(&["CLIENT", "PAUSE", "10000", "WRITE"])
+            .await,
+    );
+    let mut batch = Box::pin(redis.acquire_many(&keys, ttl));
+    let first_poll = futures::poll!(&mut batch);
+    harness::require(f.server.command(&["CLIENT", "UNPAUSE"]).await);
+    assert!(
+        first_poll.is_pending(),
+        "the server runs no script while paused: {first_poll:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !held(&keys[0]).await {
+        assert!(Instant::now() < deadline, "the first call never ran");
+        sleep(Duration::from_millis(10)).await;
+    }
+    drop(batch);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut still = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            if held(k).await {
+                still.push(i);
+            }
+        }
+        if still.is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "5 s after the batch was dropped (TTL 60 s), keys still held: {still:?}"
+        );
+        sleep(Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operations_succeed_after_script_flush() {
     let f = RedisFactory::start().await;
