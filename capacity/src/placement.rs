@@ -301,6 +301,20 @@ impl PlacedPairs {
     }
 }
 
+/// What the profiles found a miss of distlock against `rslock` or the two-step design at 64
+/// tasks, redis-server and the client sharing the cores, to come from: here and in the
+/// sweep's pair (one client, shared).
+pub const SHARED_AT_64: &str = "Shared, the scheduler puts three busy threads \
+    (redis-server and the client's two runtime workers) on two cores, and moves them \
+    between rounds. With a worker held beside redis-server (`capacity --profile SUBJECT \
+    --tasks 64 --beside`), the server waits for its core and each of its reads finds many \
+    requests, so the others' bare commands reach it batched for free: their server CPU per \
+    cycle falls by about 45 % from what it is pinned apart, where distlock's, batched by \
+    coalescing already, hardly moves; distlock's lead shrinks to about 1.05x there, from \
+    1.6x and more pinned apart. Shared rounds fall between the two placements; the pinned \
+    rows give the client a core of its own. Measurements in docs/DESIGN.md (\"Shared, 64 \
+    tasks\").";
+
 /// What the profiles found a missed pair target in `placement` at `level` tasks against
 /// `other` to come from; `None` where they found no cause (a miss there is a finding).
 fn why_missed(placement: Placement, level: usize, other: SubjectId) -> Option<&'static str> {
@@ -323,18 +337,7 @@ fn why_missed(placement: Placement, level: usize, other: SubjectId) -> Option<&'
              check in the release) sets the rate; pinned apart, coalescing gathers enough \
              calls to pass it.",
         ),
-        (Placement::Shared, _, SubjectId::Rslock | SubjectId::RedisTwoStep) => Some(
-            "Shared, the scheduler puts three busy threads (redis-server and the client's \
-             two runtime workers) on two cores, and moves them between rounds. With a \
-             worker held beside redis-server (`capacity --profile SUBJECT --tasks 64 \
-             --beside`), the server waits for its core and each of its reads finds many \
-             requests, so the others' bare commands reach it batched for free: their \
-             server CPU per cycle falls by about 45 % from what it is pinned apart, where \
-             distlock's, batched by coalescing already, hardly moves; distlock's lead \
-             shrinks to about 1.05x there, from 1.6x and more pinned apart. Shared rounds \
-             fall between the two placements; the pinned rows give the client a core of \
-             its own. Measurements in docs/DESIGN.md (\"Shared, 64 tasks\").",
-        ),
+        (Placement::Shared, _, SubjectId::Rslock | SubjectId::RedisTwoStep) => Some(SHARED_AT_64),
         _ => None,
     }
 }

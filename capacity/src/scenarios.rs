@@ -578,7 +578,8 @@ impl Results {
                 1.1,
                 true,
                 self.judged_throughput(SubjectId::Redis, SubjectId::Rslock, 64),
-            ),
+            )
+            .because(crate::placement::SHARED_AT_64),
         ];
         let many = self
             .batches
@@ -717,6 +718,21 @@ mod tests {
                     used_cpu_sys_children:9.0\r\n";
         assert_eq!(super::used_cpu(info), Some(3.75));
         assert_eq!(super::used_cpu("used_cpu_sys:1.0\r\n"), None);
+    }
+
+    #[test]
+    fn the_one_client_pair_at_64_tasks_carries_the_shared_placements_cause() {
+        let targets = super::Results::default().targets();
+        let pair = targets
+            .iter()
+            .find(|t| t.what == "Redis cycles/s / rslock lock+unlock (64 tasks, one client)")
+            .unwrap();
+        assert_eq!(pair.why, Some(crate::placement::SHARED_AT_64));
+        let p50 = targets
+            .iter()
+            .find(|t| t.what.starts_with("Redis acquire p50"))
+            .unwrap();
+        assert_eq!(p50.why, None, "a cause given only where one was found");
     }
 
     #[test]
