@@ -81,19 +81,26 @@ mod imp {
             .collect()
     }
 
-    /// Pins each thread of `pid` to the CPU `cpu_of` picks for its id.
-    fn pin_process(pid: u32, cpu_of: impl Fn(i32) -> usize) -> Result<Saved, String> {
+    /// Pins each thread of `pid` to the CPU `cpu_of` picks for its id; every CPU is
+    /// checked before the first thread is pinned.
+    pub(super) fn pin_process(pid: u32, cpu_of: impl Fn(i32) -> usize) -> Result<Saved, String> {
         let main = sched_getaffinity(Pid::from_raw(pid as i32))
             .map_err(|e| format!("reading the CPUs of process {pid}: {e}"))?;
+        let placed = threads(pid)
+            .into_iter()
+            .map(|tid| {
+                let cpu = cpu_of(tid);
+                let mut only = CpuSet::new();
+                only.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+                Ok((tid, cpu, only))
+            })
+            .collect::<Result<Vec<_>, String>>()?;
         let mut saved = Saved {
             pid,
             main,
             threads: Vec::new(),
         };
-        for tid in threads(pid) {
-            let cpu = cpu_of(tid);
-            let mut only = CpuSet::new();
-            only.set(cpu).map_err(|e| format!("CPU {cpu}: {e}"))?;
+        for (tid, cpu, only) in placed {
             // A thread that ended since the listing has nothing to pin.
             let Ok(before) = sched_getaffinity(Pid::from_raw(tid)) else {
                 continue;
@@ -191,7 +198,7 @@ mod imp {
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
-    use nix::sched::sched_getaffinity;
+    use nix::sched::{CpuSet, sched_getaffinity};
     use nix::unistd::Pid;
 
     #[test]
@@ -208,6 +215,32 @@ mod tests {
             assert!(!now.is_set(first).unwrap());
         }
         assert_eq!(sched_getaffinity(Pid::from_raw(0)).unwrap(), before);
+    }
+
+    #[test]
+    fn a_cpu_that_cannot_be_named_pins_no_thread() {
+        let me = std::process::id();
+        // Threads of its own, so that the thread given the bad CPU comes after others.
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let sleeper = std::thread::spawn(move || stopped.recv());
+        let threads = super::imp::threads(me);
+        assert!(threads.len() >= 2, "{threads:?}");
+        let cpus = |tid: i32| sched_getaffinity(Pid::from_raw(tid)).unwrap();
+        let before: Vec<_> = threads.iter().map(|&tid| cpus(tid)).collect();
+        let last = *threads.last().unwrap();
+        let first_cpu = super::pick().map_or(0, |(first, _)| first);
+        let failed = super::imp::pin_process(me, |tid| {
+            if tid == last {
+                CpuSet::count()
+            } else {
+                first_cpu
+            }
+        });
+        assert!(failed.is_err(), "CPU {} does not exist", CpuSet::count());
+        let after: Vec<_> = threads.iter().map(|&tid| cpus(tid)).collect();
+        assert_eq!(after, before, "no thread pinned by a call that failed");
+        stop.send(()).unwrap();
+        sleeper.join().unwrap().unwrap();
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
