@@ -71,6 +71,17 @@ mod imp {
         }
     }
 
+    /// The threads of `pid` that are tokio runtime workers (named `tokio-rt-worker`).
+    pub(super) fn runtime_workers(pid: u32) -> Vec<i32> {
+        threads(pid)
+            .into_iter()
+            .filter(|tid| {
+                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                    .is_ok_and(|name| name.trim_end() == "tokio-rt-worker")
+            })
+            .collect()
+    }
+
     pub(super) fn threads(pid: u32) -> Vec<i32> {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             return Vec::new();
@@ -121,13 +132,8 @@ mod imp {
     }
 
     pub fn pin_beside(server: u32, server_cpu: usize, client_cpu: usize) -> Result<Pinned, String> {
-        let me = std::process::id();
-        let beside = threads(me)
+        let beside = runtime_workers(std::process::id())
             .into_iter()
-            .filter(|tid| {
-                std::fs::read_to_string(format!("/proc/{me}/task/{tid}/comm"))
-                    .is_ok_and(|name| name.trim_end() == "tokio-rt-worker")
-            })
             .min()
             .ok_or("this process has no tokio worker thread to put beside the server")?;
         pin_both(server, server_cpu, |tid| {
@@ -249,15 +255,7 @@ mod tests {
             return; // One CPU: nothing to pin apart.
         };
         let me = std::process::id();
-        let workers = || -> Vec<i32> {
-            super::imp::threads(me)
-                .into_iter()
-                .filter(|tid| {
-                    std::fs::read_to_string(format!("/proc/{me}/task/{tid}/comm"))
-                        .is_ok_and(|name| name.trim_end() == "tokio-rt-worker")
-                })
-                .collect()
-        };
+        let workers = || super::imp::runtime_workers(me);
         // The runtime starts its workers' threads as it starts, not before it runs this.
         let started = std::time::Instant::now();
         while workers().len() < 2 && started.elapsed() < std::time::Duration::from_secs(10) {

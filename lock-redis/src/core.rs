@@ -83,7 +83,18 @@ pub(crate) struct AbandonOnDrop<'a> {
     over: Option<AckedConn>,
 }
 
-impl AbandonOnDrop<'_> {
+impl<'a> AbandonOnDrop<'a> {
+    /// Holds `attempts` of locks, given back over the shared connection unless settled.
+    fn new(core: &'a Core, attempts: Vec<(LockKeys, OwnerId)>, ttl: Duration) -> Self {
+        Self {
+            core,
+            attempts,
+            permits: Vec::new(),
+            ttl,
+            over: None,
+        }
+    }
+
     /// The attempt's outcome is known: nothing is given back when this is dropped.
     pub(crate) fn settled(&mut self) {
         self.attempts.clear();
@@ -236,13 +247,7 @@ impl Core {
         let keys = self.acquire_keys(key);
         let owner = OwnerId::random();
         let call = self.calls.acquire_call(&keys, owner, ttl);
-        let mut pending = AbandonOnDrop {
-            core: self,
-            attempts: vec![(keys, owner)],
-            permits: Vec::new(),
-            ttl,
-            over: None,
-        };
+        let mut pending = AbandonOnDrop::new(self, vec![(keys, owner)], ttl);
         let reply = self
             .timed(
                 "acquire",
@@ -276,13 +281,8 @@ impl Core {
         // A semaphore's waiters watch every slot.
         let mark = self.mark(keys);
         let call = self.calls.acquire_any_call(&locks, owner, ttl, mark);
-        let mut pending = AbandonOnDrop {
-            core: self,
-            attempts: locks.into_iter().map(|k| (k, owner)).collect(),
-            permits: Vec::new(),
-            ttl,
-            over: None,
-        };
+        let attempts = locks.into_iter().map(|k| (k, owner)).collect();
+        let mut pending = AbandonOnDrop::new(self, attempts, ttl);
         let reply = self.send_any::<Option<(usize, u64)>>(&call, None).await;
         let attempts = std::mem::take(&mut pending.attempts);
         match reply {
@@ -756,16 +756,11 @@ impl Core {
             // A failed batch holds nothing: give back what it took, in the background if
             // this future is dropped before the release returns.
             let taken: Vec<Lease> = out.into_iter().flatten().collect();
-            let mut pending = AbandonOnDrop {
-                core: self,
-                attempts: taken
-                    .iter()
-                    .map(|lease| (self.calls.keys(lease.key()), lease.owner()))
-                    .collect(),
-                permits: Vec::new(),
-                ttl,
-                over: None,
-            };
+            let given_back = taken
+                .iter()
+                .map(|lease| (self.calls.keys(lease.key()), lease.owner()))
+                .collect();
+            let mut pending = AbandonOnDrop::new(self, given_back, ttl);
             let _ = self.release_leases(&taken).await;
             pending.settled();
             return Err(e);
@@ -783,13 +778,8 @@ impl Core {
             .map(|k| (self.acquire_keys(k), OwnerId::random(), ttl))
             .collect();
         let (groups, calls) = self.calls.acquire_calls(&with_ttl);
-        let pending = AbandonOnDrop {
-            core: self,
-            attempts: with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect(),
-            permits: Vec::new(),
-            ttl,
-            over: None,
-        };
+        let attempts = with_ttl.into_iter().map(|(k, o, _)| (k, o)).collect();
+        let pending = AbandonOnDrop::new(self, attempts, ttl);
         let replies = self
             .timed_batch("acquire_many", &calls)
             .await
@@ -856,13 +846,8 @@ impl Core {
         let mut wait_cmd = redis::cmd("WAIT");
         wait_cmd.arg(replicas).arg(wait.as_millis().to_string());
         let conn = acked.conn().clone();
-        let mut pending = AbandonOnDrop {
-            core: self,
-            attempts: vec![(keys, owner)],
-            permits: Vec::new(),
-            ttl,
-            over: Some(acked),
-        };
+        let mut pending = AbandonOnDrop::new(self, vec![(keys, owner)], ttl);
+        pending.over = Some(acked);
         let sent = Instant::now();
         let replies = self
             .timed(

@@ -137,28 +137,7 @@ async fn a_batch_whose_call_stops_part_way_holds_none_of_its_keys() {
     );
     let mut others = keys.clone();
     others.remove(200);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let mut held = Vec::new();
-        for (i, k) in others.iter().enumerate() {
-            let value = harness::require(
-                f.server
-                    .command(&["GET", &format!("distlock:{{{}}}", k.as_str())])
-                    .await,
-            );
-            if value.as_text().is_some() {
-                held.push(if i < 200 { i } else { i + 1 });
-            }
-        }
-        if held.is_empty() {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "5 s after the failed batch (TTL 60 s), keys still held: {held:?}"
-        );
-        sleep(Duration::from_millis(50)).await;
-    }
+    until_none_held(&f, &others, "the failed batch").await;
     // The keys are free for the next batch.
     let taken = redis.acquire_many(&others, ttl).await.unwrap();
     assert!(taken.iter().all(Option::is_some));
@@ -175,15 +154,6 @@ async fn a_batch_dropped_on_its_way_holds_none_of_its_keys() {
     let f = RedisFactory::start().await;
     let redis = f.redis().await;
     let keys: Vec<LockKey> = (0..300).map(|i| key(&format!("dropped-{i}"))).collect();
-    let held = |k: &LockKey| {
-        let name = format!("distlock:{{{}}}", k.as_str());
-        let server = &f.server;
-        async move {
-            harness::require(server.command(&["GET", &name]).await)
-                .as_text()
-                .is_some()
-        }
-    };
     let ttl = Duration::from_secs(60);
     harness::require(
         f.server
@@ -198,25 +168,39 @@ async fn a_batch_dropped_on_its_way_holds_none_of_its_keys() {
         "the server runs no script while paused: {first_poll:?}"
     );
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !held(&keys[0]).await {
+    while !held(&f, &keys[0]).await {
         assert!(Instant::now() < deadline, "the first call never ran");
         sleep(Duration::from_millis(10)).await;
     }
     drop(batch);
+    until_none_held(&f, &keys, "the batch was dropped").await;
+}
+
+/// Whether `key`'s lock key holds a value on `f`'s server.
+async fn held(f: &RedisFactory, key: &LockKey) -> bool {
+    let name = format!("distlock:{{{}}}", key.as_str());
+    harness::require(f.server.command(&["GET", &name]).await)
+        .as_text()
+        .is_some()
+}
+
+/// Waits until none of `keys` is held, at most 5 s after `after` (far less than the tests'
+/// 60 s TTL): what a batch took is given back by owner id, not left to its TTL.
+async fn until_none_held(f: &RedisFactory, keys: &[LockKey], after: &str) {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         let mut still = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            if held(k).await {
-                still.push(i);
+        for k in keys {
+            if held(f, k).await {
+                still.push(k.as_str());
             }
         }
         if still.is_empty() {
-            break;
+            return;
         }
         assert!(
             Instant::now() < deadline,
-            "5 s after the batch was dropped (TTL 60 s), keys still held: {still:?}"
+            "5 s after {after} (TTL 60 s), keys still held: {still:?}"
         );
         sleep(Duration::from_millis(50)).await;
     }
